@@ -1,0 +1,26 @@
+"""The ``rl-launch`` command group. Subcommands live in their own modules and are registered here."""
+
+from __future__ import annotations
+
+import click
+
+from launcher import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="rl-launch")
+def main() -> None:
+    """Launch RL post-training jobs: vLLM fleets behind one stable generation router."""
+
+
+def _register() -> None:
+    from router.cli import router_command
+
+    main.add_command(router_command)
+
+    from launcher.bench.cli import bench_group
+
+    main.add_command(bench_group)
+
+
+_register()

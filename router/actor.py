@@ -1,0 +1,65 @@
+"""``GenerationRouterActor``: the router inside a Ray actor, meant for ``max_restarts=-1``.
+
+Everything is built in ``__init__`` (policy, socket, serving thread) from constructor arguments only, so
+when Ray restarts a dead actor it rebinds the very same host:port: the URL Gym was given stays valid.
+The port must therefore be chosen once by the caller (``reserve_port``), never left to ``port=0``: a
+restarted actor would then come back elsewhere. The serving set is not persisted: the fleet controller
+pushes the whole set every tick, so a restarted router converges on the next tick.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from router.server import GenerationRouter
+
+
+class GenerationRouterActor:
+    def __init__(self, backend_urls: list[str], host: str, port: int, **kwargs: Any) -> None:
+        if port == 0:
+            raise ValueError("GenerationRouterActor needs a fixed port (a restart must rebind the same URL)")
+        kwargs.setdefault("bind_retry_s", 10.0)
+        self._router = GenerationRouter(backend_urls, host=host, port=port, **kwargs)
+        self._router.serve_in_background()
+
+    def base_url(self) -> str:
+        return self._router.base_url()
+
+    def is_serving(self) -> bool:
+        return self._router.is_serving()
+
+    def set_serving_backends(self, urls: list[str]) -> list[str]:
+        return self._router.set_serving_backends(urls)
+
+    def serving_backends(self) -> list[str]:
+        return self._router.serving_backends()
+
+    def drain_backend_outcomes(self) -> dict[str, tuple[int, int]]:
+        return self._router.drain_backend_outcomes()
+
+    def in_flight(self) -> dict[str, int]:
+        return self._router.in_flight()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self._router.stop()
+
+
+def remote_router_actor(num_cpus: float = 1.0, **options: Any) -> Any:
+    """The Ray actor class with restart-forever options (import Ray lazily: the router runs without it)."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, max_restarts=-1, max_task_retries=-1, **options)(
+        GenerationRouterActor
+    )
+
+
+def reserve_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, to be handed to the actor once for the life of the run."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

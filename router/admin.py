@@ -1,0 +1,127 @@
+"""The router's own endpoints: liveness, readiness, metrics, and vllm-router's ``/workers`` admin API.
+
+``/health`` answers 200 whenever the router process serves, whatever the backends do: it is a liveness
+probe, and the peers' "503 if any worker is down" makes a supervisor restart a healthy router for an
+engine's fault. ``/readiness`` is the "can it route at all" question (at least one serving backend).
+
+``/workers`` matches vllm-router's API so scripts written for it (NeMo-RL registers each replica this way)
+drive this router unchanged: ``POST /workers {"url": ...}`` blocks until the worker's ``GET /health`` is
+2xx, then admits it; a timeout or a duplicate is a 400 with ``"code": "ADD_WORKER_FAILED"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from urllib.parse import unquote
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from router.backends import BackendSet, canonical_backend_url
+from router.metrics import RouterMetrics
+
+ADD_WORKER_FAILED = "ADD_WORKER_FAILED"
+
+
+def _json(status: int, payload: object) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _add_failed(message: str) -> web.Response:
+    return _json(400, {"success": False, "code": ADD_WORKER_FAILED, "message": message})
+
+
+class AdminApi:
+    def __init__(
+        self,
+        backends: BackendSet,
+        metrics: RouterMetrics,
+        policy_name: str,
+        session_getter: Callable[[], aiohttp.ClientSession],
+        worker_health_timeout_s: float = 300.0,
+        worker_health_interval_s: float = 0.5,
+    ) -> None:
+        self.backends = backends
+        self.metrics = metrics
+        self.policy_name = policy_name
+        self._session_getter = session_getter
+        self.worker_health_timeout_s = worker_health_timeout_s
+        self.worker_health_interval_s = worker_health_interval_s
+        self._pending: set[str] = set()
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/readiness", self.readiness)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/workers", self.list_workers)
+        app.router.add_post("/workers", self.add_worker)
+        app.router.add_delete("/workers/{url:.+}", self.delete_worker)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json(200, {"status": "ok"})
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        n = len(self.backends.serving)
+        return _json(200 if n else 503, {"ready": n > 0, "serving_backends": n})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        load = self.backends.load
+        workers = [{"url": u, "in_flight": load.in_flight(u), "healthy": True} for u in self.backends.serving]
+        return _json(
+            200, {"workers": workers, "urls": list(self.backends.serving), "policy": self.policy_name}
+        )
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        try:
+            payload = orjson.loads(await request.read())
+            raw = payload["url"]
+            url = canonical_backend_url(raw)
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return _add_failed('body must be JSON like {"url": "http://host:port"}')
+        except ValueError as exc:
+            return _add_failed(str(exc))
+        if url in self.backends.load or url in self._pending:
+            return _add_failed(f"worker {url} is already registered")
+        self._pending.add(url)
+        try:
+            healthy = await self._wait_healthy(url)
+        finally:
+            self._pending.discard(url)
+        if not healthy:
+            return _add_failed(
+                f"worker {url} did not answer GET /health with 2xx within {self.worker_health_timeout_s:g} s"
+            )
+        if not self.backends.add(url):
+            return _add_failed(f"worker {url} is already registered")
+        return _json(200, {"success": True, "message": f"worker {url} added", "url": url})
+
+    async def _wait_healthy(self, url: str) -> bool:
+        session = self._session_getter()
+        deadline = time.monotonic() + self.worker_health_timeout_s
+        timeout = aiohttp.ClientTimeout(total=min(5.0, self.worker_health_timeout_s))
+        while True:
+            try:
+                async with session.get(url + "/health", timeout=timeout, allow_redirects=False) as r:
+                    if 200 <= r.status < 300:
+                        return True
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            await asyncio.sleep(min(self.worker_health_interval_s, remaining))
+
+    async def delete_worker(self, request: web.Request) -> web.Response:
+        try:
+            url = canonical_backend_url(unquote(request.match_info["url"]))
+        except ValueError as exc:
+            return _json(400, {"success": False, "message": str(exc)})
+        if not self.backends.remove(url):
+            return _json(404, {"success": False, "message": f"worker {url} is not registered"})
+        return _json(200, {"success": True, "message": f"worker {url} removed"})

@@ -1,0 +1,56 @@
+"""Bearer tokens: one for clients on the proxied routes, a separate one for the ``/workers`` admin API.
+
+Separate because the client key travels to every rollout worker (it is in Gym's config), while the admin
+key can remove engines from rotation. ``/health``, ``/readiness`` and ``/metrics`` stay open, as vLLM's
+do, so probes and scrapers need no secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from router.status import error_body
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
+
+
+def _bearer(request: web.Request) -> str | None:
+    value = request.headers.get("Authorization", "")
+    if value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return None
+
+
+def _matches(given: str | None, expected: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def auth_middleware(
+    api_key: str | None, admin_token: str | None
+) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if path in OPEN_PATHS:
+            return await handler(request)
+        if path == "/workers" or path.startswith("/workers/"):
+            if admin_token is not None and not _matches(_bearer(request), admin_token):
+                return web.Response(
+                    status=401,
+                    body=error_body("admin token required", "unauthorized", 401),
+                    content_type="application/json",
+                )
+            return await handler(request)
+        if api_key is not None and not _matches(_bearer(request), api_key):
+            return web.Response(
+                status=401,
+                body=error_body("invalid or missing API key", "unauthorized", 401),
+                content_type="application/json",
+            )
+        return await handler(request)
+
+    return check

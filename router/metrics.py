@@ -1,0 +1,81 @@
+"""Prometheus metrics of one router, in its own registry.
+
+A per-router ``CollectorRegistry`` (not the process-global one) so several routers in one process (tests,
+the bench's back-to-back arms, a Ray worker that restarts an actor) never collide on metric names.
+Per-backend in-flight counts and the policy's own numbers are read at scrape time by a collector, so the
+request path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.backends import BackendSet
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _FleetCollector(Collector):
+    def __init__(self, backends: BackendSet, policy_name: Callable[[], str]) -> None:
+        self._backends = backends
+        self._policy_name = policy_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        b = self._backends
+        inflight = GaugeMetricFamily(
+            "rl_router_backend_in_flight", "Requests in flight per serving backend", labels=["backend"]
+        )
+        for url, n in b.load.snapshot().items():
+            inflight.add_metric([url], n)
+        yield inflight
+        serving = GaugeMetricFamily("rl_router_serving_backends", "Backends in the serving set")
+        serving.add_metric([], len(b.serving))
+        yield serving
+        ok = CounterMetricFamily(
+            "rl_router_backend_successes", "Fully sent responses per backend", labels=["backend"]
+        )
+        bad = CounterMetricFamily(
+            "rl_router_backend_failures", "Failed attempts per backend", labels=["backend"]
+        )
+        for url, (s, f) in list(b.totals.items()):
+            ok.add_metric([url], s)
+            bad.add_metric([url], f)
+        yield ok
+        yield bad
+        stats = GaugeMetricFamily(
+            "rl_router_policy_stat", "Numbers the routing policy reports", labels=["policy", "stat"]
+        )
+        name = self._policy_name()
+        for key, value in b.policy.stats().items():
+            stats.add_metric([name, key], value)
+        yield stats
+
+
+class RouterMetrics:
+    def __init__(self, backends: BackendSet, policy_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(
+            "rl_router_requests", "Requests answered, by route and status", ["route", "status"], registry=r
+        )
+        self.in_flight = Gauge("rl_router_in_flight", "Requests being proxied now", registry=r)
+        self.errors = Counter("rl_router_errors", "Router-side errors, by kind", ["kind"], registry=r)
+        self.retries = Counter("rl_router_retries", "Attempts retried on another backend", registry=r)
+        self.latency = Histogram(
+            "rl_router_request_duration_seconds",
+            "Time from request received to response fully sent",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "rl_router_policy_decisions", "Backends chosen by the policy", ["policy"], registry=r
+        )
+        r.register(_FleetCollector(backends, lambda: policy_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,327 @@
+"""``GenerationRouter``: one stable URL in front of a fleet of OpenAI-compatible engines.
+
+Lifecycle choices, each against a failure clients cannot recover from on their own:
+
+* The listening socket is bound **in the constructor**, synchronously. A port conflict therefore fails
+  construction loudly (naming host:port) instead of surfacing later in a background thread, and the URL
+  handed to clients is never handed out before something listens on it: Gym retries a refused
+  connection forever.
+* The server runs on its own event loop in a background thread (``serve_in_background``), so the router
+  can live inside a Ray actor whose methods are called from Ray's threads, or beside a blocking driver.
+* ``SO_REUSEADDR`` lets a restarted process (a Ray actor with ``max_restarts=-1``) rebind the same port
+  while the old connections sit in TIME_WAIT; it does not allow two live listeners, so a real conflict
+  still fails. ``bind_retry_s`` covers the moment where the dying process still holds the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from router.admin import AdminApi
+from router.auth import auth_middleware
+from router.backends import BackendSet, canonical_backend_url
+from router.forwarding import Forwarder, ForwardingConfig
+from router.metrics import RouterMetrics
+from router.policies import DEFAULT_POLICY, LoadTracker, Policy, make_policy
+from router.probing import HealthProber
+from router.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, error_body, validate_no_healthy_status
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# The OpenAI/vLLM routes Gym and similar clients use. Engines are advertised as http://h:p/v1, so the
+# inbound path is appended to the backend's origin: /v1/chat/completions -> http://h:p/v1/chat/completions
+# and Gym's bare /tokenize (base URL minus /v1) -> http://h:p/tokenize.
+PROXIED_ROUTES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("/v1/chat/completions", ("POST",)),
+    ("/v1/completions", ("POST",)),
+    ("/v1/responses", ("POST",)),
+    ("/v1/models", ("GET",)),
+    ("/tokenize", ("POST",)),
+    ("/detokenize", ("POST",)),
+)
+
+
+class RouterBindError(OSError):
+    """The router could not bind its address; the message names host:port and what to do."""
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def bind_listening_socket(host: str, port: int, retry_s: float = 0.0, backlog: int = 2048) -> socket.socket:
+    """Bind and listen on ``host:port`` now; raise ``RouterBindError`` naming the address on failure."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"router port must be in 0..65535, got {port}")
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET  # a host name: resolved by bind()
+    deadline = time.monotonic() + retry_s
+    while True:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(backlog)
+            sock.setblocking(False)
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            reason = (
+                "address already in use (another router or process holds it)"
+                if exc.errno == errno.EADDRINUSE
+                else exc.strerror or str(exc)
+            )
+            raise RouterBindError(
+                exc.errno,
+                f"cannot bind the generation router to {host}:{port}: {reason}; "
+                "choose another port or stop the process holding it",
+            ) from exc
+
+
+class GenerationRouter:
+    """An aiohttp reverse proxy with pluggable routing policies and a health-managed serving set."""
+
+    def __init__(
+        self,
+        backend_urls: Iterable[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        policy: str | Policy = DEFAULT_POLICY,
+        backend_timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
+        no_healthy_backend_status: int = DEFAULT_NO_HEALTHY_BACKEND_STATUS,
+        health_managed: bool = False,
+        *,
+        policy_options: dict[str, Any] | None = None,
+        max_attempts: int = 2,
+        retry_on_timeout: bool = True,
+        api_key: str | None = None,
+        backend_api_key: str | None = None,
+        admin_token: str | None = None,
+        probe_interval_s: float | None = None,
+        probe_timeout_s: float = 2.0,
+        worker_health_timeout_s: float = 300.0,
+        max_request_bytes: int = 64 * 1024 * 1024,
+        bind_retry_s: float = 0.0,
+    ) -> None:
+        if backend_timeout_s <= 0:
+            raise ValueError(f"backend_timeout_s must be > 0, got {backend_timeout_s}")
+        if connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1 (1 = no retry), got {max_attempts}")
+        if probe_interval_s is not None and probe_interval_s <= 0:
+            raise ValueError(f"probe_interval_s must be > 0, got {probe_interval_s}")
+        validate_no_healthy_status(no_healthy_backend_status)
+        configured = tuple(dict.fromkeys(canonical_backend_url(u) for u in backend_urls))
+        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, **(policy_options or {}))
+        self.host = host
+        self._configured = configured
+        self.backends = BackendSet(self.policy, LoadTracker())
+        self.backends.replace(configured)
+        self.metrics = RouterMetrics(self.backends, self.policy.name)
+        self.forwarder = Forwarder(
+            self.backends,
+            self.policy,
+            self.metrics,
+            ForwardingConfig(
+                backend_timeout_s=backend_timeout_s,
+                connect_timeout_s=connect_timeout_s,
+                no_healthy_backend_status=no_healthy_backend_status,
+                max_attempts=max_attempts,
+                retry_on_timeout=retry_on_timeout,
+                health_managed=health_managed,
+                backend_api_key=backend_api_key,
+            ),
+        )
+        self._api_key = api_key
+        self._admin_token = admin_token
+        self._probe_interval_s = probe_interval_s
+        self._probe_timeout_s = probe_timeout_s
+        self._worker_health_timeout_s = worker_health_timeout_s
+        self._max_request_bytes = max_request_bytes
+        # Bound now: a conflict raises here, and the URL is valid from this line on.
+        self._socket = bind_listening_socket(host, port, retry_s=bind_retry_s)
+        self.port: int = self._socket.getsockname()[1]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._serving = threading.Event()
+        self._stopped = False
+        self._startup_error: BaseException | None = None
+        self._background: list[asyncio.Task[None]] = []
+
+    # -- identity ----------------------------------------------------------------------------------------
+    def base_url(self) -> str:
+        """``http://host:port``, fixed for the life of the router (clients use ``base_url() + "/v1"``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    # -- application ---------------------------------------------------------------------------------------
+    def _build_app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[auth_middleware(self._api_key, self._admin_token)],
+            client_max_size=self._max_request_bytes,
+        )
+        for path, methods in PROXIED_ROUTES:
+            for method in methods:
+                app.router.add_route(method, path, self.forwarder.handle)
+        admin = AdminApi(
+            self.backends,
+            self.metrics,
+            self.policy.name,
+            self._session,
+            worker_health_timeout_s=self._worker_health_timeout_s,
+        )
+        admin.add_routes(app)
+        app.router.add_route("*", "/{tail:.*}", _not_found)
+        return app
+
+    def _session(self) -> Any:
+        assert self.forwarder.session is not None
+        return self.forwarder.session
+
+    async def _start(self) -> None:
+        await self.forwarder.start()
+        self._runner = web.AppRunner(self._build_app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.SockSite(self._runner, self._socket, shutdown_timeout=1.0)
+        await site.start()
+        if self._probe_interval_s is not None:
+            prober = HealthProber(
+                self.backends,
+                lambda: self._configured,
+                self._session,
+                self._probe_interval_s,
+                timeout_s=self._probe_timeout_s,
+            )
+            self._background.append(asyncio.get_running_loop().create_task(prober.run()))
+
+    async def _shutdown(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.forwarder.close()
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    def serve_in_background(self, timeout_s: float = 30.0) -> str:
+        """Start serving on a background thread; return once requests are accepted. Returns base_url()."""
+        if self._stopped:
+            raise RuntimeError("this router was stopped; build a new one")
+        if self._thread is not None:
+            return self.base_url()
+        self._thread = threading.Thread(target=self._thread_main, name=f"router-{self.port}", daemon=True)
+        self._thread.start()
+        if not self._serving.wait(timeout_s) or self._startup_error is not None:
+            error = self._startup_error
+            self.stop()
+            raise RuntimeError(f"router on {self.base_url()} failed to start: {error!r}") from error
+        return self.base_url()
+
+    def _thread_main(self) -> None:
+        loop = _new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._start())
+        except BaseException as exc:  # reported to serve_in_background's caller
+            self._startup_error = exc
+            self._serving.set()
+            loop.close()
+            return
+        self._serving.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._shutdown())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def is_serving(self) -> bool:
+        return (
+            self._serving.is_set()
+            and self._startup_error is None
+            and self._thread is not None
+            and self._thread.is_alive()
+            and not self._stopped
+        )
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving, close the socket and upstream connections; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout_s)
+        self._socket.close()
+
+    def __enter__(self) -> GenerationRouter:
+        self.serve_in_background()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- thread-safe control ---------------------------------------------------------------------------------
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the router's loop thread (policies and load counts are loop-owned)."""
+        loop = self._loop
+        if loop is None or not loop.is_running() or threading.current_thread() is self._thread:
+            return fn()
+
+        async def run() -> T:
+            return fn()
+
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(run(), loop)
+        return future.result(timeout=30)
+
+    def set_serving_backends(self, urls: Iterable[str]) -> list[str]:
+        """Replace the serving set whole (new URLs welcome: a restarted engine returns on a new port)."""
+        canonical = tuple(dict.fromkeys(canonical_backend_url(u) for u in urls))
+        self._configured = canonical
+        return list(self._call(lambda: self.backends.replace(canonical)))
+
+    def serving_backends(self) -> list[str]:
+        return list(self._call(lambda: self.backends.serving))
+
+    def drain_backend_outcomes(self) -> dict[str, tuple[int, int]]:
+        """``{url: (successes, failures)}`` since the previous drain; resets both together."""
+        return self.backends.drain()
+
+    def in_flight(self) -> dict[str, int]:
+        return self._call(self.backends.load.snapshot)
+
+
+async def _not_found(request: web.Request) -> web.Response:
+    return web.Response(
+        status=404,
+        body=error_body(
+            f"route {request.method} {request.path} is not served by the router", "not_found", 404
+        ),
+        content_type="application/json",
+    )

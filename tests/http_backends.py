@@ -1,0 +1,101 @@
+"""Real aiohttp backends on 127.0.0.1 (OS-chosen ports) that behave like engines, for router tests.
+
+Each backend answers the OpenAI routes with a JSON echo naming itself, so a test can tell where a request
+landed and whether the body arrived intact; ``mode`` switches it into the failure shapes the router must
+handle (hang, reset, mid-stream break).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+
+@dataclass
+class FakeEngine:
+    name: str
+    mode: str = "ok"  # ok | hang | reset | break_stream | status
+    status: int = 200
+    healthy: bool = True
+    requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    release_stream: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: web.AppRunner | None = None
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.url}/v1"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.requests.append((request.method, request.path, dict(request.headers)))
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        if self.mode == "reset":
+            assert request.transport is not None
+            request.transport.abort()
+            await asyncio.sleep(1)
+        if request.path == "/v1/stream" or (body and b'"stream": true' in body):
+            return await self.stream(request)
+        payload = {
+            "backend": self.name,
+            "path": request.path,
+            "len": len(body),
+            "sha256": hashlib.sha256(body).hexdigest(),
+        }
+        if request.path == "/tokenize":
+            payload["count"] = len(body) // 4
+        status = self.status if self.mode == "status" else 200
+        return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"chunk": 1}\n\n')
+        # The second chunk waits for the test: if the router buffered, the client would never see chunk 1.
+        await asyncio.wait_for(self.release_stream.wait(), 10)
+        if self.mode == "break_stream":
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        await resp.write(b'data: {"chunk": 2}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def start(self) -> FakeEngine:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self.health)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+def dead_url() -> str:
+    """A URL on which nothing listens (a port bound then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
