@@ -24,3 +24,5 @@ def _register() -> None:
 
 
 _register()
+if __name__ == "__main__":
+    main()

@@ -8,8 +8,9 @@ Rules, each preventing a failure seen with real clients and peers:
   is streamed chunk by chunk as it arrives (SSE included), so a long generation is never buffered.
   Small non-streaming responses with a known length are read whole first: one write instead of many,
   and a backend dying mid-body can still be retried because nothing has reached the client yet.
-* Bodies are forwarded byte-for-byte: the upstream session never decompresses (``auto_decompress=False``)
-  and never adds ``Accept-Encoding``, so ``content-encoding`` and ``content-length`` stay true.
+* Bodies are forwarded byte-for-byte: the upstream client (``router.upstream``) never decompresses and
+  adds no headers of its own but ``Host`` and ``Content-Length``, so ``content-encoding`` stays true and
+  the length is that of the bytes relayed.
 * Hop-by-hop headers (RFC 9110 §7.6.1, plus those named in ``Connection``) are dropped both ways.
 * A backend that refuses, resets or times out answers 500 (see ``router.status``), after at most one
   retry on a *different* backend while nothing has been sent. Generation requests are safe to repeat
@@ -22,47 +23,42 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from router.backends import BackendSet
 from router.metrics import RouterMetrics
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
+from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
     }
 )
-# Recomputed by aiohttp for the upstream request (Host from the backend URL, length from the body).
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
-_RESPONSE_DROP = HOP_BY_HOP
+# Recomputed for the upstream request (Host from the backend URL, length from the body).
+_REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length"}
+# Content-Length is set from the bytes actually relayed.
+_RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 # Responses up to this size with a known length are read whole before answering (see module doc).
 SMALL_RESPONSE_BYTES = 256 * 1024
 # Bodies above this size are digested by the policy in a worker thread, off the event loop.
 LARGE_BODY_BYTES = 256 * 1024
 JSON = "application/json"
-
-
-class BackendFailure(Exception):
-    """An attempt failed before anything reached the client; ``kind`` labels the metric."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(detail)
-        self.kind = kind
 
 
 @dataclass
@@ -76,19 +72,16 @@ class ForwardingConfig:
     backend_api_key: str | None = None
 
 
-def filter_headers(
-    headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str]
-) -> CIMultiDict[str]:
-    """Copy ``headers`` without hop-by-hop ones and without any header that ``Connection`` names."""
-    extra: set[str] = set()
-    for value in headers.getall("Connection", ()):
-        extra.update(token.strip().lower() for token in value.split(","))
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in headers.items():
-        lower = key.lower()
-        if lower not in drop and lower not in extra:
-            out.add(key, value)
-    return out
+def filter_raw_headers(
+    raw: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """Copy raw headers without hop-by-hop ones and without any header that ``Connection`` names."""
+    raw = list(raw)
+    extra: set[bytes] = set()
+    for name, value in raw:
+        if name.lower() == b"connection":
+            extra.update(token.strip().lower() for token in value.split(b","))
+    return [(n, v) for n, v in raw if (low := n.lower()) not in drop and low not in extra]
 
 
 def json_response(status: int, body: bytes) -> web.Response:
@@ -109,31 +102,25 @@ class Forwarder:
         self.policy = policy
         self.metrics = metrics
         self.config = config
-        self.session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(
-            total=config.backend_timeout_s, sock_connect=config.connect_timeout_s
-        )
+        # No cap on connections: a fleet of engines each serving hundreds of concurrent sessions would
+        # otherwise queue inside the router (aiohttp's client pool defaults to 100 in all).
+        self.pool = UpstreamPool(config.connect_timeout_s, config.backend_timeout_s)
         self._decisions = metrics.decisions.labels(policy.name)
-
-    async def start(self) -> None:
-        # limit=0: no pool cap. A fleet of engines each serving hundreds of concurrent sessions would
-        # otherwise queue inside the router (aiohttp's default is 100 connections in all).
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-            timeout=self._timeout,
+        self._auth = (
+            (b"Authorization", f"Bearer {config.backend_api_key}".encode("latin-1"))
+            if config.backend_api_key is not None
+            else None
         )
+        self._requests: dict[tuple[str, int], Any] = {}
+        self._latency: dict[str, Any] = {}
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        await self.pool.close()
 
     # -- the handler ----------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "?"
         started = time.perf_counter()
         metrics = self.metrics
         metrics.in_flight.inc()
@@ -147,8 +134,14 @@ class Forwarder:
             raise
         finally:
             metrics.in_flight.dec()
-            metrics.requests.labels(route, str(status)).inc()
-            metrics.latency.labels(route).observe(time.perf_counter() - started)
+            counter = self._requests.get((route, status))
+            if counter is None:
+                counter = self._requests[(route, status)] = metrics.requests.labels(route, str(status))
+            counter.inc()
+            histogram = self._latency.get(route)
+            if histogram is None:
+                histogram = self._latency[route] = metrics.latency.labels(route)
+            histogram.observe(time.perf_counter() - started)
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read() if request.body_exists else b""
@@ -159,13 +152,14 @@ class Forwarder:
             )
         else:
             route_request = self.policy.prepare(route_request)
-        headers = filter_headers(request.headers, _REQUEST_DROP)
-        if self.config.backend_api_key is not None:
-            headers["Authorization"] = f"Bearer {self.config.backend_api_key}"
+        headers = filter_raw_headers(request.raw_headers, _REQUEST_DROP)
+        if self._auth is not None:
+            headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
+            headers.append(self._auth)
         path_qs = request.rel_url.raw_path_qs
 
         tried: set[str] = set()
-        last: BackendFailure | None = None
+        last: UpstreamError | None = None
         for attempt in range(self.config.max_attempts):
             try:
                 url = self.policy.choose(route_request, self.backends.load, frozenset(tried))
@@ -183,9 +177,11 @@ class Forwarder:
             tried.add(url)
             try:
                 return await self._attempt(request, url, path_qs, headers, body)
-            except BackendFailure as failure:
+            except UpstreamError as failure:
                 last = failure
                 self._on_failure(url, failure.kind)
+                if failure.kind == "timeout" and not self.config.retry_on_timeout:
+                    break
         assert last is not None
         return json_response(
             BACKEND_FAILURE_STATUS,
@@ -201,50 +197,43 @@ class Forwarder:
             self.backends.remove(url)
 
     async def _attempt(
-        self, request: web.Request, url: str, path_qs: str, headers: CIMultiDict[str], body: bytes
+        self,
+        request: web.Request,
+        url: str,
+        path_qs: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
     ) -> web.StreamResponse:
-        """One try on ``url``. Raises ``BackendFailure`` only while nothing was sent to the client."""
-        assert self.session is not None
+        """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client."""
         load = self.backends.load
         load.acquire(url)
         try:
+            upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             try:
-                upstream = await self.session.request(
-                    request.method,
-                    url + path_qs,
-                    data=body or None,
-                    headers=headers,
-                    allow_redirects=False,
-                )
-            except TimeoutError as exc:
-                raise BackendFailure("timeout", f"{url} did not answer in time") from exc
-            except aiohttp.ClientConnectorError as exc:
-                raise BackendFailure("connect", f"cannot connect to {url}: {exc.os_error}") from exc
-            except aiohttp.ClientError as exc:
-                raise BackendFailure("reset", f"{url}: {exc!r}") from exc
-            async with upstream:
                 return await self._relay(request, url, upstream)
+            finally:
+                upstream.release()
         finally:
             load.release(url)
 
-    async def _relay(
-        self, request: web.Request, url: str, upstream: aiohttp.ClientResponse
-    ) -> web.StreamResponse:
-        resp_headers = filter_headers(upstream.headers, _RESPONSE_DROP)
+    async def _relay(self, request: web.Request, url: str, upstream: UpstreamResponse) -> web.StreamResponse:
+        resp_headers = CIMultiDict(
+            (n.decode("latin-1"), v.decode("latin-1"))
+            for n, v in filter_raw_headers(upstream.raw_headers, _RESPONSE_DROP)
+        )
         length = upstream.content_length
-        is_sse = upstream.content_type == "text/event-stream"
+        content_type = upstream.header(b"content-type") or b""
+        is_sse = content_type.startswith(b"text/event-stream")
         ok = upstream.status < 500
         if length is not None and length <= SMALL_RESPONSE_BYTES and not is_sse:
-            try:
-                payload = await upstream.read()
-            except TimeoutError as exc:
-                raise BackendFailure("timeout", f"{url} did not finish its answer in time") from exc
-            except aiohttp.ClientError as exc:
-                raise BackendFailure("reset", f"{url} broke off its answer: {exc!r}") from exc
-            resp_headers.popall("Content-Length", None)
+            payload = await upstream.read()  # an UpstreamError here is still retryable: nothing sent
             response = web.Response(status=upstream.status, headers=resp_headers, body=payload)
-            await response.prepare(request)
-            await response.write_eof()
+            try:
+                await response.prepare(request)
+                await response.write_eof()
+            except ConnectionResetError:
+                self.metrics.errors.labels("client_gone").inc()
+                return response
             self.backends.record(url, ok)
             return response
 
@@ -252,22 +241,35 @@ class Forwarder:
         if length is not None:
             response.content_length = length
         # From here on the client has a status line: failures can no longer be retried.
-        await response.prepare(request)
         try:
-            async for chunk in upstream.content.iter_any():
+            await response.prepare(request)
+            chunks = upstream.iter_chunks()
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except UpstreamError as exc:
+                    await self._broken_stream(request, response, url, is_sse, exc)
+                    return response
                 await response.write(chunk)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            kind = "timeout" if isinstance(exc, TimeoutError) else "stream_broken"
-            self._on_failure(url, kind)
-            if is_sse:
-                await response.write(sse_error_event(f"backend {url} failed mid-stream: {exc!r}", kind))
-                await response.write_eof()
-            else:
-                # No in-band way to signal an error in a plain body: cut the connection so the client
-                # sees a short body (length mismatch) instead of a truncated answer that looks whole.
-                if request.transport is not None:
-                    request.transport.close()
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client went away (ClientConnectionResetError is one): not the backend's fault.
+            self.metrics.errors.labels("client_gone").inc()
             return response
-        await response.write_eof()
         self.backends.record(url, ok)
         return response
+
+    async def _broken_stream(
+        self, request: web.Request, response: web.StreamResponse, url: str, is_sse: bool, exc: UpstreamError
+    ) -> None:
+        kind = "timeout" if exc.kind == "timeout" else "stream_broken"
+        self._on_failure(url, kind)
+        if is_sse:
+            await response.write(sse_error_event(f"backend {url} failed mid-stream: {exc}", kind))
+            await response.write_eof()
+        elif request.transport is not None:
+            # No in-band way to signal an error in a plain body: cut the connection so the client sees
+            # a short body (length mismatch) instead of a truncated answer that looks whole.
+            request.transport.close()

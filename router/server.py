@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+import aiohttp
 from aiohttp import web
 
 from router.admin import AdminApi
@@ -171,6 +172,7 @@ class GenerationRouter:
         self._stopped = False
         self._startup_error: BaseException | None = None
         self._background: list[asyncio.Task[None]] = []
+        self._health_session: aiohttp.ClientSession | None = None
 
     # -- identity ----------------------------------------------------------------------------------------
     def base_url(self) -> str:
@@ -198,12 +200,14 @@ class GenerationRouter:
         app.router.add_route("*", "/{tail:.*}", _not_found)
         return app
 
-    def _session(self) -> Any:
-        assert self.forwarder.session is not None
-        return self.forwarder.session
+    def _session(self) -> aiohttp.ClientSession:
+        """A plain aiohttp session for the router's own health checks (admin API, prober): not on the
+        request path, so convenience beats the lean upstream client there."""
+        assert self._health_session is not None
+        return self._health_session
 
     async def _start(self) -> None:
-        await self.forwarder.start()
+        self._health_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self._runner = web.AppRunner(self._build_app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.SockSite(self._runner, self._socket, shutdown_timeout=1.0)
@@ -225,6 +229,8 @@ class GenerationRouter:
         if self._runner is not None:
             await self._runner.cleanup()
         await self.forwarder.close()
+        if self._health_session is not None:
+            await self._health_session.close()
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def serve_in_background(self, timeout_s: float = 30.0) -> str:
