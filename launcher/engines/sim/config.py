@@ -1,0 +1,109 @@
+"""Every knob of one simulated engine, with defaults calibrated to an 8B-class model on one H100.
+
+Calibration basis (Llama-3.1-8B, bf16, vLLM v1, one H100 SXM 80 GB, ``gpu_memory_utilization=0.9``):
+
+* KV cache: a token costs 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes = 128 KiB. Of the
+  72 GB vLLM may use, ~16 GB hold the weights and ~6 GB activations and CUDA graphs, leaving ~50 GB:
+  ~384k tokens, i.e. ``num_gpu_blocks = 24_000`` blocks of 16 tokens.
+* Prefill: ~75 us per token, so a full 8192-token chunk step takes ~0.62 s, ~13k prompt tok/s (public
+  H100 benchmarks give 10-20k tok/s for 8B prefill).
+* Decode: a step re-reads the 16 GB of weights (~5 ms at ~3.3 TB/s) plus launch overhead: ~6 ms base,
+  plus ~40 us per running sequence (sampling, small GEMM growth) and ~40 ns per context token
+  (128 KiB of KV at ~3 TB/s). Batch 1 gives ~6 ms/token; batch 64 at 2k context ~14 ms; batch 256 at
+  1.5k context ~32 ms, in line with measured vLLM inter-token latencies.
+* Scheduler limits: vLLM's ``max_num_batched_tokens=8192`` and ``max_num_seqs=256``.
+
+A ``speed`` factor divides every time, so tests and large replays run the same schedule faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SimConfig:
+    """Knobs of one simulated engine. Times are seconds at ``speed == 1``."""
+
+    model_name: str = "sim"
+    """Name served on ``/v1/models`` and used as the ``model_name`` metric label; requests naming
+    another model get 404, as vLLM answers, so a misrouted request is not silently served."""
+
+    max_model_len: int = 32768
+    """Longest prompt + output a request may ask for; longer requests get 400 like vLLM."""
+
+    block_size: int = 16
+    """Tokens per KV block; the prefix cache hits in whole blocks, as vLLM's does."""
+
+    num_gpu_blocks: int = 24_000
+    """KV capacity in blocks (~384k tokens). Requests also get 400 when their prompt + output could not
+    fit even alone, because an admitted request that can never fit would block the FIFO queue forever."""
+
+    enable_prefix_caching: bool = True
+    """Keep freed full blocks (by chained hash) for reuse until evicted (LRU); off = every prompt cold."""
+
+    max_num_batched_tokens: int = 8192
+    """Per-step token budget shared by decode tokens and chunked prefill of uncached prompt tokens."""
+
+    max_num_seqs: int = 256
+    """Most requests running (holding KV) at once; the rest wait in the FIFO queue."""
+
+    step_base_s: float = 0.006
+    """Fixed cost of one scheduler step (weights read, kernel launches)."""
+
+    prefill_token_s: float = 75e-6
+    """Cost per prompt token computed in a step (cached tokens cost nothing)."""
+
+    decode_seq_s: float = 40e-6
+    """Cost per sequence decoding one token in a step."""
+
+    context_token_s: float = 40e-9
+    """Attention cost per token of KV context of every request scheduled in a step, so steps slow down
+    as batches grow long contexts, as real decode does."""
+
+    speed: float = 1.0
+    """Divides every time; tests run at 10-50x. A busy CPU makes the engine slower than modelled (it
+    never catches up in bursts, see ``max_lag_s``), never faster."""
+
+    max_lag_s: float = 0.05
+    """When the event loop falls further behind the modelled clock than this, the clock is reset
+    instead of running back-to-back steps to catch up, which would make a starved engine bursty."""
+
+    default_max_tokens: int = 64
+    """Output length when a request gives neither ``max_tokens`` nor ``max_completion_tokens``."""
+
+    eos_min_tokens: int = 0
+    """With ``eos_max_tokens > 0`` and no ``ignore_eos``, a request stops ("stop") after a length
+    drawn deterministically from [eos_min_tokens, eos_max_tokens] when that is under its max_tokens."""
+
+    eos_max_tokens: int = 0
+    """0 = never stop early: every request produces its full max_tokens ("length"), which keeps
+    replays and tests exactly predictable."""
+
+    stream_interval: int = 1
+    """Tokens per SSE chunk when streaming (vLLM's ``--stream-interval``); a larger value cuts the
+    per-token write cost when many engines stream in one process."""
+
+    seed: int = 0
+    """Seeds output text (with the request's own ``seed`` and prompt) and the error-fault dice."""
+
+    def scaled(self, seconds: float) -> float:
+        """Wall-clock seconds for a modelled duration."""
+        return seconds / self.speed
+
+    def validate(self) -> None:
+        """Reject settings that would make the scheduler stall rather than fail loudly at start."""
+        if self.speed <= 0:
+            raise ValueError("speed must be > 0")
+        for name in (
+            "block_size",
+            "num_gpu_blocks",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "stream_interval",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.eos_max_tokens and self.eos_min_tokens > self.eos_max_tokens:
+            raise ValueError("eos_min_tokens must be <= eos_max_tokens")

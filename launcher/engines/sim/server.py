@@ -1,0 +1,419 @@
+"""One simulated vLLM engine served over HTTP by aiohttp: routes, API key, and fault injection.
+
+Routes (vLLM's surface): ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming SSE or
+not), ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /health`` (200, empty body),
+``GET /metrics`` (Prometheus text, vLLM names). Admin: ``POST /sim/fault`` (body: see ``faults``),
+``GET /sim/fault``, ``GET /sim/stats``.
+
+With an API key, as in vLLM, routes under ``/v1`` demand ``Authorization: Bearer K`` (401 otherwise)
+while ``/health``, ``/metrics``, ``/tokenize`` and ``/detokenize`` stay open; ``/sim/*`` also demands
+the key, since it can take the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import random
+import socket
+import struct
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .config import SimConfig
+from .faults import FaultSpec
+from .metrics import CONTENT_TYPE, SimMetrics
+from .protocol import (
+    SSE_DONE,
+    ApiError,
+    GenParams,
+    Kind,
+    PlannedOutput,
+    check_model,
+    error_body,
+    full_response,
+    models_body,
+    new_id,
+    parse_generation,
+    plan_output,
+    prompt_of,
+    role_chunk,
+    stream_chunk,
+    usage_chunk,
+)
+from .scheduler import ReqState, Scheduler, SimRequest
+from .stats import EngineStats
+from .tokens import decode
+
+# Agent prompts with tool schemas run to megabytes; aiohttp's 1 MiB default would answer 413.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+_JSON = "application/json"
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type=_JSON)
+
+
+def _api_error(e: ApiError) -> web.Response:
+    return web.Response(body=e.body(), status=e.status, content_type=_JSON)
+
+
+def _reset_transport(transport: asyncio.BaseTransport | None) -> None:
+    """Close a connection with a TCP RST, as the kernel does when a process dies mid-request (a plain
+    close would send FIN, and the client would see a clean end-of-stream instead)."""
+    if transport is None or transport.is_closing():
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()  # type: ignore[attr-defined]
+
+
+class SimServer:
+    """One simulated engine on ``host:port`` (0 = OS-chosen). Start and stop inside an event loop."""
+
+    def __init__(
+        self,
+        config: SimConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        fault: FaultSpec | str | None = None,
+        index: int = 0,
+    ) -> None:
+        self.config = config or SimConfig()
+        self.config.validate()
+        self.host = host
+        self._port = port
+        self.index = index
+        self._api_key = api_key or None
+        self.stats = EngineStats()
+        self.scheduler = Scheduler(self.config, self.stats)
+        self.metrics = SimMetrics(self.scheduler, self.config.model_name)
+        self._fault = FaultSpec.parse(fault)
+        # Seeded per engine so fleets repeat runs exactly yet engines do not fail in lockstep.
+        self._dice = random.Random(self.config.seed * 1_000_003 + index)
+        self._unwedged = asyncio.Event()
+        self._unwedged.set()
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._revive_task: asyncio.Task[None] | None = None
+        self._fault_lock = asyncio.Lock()
+        self._created = int(time.time())
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self._port}"
+
+    @property
+    def fault(self) -> FaultSpec:
+        return self._fault
+
+    @property
+    def listening(self) -> bool:
+        return self._site is not None
+
+    async def start(self) -> str:
+        """Bind, start the scheduler, apply the initial fault; returns the URL once the socket is bound."""
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._gate])
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/sim/fault", self._post_fault)
+        app.router.add_get("/sim/fault", self._get_fault)
+        app.router.add_get("/sim/stats", self._get_stats)
+        # handler_cancellation: a client that hangs up cancels its handler, whose ``finally`` aborts the
+        # request and frees its KV, as vLLM aborts on disconnect (else timed-out clients fill the cache).
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, handler_cancellation=True, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        await self._bind()
+        self.scheduler.start()
+        initial, self._fault = self._fault, FaultSpec()
+        await self.set_fault(initial)
+        return self.url
+
+    async def _bind(self) -> None:
+        assert self._runner is not None
+        site = web.TCPSite(self._runner, self.host, self._port, reuse_address=True)
+        await site.start()
+        self._site = site
+        if self._port == 0:
+            self._port = int(self._runner.addresses[-1][1])
+
+    async def stop(self) -> None:
+        """Release every waiting handler, abort all requests, close sockets. Idempotent."""
+        if self._revive_task is not None:
+            self._revive_task.cancel()
+            self._revive_task = None
+        self._unwedged.set()
+        self.scheduler.resume()
+        await self.scheduler.close()
+        if self._runner is not None:
+            runner, self._runner, self._site = self._runner, None, None
+            await runner.cleanup()
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """Counters plus live state, for benches that would rather not parse Prometheus text."""
+        s = self.scheduler
+        d = self.stats.snapshot()
+        d.update(
+            url=self.url,
+            fault=self._fault.mode,
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_usage=s.pool.usage(),
+            kv_cached_blocks=s.pool.num_cached,
+        )
+        return d
+
+    # -- faults ----------------------------------------------------------------------------------
+    async def set_fault(
+        self,
+        fault: FaultSpec | str | dict[str, Any] | None,
+        *,
+        spare: web.BaseRequest | None = None,
+        **params: Any,
+    ) -> FaultSpec:
+        """Switch fault mode (see ``faults`` for each mode's exact behaviour); returns the new spec.
+
+        ``spare``: the admin request asking for a kill, whose connection is closed cleanly after its
+        answer rather than reset.
+        """
+        spec = FaultSpec.parse(fault, **params)
+        async with self._fault_lock:
+            current = asyncio.current_task()
+            if self._revive_task is not None and self._revive_task is not current:
+                self._revive_task.cancel()
+            self._revive_task = None
+            old = self._fault
+            # Undo the old mode.
+            if old.mode == "kill" and spec.mode != "kill" and self._runner is not None:
+                await self._bind()
+            if old.mode == "wedge" and spec.mode != "wedge":
+                self._unwedged.set()
+                self.scheduler.resume()
+            self.scheduler.slow_factor = 1.0
+            self._fault = spec
+            # Apply the new one.
+            if spec.mode == "kill" and old.mode != "kill":
+                await self._kill(spare)
+            elif spec.mode == "wedge":
+                self._unwedged.clear()
+                self.scheduler.pause()
+            elif spec.mode == "slow":
+                self.scheduler.slow_factor = spec.slow_factor
+            if spec.mode == "kill" and spec.revive_after_s is not None:
+                self._revive_task = asyncio.get_running_loop().create_task(
+                    self._revive(spec.revive_after_s), name="sim-revive"
+                )
+        return spec
+
+    async def _kill(self, spare: web.BaseRequest | None) -> None:
+        if self._site is not None:
+            site, self._site = self._site, None
+            await site.stop()
+        spare_transport = spare.transport if spare is not None else None
+        if self._runner is not None and self._runner.server is not None:
+            for handler in list(self._runner.server.connections):
+                if handler.transport is not spare_transport:
+                    _reset_transport(handler.transport)
+        self.scheduler.reset()
+
+    async def _revive(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._revive_task = None
+        await self.set_fault("none")
+
+    # -- middleware ------------------------------------------------------------------------------
+    def _authorized(self, request: web.Request) -> bool:
+        got = request.headers.get("Authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {self._api_key}".encode())
+
+    @web.middleware
+    async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        path = request.path
+        if path.startswith("/sim/"):
+            if self._api_key and not self._authorized(request):
+                return _json({"error": "Unauthorized"}, 401)
+            return await handler(request)
+        if not self._unwedged.is_set() and (self._fault.wedge_health or path not in ("/health", "/metrics")):
+            await self._unwedged.wait()
+        if self._api_key and path.startswith("/v1") and not self._authorized(request):
+            return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
+
+    # -- generation ------------------------------------------------------------------------------
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _read_json(self, request: web.Request) -> Any:
+        try:
+            return orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            raise ApiError(400, f"invalid JSON body: {e}") from None
+
+    async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        try:
+            params = parse_generation(kind, await self._read_json(request), self.config)
+            total = len(params.prompt) + params.max_tokens
+            if not self.scheduler.fits_alone(total):
+                raise ApiError(
+                    400,
+                    f"request needs {total} tokens of KV cache; the engine holds "
+                    f"{self.config.num_gpu_blocks * self.config.block_size}",
+                    param="max_tokens",
+                )
+        except ApiError as e:
+            return _api_error(e)
+        if self._fault.mode == "error" and self._dice.random() < self._fault.error_rate:
+            self.stats.errors_injected += 1
+            return web.Response(
+                body=error_body(500, "simulated engine error (fault injection)", "InternalServerError"),
+                status=500,
+                content_type=_JSON,
+            )
+        out = plan_output(params, self.config)
+        req = SimRequest(
+            new_id(kind),
+            params.prompt + out.tokens,
+            len(params.prompt),
+            len(out.tokens),
+            out.finish_reason,
+            stream=params.stream,
+        )
+        self.scheduler.submit(req)
+        try:
+            if params.stream:
+                return await self._stream(request, req, params, out)
+            await req.done
+            if req.state != ReqState.FINISHED:
+                return web.Response(
+                    body=error_body(500, "request aborted", "InternalServerError"),
+                    status=500,
+                    content_type=_JSON,
+                )
+            return _json(
+                full_response(
+                    params,
+                    req.rid,
+                    int(time.time()),
+                    self.config.model_name,
+                    out,
+                    req.n_gen,
+                    req.cached_tokens,
+                )
+            )
+        finally:
+            if req.state in (ReqState.WAITING, ReqState.RUNNING):
+                self.scheduler.abort(req)
+
+    async def _stream(
+        self, request: web.Request, req: SimRequest, params: GenParams, out: PlannedOutput
+    ) -> web.StreamResponse:
+        assert req.progress is not None
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        model = self.config.model_name
+        created = int(time.time())
+        sent = 0
+        try:
+            if params.kind == "chat":
+                await resp.write(role_chunk(req.rid, created, model))
+            while True:
+                req.progress.clear()
+                n = req.n_gen
+                if n > sent:
+                    done = req.state == ReqState.FINISHED and n >= req.target
+                    await resp.write(stream_chunk(params, req.rid, created, model, out, sent, n, done))
+                    sent = n
+                    continue
+                if req.state == ReqState.FINISHED:
+                    break
+                if req.state == ReqState.ABORTED:
+                    return resp  # engine stopped or killed: the stream ends without [DONE]
+                await req.progress.wait()
+            if params.include_usage:
+                await resp.write(usage_chunk(params, req.rid, created, model, sent, req.cached_tokens))
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
+        except ConnectionError:  # the client went away; the caller's ``finally`` aborts the request
+            pass
+        return resp
+
+    # -- other routes ----------------------------------------------------------------------------
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_json(request)
+            if not isinstance(body, dict):
+                raise ApiError(400, "request body must be a JSON object")
+            check_model(body, self.config.model_name)
+            kind: Kind = "chat" if "messages" in body else "completion"
+            ids = prompt_of(body, kind)
+        except ApiError as e:
+            return _api_error(e)
+        return _json(
+            {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": None}
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_json(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise ApiError(400, "'tokens' must be a list of integers", param="tokens")
+            try:
+                text = decode(tokens)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="tokens") from None
+        except ApiError as e:
+            return _api_error(e)
+        return _json({"prompt": text})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return _json(models_body(self.config, self._created))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _post_fault(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read() or b"{}")
+            spec = FaultSpec.parse(body)
+        except (orjson.JSONDecodeError, ValueError, TypeError) as e:
+            return web.Response(
+                body=error_body(400, str(e), "BadRequestError"), status=400, content_type=_JSON
+            )
+        spec = await self.set_fault(spec, spare=request)
+        resp = _json({"fault": spec.to_dict()})
+        if spec.mode == "kill":
+            resp.force_close()
+        return resp
+
+    async def _get_fault(self, request: web.Request) -> web.Response:
+        return _json({"fault": self._fault.to_dict()})
+
+    async def _get_stats(self, request: web.Request) -> web.Response:
+        return _json(self.stats_snapshot())
