@@ -1,0 +1,259 @@
+"""The arms of the replay: Gym straight at the engines (``direct``), or Gym at a router.
+
+Why a fresh simulated fleet (and router) per arm in ``--compare``: prefix caches and router state must
+start cold in every arm, or the second arm would inherit the first one's warm caches and look better
+than it is. The direct arm uses Gym's own pinning (``sha256(session_id) % n`` over the engine URLs) so
+it is exactly the "no router" baseline of the public results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from launcher.bench.client import ClientConfig, ReplayClient, ReplayResult, SessionRecord
+from launcher.bench.metrics import deltas, scrape
+from launcher.bench.report import summarize
+from launcher.bench.workload import Trace
+
+DIRECT = "direct"
+
+
+def router_policies() -> tuple[str, ...]:
+    """Policy names the router knows (each is a valid ``--compare`` arm besides ``direct``)."""
+    from router.policies import POLICIES
+
+    return tuple(POLICIES)
+
+
+def validate_arms(arms: Sequence[str]) -> list[str]:
+    known = (DIRECT, *router_policies())
+    bad = [a for a in arms if a not in known]
+    if bad:
+        raise ValueError(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(known)}")
+    return list(arms)
+
+
+@dataclass(slots=True)
+class ArmOutcome:
+    """One arm's summary row plus what the plot needs."""
+
+    arm: str
+    row: dict[str, Any]
+    timeline: list[float]
+    n_sessions: int
+    result: ReplayResult = field(repr=False)
+
+
+def _v1(url: str) -> str:
+    u = url.rstrip("/")
+    return u if u.endswith("/v1") else u + "/v1"
+
+
+def _root(url: str) -> str:
+    u = url.rstrip("/")
+    return u[:-3] if u.endswith("/v1") else u
+
+
+async def router_workers(router_url: str, timeout_s: float = 5.0) -> list[str]:
+    """Engine URLs behind a router, from its vllm-router-compatible ``GET /workers`` (empty if none)."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
+            http.get(_root(router_url) + "/workers") as resp,
+        ):
+            if resp.status != 200:
+                return []
+            data = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return []
+    urls = data.get("urls") if isinstance(data, dict) else None
+    if not urls and isinstance(data, dict):
+        urls = [w.get("url") for w in data.get("workers") or [] if isinstance(w, dict)]
+    return [_root(u) for u in urls or [] if isinstance(u, str)]
+
+
+async def run_arm_async(
+    arm: str,
+    trace: Trace,
+    client_urls: Sequence[str],
+    engine_urls: Sequence[str],
+    config: ClientConfig,
+    *,
+    policy: str | None = None,
+    on_session_end: Callable[[SessionRecord], None] | None = None,
+) -> ArmOutcome:
+    """Scrape engine counters, replay, scrape again; the row's hit rate and load are the deltas.
+
+    ``client_urls`` are what Gym is given (the engines for ``direct``, the router otherwise); they and
+    ``engine_urls`` may be given with or without ``/v1``.
+    """
+    engines = [_root(u) for u in engine_urls]
+    before = await scrape(engines) if engines else []
+    client = ReplayClient([_v1(u) for u in client_urls], config, on_session_end)
+    result = await client.run(trace)
+    after = await scrape(engines) if engines else []
+    client_counts = None
+    if arm == DIRECT or len(client_urls) > 1:
+        counts = result.target_counts()
+        client_counts = [counts.get(_v1(u), 0) for u in client_urls]
+    row = summarize(
+        arm,
+        result,
+        deltas(before, after) if engines else None,
+        policy=policy or arm,
+        engine_urls=engines,
+        client_engine_counts=client_counts,
+    )
+    return ArmOutcome(arm, row, result.completion_times(), len(trace.sessions), result)
+
+
+def run_direct(
+    trace: Trace,
+    engine_urls: Sequence[str],
+    config: ClientConfig,
+    *,
+    arm: str = DIRECT,
+    on_session_end: Callable[[SessionRecord], None] | None = None,
+) -> ArmOutcome:
+    """Gym given the engine list itself: sessions pinned by sha256, no router in the path."""
+    return asyncio.run(
+        run_arm_async(
+            arm, trace, engine_urls, engine_urls, config, policy=DIRECT, on_session_end=on_session_end
+        )
+    )
+
+
+def run_url(
+    trace: Trace,
+    url: str,
+    config: ClientConfig,
+    *,
+    engine_urls: Sequence[str] | None = None,
+    arm: str = "router",
+    on_session_end: Callable[[SessionRecord], None] | None = None,
+) -> ArmOutcome:
+    """Gym given one router URL. Engines for the metrics come from ``engine_urls`` or the router's
+    ``GET /workers``; without either, hit rate and per-engine load are left empty."""
+
+    async def go() -> ArmOutcome:
+        engines = list(engine_urls or []) or await router_workers(url)
+        return await run_arm_async(
+            arm, trace, [url], engines, config, policy=arm, on_session_end=on_session_end
+        )
+
+    return asyncio.run(go())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Simulated fleet + router per arm
+# ----------------------------------------------------------------------------------------------------
+def _sim_fleet_cls() -> Any:
+    try:
+        from launcher.engines.sim import SimFleet
+    except ImportError as exc:  # the simulator is a separate package of this project
+        raise RuntimeError(f"--compare needs the vLLM simulator (launcher.engines.sim): {exc}") from exc
+    return SimFleet
+
+
+@contextlib.contextmanager
+def sim_fleet(
+    n_engines: int, sim_options: Mapping[str, Any] | None = None, *, process: bool = False
+) -> Iterator[list[str]]:
+    """Start ``n_engines`` simulated vLLM engines; yield their root URLs; stop them on exit.
+
+    ``sim_options`` are ``SimConfig`` fields (``speed``, ``num_gpu_blocks``, ...); the simulator rejects
+    an unknown one rather than ignore it, since a silently dropped knob would change what is measured.
+    In-process (default) the fleet runs on a background thread of this process; with ``process`` it
+    runs in a child process (``python -m launcher.engines.sim``), so the engines' CPU time does not
+    compete with the client and the router for this process's GIL, at the cost of a slower start.
+    """
+    if process:
+        import time
+
+        from launcher.engines.base import EngineSpec
+        from launcher.engines.sim import SimEngine
+
+        args: list[str] = []
+        for k, v in dict(sim_options or {}).items():
+            flag = "--" + k.replace("_", "-")
+            if isinstance(v, bool):
+                args.append(flag if v else "--no-" + k.replace("_", "-"))
+            else:
+                args += [flag, str(v)]
+        engine = SimEngine(
+            EngineSpec(model="sim-model", startup_timeout_s=60.0, extra_args=args), engines=n_engines
+        )
+        engine.start()
+        try:
+            engine.wait_ready(time.monotonic() + 60.0)
+            yield [_root(u) for u in engine.urls]
+        finally:
+            engine.stop()
+        return
+    try:
+        fleet = _sim_fleet_cls()(n_engines, **dict(sim_options or {}))
+    except TypeError as exc:  # an unknown SimConfig field: a usage error, not a crash
+        raise ValueError(f"simulator option: {exc}") from exc
+    urls = fleet.start()
+    try:
+        yield [_root(u) for u in urls]
+    finally:
+        fleet.stop()
+
+
+@contextlib.contextmanager
+def router_for(
+    engine_urls: Sequence[str], policy: str, router_options: Mapping[str, Any] | None = None
+) -> Iterator[str]:
+    """A fresh in-process router with ``policy`` in front of ``engine_urls``; yields its base URL."""
+    from router import GenerationRouter
+
+    r = GenerationRouter(
+        backend_urls=[_v1(u) for u in engine_urls],
+        host="127.0.0.1",
+        port=0,
+        policy=policy,
+        **dict(router_options or {}),
+    )
+    try:
+        r.serve_in_background()
+        yield r.base_url()
+    finally:
+        r.stop()
+
+
+def run_compare(
+    trace: Trace,
+    arms: Sequence[str],
+    n_engines: int,
+    config: ClientConfig,
+    *,
+    sim_options: Mapping[str, Any] | None = None,
+    router_options: Mapping[str, Any] | None = None,
+    sim_process: bool = False,
+    on_arm_start: Callable[[str], None] | None = None,
+    on_session_end: Callable[[SessionRecord], None] | None = None,
+) -> list[ArmOutcome]:
+    """Each arm back to back on its own cold simulated fleet (and its own router unless ``direct``)."""
+    validate_arms(arms)
+    outcomes: list[ArmOutcome] = []
+    for arm in arms:
+        if on_arm_start is not None:
+            on_arm_start(arm)
+        cfg = dataclasses.replace(config)  # fresh per arm: model discovery must not leak across arms
+        with sim_fleet(n_engines, sim_options, process=sim_process) as engines:
+            if arm == DIRECT:
+                outcomes.append(run_direct(trace, engines, cfg, on_session_end=on_session_end))
+            else:
+                with router_for(engines, arm, router_options) as url:
+                    outcomes.append(
+                        run_url(trace, url, cfg, engine_urls=engines, arm=arm, on_session_end=on_session_end)
+                    )
+    return outcomes

@@ -1,0 +1,79 @@
+"""Read the engines' own Prometheus counters before and after an arm.
+
+Why the engines' metrics and not the router's: the prefix-cache hit rate and the per-engine request
+count are facts about the engines, and the direct arm has no router at all. Reading the same vLLM
+counters in every arm (``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``, both in
+tokens; ``vllm:request_success_total``) makes the arms comparable, and a delta over the run removes
+whatever the engine did before (warm-up, an earlier arm on a shared fleet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import aiohttp
+
+WATCHED: tuple[str, ...] = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:request_success_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+)
+
+
+def parse_prometheus(text: str, names: Sequence[str] = WATCHED) -> dict[str, float]:
+    """Sum each wanted metric over all its label sets (e.g. ``finished_reason``, ``model_name``).
+
+    A deliberately small parser: sample lines are ``name{labels} value [timestamp]`` and label values
+    may contain spaces, so the value is taken after the last ``}``.
+    """
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        if brace >= 0:
+            name = line[:brace].strip()
+            rest = line[line.rfind("}") + 1 :].split()
+        else:
+            parts = line.split()
+            name, rest = (parts[0], parts[1:]) if parts else ("", [])
+        if name not in wanted or not rest:
+            continue
+        try:
+            out[name] = out.get(name, 0.0) + float(rest[0])
+        except ValueError:
+            continue
+    return out
+
+
+async def scrape(engine_urls: Sequence[str], timeout_s: float = 10.0) -> list[dict[str, float] | None]:
+    """``GET {url}/metrics`` of every engine (URL without ``/v1``); None where it could not be read."""
+
+    async def one(http: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+        try:
+            async with http.get(url.rstrip("/") + "/metrics") as resp:
+                if resp.status != 200:
+                    return None
+                return parse_prometheus(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return None
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+        return list(await asyncio.gather(*(one(http, u) for u in engine_urls)))
+
+
+def deltas(
+    before: Sequence[dict[str, float] | None], after: Sequence[dict[str, float] | None]
+) -> list[dict[str, float] | None]:
+    """Per-engine counter increase over the run (None for an engine missing from either scrape)."""
+    out: list[dict[str, float] | None] = []
+    for b, a in zip(before, after, strict=True):
+        if a is None or b is None:
+            out.append(None)
+        else:
+            out.append({k: a[k] - b.get(k, 0.0) for k in a})
+    return out
