@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 
@@ -90,6 +91,12 @@ def _check_status(ctx: click.Context, param: click.Parameter, value: int) -> int
     default=None,
     help="Bearer token required by /workers (env RL_ROUTER_ADMIN_TOKEN).",
 )
+@click.option(
+    "--options-json",
+    default=None,
+    metavar="JSON",
+    help='More GenerationRouter keyword arguments, e.g. \'{"policy_options": {"load_slack": 4}}\'.',
+)
 def router_command(
     backends: tuple[str, ...],
     policy: str,
@@ -104,9 +111,19 @@ def router_command(
     api_key: str | None,
     backend_api_key: str | None,
     admin_token: str | None,
+    options_json: str | None,
 ) -> None:
     """Run the generation router in the foreground."""
     options = {"session_header": session_header} if session_header and policy == "consistent_hash" else {}
+    extra: dict[str, object] = {}
+    if options_json:
+        try:
+            extra = json.loads(options_json)
+        except json.JSONDecodeError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--options-json") from None
+        if not isinstance(extra, dict):
+            raise click.BadParameter("must be a JSON object", param_hint="--options-json")
+        options.update(extra.pop("policy_options", {}))
     try:
         router = GenerationRouter(
             backends,
@@ -122,7 +139,10 @@ def router_command(
             api_key=api_key,
             backend_api_key=backend_api_key,
             admin_token=admin_token,
+            **extra,  # type: ignore[arg-type]
         )
+    except TypeError as exc:
+        raise click.BadParameter(str(exc), param_hint="--options-json") from None
     except (RouterBindError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     stop = threading.Event()

@@ -154,7 +154,10 @@ def test_cache_aware_keeps_sessions_without_a_header() -> None:
     placement, _ = run_sessions(CacheAware(), n_sessions=64, turns=8, backends=BACKENDS)
     stays = sum(p[t] == p[t - 1] for p in placement for t in range(1, len(p)))
     total = sum(len(p) - 1 for p in placement)
-    assert stays / total >= 0.95, f"only {stays}/{total} turns stayed on their engine"
+    # lockstep turns are the worst case for a load bound (every engine refills from zero each turn)
+    assert stays / total >= 0.9, f"only {stays}/{total} turns stayed on their engine"
+    per_engine = Counter(u for p in placement for u in p)
+    assert len(per_engine) == len(BACKENDS)
 
 
 def test_cache_aware_shared_prefix_flood_does_not_pile_on_one_engine() -> None:
@@ -169,7 +172,7 @@ def test_cache_aware_shared_prefix_flood_does_not_pile_on_one_engine() -> None:
         assert load.in_flight(url) <= cap
     counts = load.snapshot().values()
     assert max(counts) <= 1.25 * 1000 / len(BACKENDS) + policy.load_slack + 1
-    assert min(counts) >= 1000 / len(BACKENDS) * 0.6
+    assert min(counts) >= 0.75 * 1000 / len(BACKENDS)
 
 
 def test_cache_aware_groups_identical_first_turns_within_the_bound() -> None:
@@ -183,7 +186,7 @@ def test_cache_aware_groups_identical_first_turns_within_the_bound() -> None:
         url = policy.choose(request(group), load)
         load.acquire(url)
         placed[url] += 1
-    assert placed.most_common(1)[0][1] >= 4  # the group shares one engine's cache...
+    assert placed.most_common(1)[0][1] >= 3  # the group shares one engine's cache...
     assert max(load.snapshot().values()) <= policy.load_cap(load)  # ...but never past the bound
 
 
@@ -224,7 +227,16 @@ def test_cache_aware_index_memory_is_capped_under_100k_sessions() -> None:
 
 
 def test_cache_aware_rejects_bad_options() -> None:
+    with pytest.raises(ValueError, match="load_slack"):
+        CacheAware(load_slack=0)
     with pytest.raises(ValueError, match="load_factor"):
         CacheAware(load_factor=0.5)
     with pytest.raises(ValueError, match="max_bytes"):
         CacheAware(max_index_bytes=10)
+
+
+def test_cache_aware_spreads_new_sessions_that_share_only_the_system_prompt() -> None:
+    # the peers' failure: every new session matches the system prompt on the first engine that saw it
+    placement, _ = run_sessions(CacheAware(), n_sessions=len(BACKENDS), turns=4, backends=BACKENDS)
+    homes = Counter(p[0] for p in placement)
+    assert len(homes) == len(BACKENDS), f"sessions doubled up while engines idled: {homes}"

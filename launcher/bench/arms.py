@@ -210,9 +210,22 @@ def sim_fleet(
 
 @contextlib.contextmanager
 def router_for(
-    engine_urls: Sequence[str], policy: str, router_options: Mapping[str, Any] | None = None
+    engine_urls: Sequence[str],
+    policy: str,
+    router_options: Mapping[str, Any] | None = None,
+    *,
+    process: bool = False,
 ) -> Iterator[str]:
-    """A fresh in-process router with ``policy`` in front of ``engine_urls``; yields its base URL."""
+    """A fresh router with ``policy`` in front of ``engine_urls``; yields its base URL.
+
+    With ``process`` it runs as ``rl-launch router`` in a child process, as in production: in-process,
+    the router's loop shares this process's GIL with the replay client, which inflates every router
+    arm's latency against the ``direct`` arm and would bias the comparison.
+    """
+    if process:
+        with _router_process(engine_urls, policy, router_options) as url:
+            yield url
+        return
     from router import GenerationRouter
 
     r = GenerationRouter(
@@ -227,6 +240,47 @@ def router_for(
         yield r.base_url()
     finally:
         r.stop()
+
+
+@contextlib.contextmanager
+def _router_process(
+    engine_urls: Sequence[str], policy: str, router_options: Mapping[str, Any] | None
+) -> Iterator[str]:
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "launcher.cli", "router", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--policy", policy, "--options-json", json.dumps(dict(router_options or {}))]
+    for u in engine_urls:
+        cmd += ["--backend", _v1(u)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                    raise RuntimeError(f"router process did not start: {err[-2000:]}") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run_compare(
@@ -252,7 +306,7 @@ def run_compare(
             if arm == DIRECT:
                 outcomes.append(run_direct(trace, engines, cfg, on_session_end=on_session_end))
             else:
-                with router_for(engines, arm, router_options) as url:
+                with router_for(engines, arm, router_options, process=sim_process) as url:
                     outcomes.append(
                         run_url(trace, url, cfg, engine_urls=engines, arm=arm, on_session_end=on_session_end)
                     )

@@ -139,7 +139,8 @@ def trace_command(
 @click.option(
     "--sim-process",
     is_flag=True,
-    help="Run each simulated fleet in a child process (keeps its CPU off the client's GIL).",
+    help="Run each simulated fleet and each router in child processes (keeps their CPU off the "
+    "client's GIL, as in production).",
 )
 @click.option("--sim-opt", multiple=True, help="Extra simulator option KEY=VALUE (repeatable).")
 @click.option("--router-opt", multiple=True, help="Extra GenerationRouter option KEY=VALUE (repeatable).")

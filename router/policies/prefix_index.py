@@ -17,7 +17,6 @@ remembers the few backends that most recently received that block, most recent f
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 
 # Where the conversation starts in an OpenAI request body: fields before it (model, seed, metadata)
 # may differ between turns of one session and must not break the prefix chain.
@@ -88,16 +87,29 @@ def block_hashes(body: bytes, block_bytes: int, start: int = 0, max_blocks: int 
     return out
 
 
+_BRANCH = -1  # child marker: more than one distinct continuation seen (CPython's hash() is never -1)
+
+
 class PrefixIndex:
-    """block hash -> the backends (most recent first, at most ``holders_per_block``) that received it."""
+    """block hash -> (child, holders...): the one continuation seen after this block (``None`` for a
+    leaf, ``_BRANCH`` once two different ones were seen) and the backends that most recently received
+    it (most recent first, at most ``holders_per_block``).
+
+    The child marker is what separates "this request continues a conversation" from "this request shares
+    a prefix with others": turn k+1 of a session resends turn k's prompt, whose last block was a leaf,
+    while a new session diverges after a system prompt that other sessions already continued
+    differently.
+    """
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024, holders_per_block: int = 4) -> None:
         if max_bytes < ENTRY_BYTES:
             raise ValueError(f"index max_bytes must be at least {ENTRY_BYTES}")
+        if holders_per_block < 1:
+            raise ValueError("index holders_per_block must be >= 1")
         self.max_bytes = max_bytes
         self.max_entries = max_bytes // ENTRY_BYTES
         self.holders_per_block = holders_per_block
-        self._entries: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[int | None, *tuple[str, ...]]] = OrderedDict()
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -107,56 +119,49 @@ class PrefixIndex:
     def approx_bytes(self) -> int:
         return len(self._entries) * ENTRY_BYTES
 
-    def match_depths(self, hashes: list[int], eligible: Callable[[str], bool]) -> dict[str, int]:
-        """How many leading blocks of ``hashes`` each backend holds beyond the common prefix.
+    def continuation_holders(self, hashes: list[int]) -> tuple[tuple[str, ...], int]:
+        """Who holds the conversation this request continues, and how many blocks of it match.
 
-        A block whose holder list is full (``holders_per_block`` backends) is *common*: a shared system
-        prompt and tool list that many engines already hold. Common leading blocks say nothing about
-        where a request belongs, so they are skipped and only the backends holding the first
-        distinctive block are returned, with their depth. An empty result means "no affinity": the
-        caller balances load instead of following the few most recent holders of a shared prompt.
-        The cost does not grow with the fleet: only the few holders of each block are examined.
+        Walks the chain to the deepest known block. The request *continues* a conversation when that
+        block is a leaf (the previous turn's prompt ended there), or when the whole prompt matched
+        (identical requests, e.g. a GRPO group's first turns): then its holders are returned. When the
+        deepest block already had a different continuation, the request merely shares a prefix (a
+        system prompt, a task other group members went on from) and the answer is "nobody": the caller
+        balances load instead of piling every new session onto the engine that saw the prefix first.
+        O(prompt blocks); independent of the fleet size.
         """
         entries = self._entries
-        full = self.holders_per_block
-        alive: list[str] | None = None  # None: still in the common prefix
-        depths: dict[str, int] = {}
+        last = None
         depth = 0
         for h in hashes:
-            holders = entries.get(h)
-            if holders is None:
+            entry = entries.get(h)
+            if entry is None:
                 break
-            if alive is None:
-                if len(holders) >= full:
-                    depth += 1
-                    continue
-                alive = [u for u in holders if eligible(u)]
-            else:
-                still = [u for u in alive if u in holders]
-                if len(still) != len(alive):
-                    for u in alive:
-                        if u not in still:
-                            depths[u] = depth
-                    alive = still
-            if not alive:
-                break
+            last = entry
             depth += 1
-        for u in alive or ():
-            depths[u] = depth
-        return depths
+        if last is None or (depth < len(hashes) and last[0] is not None):
+            return (), depth
+        return last[1:], depth  # type: ignore[return-value]
 
     def record(self, hashes: list[int], backend: str) -> None:
         """Note that ``backend`` received a prompt with these blocks; refreshes their recency."""
         entries = self._entries
-        cap = self.holders_per_block
-        for h in hashes:
-            holders = entries.get(h)
-            if holders is None:
-                entries[h] = (backend,)
-            else:
-                if holders[0] != backend:
-                    entries[h] = (backend, *tuple(u for u in holders if u != backend)[: cap - 1])
-                entries.move_to_end(h)
+        keep = self.holders_per_block - 1
+        n = len(hashes)
+        for i, h in enumerate(hashes):
+            nxt = hashes[i + 1] if i + 1 < n else None
+            entry = entries.get(h)
+            if entry is None:
+                entries[h] = (nxt, backend)
+                continue
+            child = entry[0]
+            if nxt is not None and child != nxt:
+                child = nxt if child is None else _BRANCH
+            holders = entry[1:]
+            if holders[0] != backend:
+                holders = (backend, *tuple(u for u in holders if u != backend)[:keep])
+            entries[h] = (child, *holders)
+            entries.move_to_end(h)
         overflow = len(entries) - self.max_entries
         if overflow > 0:
             self.evictions += overflow
