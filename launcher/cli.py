@@ -22,6 +22,12 @@ def _register() -> None:
 
     main.add_command(bench_group)
 
+    from launcher.cli_spec import render_command, submit_command, validate_command
+
+    main.add_command(validate_command)
+    main.add_command(render_command)
+    main.add_command(submit_command)
+
 
 _register()
 if __name__ == "__main__":
