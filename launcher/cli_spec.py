@@ -158,6 +158,10 @@ def submit_command(
     if dry_run:
         _print_dry_run(spec, resolved)
         return
-    from launcher.submit import submit_job
+    from launcher.submit import SubmitError, submit_job
 
-    submit_job(resolved, follow=follow, in_allocation=in_allocation, job_dir=job_dir)
+    try:
+        code = submit_job(resolved, follow=follow, in_allocation=in_allocation, job_dir=job_dir)
+    except SubmitError as exc:
+        raise click.ClickException(str(exc)) from None
+    raise SystemExit(code)

@@ -61,12 +61,14 @@ def _root(url: str) -> str:
     return u[:-3] if u.endswith("/v1") else u
 
 
-async def router_workers(router_url: str, timeout_s: float = 5.0) -> list[str]:
-    """Engine URLs behind a router, from its vllm-router-compatible ``GET /workers`` (empty if none)."""
+async def router_workers(router_url: str, timeout_s: float = 5.0, token: str | None = None) -> list[str]:
+    """Engine URLs behind a router, from its vllm-router-compatible ``GET /workers`` (empty if none).
+    ``token``: the router's admin token (the launcher uses the run's API key for both)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
-            http.get(_root(router_url) + "/workers") as resp,
+            http.get(_root(router_url) + "/workers", headers=headers) as resp,
         ):
             if resp.status != 200:
                 return []
@@ -143,7 +145,7 @@ def run_url(
     ``GET /workers``; without either, hit rate and per-engine load are left empty."""
 
     async def go() -> ArmOutcome:
-        engines = list(engine_urls or []) or await router_workers(url)
+        engines = list(engine_urls or []) or await router_workers(url, token=config.api_key)
         return await run_arm_async(
             arm, trace, [url], engines, config, policy=arm, on_session_end=on_session_end
         )

@@ -160,7 +160,13 @@ def trace_command(
 )
 @click.option("--session-header", is_flag=True, help="Send X-Session-ID (nemo-gym 0.7.0 does not).")
 @click.option("--model", default=None, help="Model name to send (default: first of GET /v1/models).")
-@click.option("--api-key", default=None, help="Bearer token for the client's requests.")
+@click.option(
+    "--api-key",
+    envvar="RL_POLICY_API_KEY",
+    default=None,
+    help="Bearer token for the client's requests (env RL_POLICY_API_KEY, which the launcher sets: "
+    "a key in argv would be readable by every user in ps).",
+)
 @click.option("--retry-attempts", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--retry-delay", type=click.FloatRange(min=0), default=0.5, show_default=True)
 @click.option(

@@ -153,7 +153,7 @@ class ReplayClient:
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         if not cfg.model:
-            cfg.model = await discover_model(self.base_urls[0]) or "default"
+            cfg.model = await discover_model(self.base_urls[0], api_key=cfg.api_key) or "default"
         started_at = time.time()
         self._t0 = time.perf_counter()
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
@@ -291,12 +291,13 @@ def _reply_text(data: dict[str, Any]) -> str:
         return ""
 
 
-async def discover_model(base_url: str, timeout_s: float = 5.0) -> str | None:
+async def discover_model(base_url: str, timeout_s: float = 5.0, api_key: str | None = None) -> str | None:
     """The first model id ``GET {base}/models`` lists (what Gym's config would name), or None."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
-            http.get(base_url.rstrip("/") + "/models") as resp,
+            http.get(base_url.rstrip("/") + "/models", headers=headers) as resp,
         ):
             if resp.status != 200:
                 return None

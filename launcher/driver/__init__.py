@@ -1,0 +1,1 @@
+"""The on-allocation driver: Ray, engines, router, Gym wiring, training, teardown."""

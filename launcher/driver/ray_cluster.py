@@ -1,0 +1,146 @@
+"""Bootstrapping Ray across the allocation: the head on the driver's node, one worker step per other node.
+
+``ray start --block`` keeps each Ray node's lifetime tied to one process (a subprocess on the driver's
+node, an ``srun`` step elsewhere), so stopping that process stops the node and a dead node shows up as a
+dead step, which the driver reports by name. Waiting is bounded: every node must be alive in Ray's view
+before the deadline, and a worker step that exits early fails the wait at once instead of after it.
+
+Environment choices (each against a failure seen on these clusters):
+* ``RAY_AUTH_MODE=disabled``: Ray 2.60 turns token auth on by itself once ``~/.ray/auth_token`` exists
+  (any earlier local ``ray.init`` writes one), and workers started without it then cannot join.
+* ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in local mode: without it Ray rewrites 127.0.0.1 to the
+  machine's external address, and its processes talk over that interface.
+* dashboard and usage stats off: nothing to serve, nothing to phone home.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from launcher.driver.steps import LocalSteps, SrunSteps, Step
+
+
+def ray_env(base: Mapping[str, str], local: bool) -> dict[str, str]:
+    env = dict(base)
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["RAY_DISABLE_DOCKER_CPU_WARNING"] = "1"
+    # No Serve replicas to quiesce: on SIGTERM stop at once instead of draining for 30 s, which would
+    # outlast Slurm's KillWait after scancel and end in SIGKILL anyway.
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+    if local:
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    return env
+
+
+def ray_executable() -> str:
+    candidate = Path(sys.executable).with_name("ray")
+    return str(candidate) if candidate.exists() else "ray"
+
+
+class RayCluster:
+    def __init__(
+        self,
+        head_ip: str,
+        port: int,
+        logs: Path,
+        env: Mapping[str, str],
+        local: bool,
+        num_cpus: int | None = None,
+    ) -> None:
+        self.head_ip = head_ip
+        self.port = port
+        self.logs = logs
+        self.env = ray_env(env, local)
+        self.local = local
+        self.num_cpus = num_cpus
+        self.head: Step | None = None
+        self.workers: list[Step] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.head_ip}:{self.port}"
+
+    def start_head(self) -> None:
+        argv = [
+            ray_executable(),
+            "start",
+            "--head",
+            f"--node-ip-address={self.head_ip}",
+            f"--port={self.port}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--block",
+        ]
+        if self.num_cpus is not None:
+            argv.append(f"--num-cpus={self.num_cpus}")
+        self.head = LocalSteps().start("head", "ray-head", argv, self.env, self.logs / "ray-head.log")
+
+    def start_workers(self, nodes: Sequence[str], steps: SrunSteps) -> None:
+        for node in nodes:
+            argv = [
+                ray_executable(),
+                "start",
+                f"--address={self.address}",
+                "--disable-usage-stats",
+                "--block",
+            ]
+            self.workers.append(
+                steps.start(node, f"ray-worker-{node}", argv, self.env, self.logs / f"ray-worker-{node}.log")
+            )
+
+    def connect_and_wait(self, expected_nodes: int, deadline: float) -> object:
+        """``ray.init`` against the head, then wait until ``expected_nodes`` are alive."""
+        for key in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED"):
+            if key in self.env:
+                os.environ[key] = self.env[key]
+        import ray
+
+        while True:
+            self._check_alive()
+            try:
+                ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+                break
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"Ray head at {self.address} did not come up: {exc}") from exc
+                time.sleep(0.5)
+        while True:
+            self._check_alive()
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            if len(alive) >= expected_nodes:
+                return ray
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Ray has {len(alive)} of {expected_nodes} nodes alive at the deadline "
+                    f"(alive: {sorted(n.get('NodeManagerAddress') for n in alive)})"
+                )
+            time.sleep(0.5)
+
+    def _check_alive(self) -> None:
+        for step in [s for s in (self.head, *self.workers) if s is not None]:
+            if not step.alive():
+                raise RuntimeError(
+                    f"{step.role} on node {step.node} exited with {step.returncode()}; "
+                    f"log {step.log}:\n{step.log_tail()}"
+                )
+
+    def stop(self) -> None:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        except Exception:  # teardown must go on
+            pass
+        for step in self.workers:
+            step.stop(grace_s=10)
+        if self.head is not None:
+            self.head.stop(grace_s=10)
+            # `ray start --block` stops its node's processes on SIGTERM; `ray stop` on this node catches
+            # stragglers of this cluster only when nothing else uses Ray here, so it is not run blindly.
+        self.workers.clear()

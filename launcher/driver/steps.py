@@ -1,0 +1,142 @@
+"""Running a long-lived process on a node: a ``srun`` step on Slurm, a plain subprocess in local mode.
+
+One interface for both, so the driver's logic (start Ray workers and engine hosts, watch them, stop them)
+is the same code in local mode and on a cluster, and the local mode tests it.
+
+Stopping: SIGTERM first (``srun`` forwards it to the step's tasks; the engine host and ``ray start
+--block`` clean up on it), then SIGKILL to the whole process group after a grace period, and on Slurm a
+final ``scancel`` of the step so nothing of it survives even where ``proctrack/linuxproc`` would leave
+background processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Step:
+    """A process (or srun step) started on ``node`` for ``role``."""
+
+    node: str
+    role: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    step_name: str = ""
+    _stopped: bool = field(default=False, repr=False)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class LocalSteps:
+    """Local mode: every "node" is this machine."""
+
+    def start(
+        self,
+        node: str,
+        role: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log: Path,
+        gpus: int = 0,
+        het_group: int | None = None,
+    ) -> Step:
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return Step(node=node, role=role, proc=proc, log=log)
+
+
+class SrunSteps:
+    """Slurm: one ``srun`` step per process, pinned to one node of the allocation.
+
+    ``--overlap`` lets steps share the node's CPUs with the driver's own step; ``--kill-on-bad-exit``
+    is off so one engine host's death is reported by the driver (naming the node) instead of killing
+    the whole job; ``--export=ALL`` carries the driver's environment (venv, RAY_* settings).
+    """
+
+    def __init__(self, srun_args: Sequence[str] = ()) -> None:
+        self.srun_args = list(srun_args)
+
+    def start(
+        self,
+        node: str,
+        role: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log: Path,
+        gpus: int = 0,
+        het_group: int | None = None,
+    ) -> Step:
+        cmd = [
+            "srun",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={node}",
+            "--overlap",
+            "--kill-on-bad-exit=0",
+            "--export=ALL",
+            f"--job-name={role}",
+            f"--output={log}",
+        ]
+        if het_group is not None:
+            cmd.append(f"--het-group={het_group}")
+        if gpus:
+            cmd.append(f"--gpus-per-node={gpus}")
+        cmd += self.srun_args
+        cmd += list(argv)
+        proc = subprocess.Popen(
+            cmd, env=dict(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        return Step(node=node, role=role, proc=proc, log=log, step_name=role)
+
+
+def wait_for_file(path: Path, steps: Sequence[Step], deadline: float, poll_s: float = 0.2) -> None:
+    """Wait until ``path`` exists; fail fast (naming the node) if one of ``steps`` dies first."""
+    while not path.exists():
+        for step in steps:
+            if not step.alive():
+                raise RuntimeError(
+                    f"{step.role} on node {step.node} exited with {step.returncode()} before it was ready;"
+                    f" log {step.log}:\n{step.log_tail()}"
+                )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} did not appear before the deadline")
+        time.sleep(poll_s)
