@@ -28,6 +28,12 @@ def _register() -> None:
     main.add_command(render_command)
     main.add_command(submit_command)
 
+    from launcher.cli_jobs import cancel_command, list_command, logs_command
+
+    main.add_command(list_command)
+    main.add_command(cancel_command)
+    main.add_command(logs_command)
+
 
 _register()
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from launcher.driver.driver import Driver
-from launcher.driver.jobdir import JobDir
+from launcher.driver.jobdir import JobDir, write_json_atomic
 from launcher.slurm import build_request, split_nodes
 from launcher.spec import ResolvedSpec
 
@@ -150,7 +150,10 @@ def submit_job(
     """Submit ``spec`` (or run it in this allocation / locally); returns the exit status for the CLI."""
     if spec.cluster == "local" or in_allocation:
         return run_in_allocation(spec, job_dir)
+    submitted = time.time()
     job_id, jdir = submit_slurm(spec)
+    jdir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(jdir / "submitted.json", {"t": submitted, "job_id": job_id})
     print(f"submitted job {job_id}\njob directory: {jdir}", flush=True)
     if not follow:
         return 0

@@ -147,7 +147,10 @@ class Driver:
         return code
 
     def _say(self, message: str) -> None:
-        print(f"[rl-launch {time.monotonic() - self.t0:6.1f}s] {message}", file=sys.stderr, flush=True)
+        line = f"[rl-launch {time.monotonic() - self.t0:6.1f}s] {message}"
+        print(line, file=sys.stderr, flush=True)
+        with (self.job.path / "driver.log").open("a") as f:
+            f.write(line + "\n")
 
     def _mark(self, name: str, since: float) -> None:
         self.timings[name] = round(time.monotonic() - since, 2)

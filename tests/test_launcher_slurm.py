@@ -1,0 +1,303 @@
+"""``rl-launch submit`` end to end on the real local Slurm cluster (1 training + 2 generation nodes).
+
+Runs on the cluster's login node (``slurm/cluster.sh exec .venv/bin/python -m pytest -m slurm``); skipped
+elsewhere, and failed instead of skipped in CI. Each test submits through the CLI exactly as a user
+would, then checks the job directory, Slurm's view, and every node namespace for leftovers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slurm
+
+RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
+# Processes that belong to a node itself, not to any job: its init shell, unshare and slurmd.
+NODE_OWN = {"sh", "unshare", "slurmd"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster() -> None:
+    from tests.test_slurm_cluster import _slurm_unreachable
+
+    reason = _slurm_unreachable()
+    if reason:
+        pytest.skip(
+            f"no Slurm cluster reachable: {reason} (slurm/cluster.sh start, then run on its login node)"
+        )
+
+
+def node_namespaces() -> list[str]:
+    return os.environ.get("RL_SLURM_NODE_NETNS", "").split()
+
+
+def leftovers() -> list[str]:
+    """Processes in any node namespace other than the node's own (init, unshare, slurmd)."""
+    inodes = {
+        os.stat(f"/run/netns/{n}").st_ino for n in node_namespaces() if os.path.exists(f"/run/netns/{n}")
+    }
+    assert inodes, "RL_SLURM_NODE_NETNS names no node namespace (run via slurm/cluster.sh exec)"
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}/ns/net").st_ino not in inodes:
+                continue
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if comm not in NODE_OWN and state != "Z":
+            found.append(f"{pid} {comm}: {cmd[:160]}")
+    return found
+
+
+def wait_no_leftovers(timeout_s: float = 20) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def squeue_empty() -> bool:
+    out = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=10).stdout
+    return not out.strip()
+
+
+def write_spec(tmp_path: Path, name: str, training: str, **overrides: object) -> Path:
+    spec = {
+        "name": name,
+        "cluster": "slurm",
+        "job_root": str(tmp_path / "jobs"),
+        "slurm": {"partition": "debug", "time": "00:20:00", "cpus_per_task": 2, "gpus_per_node": 0},
+        "training": {"nodes": 1, "command": training},
+        "generation": {
+            "nodes": 2,
+            "engine": "sim",
+            "engines_per_node": 2,
+            "served_model_name": "sim-8b",
+            "startup_timeout_s": 60,
+            "sim": {"speed": 20},
+        },
+        "router": {"policy": "cache_aware"},
+    }
+    spec.update(overrides)  # whole sections
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def submit(spec: Path, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [RL_LAUNCH, "submit", str(spec), *args], capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+def job_dir_of(out: str) -> Path:
+    line = next(x for x in out.splitlines() if x.startswith("job directory:"))
+    return Path(line.split(":", 1)[1].strip())
+
+
+# The "training command": reads the Gym overlay like a Gym config would, replays multi-turn sessions
+# through policy_base_url, and writes what it saw into the job directory.
+TRAINER = textwrap.dedent(
+    """\
+    import json, os, subprocess, sys, yaml
+    overlay = yaml.safe_load(open(os.environ["RL_GYM_OVERLAY"]))
+    out = os.path.join(os.environ["RL_JOB_DIR"], "trainer")
+    os.makedirs(out, exist_ok=True)
+    json.dump({"policy_base_url": overlay["policy_base_url"], "model": overlay["policy_model_name"],
+               "env_url": os.environ["RL_POLICY_BASE_URL"]}, open(os.path.join(out, "seen.json"), "w"))
+    files = [f"--{kind}={os.path.join(out, 'replay.' + kind)}" for kind in ("json", "csv", "png")]
+    rc = subprocess.call(["rl-launch", "bench", "replay", "--url", overlay["policy_base_url"],
+                          "--workload", "longtail", "--scale", "0.03", *files])
+    sys.exit(rc)
+    """
+)
+
+
+def test_sim_job_end_to_end(tmp_path: Path) -> None:
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    spec = write_spec(tmp_path, "e2e-sim", f"{sys.executable} {trainer}")
+    t_submit = time.time()
+    proc = submit(spec, "--follow")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = job_dir_of(proc.stdout)
+    result = json.loads((job / "result.json").read_text())
+    assert result["exit_code"] == 0, result
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    phases = [e["phase"] for e in events]
+    for phase in ("starting", "ray_up", "engines_ready", "router_serving", "training", "finished"):
+        assert phase in phases, phases
+    start = next(e for e in events if e["phase"] == "starting")
+    training_nodes, generation_nodes = start["nodes"]["training"], start["nodes"]["generation"]
+    assert len(training_nodes) == 1 and len(generation_nodes) == 2
+    assert "3 Ray node(s) alive" in next(e for e in events if e["phase"] == "ray_up")["detail"]
+    # engines ran on the generation nodes only
+    engine_nodes = {
+        e["node"]
+        for f in (job / "engines").glob("node-*.urls.json")
+        for e in json.loads(f.read_text())["engines"]
+    }
+    assert engine_nodes == set(generation_nodes)
+    # the overlay (and the env) point at the router, and the trainer used them
+    router_url = next(e for e in events if e["phase"] == "router_serving")["router_url"]
+    seen = json.loads((job / "trainer" / "seen.json").read_text())
+    assert seen["policy_base_url"] == seen["env_url"] == router_url + "/v1"
+    assert seen["model"] == "sim-8b"
+    replay = json.loads((job / "trainer" / "replay.json").read_text())["rows"][0]
+    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"] > 0
+    assert sum(replay["engine_requests"]) > 0
+    # the key is in the 0600 secret and overlay only: not in any log, not in the saved spec
+    key = (job / "secrets" / "api_key").read_text().strip()
+    assert oct((job / "secrets" / "api_key").stat().st_mode)[-3:] == "600"
+    assert oct((job / "gym_overlay.yaml").stat().st_mode)[-3:] == "600"
+    for f in job.rglob("*"):
+        if f.is_file() and f.name not in ("api_key", "gym_overlay.yaml"):
+            assert key not in f.read_text(errors="replace"), f"API key leaked into {f}"
+    for f in (tmp_path / "jobs").rglob("*"):  # the submitit/Slurm logs too
+        if f.is_file() and f.suffix in (".out", ".err", ".log"):
+            assert key not in f.read_text(errors="replace"), f"API key leaked into {f}"
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
+    # figures for the note: submit -> router serving, split by phase
+    queued = start["t"] - t_submit
+    ray_up = next(e for e in events if e["phase"] == "ray_up")["t"] - start["t"]
+    serving = next(e for e in events if e["phase"] == "router_serving")["t"] - t_submit
+    print(
+        f"\nsubmit->router serving {serving:.1f}s: queue+driver start {queued:.1f}s, Ray {ray_up:.1f}s, "
+        f"timings {result['timings']}"
+    )
+
+
+def test_sbatch_refusal_is_surfaced_and_nothing_submitted(tmp_path: Path) -> None:
+    spec = write_spec(
+        tmp_path, "bad-part", "true", slurm={"partition": "no-such-partition", "time": "00:05:00"}
+    )
+    proc = submit(spec)
+    assert proc.returncode != 0
+    assert "sbatch refused the job" in proc.stderr and "partition" in proc.stderr.lower(), proc.stderr
+    assert squeue_empty()
+
+
+def test_engine_that_never_starts_fails_the_job_with_its_log(tmp_path: Path) -> None:
+    # a killed simulator listens nowhere: the engine host misses the startup deadline
+    spec = write_spec(
+        tmp_path,
+        "dead-engine",
+        "true",
+        generation={
+            "nodes": 2,
+            "engine": "sim",
+            "engines_per_node": 1,
+            "startup_timeout_s": 15,
+            "sim": {"fault": "kill"},
+        },
+    )
+    t0 = time.monotonic()
+    proc = submit(spec, "--follow")
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    job = job_dir_of(proc.stdout)
+    result = json.loads((job / "result.json").read_text())
+    assert "engines on node" in result["reason"] and "deadline" in result["reason"], result["reason"]
+    assert "log tail" in result["reason"] and "SIM_URL" in result["reason"]  # the engine's own log
+    assert took < 15 + 120, f"took {took:.0f} s"
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
+
+
+def test_training_exit_code_propagates_and_teardown_runs(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "train-fails", "echo training breaks; exit 7")
+    proc = submit(spec, "--follow")
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    job = job_dir_of(proc.stdout)
+    result = json.loads((job / "result.json").read_text())
+    assert result["exit_code"] == 7 and "teardown_s" in result["timings"]
+    state = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "State", "-j", job.name.rsplit("-", 1)[1]],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "FAILED" in state
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
+
+
+def test_cancel_mid_run_tears_down(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "to-cancel", "sleep 600")
+    proc = submit(spec)
+    assert proc.returncode == 0, proc.stderr
+    job = job_dir_of(proc.stdout)
+    deadline = time.monotonic() + 120
+    while True:
+        state = json.loads((job / "state.json").read_text()) if (job / "state.json").exists() else {}
+        if state.get("phase") == "training":
+            break
+        assert time.monotonic() < deadline, f"job never reached training: {state}"
+        time.sleep(0.5)
+    root = str(tmp_path / "jobs")
+    cancel = subprocess.run([RL_LAUNCH, "cancel", job.name, "--root", root], capture_output=True, text=True)
+    assert cancel.returncode == 0, cancel.stderr
+    deadline = time.monotonic() + 60
+    while not squeue_empty():
+        assert time.monotonic() < deadline, "job still in squeue 60 s after cancel"
+        time.sleep(0.5)
+    assert wait_no_leftovers() == []
+    listing = subprocess.run([RL_LAUNCH, "list", "--root", root], capture_output=True, text=True)
+    assert job.name in listing.stdout
+
+
+@pytest.mark.vllm
+def test_one_real_vllm_cpu_engine(tmp_path: Path, vllm_python: str, tiny_model_dir: Path) -> None:
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(
+        textwrap.dedent(
+            """\
+            import json, os, urllib.request
+            base, key = os.environ["RL_POLICY_BASE_URL"], os.environ["RL_POLICY_API_KEY"]
+            messages = [{"role": "system", "content": "You are terse. " * 40}]
+            for turn in range(3):
+                messages.append({"role": "user", "content": f"turn {turn}: " + "tell me more. " * 30})
+                body = {"model": os.environ["RL_POLICY_MODEL_NAME"], "messages": messages, "max_tokens": 4,
+                        "ignore_eos": True}
+                req = urllib.request.Request(base + "/chat/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json",
+                                                      "Authorization": "Bearer " + key})
+                reply = json.load(urllib.request.urlopen(req, timeout=120))
+                messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+            json.dump({"turns": 3}, open(os.path.join(os.environ["RL_JOB_DIR"], "vllm-ok.json"), "w"))
+            """
+        )
+    )
+    env_generation = {
+        "nodes": 1,
+        "engine": "vllm",
+        "model": str(tiny_model_dir),
+        "served_model_name": "tiny",
+        "engines_per_node": 1,
+        "allow_cpu": True,
+        "startup_timeout_s": 400,
+        "vllm_args": ["--max-model-len", "2048", "--dtype", "bfloat16"],
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+    }
+    spec = write_spec(tmp_path, "e2e-vllm", f"{sys.executable} {trainer}", generation=env_generation)
+    env = dict(os.environ, RL_LAUNCH_VLLM_PYTHON=vllm_python)
+    proc = subprocess.run(
+        [RL_LAUNCH, "submit", str(spec), "--follow"], capture_output=True, text=True, timeout=600, env=env
+    )
+    job = job_dir_of(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + (job / "driver.log").read_text(errors="replace")
+    assert (job / "vllm-ok.json").exists()
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
