@@ -47,6 +47,9 @@ def resolve_job(job: str, root: Path) -> Path:
 
 
 def slurm_job_id(job_dir: Path) -> str | None:
+    """The Slurm job id of ``<name>-<id>``; local runs are named ``<name>-local-<time>-<pid>``."""
+    if "-local-" in job_dir.name:
+        return None
     suffix = job_dir.name.rsplit("-", 1)[-1]
     return suffix if suffix.isdigit() else None
 
