@@ -1,5 +1,9 @@
 """Proxy overhead of the generation router: throughput and latency through it vs. direct.
 
+Arms: ``direct`` (wrk straight at nginx), ``bare_aiohttp`` (bench/bare_proxy.py: the minimal aiohttp
+pass-through the issue quotes as a reference, measured in the same run because a shared 2-core machine
+swings by a third between minutes), then the router with each policy.
+
 Not a test: it prints figures. Instant backends are nginx (Debian's package) answering a fixed chat JSON
 on 8 ports, so the backend is never the bottleneck (a Python backend would be); load comes from ``wrk``
 (C, Debian's package) with a Lua script POSTing chat bodies that share a long system prompt and differ
@@ -106,6 +110,14 @@ def start_router(policy: str, backends: list[str]) -> tuple[subprocess.Popen[byt
     return proc, url
 
 
+def start_bare_proxy(backend: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_proxy.py"), str(port), backend])
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health")
+    return proc, url
+
+
 def run_wrk(url: str, connections: int, duration_s: int, script: Path) -> dict[str, float]:
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{duration_s}s", "--latency", "-s", str(script), url],
@@ -192,8 +204,10 @@ def main() -> None:
         nginx = start_nginx(work, ports)
         try:
             backends = [f"http://127.0.0.1:{p}/v1" for p in ports]
+            bare_proc, bare_url = start_bare_proxy(f"http://127.0.0.1:{ports[0]}")
             arms: list[tuple[str, str, subprocess.Popen[bytes] | None]] = [
-                ("direct", f"http://127.0.0.1:{ports[0]}", None)
+                ("direct", f"http://127.0.0.1:{ports[0]}", None),
+                ("bare_aiohttp", bare_url, bare_proc),
             ]
             for policy in args.policies:
                 proc, url = start_router(policy, backends)
@@ -224,6 +238,13 @@ def main() -> None:
             nginx.wait(10)
 
     direct = {r["connections"]: r for r in rows if r["arm"] == "direct"}
+    bare = {r["connections"]: r for r in rows if r["arm"] == "bare_aiohttp"}
+    for r in rows:
+        if r["arm"] not in ("direct", "bare_aiohttp"):
+            r["rps_vs_bare_aiohttp"] = round(float(r["rps"]) / float(bare[r["connections"]]["rps"]), 2)
+            print(
+                f"{r['arm']} c={r['connections']}: {r['rps_vs_bare_aiohttp']:.2f}x bare aiohttp's req/s"
+            )
     for r in rows:
         if r["arm"] != "direct":
             r["added_p50_ms"] = round(float(r["p50_ms"]) - float(direct[r["connections"]]["p50_ms"]), 3)

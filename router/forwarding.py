@@ -105,7 +105,6 @@ class Forwarder:
         # No cap on connections: a fleet of engines each serving hundreds of concurrent sessions would
         # otherwise queue inside the router (aiohttp's client pool defaults to 100 in all).
         self.pool = UpstreamPool(config.connect_timeout_s, config.backend_timeout_s)
-        self._decisions = metrics.decisions.labels(policy.name)
         self._auth = (
             (b"Authorization", f"Bearer {config.backend_api_key}".encode("latin-1"))
             if config.backend_api_key is not None
@@ -123,7 +122,6 @@ class Forwarder:
         route = resource.canonical if resource is not None else "?"
         started = time.perf_counter()
         metrics = self.metrics
-        metrics.in_flight.inc()
         status = 0
         try:
             response = await self._proxy(request)
@@ -133,7 +131,6 @@ class Forwarder:
             status = 499  # the client went away
             raise
         finally:
-            metrics.in_flight.dec()
             counter = self._requests.get((route, status))
             if counter is None:
                 counter = self._requests[(route, status)] = metrics.requests.labels(route, str(status))
@@ -171,7 +168,7 @@ class Forwarder:
                 return json_response(
                     status, error_body(f"no healthy backend: {exc}", "no_healthy_backend", status)
                 )
-            self._decisions.inc()
+            self.metrics.decisions += 1
             if attempt:
                 self.metrics.retries.inc()
             tried.add(url)

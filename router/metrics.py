@@ -1,5 +1,6 @@
 """Prometheus metrics of one router, in its own registry.
 
+In-flight and decision counts are read at scrape time rather than updated per request (see below).
 A per-router ``CollectorRegistry`` (not the process-global one) so several routers in one process (tests,
 the bench's back-to-back arms, a Ray worker that restarts an actor) never collide on metric names.
 Per-backend in-flight counts and the policy's own numbers are read at scrape time by a collector, so the
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -20,9 +21,12 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class _FleetCollector(Collector):
-    def __init__(self, backends: BackendSet, policy_name: Callable[[], str]) -> None:
+    def __init__(
+        self, backends: BackendSet, policy_name: Callable[[], str], decisions: Callable[[], int]
+    ) -> None:
         self._backends = backends
         self._policy_name = policy_name
+        self._decisions = decisions
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         b = self._backends
@@ -53,6 +57,14 @@ class _FleetCollector(Collector):
         for key, value in b.policy.stats().items():
             stats.add_metric([name, key], value)
         yield stats
+        in_flight = GaugeMetricFamily("rl_router_in_flight", "Requests being proxied to a backend now")
+        in_flight.add_metric([], b.load.total_in_flight)
+        yield in_flight
+        decisions = CounterMetricFamily(
+            "rl_router_policy_decisions", "Backends chosen by the policy", labels=["policy"]
+        )
+        decisions.add_metric([name], self._decisions())
+        yield decisions
 
 
 class RouterMetrics:
@@ -62,7 +74,6 @@ class RouterMetrics:
         self.requests = Counter(
             "rl_router_requests", "Requests answered, by route and status", ["route", "status"], registry=r
         )
-        self.in_flight = Gauge("rl_router_in_flight", "Requests being proxied now", registry=r)
         self.errors = Counter("rl_router_errors", "Router-side errors, by kind", ["kind"], registry=r)
         self.retries = Counter("rl_router_retries", "Attempts retried on another backend", registry=r)
         self.latency = Histogram(
@@ -72,10 +83,10 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.decisions = Counter(
-            "rl_router_policy_decisions", "Backends chosen by the policy", ["policy"], registry=r
-        )
-        r.register(_FleetCollector(backends, lambda: policy_name))
+        # Plain ints on the request path, read at scrape time: a prometheus-client metric takes a lock
+        # per update, and the router pays for every one of them on every request.
+        self.decisions = 0
+        r.register(_FleetCollector(backends, lambda: policy_name, lambda: self.decisions))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -46,3 +46,29 @@ def tiny_model_dir(vllm_python: str) -> Path:
 # ============================================================================================
 # END vLLM fixtures
 # ============================================================================================
+
+
+# ============================================================================================
+# BEGIN CI strictness: in CI (.ci/run sets RL_LAUNCH_REQUIRE_ALL=1) a test that needs the real Slurm
+# cluster, vLLM or Ray must run; a skip there means a missing install step, which must fail loudly
+# instead of turning green.
+# ============================================================================================
+
+REQUIRED_MARKERS = ("slurm", "vllm", "ray")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        os.environ.get("RL_LAUNCH_REQUIRE_ALL") == "1"
+        and report.skipped
+        and any(item.get_closest_marker(m) for m in REQUIRED_MARKERS)
+    ):
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.longrepr = f"skipped in CI, where it must run (RL_LAUNCH_REQUIRE_ALL=1): {reason}"
+
+
+# END CI strictness
