@@ -80,7 +80,7 @@ def submit_slurm(spec: ResolvedSpec) -> tuple[str, Path]:
         proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise SubmitError(f"sbatch refused the job: {proc.stderr.strip() or proc.stdout.strip()}")
-        job_id = proc.stdout.strip().split(";")[0]
+        job_id = proc.stdout.strip().split(";")[0].split("+")[0]
     return job_id, spec.job_dir(job_id)
 
 

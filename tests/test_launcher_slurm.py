@@ -301,3 +301,52 @@ def test_one_real_vllm_cpu_engine(tmp_path: Path, vllm_python: str, tiny_model_d
     assert (job / "vllm-ok.json").exists()
     assert squeue_empty()
     assert wait_no_leftovers() == []
+
+
+def wait_result(job: Path, timeout_s: float = 240) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while not (job / "result.json").exists():
+        assert time.monotonic() < deadline, f"no result.json in {job} after {timeout_s:g} s"
+        time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while not squeue_empty():
+        assert time.monotonic() < deadline, "job still in squeue a minute after its driver finished"
+        time.sleep(0.5)
+    return json.loads((job / "result.json").read_text())
+
+
+def test_rendered_script_submitted_by_hand_behaves_like_submit(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "by-hand", 'test -s "$RL_GYM_OVERLAY" && test -n "$RL_POLICY_API_KEY"')
+    script = tmp_path / "job.sbatch"
+    render = subprocess.run(
+        [RL_LAUNCH, "render", str(spec), "-o", str(script)], capture_output=True, text=True
+    )
+    assert render.returncode == 0, render.stderr
+    sbatch = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30)
+    assert sbatch.returncode == 0, sbatch.stderr
+    job_id = sbatch.stdout.strip().split(";")[0]
+    result = wait_result(tmp_path / "jobs" / f"by-hand-{job_id}")
+    assert result["exit_code"] == 0, result
+    assert wait_no_leftovers() == []
+
+
+def test_heterogeneous_job_when_roles_need_different_resources(tmp_path: Path) -> None:
+    # a per-role override (here: CPUs) makes the job heterogeneous: submitted as the rendered script,
+    # split by het group, engine steps on het group 1
+    spec = write_spec(
+        tmp_path,
+        "het",
+        "true",
+        training={"nodes": 1, "command": "true", "slurm": {"cpus_per_task": 1}},
+    )
+    proc = submit(spec, "--follow")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = job_dir_of(proc.stdout)
+    assert "hetjob" in (job / "spec.resolved.yaml").read_text()
+    start = next(json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if '"starting"' in x)
+    assert (
+        len(start["nodes"]["generation"]) == 2
+        and start["nodes"]["training"][0] not in start["nodes"]["generation"]
+    )
+    assert squeue_empty()
+    assert wait_no_leftovers() == []

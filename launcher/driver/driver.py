@@ -176,7 +176,10 @@ class Driver:
         self.ray.start_head()
         if others:
             assert isinstance(self.steps, SrunSteps)
-            self.ray.start_workers(others, self.steps)
+            groups = None
+            if self.spec.slurm is not None and self.spec.slurm.layout == "hetjob":
+                groups = {n: 0 if n in self.training_nodes else 1 for n in others}
+            self.ray.start_workers(others, self.steps, groups)
         self.ray.connect_and_wait(1 + len(others), time.monotonic() + 120)
         self._mark("ray_start_s", t)
         self.job.event("ray_up", f"{1 + len(others)} Ray node(s) alive at {self.ray.address}")

@@ -80,7 +80,11 @@ class RayCluster:
             argv.append(f"--num-cpus={self.num_cpus}")
         self.head = LocalSteps().start("head", "ray-head", argv, self.env, self.logs / "ray-head.log")
 
-    def start_workers(self, nodes: Sequence[str], steps: SrunSteps) -> None:
+    def start_workers(
+        self, nodes: Sequence[str], steps: SrunSteps, het_groups: Mapping[str, int] | None = None
+    ) -> None:
+        """One ``ray start --block`` step per node; ``het_groups`` names each node's hetjob component
+        (srun only places a step on a node of the component it targets)."""
         for node in nodes:
             argv = [
                 ray_executable(),
@@ -89,9 +93,9 @@ class RayCluster:
                 "--disable-usage-stats",
                 "--block",
             ]
-            self.workers.append(
-                steps.start(node, f"ray-worker-{node}", argv, self.env, self.logs / f"ray-worker-{node}.log")
-            )
+            log = self.logs / f"ray-worker-{node}.log"
+            group = het_groups.get(node) if het_groups else None
+            self.workers.append(steps.start(node, f"ray-worker-{node}", argv, self.env, log, het_group=group))
 
     def connect_and_wait(self, expected_nodes: int, deadline: float) -> object:
         """``ray.init`` against the head, then wait until ``expected_nodes`` are alive."""
