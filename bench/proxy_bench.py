@@ -242,9 +242,7 @@ def main() -> None:
     for r in rows:
         if r["arm"] not in ("direct", "bare_aiohttp"):
             r["rps_vs_bare_aiohttp"] = round(float(r["rps"]) / float(bare[r["connections"]]["rps"]), 2)
-            print(
-                f"{r['arm']} c={r['connections']}: {r['rps_vs_bare_aiohttp']:.2f}x bare aiohttp's req/s"
-            )
+            print(f"{r['arm']} c={r['connections']}: {r['rps_vs_bare_aiohttp']:.2f}x bare aiohttp's req/s")
     for r in rows:
         if r["arm"] != "direct":
             r["added_p50_ms"] = round(float(r["p50_ms"]) - float(direct[r["connections"]]["p50_ms"]), 3)

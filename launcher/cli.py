@@ -34,6 +34,10 @@ def _register() -> None:
     main.add_command(cancel_command)
     main.add_command(logs_command)
 
+    from launcher.status.cli import status_command
+
+    main.add_command(status_command)
+
 
 _register()
 if __name__ == "__main__":

@@ -240,3 +240,22 @@ def test_cache_aware_spreads_new_sessions_that_share_only_the_system_prompt() ->
     placement, _ = run_sessions(CacheAware(), n_sessions=len(BACKENDS), turns=4, backends=BACKENDS)
     homes = Counter(p[0] for p in placement)
     assert len(homes) == len(BACKENDS), f"sessions doubled up while engines idled: {homes}"
+
+
+@pytest.mark.parametrize("dumps", ["orjson", "json"])
+def test_cache_aware_follows_sessions_whatever_the_json_spacing(dumps: str) -> None:
+    # Gym (aiohttp json=) and the OpenAI client serialise with json.dumps: "}, {" with a space
+    import json
+
+    encode = orjson.dumps if dumps == "orjson" else (lambda o: json.dumps(o).encode())
+    policy = CacheAware()
+    load = LoadTracker(BACKENDS[:2], rng=random.Random(1))
+    messages = [{"role": "system", "content": SYSTEM}]
+    homes = []
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"turn {turn}: " + "what next? " * 80})
+        body = encode({"model": "tiny", "messages": messages, "max_tokens": 8})
+        homes.append(policy.choose(RouteRequest("/v1/chat/completions", body=body), load))
+        messages.append({"role": "assistant", "content": "}, {] noise " * 3})
+    assert len(set(homes)) == 1, homes
+    assert policy.decisions["affinity"] == 4

@@ -17,9 +17,15 @@ pytestmark = pytest.mark.ray
 def ray_local():
     # Ray started outside a network namespace rewrites 127.0.0.1 to the external interface address
     # unless this is set; all traffic must stay on loopback.
+    # Set for this module only: left in the environment it would reach later sbatch jobs and make their
+    # Ray workers refuse to join a multi-node cluster.
+    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     ray = pytest.importorskip("ray")
+    # address="local": always a fresh cluster of our own, never one another test or job left running
     ray.init(
+        address="local",
         num_cpus=2,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
@@ -28,6 +34,11 @@ def ray_local():
     )
     yield ray
     ray.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _get(url: str) -> int:

@@ -6,6 +6,7 @@ and assert it was never called.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import textwrap
@@ -636,8 +637,15 @@ def test_cli_dry_run_and_in_allocation_exclude(tmp_path: Path, no_sbatch: Path) 
     assert result.exit_code == 2 and "exclude" in result.output
 
 
-def test_submit_stub_is_marked_todo(tmp_path: Path) -> None:
-    from launcher.submit import submit_job
+def test_submit_surfaces_sbatchs_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm's own message reaches the user and nothing is left queued (here a fake sbatch refuses)."""
+    from launcher.submit import SubmitError, submit_job
 
-    with pytest.raises(NotImplementedError, match="TODO"):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"
+    fake.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: batch' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(SubmitError, match="invalid partition specified: batch"):
         submit_job(load_resolved(write(tmp_path, BASE)))

@@ -34,6 +34,9 @@ def ray_env(base: Mapping[str, str], local: bool) -> dict[str, str]:
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     if local:
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    else:
+        # inherited from a local-mode shell it would make every worker refuse to join the head
+        env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     return env
 
 
@@ -102,6 +105,8 @@ class RayCluster:
         for key in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED"):
             if key in self.env:
                 os.environ[key] = self.env[key]
+            else:
+                os.environ.pop(key, None)
         import ray
 
         while True:

@@ -82,9 +82,7 @@ class CacheAware(Policy):
         n = max(len(load), 1)
         return math.ceil(self.load_factor * (load.total_in_flight + 1) / n) + self.load_slack
 
-    def choose(
-        self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()
-    ) -> str:
+    def choose(self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()) -> str:
         if len(load) == 0:
             raise NoBackendAvailable("no serving backend")
         hashes = request.features if request.features is not None else self.prepare(request).features

@@ -21,6 +21,7 @@ from collections import OrderedDict
 # Where the conversation starts in an OpenAI request body: fields before it (model, seed, metadata)
 # may differ between turns of one session and must not break the prefix chain.
 _PROMPT_KEYS = (b'"messages"', b'"prompt"', b'"input"')
+_SPACE = frozenset(b" \t\r\n")
 
 # Rough bytes per index entry on CPython 3.11: the OrderedDict node and slot (~100), the int key (~32) and
 # the holders tuple (~56-80). Measured with tracemalloc in tests/test_policies.py.
@@ -43,15 +44,27 @@ def prompt_start(body: bytes) -> int:
 
 
 def _boundaries(body: bytes, start: int) -> list[int]:
-    """Offsets of each ``}`` followed by ``,{`` or ``]`` (``bytes.find`` is memchr: far faster than a
-    regex scan for the few braces a chat body has)."""
+    """Offsets of each ``}`` followed by ``,{`` or ``]``, whitespace allowed in between (Python's
+    ``json.dumps``, which Gym's aiohttp client and the OpenAI client use, writes ``}, {``; orjson writes
+    ``},{``). ``bytes.find`` is memchr: far faster than a regex scan for the few braces of a chat body."""
     out: list[int] = []
     find = body.find
+    n = len(body)
     i = find(b"}", start)
     while i >= 0:
-        nxt = body[i + 1 : i + 3]
-        if nxt == b",{" or nxt[:1] == b"]":
-            out.append(i)
+        j = i + 1
+        while j < n and body[j] in _SPACE:
+            j += 1
+        if j < n:
+            c = body[j]
+            if c == 0x5D:  # ]
+                out.append(i)
+            elif c == 0x2C:  # ,
+                j += 1
+                while j < n and body[j] in _SPACE:
+                    j += 1
+                if j < n and body[j] == 0x7B:  # {
+                    out.append(i)
         i = find(b"}", i + 1)
     return out
 
@@ -60,13 +73,13 @@ def block_hashes(body: bytes, block_bytes: int, start: int = 0, max_blocks: int 
     """Chained hashes of the blocks of ``body[start:]``, cut at message boundaries and every
     ``block_bytes`` within a message.
 
-    Boundaries are content-defined: just before a ``}`` followed by ``,{`` or ``]`` (the end of one
-    message object in a ``messages`` array). Turn k+1 of a session has turn k's messages as a byte prefix
-    but continues after the last of them with ``,{`` where turn k had ``]``; cutting before that ``}``
-    makes turn k's last message a complete block in both, so even a short final message (a task line, a
-    tool result) identifies the session. Bytes after the last boundary (closing brackets, sampling
-    options) are not hashed. A body without boundaries (a completions ``prompt`` string) is cut into
-    fixed blocks, the partial last one dropped.
+    Boundaries are content-defined: just before a ``}`` followed by ``,{`` or ``]``, whitespace
+    allowed (the end of one message object in a ``messages`` array). Turn k+1 of a session has turn k's
+    messages as a byte prefix but continues after the last of them with ``,{`` where turn k had ``]``;
+    cutting before that ``}`` makes turn k's last message a complete block in both, so even a short
+    final message (a task line, a tool result) identifies the session. Bytes after the last boundary
+    (closing brackets, sampling options) are not hashed. A body without boundaries (a completions
+    ``prompt`` string) is cut into fixed blocks, the partial last one dropped.
     """
     bounds = _boundaries(body, start)
     if not bounds:

@@ -1,0 +1,107 @@
+"""``rl-launch status [JOB]``: a live dashboard of one job (``--once``: one frame; ``--json``: the data).
+
+Runs on the login node with nothing but the job directory and network access to the router and engines:
+the same places ``rl-launch list``/``logs`` read, plus ``/metrics`` scrapes (open without the API key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.live import Live
+
+from launcher import cli_jobs
+from launcher.cli_jobs import _ROOT, job_dirs, resolve_job
+from launcher.status.collect import StatusCollector, acollect_snapshot
+from launcher.status.render import render_snapshot
+
+# Lines the frame needs besides the engine rows (header, banner, router, sparkline, summary, table
+# header and caption), so the live view can keep the whole frame on one screen.
+_FIXED_LINES = 12
+
+
+def resolve_target(job: str | None, root: Path) -> tuple[Path | None, str | None]:
+    """``(job dir, Slurm id)``: the named job, or the newest job directory when none is named.
+
+    A Slurm job that is still queued has no directory yet (the driver makes it on the allocation), so a
+    bare job id that Slurm knows resolves to ``(None, id)`` and shows as queued instead of "no such job".
+    """
+    if job is None:
+        dirs = job_dirs(root)
+        if not dirs:
+            raise click.ClickException(f"no jobs under {root} (pass --root, or a job id or directory)")
+        return dirs[-1], None
+    try:
+        return resolve_job(job, root), None
+    except click.ClickException:
+        if job.isdigit() and cli_jobs.slurm_state(job) not in ("", "?"):
+            return None, job
+        raise
+
+
+def rows_that_fit(console: Console, snap: dict) -> int:
+    """Engine rows that leave the rest of the frame visible; troubled engines are kept first."""
+    extra = _FIXED_LINES + len(snap.get("problems") or []) + len(snap.get("events") or [])
+    return max(4, console.size.height - extra)
+
+
+async def _live(collector: StatusCollector, interval: float, console: Console) -> None:
+    async with collector:
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            while True:
+                started = time.monotonic()
+                snap = await collector.collect()
+                live.update(render_snapshot(snap, max_rows=rows_that_fit(console, snap)), refresh=True)
+                if snap["condition"] == "finished":
+                    return  # the final frame stays on screen: result, last events
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+@click.command("status")
+@click.argument("job", required=False)
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@click.option("--json", "as_json", is_flag=True, help="Print the snapshot as JSON and exit (for scripts).")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.5,
+    show_default=True,
+    help="Seconds between frames; --once/--json measure rates over one interval.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="Per-endpoint /metrics timeout; a slower endpoint is shown as unreachable.",
+)
+@click.option("--events", type=click.IntRange(min=0), default=8, show_default=True, help="Events shown.")
+@_ROOT
+def status_command(
+    job: str | None, once: bool, as_json: bool, interval: float, timeout_s: float, events: int, root: Path
+) -> None:
+    """Show a job's fleet: router and per-engine load, latency, cache and health, and the last events.
+
+    JOB is a Slurm job id, a job directory name or path; without it, the newest job under --root.
+    """
+    job_dir, queued_id = resolve_target(job, root)
+    collector = StatusCollector(job_dir, slurm_job_id=queued_id, timeout_s=timeout_s, events=events)
+    console = Console(width=None if os.isatty(1) else 200)
+    if as_json or once:
+        snap = asyncio.run(acollect_snapshot(collector, interval))
+        if as_json:
+            click.echo(json.dumps(snap, indent=2, default=str))
+        else:
+            console.print(render_snapshot(snap))
+        return
+    try:
+        asyncio.run(_live(collector, interval, console))
+    except KeyboardInterrupt:
+        pass
