@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from launcher.driver.fleet_controller import FleetController
 from launcher.driver.jobdir import JobDir, write_json_atomic
 from launcher.driver.ray_cluster import RayCluster
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
@@ -96,6 +97,7 @@ class Driver:
         self.ray: RayCluster | None = None
         self.engine_steps: list[Step] = []
         self.router: Any = None
+        self.controller: FleetController | None = None
         self.training: subprocess.Popen[bytes] | None = None
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
@@ -121,6 +123,11 @@ class Driver:
             self._start_ray()
             api_urls = self._start_engines()
             router_url = self._start_router(api_urls)
+            self.controller = FleetController(
+                self.job,
+                self.router,
+                {i: self.job.engines / f"node-{i}.urls.json" for i in range(len(self.generation_nodes))},
+            ).start()
             env = self._wire_gym(router_url)
             code = self._run_training(env)
             reason = "training finished" if code == 0 else f"training command exited with {code}"
@@ -338,7 +345,15 @@ class Driver:
         )
         tee = threading.Thread(target=_tee, args=(self.training, log_path), daemon=True)
         tee.start()
-        code = self.training.wait()
+        while True:
+            try:
+                code = self.training.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if self.controller is not None and self.controller.fatal:
+                    # No engine can serve and none is coming back: fail now, instead of leaving the
+                    # trainer to retry against an empty fleet until the allocation's time limit.
+                    raise JobFailed(f"no engine can serve: {self.controller.fatal}") from None
         tee.join(5)
         self._mark("training_s", t)
         return code
@@ -346,6 +361,8 @@ class Driver:
     # -- teardown --------------------------------------------------------------------------------------
     def _teardown(self) -> None:
         t = time.monotonic()
+        if self.controller is not None:
+            self.controller.stop()
         if self.training is not None and self.training.poll() is None:
             try:
                 os.killpg(self.training.pid, signal.SIGTERM)

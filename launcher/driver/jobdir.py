@@ -93,6 +93,17 @@ class JobDir:
         state.update({"phase": phase, "detail": detail, "updated": record["t"], **figures})
         write_json_atomic(self.state_file, state)
 
+    def log_event(self, kind: str, detail: str = "", **fields: Any) -> None:
+        """Append an event that is not a phase change (fleet state changes, restarts, router restarts)."""
+        record = {"t": time.time(), "phase": kind, "detail": detail, **fields}
+        with self.events_file.open("a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def update_state(self, **fields: Any) -> None:
+        state = self.read_state()
+        state.update(fields)
+        write_json_atomic(self.state_file, state)
+
     def read_state(self) -> dict[str, Any]:
         try:
             return json.loads(self.state_file.read_text())

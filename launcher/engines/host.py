@@ -85,56 +85,60 @@ def read_secret(path: str | None) -> str | None:
     return Path(path).read_text().strip() or None
 
 
-def build_engines(cfg: EngineHostConfig) -> list[Engine]:
+def build_engine(cfg: EngineHostConfig, index: int, gpus: list[str]) -> Engine:
+    """Engine ``index`` of this node (a fresh object each time: a restart starts a new process on a
+    new port, on the same GPUs)."""
     api_key = read_secret(cfg.api_key_file)
     log_dir = Path(cfg.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    name = cfg.served_name or cfg.model
+    log_path = str(log_dir / f"engine-node{cfg.node_index}-{index}.log")
     if cfg.kind == "sim":
         from launcher.engines.sim.process import SimEngine
 
         spec = EngineSpec(
-            model=name,
+            model=cfg.served_name or cfg.model,
             host=cfg.host,
             api_key=api_key,
             extra_args=list(cfg.sim_args),
             env=dict(cfg.env),
-            log_path=str(log_dir / f"engines-node{cfg.node_index}.log"),
+            log_path=log_path,
             startup_timeout_s=cfg.startup_timeout_s,
         )
-        # Simulated engines of one node share one process: many engines on a core.
-        return [SimEngine(spec, engines=cfg.count)]
+        # One process per simulated engine, like vLLM, so one engine can die and be restarted alone.
+        return SimEngine(spec, engines=1)
     if cfg.kind != "vllm":
         raise ValueError(f"unknown engine kind {cfg.kind!r} (vllm or sim)")
     from launcher.engines.vllm import VllmEngine
 
+    env = dict(cfg.env)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    extra = list(cfg.extra_args)
+    if cfg.pipeline_parallel_size > 1:
+        extra = ["--pipeline-parallel-size", str(cfg.pipeline_parallel_size), *extra]
+    spec = EngineSpec(
+        model=cfg.model,
+        served_name=cfg.served_name,
+        host=cfg.host,
+        port=0,
+        api_key=api_key,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        extra_args=extra,
+        env=env,
+        log_path=log_path,
+        startup_timeout_s=cfg.startup_timeout_s,
+    )
+    return VllmEngine(spec, python=cfg.vllm_python)
+
+
+def gpu_groups(cfg: EngineHostConfig) -> list[list[str]]:
     gpus = cfg.gpus
     if gpus is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         gpus = [g for g in visible.split(",") if g]
-    per_engine = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-    engines: list[Engine] = []
-    for i, group in enumerate(split_gpus(gpus, cfg.count, per_engine)):
-        env = dict(cfg.env)
-        if group:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(group)
-        extra = list(cfg.extra_args)
-        if cfg.pipeline_parallel_size > 1:
-            extra = ["--pipeline-parallel-size", str(cfg.pipeline_parallel_size), *extra]
-        spec = EngineSpec(
-            model=cfg.model,
-            served_name=cfg.served_name,
-            host=cfg.host,
-            port=0,
-            api_key=api_key,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            extra_args=extra,
-            env=env,
-            log_path=str(log_dir / f"engine-node{cfg.node_index}-{i}.log"),
-            startup_timeout_s=cfg.startup_timeout_s,
-        )
-        engines.append(VllmEngine(spec, python=cfg.vllm_python))
-    return engines
+    if cfg.kind == "sim":
+        return [[] for _ in range(cfg.count)]
+    return split_gpus(gpus, cfg.count, cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
 
 
 def engine_urls(engine: Engine) -> list[str]:
@@ -169,46 +173,101 @@ def start_all(engines: list[Engine], timeout_s: float) -> None:
         raise
 
 
+class EngineHost:
+    """Holds the node's engines and restarts one on request.
+
+    Restart requests come from the driver through ``<urls_file>.control.json`` (``{"restart": {index:
+    generation}}``, written atomically on the shared filesystem): a request whose generation is newer
+    than the engine's current one stops that engine and starts a replacement on a new port, on the same
+    GPUs; the listing is rewritten with the new URL and generation once it is healthy, or with the error.
+    A file rather than a socket because the driver and the host may be on different nodes and already
+    share the job directory; polling it every half second costs nothing next to an engine's start time.
+    """
+
+    def __init__(self, cfg: EngineHostConfig) -> None:
+        self.cfg = cfg
+        self.node = socket.gethostname()
+        self.urls_file = Path(cfg.urls_file)
+        self.control_file = self.urls_file.with_name(
+            self.urls_file.name.replace(".urls.json", ".control.json")
+        )
+        self.groups = gpu_groups(cfg)
+        self.engines: list[Engine] = [build_engine(cfg, i, g) for i, g in enumerate(self.groups)]
+        self.generations = [0] * len(self.engines)
+        self.errors: list[str | None] = [None] * len(self.engines)
+
+    def entry(self, index: int) -> dict[str, object]:
+        engine = self.engines[index]
+        url = engine_urls(engine)[0] if self.errors[index] is None else ""
+        return {
+            "index": index,
+            "url": url,
+            "api_url": f"{url}/v1" if url else "",
+            "node": self.node,
+            "node_index": self.cfg.node_index,
+            "generation": self.generations[index],
+            "log": str(getattr(engine, "log_path", "") or ""),
+            "error": self.errors[index],
+        }
+
+    def publish(self, started: float) -> None:
+        listing = [self.entry(i) for i in range(len(self.engines))]
+        write_json_atomic(
+            self.urls_file, {"node": self.node, "engines": listing, "ready_s": time.monotonic() - started}
+        )
+
+    def restart(self, index: int, generation: int) -> None:
+        old = self.engines[index]
+        old.stop()
+        engine = build_engine(self.cfg, index, self.groups[index])
+        self.engines[index] = engine
+        self.generations[index] = generation
+        try:
+            engine.start_and_wait()
+            self.errors[index] = None
+        except EngineStartError as exc:
+            self.errors[index] = str(exc)
+
+    def pending_restarts(self) -> dict[int, int]:
+        try:
+            requests = json.loads(self.control_file.read_text()).get("restart", {})
+        except (OSError, ValueError):
+            return {}
+        return {int(i): int(g) for i, g in requests.items() if int(g) > self.generations[int(i)]}
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+
+
 def run(cfg: EngineHostConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
-    urls_file = Path(cfg.urls_file)
-    node = socket.gethostname()
-    engines = build_engines(cfg)
+    host = EngineHost(cfg)
     started = time.monotonic()
     try:
-        start_all(engines, cfg.startup_timeout_s)
+        start_all(host.engines, cfg.startup_timeout_s)
     except EngineStartError as exc:
-        write_json_atomic(urls_file, {"node": node, "error": str(exc), "engines": []})
-        print(f"engine host on {node}: {exc}", file=sys.stderr, flush=True)
+        write_json_atomic(host.urls_file, {"node": host.node, "error": str(exc), "engines": []})
+        print(f"engine host on {host.node}: {exc}", file=sys.stderr, flush=True)
         return 3
-    listing = [
-        {
-            "url": url,
-            "api_url": f"{url}/v1",
-            "node": node,
-            "node_index": cfg.node_index,
-            "log": str(getattr(e, "log_path", "") or ""),
-        }
-        for e in engines
-        for url in engine_urls(e)
-    ]
-    write_json_atomic(urls_file, {"node": node, "engines": listing, "ready_s": time.monotonic() - started})
+    host.publish(started)
     print(
-        f"engine host on {node}: {len(listing)} engine(s) ready in {time.monotonic() - started:.1f} s",
+        f"engine host on {host.node}: {len(host.engines)} engine(s) ready "
+        f"in {time.monotonic() - started:.1f} s",
         file=sys.stderr,
         flush=True,
     )
     try:
-        while not stop.wait(1.0):
-            if not any(e.is_alive() for e in engines):
-                print(f"engine host on {node}: every engine exited", file=sys.stderr, flush=True)
-                return 4
+        while not stop.wait(0.5):
+            for index, generation in host.pending_restarts().items():
+                print(f"engine host on {host.node}: restarting engine {index}", file=sys.stderr, flush=True)
+                host.restart(index, generation)
+                host.publish(started)
         return 0
     finally:
-        for engine in engines:
-            engine.stop()
+        host.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
