@@ -181,14 +181,9 @@ def sim_fleet(
 
         from launcher.engines.base import EngineSpec
         from launcher.engines.sim import SimEngine
+        from launcher.engines.sim.cli import options_to_flags
 
-        args: list[str] = []
-        for k, v in dict(sim_options or {}).items():
-            flag = "--" + k.replace("_", "-")
-            if isinstance(v, bool):
-                args.append(flag if v else "--no-" + k.replace("_", "-"))
-            else:
-                args += [flag, str(v)]
+        args = options_to_flags(dict(sim_options or {}))
         engine = SimEngine(
             EngineSpec(model="sim-model", startup_timeout_s=60.0, extra_args=args), engines=n_engines
         )

@@ -39,6 +39,7 @@ from launcher.driver.jobdir import JobDir, write_json_atomic
 from launcher.driver.ray_cluster import RayCluster
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host import EngineHostConfig
+from launcher.engines.sim.cli import options_to_flags
 from launcher.spec import ResolvedSpec
 
 
@@ -203,7 +204,7 @@ class Driver:
             tensor_parallel_size=gen.tensor_parallel_size,
             pipeline_parallel_size=gen.pipeline_parallel_size,
             extra_args=list(gen.vllm_args),
-            sim_args=sim_flags(gen.sim),
+            sim_args=options_to_flags(gen.sim),
             env=dict(gen.env),
             startup_timeout_s=gen.startup_timeout_s,
             log_dir=str(self.job.logs),
@@ -404,15 +405,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     import json
 
     return json.loads(path.read_text())
-
-
-def sim_flags(options: dict[str, Any]) -> list[str]:
-    """SimConfig options from the spec as ``python -m launcher.engines.sim`` flags."""
-    args: list[str] = []
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else "--no-" + key.replace("_", "-"))
-        else:
-            args += [flag, str(value)]
-    return args

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .config import SimConfig
 from .faults import FAULT_MODES, FaultSpec
@@ -75,6 +75,19 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     cfg = SimConfig(**overrides)
     cfg.validate()
     return cfg
+
+
+def options_to_flags(options: Mapping[str, object]) -> list[str]:
+    """``SimConfig`` options (``{"speed": 10, "chunked": False}``) as this command's flags, for
+    callers that start the simulator as a process (the engine host, the replay bench)."""
+    args: list[str] = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            args += [flag, str(value)]
+    return args
 
 
 def read_api_key(path: str | None) -> str | None:
