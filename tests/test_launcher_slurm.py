@@ -73,13 +73,13 @@ def squeue_empty() -> bool:
     return not out.strip()
 
 
-def write_spec(tmp_path: Path, name: str, training: str, **overrides: object) -> Path:
+def write_spec(tmp_path: Path, name: str, command: str, **overrides: object) -> Path:
     spec = {
         "name": name,
         "cluster": "slurm",
         "job_root": str(tmp_path / "jobs"),
         "slurm": {"partition": "debug", "time": "00:20:00", "cpus_per_task": 2, "gpus_per_node": 0},
-        "training": {"nodes": 1, "command": training},
+        "training": {"nodes": 1, "command": command},
         "generation": {
             "nodes": 2,
             "engine": "sim",
