@@ -393,6 +393,8 @@ class GenerationSection(_Section):
     engines_per_node: int | None = Field(default=None, ge=1)
     vllm_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(default=1200.0, gt=0)
+    restarts_per_engine: int = Field(default=3, ge=0, description="in-place restarts of one engine")
+    restarts_per_run: int | None = Field(default=None, ge=0, description="all restarts; default 2 x engines")
     allow_cpu: bool = False
     sim: dict[str, Any] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
@@ -591,6 +593,8 @@ class ResolvedGeneration(_Resolved):
     """nodes x engines_per_node: the fleet size the router starts with."""
     vllm_args: tuple[str, ...]
     startup_timeout_s: float
+    restarts_per_engine: int
+    restarts_per_run: int | None
     allow_cpu: bool
     sim: dict[str, Any]
     env: dict[str, str]
@@ -850,6 +854,8 @@ def _resolve(spec: JobSpec) -> ResolvedSpec:
             num_engines=per_node * gen.nodes,
             vllm_args=tuple(gen.vllm_args),
             startup_timeout_s=gen.startup_timeout_s,
+            restarts_per_engine=gen.restarts_per_engine,
+            restarts_per_run=gen.restarts_per_run,
             allow_cpu=gen.allow_cpu,
             sim=dict(gen.sim),
             env=gen.env,

@@ -40,6 +40,7 @@ from launcher.driver.ray_cluster import RayCluster
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host import EngineHostConfig
 from launcher.engines.sim.cli import options_to_flags
+from launcher.fleet import HealthPolicy
 from launcher.spec import ResolvedSpec
 
 
@@ -114,6 +115,8 @@ class Driver:
             signal.signal(s, on_signal)
         code = 1
         reason = ""
+        # Every process the job starts inherits this, so leftovers can be traced to their job.
+        os.environ["RL_LAUNCH_JOB_DIR"] = str(self.job.path)
         try:
             self._write_spec()
             self.job.event(
@@ -124,10 +127,14 @@ class Driver:
             self._start_ray()
             api_urls = self._start_engines()
             router_url = self._start_router(api_urls)
+            gen = self.spec.generation
             self.controller = FleetController(
                 self.job,
                 self.router,
                 {i: self.job.engines / f"node-{i}.urls.json" for i in range(len(self.generation_nodes))},
+                HealthPolicy(
+                    restarts_per_engine=gen.restarts_per_engine, restarts_per_run=gen.restarts_per_run
+                ),
             ).start()
             env = self._wire_gym(router_url)
             code = self._run_training(env)
@@ -354,7 +361,7 @@ class Driver:
                 if self.controller is not None and self.controller.fatal:
                     # No engine can serve and none is coming back: fail now, instead of leaving the
                     # trainer to retry against an empty fleet until the allocation's time limit.
-                    raise JobFailed(f"no engine can serve: {self.controller.fatal}") from None
+                    raise JobFailed(self.controller.fatal) from None
         tee.join(5)
         self._mark("training_s", t)
         return code
