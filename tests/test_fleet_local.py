@@ -42,10 +42,28 @@ TRAINER = textwrap.dedent(
         json.dump(victim, open(os.path.join(job, "victim.json"), "w"))
         time.sleep(300)  # the driver must end this
         sys.exit(0)
+    # Gym retries a refused connection forever; 20 x 0.5 s stays bounded and covers a router restart
+    attempts = "20" if mode == "kill_router" else "3"
     replay = subprocess.Popen(["rl-launch", "bench", "replay", "--url", os.environ["RL_POLICY_BASE_URL"],
                                "--workload", "longtail", "--scale", "0.05", "--seed", "3",
-                               "--json", os.path.join(job, "replay.json")])
+                               "--retry-attempts", attempts, "--json", os.path.join(job, "replay.json")])
     time.sleep(3)
+    if mode == "kill_router":
+        import ray
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace="rl-launch", log_to_driver=False)
+        t = time.time()
+        ray.kill(ray.get_actor("router"), no_restart=False)
+        url = os.environ["RL_ROUTER_URL"]
+        time.sleep(0.2)
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.05)
+        back = {"down_s": time.time() - t}
+        json.dump(back, open(os.path.join(job, "router_back.json"), "w"))
+        sys.exit(replay.wait())
     fault(engines[0]["url"], mode)
     json.dump({"victim": engines[0]["url"], "t": time.time()}, open(os.path.join(job, "victim.json"), "w"))
     code = replay.wait()
@@ -126,6 +144,21 @@ def test_failed_engine_is_restarted_and_readmitted_without_losing_sessions(tmp_p
         f"\n{mode}: out of rotation {out_t - victim['t']:.1f}s, DEAD {dead_t - victim['t']:.1f}s, "
         f"readmitted {healthy_t - victim['t']:.1f}s after the fault; sessions lost {replay['errors']}"
     )
+    assert job_processes(job) == []
+
+
+def test_killed_router_actor_is_back_on_the_same_url(tmp_path: Path) -> None:
+    proc, job = run_job(tmp_path, "kill_router")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    back = json.loads((job / "router_back.json").read_text())
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    print(
+        f"\nrouter actor killed: same URL back after {back['down_s']:.1f}s; sessions lost {replay['errors']}"
+    )
+    assert back["down_s"] < 5
+    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
+    events = [json.loads(x)["phase"] for x in (job / "events.jsonl").read_text().splitlines()]
+    assert "router_restarted" in events
     assert job_processes(job) == []
 
 

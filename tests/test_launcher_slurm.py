@@ -350,3 +350,31 @@ def test_heterogeneous_job_when_roles_need_different_resources(tmp_path: Path) -
     )
     assert squeue_empty()
     assert wait_no_leftovers() == []
+
+
+def test_engine_killed_on_a_generation_node_is_restarted_there(tmp_path: Path) -> None:
+    from tests.test_fleet_local import TRAINER as FAULT_TRAINER
+
+    trainer = tmp_path / "fault_trainer.py"
+    trainer.write_text(FAULT_TRAINER)
+    spec = write_spec(tmp_path, "fault-kill", f"{sys.executable} {trainer} kill")
+    proc = submit(spec, "--follow")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = job_dir_of(proc.stdout)
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    victim = json.loads((job / "victim.json").read_text())
+    fleet = [e for e in events if e["phase"] == "fleet" and e.get("engine_id") == "node0-0"]
+    assert [e["to_state"] for e in fleet][-1] == "HEALTHY"
+    back = next(e for e in events if e["phase"] == "engine_restarted")
+    generation_nodes = next(e for e in events if e["phase"] == "starting")["nodes"]["generation"]
+    restarted_on = json.loads((job / "engines" / "node-0.urls.json").read_text())["node"]
+    assert restarted_on == generation_nodes[0] and back["url"] != victim["victim"]
+    print(
+        f"\nslurm kill: out {fleet[0]['t'] - victim['t']:.1f}s, "
+        f"readmitted {fleet[-1]['t'] - victim['t']:.1f}s "
+        f"on {restarted_on} at {back['url']}; sessions lost {replay['errors']}"
+    )
+    assert squeue_empty()
+    assert wait_no_leftovers() == []

@@ -36,7 +36,7 @@ import yaml
 
 from launcher.driver.fleet_controller import FleetController
 from launcher.driver.jobdir import JobDir, write_json_atomic
-from launcher.driver.ray_cluster import RayCluster
+from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME, RayCluster
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host import EngineHostConfig
 from launcher.engines.sim.cli import options_to_flags
@@ -283,7 +283,9 @@ class Driver:
         port = reserve_port(host, r.port_range)
         node_id = ray.get_runtime_context().get_node_id()
         actor_cls = remote_router_actor(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            num_cpus=0,
+            name=ROUTER_ACTOR_NAME,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         )
         key = self.job.read_api_key()
         self.router = actor_cls.remote(

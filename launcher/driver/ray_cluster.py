@@ -23,6 +23,11 @@ from pathlib import Path
 
 from launcher.driver.steps import LocalSteps, SrunSteps, Step
 
+# The job's named actors (the router: "router") live here, so a training script or an operator attached to
+# the same cluster (RAY_ADDRESS) can find them with ray.get_actor("router", namespace=RAY_NAMESPACE).
+RAY_NAMESPACE = "rl-launch"
+ROUTER_ACTOR_NAME = "router"
+
 
 def ray_env(base: Mapping[str, str], local: bool) -> dict[str, str]:
     env = dict(base)
@@ -112,7 +117,12 @@ class RayCluster:
         while True:
             self._check_alive()
             try:
-                ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+                ray.init(
+                    address=self.address,
+                    namespace=RAY_NAMESPACE,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
                 break
             except Exception as exc:
                 if time.monotonic() > deadline:
