@@ -29,7 +29,9 @@ TRAINER = textwrap.dedent(
     import json, os, subprocess, sys, time, urllib.request
     mode = sys.argv[1]
     job = os.environ["RL_JOB_DIR"]
-    engines = json.load(open(os.path.join(job, "engines", "node-0.urls.json")))["engines"]
+    import glob
+    engines = [e for f in sorted(glob.glob(os.path.join(job, "engines", "node-*.urls.json")))
+               for e in json.load(open(f))["engines"]]  # node 0's engines first
     def fault(url, what):
         req = urllib.request.Request(url + "/sim/fault", data=json.dumps({"mode": what}).encode(),
                                      headers={"Content-Type": "application/json",
@@ -67,6 +69,9 @@ TRAINER = textwrap.dedent(
     fault(engines[0]["url"], mode)
     json.dump({"victim": engines[0]["url"], "t": time.time()}, open(os.path.join(job, "victim.json"), "w"))
     code = replay.wait()
+    status_url = json.load(open(os.path.join(job, "state.json")))["status_url"]
+    live = json.load(urllib.request.urlopen(status_url + "/status", timeout=5))
+    json.dump(live, open(os.path.join(job, "status_endpoint.json"), "w"))
     deadline = time.time() + 90  # stay up until the restarted engine is readmitted (bounded)
     while time.time() < deadline:
         fleet = json.load(open(os.path.join(job, "state.json"))).get("fleet", {})
@@ -136,6 +141,8 @@ def test_failed_engine_is_restarted_and_readmitted_without_losing_sessions(tmp_p
     events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
     back = next(e for e in events if e["phase"] == "engine_restarted")
     assert back["url"] != victim["victim"]  # a new port
+    live = json.loads((job / "status_endpoint.json").read_text())  # what GET /status served mid-run
+    assert {e["id"] for e in live["fleet"]["engines"]} == {"node0-0", "node0-1", "node0-2"}
     out_t = fleet[0]["t"]  # the first failing tick takes it out of rotation (failed probe hold-out)
     dead_t = next(e["t"] for e in fleet if e["to_state"] == "DEAD")
     healthy_t = next(e["t"] for e in fleet if e["to_state"] == "HEALTHY" and e["t"] > dead_t)

@@ -378,3 +378,71 @@ def test_engine_killed_on_a_generation_node_is_restarted_there(tmp_path: Path) -
     )
     assert squeue_empty()
     assert wait_no_leftovers() == []
+
+
+def _fault_job(
+    tmp_path: Path, mode: str, **generation: object
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    from tests.test_fleet_local import TRAINER as FAULT_TRAINER
+
+    trainer = tmp_path / "fault_trainer.py"
+    trainer.write_text(FAULT_TRAINER)
+    gen = {
+        "nodes": 2,
+        "engine": "sim",
+        "engines_per_node": 2,
+        "served_model_name": "sim-8b",
+        "startup_timeout_s": 60,
+        "sim": {"speed": 3},
+        **generation,
+    }
+    spec = write_spec(
+        tmp_path,
+        f"fault-{mode.replace('_', '-')}",
+        f"{sys.executable} {trainer} {mode}",
+        generation=gen,
+        router={"policy": "cache_aware", "backend_timeout_s": 5},
+    )
+    proc = submit(spec, "--follow")
+    return proc, job_dir_of(proc.stdout)
+
+
+def test_wedged_engine_leaves_rotation_and_is_restarted(tmp_path: Path) -> None:
+    proc, job = _fault_job(tmp_path, "wedge")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
+    victim = json.loads((job / "victim.json").read_text())
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    fleet = [e for e in events if e["phase"] == "fleet" and e.get("engine_id") == "node0-0"]
+    assert fleet[0]["t"] - victim["t"] < 5 + 2  # out within the backend timeout plus a tick
+    assert [e["to_state"] for e in fleet][-1] == "HEALTHY"
+    out_s, back_s = fleet[0]["t"] - victim["t"], fleet[-1]["t"] - victim["t"]
+    print(f"\nslurm wedge: out {out_s:.1f}s, readmitted {back_s:.1f}s")
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
+
+
+def test_killed_router_actor_comes_back_on_the_same_url(tmp_path: Path) -> None:
+    proc, job = _fault_job(tmp_path, "kill_router")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    back = json.loads((job / "router_back.json").read_text())
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    print(f"\nslurm router kill: same URL back in {back['down_s']:.1f}s; sessions lost {replay['errors']}")
+    assert back["down_s"] < 5
+    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
+
+
+def test_all_engines_dead_with_budget_spent_fails_the_job(tmp_path: Path) -> None:
+    proc, job = _fault_job(tmp_path, "kill_all", restarts_per_engine=0)
+    assert proc.returncode != 0
+    result = json.loads((job / "result.json").read_text())
+    assert "no engine can serve" in result["reason"], result
+    victim = json.loads((job / "victim.json").read_text())
+    failed = next(json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if '"failed"' in x)
+    print(f"\nslurm all dead: job failed {failed['t'] - victim['t']:.1f}s after the kill")
+    assert failed["t"] - victim["t"] < 30
+    assert squeue_empty()
+    assert wait_no_leftovers() == []

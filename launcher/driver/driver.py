@@ -37,6 +37,7 @@ import yaml
 from launcher.driver.fleet_controller import FleetController
 from launcher.driver.jobdir import JobDir, write_json_atomic
 from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME, RayCluster
+from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host import EngineHostConfig
 from launcher.engines.sim.cli import options_to_flags
@@ -100,6 +101,7 @@ class Driver:
         self.engine_steps: list[Step] = []
         self.router: Any = None
         self.controller: FleetController | None = None
+        self.status_server: StatusServer | None = None
         self.training: subprocess.Popen[bytes] | None = None
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
@@ -136,6 +138,7 @@ class Driver:
                     restarts_per_engine=gen.restarts_per_engine, restarts_per_run=gen.restarts_per_run
                 ),
             ).start()
+            self._start_status_endpoint()
             env = self._wire_gym(router_url)
             code = self._run_training(env)
             reason = "training finished" if code == 0 else f"training command exited with {code}"
@@ -306,6 +309,18 @@ class Driver:
         self._say(f"router serving {url}/v1 ({r.policy}, {len(api_urls)} engines)")
         return url
 
+    def _start_status_endpoint(self) -> None:
+        host = node_address(socket.gethostname(), self.local)
+        self.status_server = StatusServer(
+            self.job, host, reserve_port(host, self.spec.router.port_range)
+        ).start()
+        self.job.update_state(status_url=self.status_server.url)
+        self.job.log_event(
+            "status_endpoint",
+            f"status endpoint {self.status_server.url}/status",
+            status_url=self.status_server.url,
+        )
+
     def _wire_gym(self, router_url: str) -> dict[str, str]:
         key = self.job.read_api_key()
         overlay = self.spec.gym_overlay_path(self.job.path)
@@ -373,6 +388,8 @@ class Driver:
         t = time.monotonic()
         if self.controller is not None:
             self.controller.stop()
+        if self.status_server is not None:
+            self.status_server.stop()
         if self.training is not None and self.training.poll() is None:
             try:
                 os.killpg(self.training.pid, signal.SIGTERM)
