@@ -137,6 +137,7 @@ class Driver:
                 HealthPolicy(
                     restarts_per_engine=gen.restarts_per_engine, restarts_per_run=gen.restarts_per_run
                 ),
+                say=self._say,
             ).start()
             self._start_status_endpoint()
             env = self._wire_gym(router_url)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,10 @@ class FleetController:
         policy: HealthPolicy | None = None,
         tick_s: float = 1.0,
         probe_timeout_s: float = 1.0,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         self.job = job
+        self.say = say or (lambda message: None)
         self.router = router
         self.listings = listings  # node index -> engines/node-<i>.urls.json
         self.tick_s = tick_s
@@ -110,6 +113,12 @@ class FleetController:
         for engine_id in result.to_restart:
             self._request_restart(engine_id)
         for event in result.events:
+            if event.get("level") in ("warning", "error") or event["to_state"] in ("DEAD", "RETIRED"):
+                # Loudly, in the driver's own log too: a shrinking fleet must not go unnoticed.
+                self.say(
+                    f"engine {event['engine_id']} on {event.get('node')}: {event['from_state']} -> "
+                    f"{event['to_state']}: {event['reason']}"
+                )
             self.job.log_event(
                 "fleet",
                 f"engine {event['engine_id']}: {event['from_state']} -> "
