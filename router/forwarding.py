@@ -203,7 +203,10 @@ class Forwarder:
     ) -> web.StreamResponse:
         """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client."""
         load = self.backends.load
-        load.acquire(url)
+        # Weighted by the body's size: a multi-turn request resends its whole context, so the bytes in
+        # flight per backend approximate the KV each engine holds (cache_aware bounds on it).
+        weight = len(body)
+        load.acquire(url, weight)
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             try:
@@ -211,7 +214,7 @@ class Forwarder:
             finally:
                 upstream.release()
         finally:
-            load.release(url)
+            load.release(url, weight)
 
     async def _relay(self, request: web.Request, url: str, upstream: UpstreamResponse) -> web.StreamResponse:
         resp_headers = CIMultiDict(

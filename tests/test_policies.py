@@ -59,6 +59,24 @@ def test_load_tracker_matches_naive_model() -> None:
         LoadTracker([]).least_loaded()
 
 
+def test_load_tracker_counts_bytes_in_flight() -> None:
+    rng = random.Random(2)
+    load = LoadTracker(BACKENDS, rng=rng)
+    naive = {u: [] for u in BACKENDS}
+    for _ in range(3000):
+        url = rng.choice(BACKENDS)
+        if rng.random() < 0.55:
+            w = rng.randrange(1, 50_000)
+            load.acquire(url, w)
+            naive[url].append(w)
+        elif naive[url]:
+            load.release(url, naive[url].pop(rng.randrange(len(naive[url]))))
+        assert load.bytes_in_flight(url) == sum(naive[url])
+    assert load.total_bytes_in_flight == sum(sum(v) for v in naive.values())
+    load.set_backends(BACKENDS[:2])  # bytes of backends that left leave the total
+    assert load.total_bytes_in_flight == sum(naive[BACKENDS[0]]) + sum(naive[BACKENDS[1]])
+
+
 def test_round_robin_cycles_and_skips_excluded() -> None:
     load = LoadTracker(BACKENDS[:3])
     rr = RoundRobin()
@@ -226,6 +244,25 @@ def test_cache_aware_index_memory_is_capped_under_100k_sessions() -> None:
     assert used - base <= cap_bytes * 1.5, f"index grew to {(used - base) / 2**20:.1f} MiB"
 
 
+@pytest.mark.parametrize("byte_load_factor", [1.5, 0.0])
+def test_cache_aware_byte_bound_moves_a_session_off_an_engine_full_of_context(byte_load_factor: float) -> None:
+    # Equal request counts hide that one engine holds far more context than the others: a count bound
+    # alone keeps the session there; the byte bound sends it to an engine with room.
+    policy = CacheAware(byte_load_factor=byte_load_factor)
+    load = LoadTracker(BACKENDS, rng=random.Random(7))
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "task 1"}]
+    home = policy.choose(request(turn1), load)
+    for u in BACKENDS:  # one request in flight everywhere; the home engine's is a huge context
+        load.acquire(u, 2_000_000 if u == home else 20_000)
+    turn2 = [*turn1, {"role": "assistant", "content": "reply"}, {"role": "user", "content": "tool output"}]
+    chosen = policy.choose(request(turn2), load)
+    if byte_load_factor:
+        assert chosen != home
+        assert load.bytes_in_flight(chosen) == 20_000
+    else:
+        assert chosen == home
+
+
 def test_cache_aware_rejects_bad_options() -> None:
     with pytest.raises(ValueError, match="load_slack"):
         CacheAware(load_slack=0)
@@ -233,6 +270,8 @@ def test_cache_aware_rejects_bad_options() -> None:
         CacheAware(load_factor=0.5)
     with pytest.raises(ValueError, match="max_bytes"):
         CacheAware(max_index_bytes=10)
+    with pytest.raises(ValueError, match="byte_load_factor"):
+        CacheAware(byte_load_factor=0.5)
 
 
 def test_cache_aware_spreads_new_sessions_that_share_only_the_system_prompt() -> None:

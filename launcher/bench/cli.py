@@ -487,3 +487,106 @@ def _progress(console: Any, total: int, quiet: bool) -> tuple[Any, Any, Any]:
             progress.advance(state["task"])
 
     return progress, on_arm_start, on_session_end
+
+
+@bench_group.command("virtual")
+@_workload_options
+@click.argument("arms", nargs=-1)
+@click.option("--compare", is_flag=True, help="Accepted for symmetry with `replay`: the ARMS are compared.")
+@click.option("--seeds", default=None, help="Comma-separated trace seeds to average over (default: --seed).")
+@click.option("--engines", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option(
+    "--sim-opt", multiple=True, help="Simulator option KEY=VALUE (repeatable); speed is irrelevant."
+)
+@click.option(
+    "--policy-opt", multiple=True, help="Policy option KEY=VALUE for every policy arm (repeatable)."
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
+def virtual_command(
+    workload: str,
+    seed: int,
+    scale: float,
+    group_size: int,
+    turn_scale: float,
+    max_tokens: int,
+    arms: tuple[str, ...],
+    compare: bool,
+    seeds: str | None,
+    engines: int,
+    sim_opt: tuple[str, ...],
+    policy_opt: tuple[str, ...],
+    json_path: Path | None,
+) -> None:
+    """Replay in virtual time: the simulator's schedulers and the router's policies on one jumping clock.
+
+    No sockets and no sleeping, so a full longtail step takes seconds of CPU and the figures do not move
+    between runs: for comparing policies. Times are modelled seconds at speed 1. Confirm with `replay`.
+    """
+    from launcher.bench.virtual import compare_virtual, mean_rows
+    from launcher.engines.sim.config import SimConfig
+
+    arm_list = list(dict.fromkeys(arms))
+    if not arm_list:
+        raise click.UsageError(
+            "name at least one arm (direct or a policy), e.g. --compare direct cache_aware"
+        )
+    try:
+        validate_arms(arm_list)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="ARMS/--compare") from None
+    try:
+        seed_list = [int(x) for x in seeds.split(",")] if seeds else [seed]
+    except ValueError:
+        raise click.BadParameter(
+            f"{seeds!r} is not a comma-separated list of integers", param_hint="--seeds"
+        ) from None
+    sim_options = _kv(sim_opt, "--sim-opt")
+    try:
+        config = SimConfig(**sim_options)
+        config.validate()
+    except (TypeError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--sim-opt") from None
+    policy_options = _kv(policy_opt, "--policy-opt")
+    per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arm_list}
+    for s in seed_list:
+        trace = generate(workload, s, scale, group_size, turn_scale=turn_scale, max_tokens=max_tokens)
+        try:
+            rows = compare_virtual(trace, arm_list, engines, config, policy_options)
+        except TypeError as e:
+            raise click.BadParameter(str(e), param_hint="--policy-opt") from None
+        for row in rows:
+            row["seed"] = s
+            per_arm[row["arm"]].append(row)
+            click.echo(
+                f"seed {s:<3} {row['arm']:<18} wall {row['wall_s']:8.2f}  t90 {row['t90_s'] or 0:7.2f}  "
+                f"hit {row['hit_rate']:.4f}  cv {row['load_cv'] or 0:.3f}  moves {row['moves']:4}  "
+                f"errors {row['errors']}"
+            )
+    means = [mean_rows(per_arm[a]) for a in arm_list]
+    base = next((m for m in means if m["arm"] == DIRECT), None)
+    click.echo(f"\nmean over {len(seed_list)} trace(s):")
+    for m in means:
+        margin = ""
+        if base is not None and m is not base and base["t90_s"] and m["t90_s"] and base["wall_s"]:
+            t90 = 100 * (m["t90_s"] / base["t90_s"] - 1)
+            wall = 100 * (m["wall_s"] / base["wall_s"] - 1)
+            hit = 100 * (m["hit_rate"] - base["hit_rate"])
+            margin = f"  vs direct: t90 {t90:+.1f}%  wall {wall:+.1f}%  hit {hit:+.2f} pt"
+        click.echo(
+            f"  {m['arm']:<18} wall {m['wall_s']:8.2f}  t90 {m['t90_s'] or 0:7.2f}  hit {m['hit_rate']:.4f}  "
+            f"cv {m['load_cv'] or 0:.3f} (max {m['load_cv_max'] or 0:.3f})  moves {m['moves']:.1f}{margin}"
+        )
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "workload": workload,
+            "scale": scale,
+            "engines": engines,
+            "seeds": seed_list,
+            "sim_options": sim_options,
+            "policy_options": policy_options,
+            "means": means,
+            "runs": per_arm,
+        }
+        json_path.write_text(json.dumps(payload, indent=1))
+        click.echo(f"wrote {json_path}")

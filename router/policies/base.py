@@ -44,6 +44,10 @@ class LoadTracker:
     def __init__(self, backends: Iterable[str] = (), rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
         self._load: dict[str, int] = {}
+        # Bytes of request bodies in flight per backend: a proxy for the KV context each engine holds
+        # (a multi-turn request resends its whole context), which a request count cannot see.
+        self._bytes: dict[str, int] = {}
+        self._total_bytes = 0
         # bucket[n] is a list of backends with n in flight; _pos[url] is its index in that list.
         self._buckets: dict[int, list[str]] = {}
         self._pos: dict[str, int] = {}
@@ -60,9 +64,11 @@ class LoadTracker:
             if url not in wanted:
                 self._bucket_remove(url)
                 self._total -= self._load.pop(url)
+                self._total_bytes -= self._bytes.pop(url)
         for url in wanted:
             if url not in self._load:
                 self._load[url] = 0
+                self._bytes[url] = 0
                 self._bucket_add(url)
         self._order = tuple(wanted)
         self._recompute_min()
@@ -85,26 +91,39 @@ class LoadTracker:
     def total_in_flight(self) -> int:
         return self._total
 
+    def bytes_in_flight(self, url: str) -> int:
+        return self._bytes.get(url, 0)
+
+    @property
+    def total_bytes_in_flight(self) -> int:
+        return self._total_bytes
+
     def snapshot(self) -> dict[str, int]:
         return dict(self._load)
 
-    def acquire(self, url: str) -> None:
-        """Count one more request on ``url``; a URL outside the set (removed meanwhile) is ignored."""
+    def acquire(self, url: str, weight: int = 0) -> None:
+        """Count one more request on ``url`` carrying ``weight`` bytes of prompt; a URL outside the set
+        (removed meanwhile) is ignored. ``release`` must be given the same weight."""
         if url not in self._load:
             return
         self._bucket_remove(url)
         self._load[url] += 1
         self._total += 1
+        self._bytes[url] += weight
+        self._total_bytes += weight
         self._bucket_add(url)
         if self._buckets.get(self._min) is None:
             self._recompute_min()
 
-    def release(self, url: str) -> None:
+    def release(self, url: str, weight: int = 0) -> None:
         if url not in self._load or self._load[url] == 0:
             return
         self._bucket_remove(url)
         self._load[url] -= 1
         self._total -= 1
+        weight = min(weight, self._bytes[url])
+        self._bytes[url] -= weight
+        self._total_bytes -= weight
         self._bucket_add(url)
         if self._load[url] < self._min:
             self._min = self._load[url]

@@ -14,7 +14,20 @@ pull nearly all traffic onto one engine. Here two rules replace it:
 * every affinity decision checks its own target: a backend may take one more request by affinity only
   while its in-flight count is under ``ceil(load_factor * (total + 1) / n) + load_slack`` (consistent
   hashing with bounded loads, Mirrokni et al.); above that the request goes to the least loaded
-  backend, ties broken at random.
+  backend, ties broken at random;
+* and, because a request count cannot tell a 2k-token session from a 30k-token one, the same check on
+  the bytes of request bodies in flight (``LoadTracker`` counts them): a holder may take the request only
+  while its bytes plus this request's stay under ``byte_load_factor * mean + the request's own size``.
+  A multi-turn request resends its whole context, so body bytes in flight track the KV each engine holds
+  and the context every one of its decode steps reads.
+
+Why the byte bound (measured with the virtual-time replay, ``launcher/bench/virtual.py``, longtail
+scale 0.5, 8 engines, trace seeds 1-4): with the count bound alone, sessions that turn out long stay
+where their first turn landed, so one engine ends up with 7 of the 30 long sessions and another with
+one: request CV 0.09 on average and 0.15 at worst, and the long tail runs on a few crowded engines. With
+the byte bound at 1.5 x the mean, ~8 turns per step move (of ~5,500), CV is 0.05 (0.075 at worst) and
+the step's wall clock drops ~2% further; the price is ~0.2 pt of prefix-cache hits (each move recomputes
+one context). Time to 90% is unchanged: until the short sessions end, all sessions look alike.
 
 The bound is relative to the *mean*, not to the least loaded backend. Measured on the replay bench
 (longtail, 300 sessions, 8 engines), a bound of "least loaded + slack" moved 11% of continuing turns,
@@ -54,6 +67,7 @@ class CacheAware(Policy):
         load_factor: float = 1.25,
         load_slack: int = 3,
         max_prompt_bytes: int = 8 * 1024 * 1024,
+        byte_load_factor: float = 1.5,
     ) -> None:
         if block_bytes < 16:
             raise ValueError("cache_aware block_bytes must be at least 16")
@@ -65,6 +79,11 @@ class CacheAware(Policy):
         self.load_factor = load_factor
         self.load_slack = load_slack
         self.max_blocks = max_prompt_bytes // block_bytes
+        if byte_load_factor and byte_load_factor < 1.0:
+            raise ValueError(
+                "cache_aware byte_load_factor must be >= 1.0 (a multiple of the mean), or 0 for off"
+            )
+        self.byte_load_factor = byte_load_factor
         self.index = PrefixIndex(max_bytes=max_index_bytes, holders_per_block=holders_per_block)
         self.decisions = {"affinity": 0, "balanced": 0, "cold": 0}
 
@@ -82,6 +101,14 @@ class CacheAware(Policy):
         n = max(len(load), 1)
         return math.ceil(self.load_factor * (load.total_in_flight + 1) / n) + self.load_slack
 
+    def byte_cap(self, load: LoadTracker, weight: int) -> float | None:
+        """A backend whose in-flight body bytes plus this request's stay within this may take it by
+        affinity; None when the byte bound is off."""
+        if not self.byte_load_factor:
+            return None
+        n = max(len(load), 1)
+        return self.byte_load_factor * (load.total_bytes_in_flight + weight) / n + weight
+
     def choose(self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()) -> str:
         if len(load) == 0:
             raise NoBackendAvailable("no serving backend")
@@ -91,7 +118,7 @@ class CacheAware(Policy):
         if hashes:
             holders, _depth = self.index.continuation_holders(hashes)
             if holders:
-                chosen = self._least_loaded_under_cap(holders, load, exclude)
+                chosen = self._least_loaded_under_cap(holders, load, exclude, len(request.body))
                 self.decisions["affinity" if chosen else "balanced"] += 1
             else:
                 self.decisions["cold"] += 1
@@ -104,17 +131,20 @@ class CacheAware(Policy):
         return chosen
 
     def _least_loaded_under_cap(
-        self, holders: tuple[str, ...], load: LoadTracker, exclude: frozenset[str]
+        self, holders: tuple[str, ...], load: LoadTracker, exclude: frozenset[str], weight: int = 0
     ) -> str | None:
         """The holder with the fewest in flight below the cap; among equals the most recent holder
         (holders are most recent first), which is where the conversation's latest turn went."""
         cap = self.load_cap(load)
+        byte_cap = self.byte_cap(load, weight)
         best: str | None = None
         best_busy = cap
         for url in holders:
             if url in exclude or url not in load:
                 continue
             busy = load.in_flight(url)
+            if byte_cap is not None and load.bytes_in_flight(url) + weight > byte_cap:
+                continue
             if busy < best_busy:
                 best, best_busy = url, busy
         return best

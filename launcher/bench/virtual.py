@@ -1,0 +1,246 @@
+"""Virtual-time replay: the simulator's schedulers, the router's policies and a Gym-like client on one
+virtual clock, with no sockets and no sleeping.
+
+Why it exists: on a 2-core machine the HTTP replay (``rl-launch bench replay``) of a longtail step takes a
+minute per arm and its time-to-90% moves ~10% from run to run (CPU contention between the client, the
+router and the engines), which is as large as the effects a routing policy is judged on. Here the very
+objects that decide in production — ``SimConfig``/``Scheduler`` (the engine's cost model) and the
+``router.policies`` classes — run against the same trace on an event loop whose clock jumps to the next
+timer instead of waiting for it. A full-scale step runs in seconds of CPU and the same inputs give the
+same figures every time, so a policy change can be measured, not guessed. What it leaves out (HTTP,
+proxy overhead, CPU starvation) is exactly what the HTTP replay keeps: use this one to explore, the HTTP
+one to confirm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import selectors
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from launcher.bench.client import gym_pin
+from launcher.bench.report import load_stats, time_to_fraction
+from launcher.bench.workload import Trace
+from launcher.engines.sim.config import SimConfig
+from launcher.engines.sim.protocol import parse_generation, plan_output
+from launcher.engines.sim.scheduler import ReqState, Scheduler, SimRequest
+from launcher.engines.sim.tokens import TOKEN_BYTES
+from router.policies import LoadTracker, RouteRequest, make_policy
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    """Polls real file descriptors without blocking, and instead of waiting advances the loop's clock
+    by the timeout asyncio asked for (the time until its next timer)."""
+
+    def __init__(self, loop_clock: list[float]) -> None:
+        super().__init__()
+        self._clock = loop_clock
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        events = super().select(0)
+        if events or timeout == 0:
+            return events
+        if timeout is None:
+            raise RuntimeError("virtual-time loop has nothing scheduled: every task waits on nothing")
+        self._clock[0] += timeout
+        return events
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose ``time()`` is virtual: ``asyncio.sleep(5)`` returns at once, 5 s later."""
+
+    def __init__(self) -> None:
+        self._virtual_now = [0.0]
+        super().__init__(selector=_JumpingSelector(self._virtual_now))
+
+    def time(self) -> float:
+        return self._virtual_now[0]
+
+
+@dataclass
+class VirtualArmResult:
+    """One arm's outcome; ``row()`` gives the HTTP replay's keys plus ``moves`` and ``preemptions``."""
+
+    arm: str
+    wall_s: float
+    session_done: dict[str, float]
+    first_engine: dict[str, str]
+    engine_requests: list[int]
+    hit_rate: float
+    moves: int
+    preemptions: int
+    decisions: dict[str, float] = field(default_factory=dict)
+
+    def row(self, n_sessions: int) -> dict[str, Any]:
+        done = list(self.session_done.values())
+        cv, spread = load_stats(self.engine_requests)
+
+        def t(q: float) -> float | None:
+            x = time_to_fraction(done, n_sessions, q)
+            return None if x is None else round(x, 3)
+
+        return {
+            "arm": self.arm,
+            "wall_s": round(self.wall_s, 3),
+            "t50_s": t(0.5),
+            "t90_s": t(0.9),
+            "t100_s": t(1.0),
+            "hit_rate": round(self.hit_rate, 4),
+            "engine_requests": self.engine_requests,
+            "load_cv": None if cv is None else round(cv, 4),
+            "load_spread": None if spread is None else round(spread, 3),
+            "moves": self.moves,
+            "preemptions": self.preemptions,
+            "errors": n_sessions - len(done),
+        }
+
+
+async def _replay(
+    trace: Trace,
+    arm: str,
+    n_engines: int,
+    config: SimConfig,
+    policy_options: Mapping[str, Any],
+    on_decision: Callable[[str, int, str], None] | None,
+    seed: int = 0,
+) -> VirtualArmResult:
+    urls = [f"http://engine-{i}:8000" for i in range(n_engines)]
+    schedulers = {u: Scheduler(config) for u in urls}
+    for s in schedulers.values():
+        s.start()
+    policy = None if arm == "direct" else make_policy(arm, **dict(policy_options))
+    load = LoadTracker(urls, rng=random.Random(seed))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    session_done: dict[str, float] = {}
+    first_engine: dict[str, str] = {}
+    last_engine: dict[str, str] = {}
+    moves = 0
+
+    async def session(s: Any) -> None:
+        nonlocal moves
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": trace.system_prompt(s)},
+            {"role": "user", "content": s.task},
+        ]
+        for k, turn in enumerate(s.turns):
+            if k > 0:
+                messages.append({"role": "user", "content": turn.tool_output})
+            body = orjson.dumps(
+                {
+                    "model": config.model_name,
+                    "messages": messages,
+                    "max_tokens": turn.max_tokens,
+                    "temperature": 1.0,
+                    "logprobs": True,
+                    "top_logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                }
+            )
+            if policy is None:
+                url = urls[gym_pin(s.id, n_engines)]
+            else:
+                request = policy.prepare(RouteRequest(CHAT_PATH, body, {}))
+                url = policy.choose(request, load)
+            if k > 0 and last_engine.get(s.id) != url:
+                moves += 1
+            last_engine[s.id] = url
+            first_engine.setdefault(s.id, url)
+            if on_decision is not None:
+                on_decision(s.id, k, url)
+            params = parse_generation("chat", orjson.loads(body), config)
+            out = plan_output(params, config)
+            prompt = params.prompt
+            req = SimRequest(
+                f"{s.id}-{k}", prompt + out.tokens, len(prompt), len(out.tokens), out.finish_reason
+            )
+            load.acquire(url, len(body))
+            schedulers[url].submit(req)
+            try:
+                await req.done
+            finally:
+                load.release(url, len(body))
+            if req.state != ReqState.FINISHED:
+                raise RuntimeError(f"session {s.id} turn {k}: request aborted")
+            messages.append({"role": "assistant", "content": out.text[: req.n_gen * TOKEN_BYTES]})
+        session_done[s.id] = loop.time() - t0
+
+    await asyncio.gather(*(session(s) for s in trace.sessions))
+    wall = loop.time() - t0
+    for s in schedulers.values():
+        await s.close()
+    queries = sum(s.stats.prefix_cache_queries for s in schedulers.values())
+    hits = sum(s.stats.prefix_cache_hits for s in schedulers.values())
+    return VirtualArmResult(
+        arm=arm,
+        wall_s=wall,
+        session_done=session_done,
+        first_engine=first_engine,
+        engine_requests=[sum(schedulers[u].stats.success.values()) for u in urls],
+        hit_rate=hits / queries if queries else 0.0,
+        moves=moves,
+        preemptions=sum(s.stats.preemptions for s in schedulers.values()),
+        decisions=policy.stats() if policy is not None else {},
+    )
+
+
+def run_virtual_arm(
+    trace: Trace,
+    arm: str,
+    n_engines: int = 8,
+    config: SimConfig | None = None,
+    policy_options: Mapping[str, Any] | None = None,
+    on_decision: Callable[[str, int, str], None] | None = None,
+    seed: int = 0,
+) -> VirtualArmResult:
+    """Replay ``trace`` on ``n_engines`` fresh simulated engines in virtual time; ``arm`` is ``direct``
+    (Gym's session pin) or a policy name. Same trace, config, options and ``seed`` (the router's
+    tie-breaking), same result. ``on_decision(session, turn, engine)`` sees every placement."""
+    loop = VirtualClockLoop()
+    try:
+        return loop.run_until_complete(
+            _replay(trace, arm, n_engines, config or SimConfig(), policy_options or {}, on_decision, seed)
+        )
+    finally:
+        loop.close()
+
+
+def compare_virtual(
+    trace: Trace,
+    arms: Sequence[str],
+    n_engines: int = 8,
+    config: SimConfig | None = None,
+    policy_options: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One row per arm, every arm on fresh engines; ``policy_options`` go to every policy arm."""
+    n = len(trace.sessions)
+    return [
+        run_virtual_arm(
+            trace, arm, n_engines, config, {} if arm == "direct" else policy_options, seed=seed
+        ).row(n)
+        for arm in arms
+    ]
+
+
+def mean_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The mean of one arm's rows over several traces, with the worst CV (a target is per run)."""
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return round(statistics.fmean(vals), 4) if vals else None
+
+    cvs = [r["load_cv"] for r in rows if r.get("load_cv") is not None]
+    out: dict[str, Any] = {"arm": rows[0]["arm"], "runs": len(rows)}
+    for key in ("wall_s", "t50_s", "t90_s", "t100_s", "hit_rate", "load_cv", "moves", "errors"):
+        out[key] = mean(key)
+    out["load_cv_max"] = max(cvs) if cvs else None
+    return out
