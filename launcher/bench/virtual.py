@@ -15,6 +15,7 @@ one to confirm.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import selectors
 import statistics
@@ -26,7 +27,7 @@ import orjson
 
 from launcher.bench.client import gym_pin
 from launcher.bench.report import load_stats, time_to_fraction
-from launcher.bench.workload import Trace
+from launcher.bench.workload import Session, Trace, session_work
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.protocol import parse_generation, plan_output
 from launcher.engines.sim.scheduler import ReqState, Scheduler, SimRequest
@@ -34,6 +35,26 @@ from launcher.engines.sim.tokens import TOKEN_BYTES
 from router.policies import LoadTracker, RouteRequest, make_policy
 
 CHAT_PATH = "/v1/chat/completions"
+ORACLE = "oracle"
+"""Not a router policy: sessions pinned, before the step starts, to balance the work each will bring
+(longest first onto the least loaded engine), which only a replay that has read the whole trace can
+know. Its figures are a yardstick for sticky placement, not a target any router can be held to."""
+
+
+def oracle_placement(trace: Trace, n_engines: int, turns: int | None = None) -> dict[str, int]:
+    """Engine index per session by LPT over each session's work (its first ``turns`` turns if given)."""
+    import heapq
+
+    def work(s: Session) -> int:
+        return session_work(trace, s if turns is None else dataclasses.replace(s, turns=s.turns[:turns]))
+
+    heap = [(0, i) for i in range(n_engines)]
+    out: dict[str, int] = {}
+    for s in sorted(trace.sessions, key=work, reverse=True):
+        total, i = heapq.heappop(heap)
+        out[s.id] = i
+        heapq.heappush(heap, (total + work(s), i))
+    return out
 
 
 class _JumpingSelector(selectors.DefaultSelector):
@@ -116,7 +137,12 @@ async def _replay(
     schedulers = {u: Scheduler(config) for u in urls}
     for s in schedulers.values():
         s.start()
-    policy = None if arm == "direct" else make_policy(arm, **dict(policy_options))
+    pinned: dict[str, int] | None = None
+    policy = None
+    if arm == ORACLE:
+        pinned = oracle_placement(trace, n_engines, policy_options.get("turns"))
+    elif arm != "direct":
+        policy = make_policy(arm, **dict(policy_options))
     load = LoadTracker(urls, rng=random.Random(seed))
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -145,7 +171,9 @@ async def _replay(
                     "return_tokens_as_token_ids": True,
                 }
             )
-            if policy is None:
+            if pinned is not None:
+                url = urls[pinned[s.id]]
+            elif policy is None:
                 url = urls[gym_pin(s.id, n_engines)]
             else:
                 request = policy.prepare(RouteRequest(CHAT_PATH, body, {}))
