@@ -245,7 +245,7 @@ def test_cache_aware_index_memory_is_capped_under_100k_sessions() -> None:
 
 
 @pytest.mark.parametrize("byte_load_factor", [1.5, 0.0])
-def test_cache_aware_byte_bound_moves_a_session_off_an_engine_full_of_context(byte_load_factor: float) -> None:
+def test_cache_aware_byte_bound_moves_a_session_off_a_context_heavy_engine(byte_load_factor: float) -> None:
     # Equal request counts hide that one engine holds far more context than the others: a count bound
     # alone keeps the session there; the byte bound sends it to an engine with room.
     policy = CacheAware(byte_load_factor=byte_load_factor)
