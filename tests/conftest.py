@@ -50,11 +50,11 @@ def tiny_model_dir(vllm_python: str) -> Path:
 
 # ============================================================================================
 # BEGIN CI strictness: in CI (.ci/run sets RL_LAUNCH_REQUIRE_ALL=1) a test that needs the real Slurm
-# cluster, vLLM or Ray must run; a skip there means a missing install step, which must fail loudly
+# cluster, vLLM, Ray or shellcheck must run; a skip there means a missing install step, which must fail loudly
 # instead of turning green.
 # ============================================================================================
 
-REQUIRED_MARKERS = ("slurm", "vllm", "ray")
+REQUIRED_MARKERS = ("slurm", "vllm", "ray", "shellcheck")
 
 
 @pytest.hookimpl(hookwrapper=True)

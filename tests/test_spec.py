@@ -521,7 +521,16 @@ def test_rendered_script(tmp_path: Path, hetjob: bool) -> None:
         f"exec '/opt/venv with space/bin/rl-launch' submit {tmp_path / 'spec.yaml'} "
         '--in-allocation --job-dir "$job_dir"' in script
     )
-    _shellcheck(tmp_path, script)
+
+
+@pytest.mark.shellcheck
+@pytest.mark.parametrize("hetjob", [False, True])
+def test_rendered_script_is_shellcheck_clean(tmp_path: Path, hetjob: bool) -> None:
+    changes: dict = {"slurm.extra_sbatch": ["--mail-type=END"]}
+    if hetjob:
+        changes["generation.slurm"] = {"partition": "gen"}
+    r = load_resolved(with_changes(tmp_path, changes))
+    _shellcheck(tmp_path, render_sbatch(r, rl_launch=["/opt/venv with space/bin/rl-launch"]))
 
 
 def test_render_finds_an_rl_launch(tmp_path: Path) -> None:
