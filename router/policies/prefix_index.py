@@ -161,6 +161,7 @@ class PrefixIndex:
         entries = self._entries
         keep = self.holders_per_block - 1
         n = len(hashes)
+        move_to_end = entries.move_to_end
         for i, h in enumerate(hashes):
             nxt = hashes[i + 1] if i + 1 < n else None
             entry = entries.get(h)
@@ -170,11 +171,14 @@ class PrefixIndex:
             child = entry[0]
             if nxt is not None and child != nxt:
                 child = nxt if child is None else _BRANCH
+            if child == entry[0] and entry[1] == backend:
+                move_to_end(h)  # the common case (a session's next turn): only the recency changes
+                continue
             holders = entry[1:]
             if holders[0] != backend:
                 holders = (backend, *tuple(u for u in holders if u != backend)[:keep])
             entries[h] = (child, *holders)
-            entries.move_to_end(h)
+            move_to_end(h)
         overflow = len(entries) - self.max_entries
         if overflow > 0:
             self.evictions += overflow
