@@ -263,6 +263,19 @@ def test_cache_aware_byte_bound_moves_a_session_off_a_context_heavy_engine(byte_
         assert chosen == home
 
 
+def test_cache_aware_identical_first_turns_share_an_engine_on_an_idle_fleet() -> None:
+    # The byte bound's slack: on an empty fleet one request is already far above the mean, and without
+    # a slack the second of a GRPO group's identical first turns would be sent elsewhere.
+    policy = CacheAware()
+    load = LoadTracker(BACKENDS, rng=random.Random(11))
+    body = request([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "one GRPO prompt"}])
+    first = policy.choose(body, load)
+    load.acquire(first, len(body.body))
+    second = policy.choose(body, load)
+    assert second == first
+    assert policy.decisions["affinity"] == 1
+
+
 def test_cache_aware_rejects_bad_options() -> None:
     with pytest.raises(ValueError, match="load_slack"):
         CacheAware(load_slack=0)
@@ -272,6 +285,8 @@ def test_cache_aware_rejects_bad_options() -> None:
         CacheAware(max_index_bytes=10)
     with pytest.raises(ValueError, match="byte_load_factor"):
         CacheAware(byte_load_factor=0.5)
+    with pytest.raises(ValueError, match="byte_slack"):
+        CacheAware(byte_slack=-1)
 
 
 def test_cache_aware_spreads_new_sessions_that_share_only_the_system_prompt() -> None:
