@@ -17,12 +17,12 @@ pull nearly all traffic onto one engine. Here two rules replace it:
   backend, ties broken at random;
 * and, because a request count cannot tell a 2k-token session from a 30k-token one, the same check on
   the bytes of request bodies in flight (``LoadTracker`` counts them): a holder may take the request only
-  while its bytes plus this request's stay under ``byte_load_factor * mean + (1 + byte_slack) * the
-  request's own size``. A multi-turn request resends its whole context, so body bytes in flight track the
-  KV each engine holds and the context every one of its decode steps reads. The slack (one request of
-  this size by default) is what lets a nearly idle fleet still co-locate: without it, the second of a
-  GRPO group's identical first turns is turned away from the engine holding the first, because one
-  request is already far above a mean taken over an empty fleet.
+  while its bytes plus this request's stay under ``byte_load_factor * mean + the request's own size``.
+  A multi-turn request resends its whole context, so body bytes in flight track the KV each engine holds
+  and the context every one of its decode steps reads. A holder with fewer than ``load_slack`` requests
+  in flight is exempt, as in the count bound: on a nearly idle fleet one request is already far above
+  the mean, and without the exemption the second of a GRPO group's identical first turns would be
+  turned away from the engine holding the first.
 
 Why the byte bound (measured with the virtual-time replay, ``launcher/bench/virtual.py``, longtail
 scale 0.5, 8 engines, trace seeds 1-4): with the count bound alone, sessions that turn out long stay
@@ -73,7 +73,6 @@ class CacheAware(Policy):
         load_slack: int = 3,
         max_prompt_bytes: int = 8 * 1024 * 1024,
         byte_load_factor: float = 1.5,
-        byte_slack: float = 1.0,
     ) -> None:
         if block_bytes < 16:
             raise ValueError("cache_aware block_bytes must be at least 16")
@@ -90,9 +89,6 @@ class CacheAware(Policy):
                 "cache_aware byte_load_factor must be >= 1.0 (a multiple of the mean), or 0 for off"
             )
         self.byte_load_factor = byte_load_factor
-        if byte_slack < 0:
-            raise ValueError("cache_aware byte_slack must be >= 0 (requests of this size above the bound)")
-        self.byte_slack = byte_slack
         self.index = PrefixIndex(max_bytes=max_index_bytes, holders_per_block=holders_per_block)
         self.decisions = {"affinity": 0, "balanced": 0, "cold": 0}
 
@@ -116,9 +112,7 @@ class CacheAware(Policy):
         if not self.byte_load_factor:
             return None
         n = max(len(load), 1)
-        return (
-            self.byte_load_factor * (load.total_bytes_in_flight + weight) / n + (1 + self.byte_slack) * weight
-        )
+        return self.byte_load_factor * (load.total_bytes_in_flight + weight) / n + weight
 
     def choose(self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()) -> str:
         if len(load) == 0:
@@ -154,7 +148,11 @@ class CacheAware(Policy):
             if url in exclude or url not in load:
                 continue
             busy = load.in_flight(url)
-            if byte_cap is not None and load.bytes_in_flight(url) + weight > byte_cap:
+            # Like the count bound's slack: a backend with fewer than load_slack requests in flight is
+            # never over the byte bound, or a nearly idle fleet (where one request is far above the mean)
+            # could not co-locate a GRPO group's identical first turns.
+            over_bytes = byte_cap is not None and load.bytes_in_flight(url) + weight > byte_cap
+            if over_bytes and busy >= self.load_slack:
                 continue
             if busy < best_busy:
                 best, best_busy = url, busy
