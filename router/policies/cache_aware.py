@@ -7,7 +7,7 @@ dispatches.
 
 The load bound is what the peers lack. Their rule ("go least-loaded only if the fleet-wide spread
 exceeds 64 and max > 1.5 x min") lets a prefix shared by every session (system prompt + tool schemas)
-pull nearly all traffic onto one engine. Here two rules replace it:
+pull nearly all traffic onto one engine. Here three rules replace it:
 
 * a request that merely *shares* a prefix (a new session after the common system prompt) is placed by
   load, not by match (see below), so a shared prompt cannot attract the fleet;
@@ -19,20 +19,20 @@ pull nearly all traffic onto one engine. Here two rules replace it:
   the bytes of request bodies in flight (``LoadTracker`` counts them): a holder may take the request only
   while its bytes plus this request's stay under ``byte_load_factor * mean + the request's own size``.
   A multi-turn request resends its whole context, so body bytes in flight track the KV each engine holds
-  and the context every one of its decode steps reads. A holder with fewer than ``load_slack`` requests
-  in flight is exempt, as in the count bound: on a nearly idle fleet one request is already far above
-  the mean, and without the exemption the second of a GRPO group's identical first turns would be
-  turned away from the engine holding the first.
+  and the context every one of its decode steps reads. The byte bound has no additive slack: on a nearly
+  idle fleet it turns a GRPO group's second identical first turn away from the engine holding the first
+  (one request is far above a mean over empty engines), which costs that group one prefill of its task
+  at the very start of a step. Both ways of exempting small loads that were tried (a slack of one
+  request's size; no byte check below ``load_slack`` requests) let the request CV exceed 0.10 in most
+  HTTP replays, because they also spare engines holding two or three very long contexts late in a step.
 
 Why the byte bound (measured with the virtual-time replay, ``launcher/bench/virtual.py``, longtail
 scale 0.5, 8 engines, trace seeds 1-4): with the count bound alone, sessions that turn out long stay
 where their first turn landed, so one engine ends up with 7 of the 30 long sessions and another with
 one: request CV 0.089 on average and 0.148 at worst, and the long tail runs on a few crowded engines.
-Byte bound at 1.5 x the mean, as (slack -> moves per step of ~5,500 turns, request CV mean/worst,
-prefix-cache hits and wall clock vs Gym's direct pinning): no bound -> 3.5, 0.089/0.148, -0.05 pt, -1.9%;
-slack 0 -> 8.0, 0.054/0.075, -0.22 pt, -4.1%; slack 1 (default) -> 4.8, 0.070/0.097, -0.09 pt, -3.0%.
-Each move recomputes one context, which is the hit price. Time to 90% is the same in all (-9.7% to
--10.0%): until the short sessions end, all sessions look alike.
+With the byte bound at 1.5 x the mean, ~8 turns per step move (of ~5,500), CV is 0.054 (0.075 at worst)
+and the step's wall clock drops ~2 points further; the price is ~0.2 pt of prefix-cache hits (each move
+recomputes one context). Time to 90% is unchanged: until the short sessions end, all sessions look alike.
 
 The bound is relative to the *mean*, not to the least loaded backend. Measured on the replay bench
 (longtail, 300 sessions, 8 engines), a bound of "least loaded + slack" moved 11% of continuing turns,
@@ -148,11 +148,7 @@ class CacheAware(Policy):
             if url in exclude or url not in load:
                 continue
             busy = load.in_flight(url)
-            # Like the count bound's slack: a backend with fewer than load_slack requests in flight is
-            # never over the byte bound, or a nearly idle fleet (where one request is far above the mean)
-            # could not co-locate a GRPO group's identical first turns.
-            over_bytes = byte_cap is not None and load.bytes_in_flight(url) + weight > byte_cap
-            if over_bytes and busy >= self.load_slack:
+            if byte_cap is not None and load.bytes_in_flight(url) + weight > byte_cap:
                 continue
             if busy < best_busy:
                 best, best_busy = url, busy
