@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from launcher.cli import main
 from launcher.render import render_sbatch
 from launcher.slurm import build_request, expand_hostlist, format_time, parse_time, split_nodes
-from launcher.spec import SpecError, load_resolved, load_spec, parse_spec
+from launcher.spec import ResolvedSpec, SpecError, load_resolved, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -501,13 +501,18 @@ def _shellcheck(tmp_path: Path, script: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("hetjob", [False, True])
-def test_rendered_script(tmp_path: Path, hetjob: bool) -> None:
+def _rendered(tmp_path: Path, hetjob: bool) -> tuple[ResolvedSpec, str]:
+    """A resolved spec (one hetjob component per role when asked) and its rendered sbatch script."""
     changes: dict = {"slurm.extra_sbatch": ["--mail-type=END"]}
     if hetjob:
         changes["generation.slurm"] = {"partition": "gen"}
     r = load_resolved(with_changes(tmp_path, changes))
-    script = render_sbatch(r, rl_launch=["/opt/venv with space/bin/rl-launch"])
+    return r, render_sbatch(r, rl_launch=["/opt/venv with space/bin/rl-launch"])
+
+
+@pytest.mark.parametrize("hetjob", [False, True])
+def test_rendered_script(tmp_path: Path, hetjob: bool) -> None:
+    r, script = _rendered(tmp_path, hetjob)
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
     for directive in build_request(r).directive_lines:
@@ -526,11 +531,7 @@ def test_rendered_script(tmp_path: Path, hetjob: bool) -> None:
 @pytest.mark.shellcheck
 @pytest.mark.parametrize("hetjob", [False, True])
 def test_rendered_script_is_shellcheck_clean(tmp_path: Path, hetjob: bool) -> None:
-    changes: dict = {"slurm.extra_sbatch": ["--mail-type=END"]}
-    if hetjob:
-        changes["generation.slurm"] = {"partition": "gen"}
-    r = load_resolved(with_changes(tmp_path, changes))
-    _shellcheck(tmp_path, render_sbatch(r, rl_launch=["/opt/venv with space/bin/rl-launch"]))
+    _shellcheck(tmp_path, _rendered(tmp_path, hetjob)[1])
 
 
 def test_render_finds_an_rl_launch(tmp_path: Path) -> None:
