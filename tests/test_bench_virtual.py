@@ -8,8 +8,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from launcher.bench.virtual import VirtualClockLoop, compare_virtual, run_virtual_arm
-from launcher.bench.workload import generate
+from launcher.bench.virtual import VirtualClockLoop, compare_virtual, oracle_placement, run_virtual_arm
+from launcher.bench.workload import generate, session_work
 from launcher.cli import main
 from launcher.engines.sim.config import SimConfig
 
@@ -72,3 +72,15 @@ def test_cli_prints_per_seed_rows_means_and_margins(tmp_path: Path) -> None:
     assert bad.exit_code != 0 and "unknown arm" in bad.output
     bad = CliRunner().invoke(main, ["bench", "virtual", "direct", "--sim-opt", "speed=0"])
     assert bad.exit_code != 0 and "--sim-opt" in bad.output
+
+
+def test_oracle_pins_sessions_to_balance_their_work() -> None:
+    trace = generate("longtail", seed=3, scale=0.1)
+    pins = oracle_placement(trace, 4)
+    work = [0, 0, 0, 0]
+    for s in trace.sessions:
+        work[pins[s.id]] += session_work(trace, s)
+    biggest = max(session_work(trace, s) for s in trace.sessions)
+    assert max(work) - min(work) <= biggest  # longest-first greedy is within one session of even
+    row = run_virtual_arm(trace, "oracle", n_engines=4).row(len(trace.sessions))
+    assert row["moves"] == 0 and row["errors"] == 0

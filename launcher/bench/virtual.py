@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import random
 import selectors
 import statistics
@@ -43,7 +44,6 @@ know. Its figures are a yardstick for sticky placement, not a target any router 
 
 def oracle_placement(trace: Trace, n_engines: int, turns: int | None = None) -> dict[str, int]:
     """Engine index per session by LPT over each session's work (its first ``turns`` turns if given)."""
-    import heapq
 
     def work(s: Session) -> int:
         return session_work(trace, s if turns is None else dataclasses.replace(s, turns=s.turns[:turns]))
