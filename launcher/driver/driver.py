@@ -204,6 +204,15 @@ class Driver:
         self.job.event("ray_up", f"{1 + len(others)} Ray node(s) alive at {self.ray.address}")
         self._say(f"Ray up: {1 + len(others)} node(s) in {self.timings['ray_start_s']} s")
 
+    def _engine_start_error(self, hosts: list[tuple[EngineHostConfig, Step]]) -> str | None:
+        """The first error an engine host wrote into its listing, naming its node; None if none did."""
+        for cfg, step in hosts:
+            path = Path(cfg.urls_file)
+            listing = _read_json(path) if path.exists() else {}
+            if listing.get("error"):
+                return f"engines on node {step.node} failed to start:\n{listing['error']}"
+        return None
+
     def _engine_config(self, index: int, node: str) -> EngineHostConfig:
         gen = self.spec.generation
         return EngineHostConfig(
@@ -260,10 +269,17 @@ class Driver:
                     f"log {step.log}:\n{step.log_tail()}"
                 ) from None
             except RuntimeError as exc:
-                raise JobFailed(f"engines failed to start: {exc}") from None
+                # A host that gives up writes its reason before exiting; report that reason (it names
+                # the deadline and carries the engine's log tail) rather than the bare exit, whichever
+                # node's listing the loop happened to be waiting on when the other host died.
+                hosts = list(zip(configs, self.engine_steps, strict=True))
+                raise JobFailed(
+                    self._engine_start_error(hosts) or f"engines failed to start: {exc}"
+                ) from None
+            error = self._engine_start_error([(cfg, step)])
+            if error:
+                raise JobFailed(error)
             listing = _read_json(Path(cfg.urls_file))
-            if listing.get("error"):
-                raise JobFailed(f"engines on node {step.node} failed to start:\n{listing['error']}")
             urls += [e["api_url"] for e in listing["engines"]]
             self.job.event(
                 "engines_ready",
