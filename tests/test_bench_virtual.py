@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -23,8 +24,6 @@ def test_clock_jumps_instead_of_sleeping() -> None:
         return t0, loop.time()
 
     try:
-        import time
-
         wall0 = time.monotonic()
         t0, t1 = loop.run_until_complete(nap())
         assert time.monotonic() - wall0 < 1.0

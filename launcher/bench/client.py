@@ -41,6 +41,22 @@ def gym_pin(session_id: str, n: int) -> int:
     return int(hashlib.sha256(session_id.encode()).hexdigest()[:8], 16) % n
 
 
+def gym_chat_payload(
+    model: str, messages: list[dict[str, str]], max_tokens: int, temperature: float = 1.0
+) -> dict[str, Any]:
+    """One turn's body as Gym's vLLM model client sends it (field order included: routers hash the raw
+    bytes). The HTTP client and the virtual-time replay both build it here, so they route the same bytes."""
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
     """Gym 0.7.0's retry rule, bounded for connection errors as well."""
@@ -209,15 +225,7 @@ class ReplayClient:
                     # Tool results go back as a user message: a "tool" role would need a matching
                     # tool_call id in the previous assistant message, which plain-text replies lack.
                     messages.append({"role": "user", "content": turn.tool_output})
-                payload = {
-                    "model": cfg.model,
-                    "messages": messages,
-                    "max_tokens": turn.max_tokens,
-                    "temperature": cfg.temperature,
-                    "logprobs": True,
-                    "top_logprobs": 0,
-                    "return_tokens_as_token_ids": True,
-                }
+                payload = gym_chat_payload(cfg.model, messages, turn.max_tokens, cfg.temperature)
                 t_req = self._now()
                 data, status, attempts, err = await self.post(http, url, orjson.dumps(payload), headers)
                 usage = (data or {}).get("usage") or {}

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from launcher.bench.client import gym_pin
+from launcher.bench.client import gym_chat_payload, gym_pin
 from launcher.bench.report import load_stats, time_to_fraction
 from launcher.bench.workload import Session, Trace, session_work
 from launcher.engines.sim.config import SimConfig
@@ -88,12 +88,12 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
 @dataclass
 class VirtualArmResult:
-    """One arm's outcome; ``row()`` gives the HTTP replay's keys plus ``moves`` and ``preemptions``."""
+    """One arm's outcome; ``row()`` gives the HTTP replay's keys plus ``moves``, ``preemptions`` and the
+    policy's decision counts."""
 
     arm: str
     wall_s: float
     session_done: dict[str, float]
-    first_engine: dict[str, str]
     engine_requests: list[int]
     hit_rate: float
     moves: int
@@ -121,6 +121,7 @@ class VirtualArmResult:
             "moves": self.moves,
             "preemptions": self.preemptions,
             "errors": n_sessions - len(done),
+            "decisions": self.decisions,
         }
 
 
@@ -147,11 +148,10 @@ async def _replay(
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     session_done: dict[str, float] = {}
-    first_engine: dict[str, str] = {}
     last_engine: dict[str, str] = {}
     moves = 0
 
-    async def session(s: Any) -> None:
+    async def session(s: Session) -> None:
         nonlocal moves
         messages: list[dict[str, str]] = [
             {"role": "system", "content": trace.system_prompt(s)},
@@ -160,17 +160,7 @@ async def _replay(
         for k, turn in enumerate(s.turns):
             if k > 0:
                 messages.append({"role": "user", "content": turn.tool_output})
-            body = orjson.dumps(
-                {
-                    "model": config.model_name,
-                    "messages": messages,
-                    "max_tokens": turn.max_tokens,
-                    "temperature": 1.0,
-                    "logprobs": True,
-                    "top_logprobs": 0,
-                    "return_tokens_as_token_ids": True,
-                }
-            )
+            body = orjson.dumps(gym_chat_payload(config.model_name, messages, turn.max_tokens))
             if pinned is not None:
                 url = urls[pinned[s.id]]
             elif policy is None:
@@ -181,7 +171,6 @@ async def _replay(
             if k > 0 and last_engine.get(s.id) != url:
                 moves += 1
             last_engine[s.id] = url
-            first_engine.setdefault(s.id, url)
             if on_decision is not None:
                 on_decision(s.id, k, url)
             params = parse_generation("chat", orjson.loads(body), config)
@@ -211,7 +200,6 @@ async def _replay(
         arm=arm,
         wall_s=wall,
         session_done=session_done,
-        first_engine=first_engine,
         engine_requests=[sum(schedulers[u].stats.success.values()) for u in urls],
         hit_rate=hits / queries if queries else 0.0,
         moves=moves,
