@@ -17,7 +17,7 @@ pull nearly all traffic onto one engine. Here three rules replace it:
   backend, ties broken at random;
 * and, because a request count cannot tell a 2k-token session from a 30k-token one, the same check on
   the bytes of request bodies in flight (``LoadTracker`` counts them): a holder may take the request only
-  while its bytes plus this request's stay under ``byte_load_factor * mean + the request's own size``.
+  while the bytes it already has in flight are within ``byte_load_factor * mean`` (this request counted).
   A multi-turn request resends its whole context, so body bytes in flight track the KV each engine holds
   and the context every one of its decode steps reads. The byte bound has no additive slack: on a nearly
   idle fleet it turns a GRPO group's second identical first turn away from the engine holding the first
@@ -107,12 +107,12 @@ class CacheAware(Policy):
         return math.ceil(self.load_factor * (load.total_in_flight + 1) / n) + self.load_slack
 
     def byte_cap(self, load: LoadTracker, weight: int) -> float | None:
-        """A backend whose in-flight body bytes plus this request's stay within this may take it by
-        affinity; None when the byte bound is off."""
+        """A backend whose in-flight body bytes are within this may take a request of ``weight`` bytes
+        by affinity (the mean counts that request); None when the byte bound is off."""
         if not self.byte_load_factor:
             return None
         n = max(len(load), 1)
-        return self.byte_load_factor * (load.total_bytes_in_flight + weight) / n + weight
+        return self.byte_load_factor * (load.total_bytes_in_flight + weight) / n
 
     def choose(self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()) -> str:
         if len(load) == 0:
@@ -148,7 +148,7 @@ class CacheAware(Policy):
             if url in exclude or url not in load:
                 continue
             busy = load.in_flight(url)
-            if byte_cap is not None and load.bytes_in_flight(url) + weight > byte_cap:
+            if byte_cap is not None and load.bytes_in_flight(url) > byte_cap:
                 continue
             if busy < best_busy:
                 best, best_busy = url, busy
