@@ -71,6 +71,12 @@ def test_cli_prints_per_seed_rows_means_and_margins(tmp_path: Path) -> None:
     assert bad.exit_code != 0 and "unknown arm" in bad.output
     bad = CliRunner().invoke(main, ["bench", "virtual", "direct", "--sim-opt", "speed=0"])
     assert bad.exit_code != 0 and "--sim-opt" in bad.output
+    # a bad policy option is refused before any replay runs, naming the option and the arm
+    for opt in ("no_such_knob=1", "byte_load_factor=0.5"):
+        bad = CliRunner().invoke(main, ["bench", "virtual", "direct", "cache_aware", "--policy-opt", opt])
+        assert bad.exit_code == 2, bad.output
+        assert "--policy-opt" in bad.output and "cache_aware" in bad.output
+        assert "seed" not in bad.output  # no arm was replayed
 
 
 def test_oracle_pins_sessions_to_balance_their_work() -> None:

@@ -524,6 +524,7 @@ def virtual_command(
     """
     from launcher.bench.virtual import ORACLE, compare_virtual, mean_rows
     from launcher.engines.sim.config import SimConfig
+    from router.policies import make_policy
 
     arm_list = list(dict.fromkeys(arms))
     if not arm_list:
@@ -547,14 +548,18 @@ def virtual_command(
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--sim-opt") from None
     policy_options = _kv(policy_opt, "--policy-opt")
+    # Build each policy once before any replay, so a bad option fails at once and by name, and an error
+    # raised later inside a replay is not mistaken for one.
+    for arm in arm_list:
+        if arm not in (DIRECT, ORACLE):
+            try:
+                make_policy(arm, **policy_options)
+            except (TypeError, ValueError) as e:
+                raise click.BadParameter(f"{arm}: {e}", param_hint="--policy-opt") from None
     per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arm_list}
     for s in seed_list:
         trace = generate(workload, s, scale, group_size, turn_scale=turn_scale, max_tokens=max_tokens)
-        try:
-            rows = compare_virtual(trace, arm_list, engines, config, policy_options)
-        except TypeError as e:
-            raise click.BadParameter(str(e), param_hint="--policy-opt") from None
-        for row in rows:
+        for row in compare_virtual(trace, arm_list, engines, config, policy_options):
             row["seed"] = s
             per_arm[row["arm"]].append(row)
             click.echo(

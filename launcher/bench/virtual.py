@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from launcher.bench.arms import DIRECT
 from launcher.bench.client import gym_chat_payload, gym_pin
 from launcher.bench.report import load_stats, time_to_fraction
 from launcher.bench.workload import Session, Trace, session_work
@@ -45,15 +46,16 @@ know. Its figures are a yardstick for sticky placement, not a target any router 
 def oracle_placement(trace: Trace, n_engines: int, turns: int | None = None) -> dict[str, int]:
     """Engine index per session by LPT over each session's work (its first ``turns`` turns if given)."""
 
-    def work(s: Session) -> int:
-        return session_work(trace, s if turns is None else dataclasses.replace(s, turns=s.turns[:turns]))
-
+    work = {
+        s.id: session_work(trace, s if turns is None else dataclasses.replace(s, turns=s.turns[:turns]))
+        for s in trace.sessions
+    }
     heap = [(0, i) for i in range(n_engines)]
     out: dict[str, int] = {}
-    for s in sorted(trace.sessions, key=work, reverse=True):
+    for sid in sorted(work, key=work.__getitem__, reverse=True):
         total, i = heapq.heappop(heap)
-        out[s.id] = i
-        heapq.heappush(heap, (total + work(s), i))
+        out[sid] = i
+        heapq.heappush(heap, (total + work[sid], i))
     return out
 
 
@@ -142,7 +144,7 @@ async def _replay(
     policy = None
     if arm == ORACLE:
         pinned = oracle_placement(trace, n_engines, policy_options.get("turns"))
-    elif arm != "direct":
+    elif arm != DIRECT:
         policy = make_policy(arm, **dict(policy_options))
     load = LoadTracker(urls, rng=random.Random(seed))
     loop = asyncio.get_running_loop()
@@ -241,7 +243,7 @@ def compare_virtual(
     n = len(trace.sessions)
     return [
         run_virtual_arm(
-            trace, arm, n_engines, config, {} if arm == "direct" else policy_options, seed=seed
+            trace, arm, n_engines, config, {} if arm == DIRECT else policy_options, seed=seed
         ).row(n)
         for arm in arms
     ]
