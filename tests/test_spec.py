@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 from importlib import resources
 from pathlib import Path
@@ -659,3 +660,45 @@ def test_submit_surfaces_sbatchs_refusal(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(SubmitError, match="invalid partition specified: batch"):
         submit_job(load_resolved(write(tmp_path, BASE)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Layering: what `rl-launch --help` / `validate` import, and no import cycle between spec and slurm
+# --------------------------------------------------------------------------------------------------
+
+HEAVY_MODULES = ("aiohttp", "ray", "numpy", "submitit", "router.server", "router.cli", "launcher.bench.cli")
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint('\\n'.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    ).stdout
+    return set(out.split())
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["validate", "examples/slurm-sim.yaml"]])
+def test_help_and_validate_import_nothing_heavy(argv: list[str]) -> None:
+    code = f"from launcher.cli import main\nmain({argv!r}, standalone_mode=False)"
+    loaded = _modules_after(code)
+    assert "launcher.spec" in loaded or argv == ["--help"]
+    assert sorted(m for m in HEAVY_MODULES if m in loaded) == []
+
+
+def test_lazy_command_list_matches_the_commands_own_help() -> None:
+    from launcher.cli import COMMANDS, load_command
+
+    for name, (_, _, short) in COMMANDS.items():
+        command = load_command(name)
+        assert command.name == name
+        assert command.get_short_help_str(limit=10**6) == short
+
+
+def test_spec_and_slurm_packages_do_not_import_each_other_in_a_cycle() -> None:
+    # the spec uses the pure Slurm syntax modules; the request builder reads the spec, not the reverse
+    assert "launcher.spec" not in _modules_after("import launcher.slurm.time, launcher.slurm.options")
+    loaded = _modules_after("import launcher.spec")
+    assert "launcher.slurm.request" not in loaded and "launcher.slurm.nodes" not in loaded
