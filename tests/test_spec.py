@@ -379,9 +379,10 @@ def test_single_allocation_request(tmp_path: Path) -> None:
         "slurm_account": "acct",
         "slurm_mem": "0",
         "slurm_exclusive": True,
-        "slurm_additional_parameters": {"mail-type": "END", "requeue": True},
-        "slurm_srun_args": list(req.srun_args),
+        "slurm_use_srun": False,
+        "slurm_additional_parameters": {"mail-type": "END", "requeue": True, "signal": "B:USR2@90"},
     }
+    assert "#SBATCH --signal=B:USR2@90" in lines
 
 
 def test_submitit_accepts_the_parameters(tmp_path: Path) -> None:
@@ -393,6 +394,15 @@ def test_submitit_accepts_the_parameters(tmp_path: Path) -> None:
     assert params is not None
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
     executor.update_parameters(**params)  # raises on any name or value submitit does not accept
+    # the batch script submitit would write: our warning signal replaces its --signal=USR2@90 (which
+    # every step received), and the setup line execs the driver so the batch shell is the driver
+    inner = executor._executor  # type: ignore[attr-defined]
+    request = build_request(load_resolved(path))
+    executor.update_parameters(slurm_setup=request.submitit_setup_for(executor))
+    text = inner._make_submission_file_text(inner._submitit_command_str, "uid")
+    signals = [line for line in text.splitlines() if "--signal" in line]
+    assert signals == ["#SBATCH --signal=B:USR2@90"]
+    assert f"exec {inner._submitit_command_str}" in text.splitlines()
 
 
 def test_gres_gpu_request(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ MANAGED_SBATCH_OPTIONS: dict[str, str] = {
     "job-name": "set name instead",
     "output": "set job_root instead (the batch log goes there)",
     "error": "set job_root instead (the batch log goes there)",
+    "signal": "the launcher warns the driver before the time limit (B:USR2); remove it",
     "hetjob": "set training.slurm / generation.slurm; the launcher decides when a hetjob is needed",
     "packjob": "set training.slurm / generation.slurm; the launcher decides when a hetjob is needed",
 }

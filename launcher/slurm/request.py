@@ -24,10 +24,11 @@ Layout: heterogeneous job (when Slurm forces it)
     must not inherit by accident (time, account, QOS, partition, resources) are written into every
     component explicitly rather than relying on Slurm's option propagation rules.
 
-Containers (pyxis/enroot): the container does not wrap the batch script (the driver runs on the host of
-the first node, where ``srun`` exists); it wraps the steps the driver starts with ``srun``.
-``SlurmRequest.srun_args`` holds those ``--container-*`` arguments; under submitit they are the
-``slurm_srun_args``.
+Containers (pyxis/enroot) and the time-limit warning: ``launcher.slurm.srun`` (the batch shell ``exec``s
+the driver, in a container step when the spec has one; every step carries the ``--container-*``
+arguments; ``--signal=B:USR2@N`` warns the driver alone). Both submit paths use the same launch line:
+the rendered script writes it, and under submitit it is the ``slurm_setup`` line (``submitit_setup``),
+which ``exec``s before submitit's own command line is reached.
 
 Time strings: ``launcher.slurm.time``; ``extra_sbatch`` syntax: ``launcher.slurm.options``; the node
 split: ``launcher.slurm.nodes``.
@@ -35,11 +36,13 @@ split: ``launcher.slurm.nodes``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from launcher.slurm.options import parse_sbatch_option
+from launcher.slurm.srun import container_args, driver_launch_line, signal_option
+from launcher.slurm.time import parse_time
 
 if TYPE_CHECKING:
     from launcher.spec import ResolvedResources, ResolvedSpec
@@ -71,7 +74,28 @@ class SlurmRequest:
     components: tuple[SlurmComponent, ...]
     submitit_parameters: dict[str, Any] | None
     srun_args: tuple[str, ...] = ()
-    """pyxis ``--container-*`` arguments for every ``srun`` step the driver starts (empty: no container)."""
+    """pyxis ``--container-*`` arguments of every ``srun`` step, the driver's included (empty: no
+    container)."""
+    signal: str = ""
+    """``--signal`` value (``B:USR2@N``): the time-limit warning, to the batch shell (the driver) only."""
+
+    def driver_line(self, command: str) -> str:
+        """The batch script's command line: ``exec`` of ``command`` (shell text), in a container step
+        when there is a container (``launcher.slurm.srun.driver_launch_line``)."""
+        return driver_launch_line(self.srun_args, command)
+
+    def submitit_setup(self, submitit_command: str) -> list[str]:
+        """``slurm_setup`` lines for submitit: the driver line around submitit's own command, so that the
+        batch shell becomes the driver (or its ``srun``) and receives the ``B:`` warning signal."""
+        # submitit exports this just before its own command line, which the exec never reaches
+        return ["export SUBMITIT_EXECUTOR=slurm", self.driver_line(submitit_command)]
+
+    def submitit_setup_for(self, executor: Any) -> list[str]:
+        """``submitit_setup`` for a ``submitit.AutoExecutor`` on Slurm. submitit has no public name for
+        the command line it writes last (``python -u -m submitit.core._submit FOLDER``), so it is read
+        from its Slurm executor; ``tests/test_spec.py`` checks the submission file it then writes."""
+        return self.submitit_setup(executor._executor._submitit_command_str)
+
     log_pattern: str = ""
     """Where Slurm writes the batch script's output (``%j`` = job id); its directory must exist."""
 
@@ -124,17 +148,8 @@ def log_pattern(resolved: ResolvedSpec) -> str:
 
 
 def container_srun_args(resolved: ResolvedSpec) -> tuple[str, ...]:
-    """pyxis arguments for the driver's ``srun`` steps (see the module docstring)."""
-    slurm = resolved.slurm
-    if slurm is None or slurm.container is None:
-        return ()
-    c = slurm.container
-    args = [f"--container-image={c.image}"]
-    if c.mounts:
-        args.append(f"--container-mounts={','.join(c.mounts)}")
-    if c.workdir:
-        args.append(f"--container-workdir={c.workdir}")
-    return tuple(args)
+    """pyxis arguments for every ``srun`` step of the job (``launcher.slurm.srun.container_args``)."""
+    return container_args(resolved.slurm.container) if resolved.slurm is not None else ()
 
 
 def build_request(resolved: ResolvedSpec) -> SlurmRequest:
@@ -149,6 +164,8 @@ def build_request(resolved: ResolvedSpec) -> SlurmRequest:
     job_wide = [f"--job-name={resolved.name}", f"--output={log}", "--open-mode=append"]
     shared = [f"--time={slurm.time}"] + ([f"--account={slurm.account}"] if slurm.account else [])
     srun_args = container_srun_args(resolved)
+    signal = signal_option(parse_time(slurm.time))
+    job_wide.append(f"--signal={signal}")
 
     if slurm.layout == "single":
         nodes = resolved.training.nodes + resolved.generation.nodes
@@ -157,8 +174,9 @@ def build_request(resolved: ResolvedSpec) -> SlurmRequest:
         return SlurmRequest(
             layout="single",
             components=(component,),
-            submitit_parameters=submitit_parameters(resolved, nodes, gen_res, srun_args),
+            submitit_parameters=submitit_parameters(resolved, nodes, gen_res, signal),
             srun_args=srun_args,
+            signal=signal,
             log_pattern=log,
         )
 
@@ -184,17 +202,22 @@ def build_request(resolved: ResolvedSpec) -> SlurmRequest:
         components=(training, generation),
         submitit_parameters=None,
         srun_args=srun_args,
+        signal=signal,
         log_pattern=log,
     )
 
 
 def submitit_parameters(
-    resolved: ResolvedSpec, nodes: int, res: ResolvedResources, srun_args: Sequence[str]
+    resolved: ResolvedSpec, nodes: int, res: ResolvedResources, signal: str
 ) -> dict[str, Any]:
     """``submitit.AutoExecutor.update_parameters`` keywords for the single allocation.
 
     Generic names where submitit has them (``nodes``, ``timeout_min``...), ``slurm_``-prefixed ones
     otherwise; extras become ``slurm_additional_parameters`` (submitit writes each as ``--key=value``).
+    ``signal`` replaces submitit's own ``--signal=USR2@90`` (sent to every step: engines and Ray workers
+    died of it 90 s before the limit): submitit applies additional parameters after its own.
+    ``slurm_use_srun`` is off: the driver runs once, and starts every other process itself. The caller
+    adds ``slurm_setup`` (``SlurmRequest.submitit_setup``), which needs submitit's command line.
     The job name and output paths are left to the caller: submitit owns its folder layout.
     """
     slurm = resolved.slurm
@@ -204,6 +227,7 @@ def submitit_parameters(
         "nodes": nodes,
         "tasks_per_node": 1,
         "timeout_min": slurm.time_min,
+        "slurm_use_srun": False,
     }
     if res.cpus_per_task is not None:
         params["cpus_per_task"] = res.cpus_per_task
@@ -223,9 +247,7 @@ def submitit_parameters(
             params[key] = value
     if res.exclusive:
         params["slurm_exclusive"] = True
-    additional = dict(parse_sbatch_option(opt) for opt in res.extra_sbatch)
-    if additional:
-        params["slurm_additional_parameters"] = additional
-    if srun_args:
-        params["slurm_srun_args"] = list(srun_args)
+    additional: dict[str, Any] = dict(parse_sbatch_option(opt) for opt in res.extra_sbatch)
+    additional["signal"] = signal
+    params["slurm_additional_parameters"] = additional
     return params
