@@ -109,9 +109,7 @@ def render_sbatch(
 def driver_command(rl_launch: Sequence[str], spec_path: str, overrides: Sequence[str] = ()) -> str:
     """Shell text of the driver's command line in the batch script (``$job_dir`` set by the script)."""
     sets = [arg for o in overrides for arg in ("--set", o)]
-    return (
-        f"{shlex.join([*rl_launch, 'submit', spec_path, *sets])} --in-allocation --job-dir \"$job_dir\""
-    )
+    return f'{shlex.join([*rl_launch, "submit", spec_path, *sets])} --in-allocation --job-dir "$job_dir"'
 
 
 def default_script_path(resolved: ResolvedSpec) -> Path:

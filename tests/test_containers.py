@@ -144,7 +144,7 @@ def test_hetjob_request_and_submitit_request_carry_the_container(tmp_path: Path)
     assert list(single.srun_args) == CONTAINER_FLAGS
     assert single.submitit_setup("python -u -m submitit.core._submit /f") == [
         "export SUBMITIT_EXECUTOR=slurm",
-        driver_launch_line(CONTAINER_FLAGS, "python -u -m submitit.core._submit /f")
+        driver_launch_line(CONTAINER_FLAGS, "python -u -m submitit.core._submit /f"),
     ]
     het = build_request(
         load_resolved(

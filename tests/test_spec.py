@@ -6,11 +6,14 @@ and assert it was never called.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -712,3 +715,136 @@ def test_spec_and_slurm_packages_do_not_import_each_other_in_a_cycle() -> None:
     assert "launcher.spec" not in _modules_after("import launcher.slurm.time, launcher.slurm.options")
     loaded = _modules_after("import launcher.spec")
     assert "launcher.slurm.request" not in loaded and "launcher.slurm.nodes" not in loaded
+
+
+# --------------------------------------------------------------------------------------------------
+# --set overrides, --json, the resolved snapshot
+# --------------------------------------------------------------------------------------------------
+
+
+def test_set_overrides_are_parsed_as_yaml_and_validated_like_the_file(tmp_path: Path) -> None:
+    path = with_changes(tmp_path, {})
+    r = load_resolved(
+        path,
+        [
+            "generation.nodes=4",
+            "slurm.time=1:30:00",  # stays a string (no base-60 int), normalized like the file's
+            "generation.vllm_args=[--max-model-len, 8192]",
+            "training.env.NCCL_DEBUG=WARN",  # creates the mapping entry
+            "slurm.exclusive=true",
+        ],
+    )
+    assert r.generation.nodes == 4 and r.total_nodes == 5
+    assert r.slurm is not None and r.slurm.time == "01:30:00" and r.generation.resources.exclusive is True
+    assert r.generation.vllm_args == ("--max-model-len", "8192")
+    assert r.training.env == {"NCCL_DEBUG": "WARN"}
+    assert load_resolved(path).generation.nodes == 2  # the file itself is unchanged
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("generation.nodes=x", "--set generation.nodes=x: must be an integer (got 'x')"),
+        ("generation.nodez=3", "--set generation.nodez=3: unknown field; did you mean 'nodes'?"),
+        ("generation.nodes", "--set generation.nodes: expected KEY.PATH=VALUE"),
+        ("training.command.x=1", "--set training.command.x=1: training.command is not a section"),
+        (
+            "generation.tensor_parallel_size=16",
+            "--set generation.tensor_parallel_size=16: tensor_parallel_size",
+        ),
+    ],
+)
+def test_set_errors_name_the_override(tmp_path: Path, override: str, message: str) -> None:
+    with pytest.raises(SpecError) as err:
+        load_resolved(with_changes(tmp_path, {}), [override])
+    assert message in str(err.value)
+
+
+def test_cli_set_on_validate_render_and_submit_dry_run(tmp_path: Path, no_sbatch: Path) -> None:
+    path = with_changes(tmp_path, {})
+    runner = CliRunner()
+    ok = runner.invoke(main, ["validate", str(path), "--set", "generation.nodes=3"])
+    assert ok.exit_code == 0 and "generation: 3 node(s)" in ok.output
+    bad = runner.invoke(main, ["validate", str(path), "--set", "generation.nodes=x"])
+    assert bad.exit_code == 2 and "--set generation.nodes=x: must be an integer" in bad.output
+    script = runner.invoke(main, ["render", str(path), "-o", "-", "--set", "generation.nodes=3"]).output
+    assert "#SBATCH --nodes=4" in script
+    assert script.splitlines()[-1].endswith(
+        f'submit {path} --set generation.nodes=3 --in-allocation --job-dir "$job_dir"'
+    )
+    dry = runner.invoke(main, ["submit", str(path), "--dry-run", "--set", "generation.nodes=3"])
+    assert dry.exit_code == 0 and "#SBATCH --nodes=4" in dry.output
+    assert not no_sbatch.exists() or no_sbatch.read_text() == ""
+
+
+def test_cli_validate_json(tmp_path: Path) -> None:
+    path = with_changes(tmp_path, {})
+    ok = CliRunner().invoke(main, ["validate", str(path), "--json"])
+    data = json.loads(ok.output)
+    assert ok.exit_code == 0 and data["ok"] is True and data["resolved"]["generation"]["num_engines"] == 16
+    bad = CliRunner().invoke(main, ["validate", str(path), "--json", "--set", "generation.nodes=0"])
+    data = json.loads(bad.output)
+    assert bad.exit_code == 2 and data["ok"] is False
+    assert data["issues"] == [
+        {"path": "--set generation.nodes=0", "line": None, "message": "must be >= 1 (got 0)"}
+    ]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_resolved_snapshot_round_trips(example: Path, tmp_path: Path) -> None:
+    from launcher.spec import load_snapshot
+
+    resolved = load_resolved(example)
+    snapshot = tmp_path / "spec.resolved.yaml"
+    snapshot.write_text(resolved.to_yaml())
+    assert load_snapshot(snapshot) == resolved
+
+
+def test_snapshot_errors_name_the_file(tmp_path: Path) -> None:
+    from launcher.spec import load_snapshot
+
+    data = yaml.safe_load(load_resolved(EXAMPLES[0]).to_yaml())
+    data["generation"]["surprise"] = 1
+    bad = tmp_path / "snap.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(SpecError, match=r"snap\.yaml: generation\.surprise: "):
+        load_snapshot(bad)
+    with pytest.raises(SpecError, match="no such file"):
+        load_snapshot(tmp_path / "missing.yaml")
+
+
+# --------------------------------------------------------------------------------------------------
+# Hostile YAML: alias bombs and deep nesting are refused at once, with one line
+# --------------------------------------------------------------------------------------------------
+
+ALIAS_BOMB = "\n".join(
+    ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    + [
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]"
+        for i in range(8)
+    ]
+    + ["name: *i", "training: {command: x}"]
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (ALIAS_BOMB, "expands to more than 100,000 values once aliases (*name) are followed"),
+        ("name: " + "[" * 5000 + "]" * 5000, "nested more than 64 levels deep"),
+        ("name: &a [*a]\ntraining: {command: x}", "refers to a node that contains it"),
+    ],
+    ids=["alias-bomb", "deep-nesting", "recursive-alias"],
+)
+def test_hostile_yaml_is_refused_in_one_line_at_once(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    start = time.monotonic()
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    elapsed = time.monotonic() - start
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and re.match(rf"{re.escape(str(path))}:\d+: YAML refused: ", lines[0])
+    assert message in lines[0]
+    assert elapsed < 5  # bounded work (the bomb took > 50 s before); the target (< 1 s) is printed by bench
