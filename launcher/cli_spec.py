@@ -235,6 +235,16 @@ def submit_command(
     if dry_run:
         _print_dry_run(spec, resolved)
         return
+    if resolved.cluster == "slurm":
+        from launcher.slurm.commands import SlurmCommandMissing, require
+
+        try:
+            if in_allocation:
+                require(["srun"], "running the driver in an allocation")
+            else:
+                require(["sbatch", "srun"], f"submitting {spec} (cluster: slurm)")
+        except SlurmCommandMissing as exc:
+            raise click.ClickException(str(exc)) from None
     from launcher.submit import SubmitError, submit_job
 
     try:

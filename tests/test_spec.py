@@ -388,7 +388,9 @@ def test_single_allocation_request(tmp_path: Path) -> None:
     assert "#SBATCH --signal=B:USR2@90" in lines
 
 
-def test_submitit_accepts_the_parameters(tmp_path: Path) -> None:
+def test_submitit_accepts_the_parameters(tmp_path: Path, no_sbatch: Path) -> None:
+    # no_sbatch: submitit's Slurm executor wants an `srun` on PATH (a recording one that must stay unused),
+    # so this runs, and means the same, on a machine without Slurm
     submitit = pytest.importorskip("submitit")
     path = with_changes(
         tmp_path, {"slurm.qos": "high", "slurm.constraint": "h100", "slurm.extra_sbatch": ["--requeue"]}
@@ -406,6 +408,7 @@ def test_submitit_accepts_the_parameters(tmp_path: Path) -> None:
     signals = [line for line in text.splitlines() if "--signal" in line]
     assert signals == ["#SBATCH --signal=B:USR2@90"]
     assert f"exec {inner._submitit_command_str}" in text.splitlines()
+    assert not no_sbatch.exists()
 
 
 def test_gres_gpu_request(tmp_path: Path) -> None:
@@ -640,6 +643,11 @@ def test_cli_submit_dry_run_hetjob(tmp_path: Path, no_sbatch: Path) -> None:
 def test_cli_submit_calls_submit_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple] = []
     monkeypatch.setattr("launcher.submit.submit_job", lambda spec, **kw: calls.append((spec, kw)))
+    bin_dir = tmp_path / "bin"  # --in-allocation checks that srun exists (a Slurm-less machine has none)
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     path = write(tmp_path, BASE)
     result = CliRunner().invoke(
         main, ["submit", str(path), "--in-allocation", "--job-dir", str(tmp_path / "jd"), "--follow"]
@@ -670,9 +678,27 @@ def test_submit_surfaces_sbatchs_refusal(tmp_path: Path, monkeypatch: pytest.Mon
     fake = bin_dir / "sbatch"
     fake.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: batch' >&2\nexit 1\n")
     fake.chmod(0o755)
+    srun = bin_dir / "srun"  # submitit's Slurm executor wants one on PATH; it is never run here
+    srun.write_text("#!/bin/sh\nexit 1\n")
+    srun.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(SubmitError, match="invalid partition specified: batch"):
         submit_job(load_resolved(write(tmp_path, BASE)))
+
+
+def test_submit_without_slurm_commands_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))  # no sbatch, no srun
+    spec = write(tmp_path, BASE)
+    result = CliRunner().invoke(main, ["submit", str(spec)])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"Error: `sbatch` and `srun` not found on PATH, and submitting {spec} (cluster: slurm) needs the "
+        "Slurm client: run it on a Slurm login node (or add Slurm's bin directory to PATH), or set "
+        "`cluster: local` to run on this machine"
+    ]
+    assert not (tmp_path / "jobs").exists()  # nothing was started or written
 
 
 # --------------------------------------------------------------------------------------------------
