@@ -874,3 +874,18 @@ def test_hostile_yaml_is_refused_in_one_line_at_once(tmp_path: Path, text: str, 
     assert len(lines) == 1 and re.match(rf"{re.escape(str(path))}:\d+: YAML refused: ", lines[0])
     assert message in lines[0]
     assert elapsed < 5  # bounded work (the bomb took > 50 s before); the target (< 1 s) is printed by bench
+
+
+def test_job_outputs_default_into_the_job_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a job (the driver exports the job directory), the replay's default results and the
+    simulator's scratch files go into it, not into the submit directory or a shared /tmp."""
+    from launcher.bench.cli import default_results_dir
+    from launcher.engines.sim.process import scratch_root
+
+    monkeypatch.delenv("RL_JOB_DIR", raising=False)
+    monkeypatch.delenv("RL_LAUNCH_JOB_DIR", raising=False)
+    assert default_results_dir() == Path("bench/results") and scratch_root() is None
+    monkeypatch.setenv("RL_JOB_DIR", str(tmp_path / "job"))
+    monkeypatch.setenv("RL_LAUNCH_JOB_DIR", str(tmp_path / "job"))
+    assert default_results_dir() == tmp_path / "job" / "bench"
+    assert scratch_root() == str(tmp_path / "job" / "scratch") and (tmp_path / "job" / "scratch").is_dir()
