@@ -1,44 +1,88 @@
-"""The ``rl-launch`` command group. Subcommands live in their own modules and are registered here."""
+"""The ``rl-launch`` command group. Subcommands live in their own modules and are loaded on demand.
+
+Why lazy: ``rl-launch --help`` and ``rl-launch validate`` must not pay for aiohttp, Ray, numpy or the
+router server (importing every subcommand took ~0.6 s before any work). Each command is named here with
+the module that defines it and its one-line help (for the command list); the module is imported only
+when that command runs or asks for its own ``--help``. ``tests/test_spec.py`` checks that the help lines
+here match the commands' own.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 import click
 
 from launcher import __version__
 
+# name -> (module, attribute, short help shown by `rl-launch --help`)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "bench": (
+        "launcher.bench.cli",
+        "bench_group",
+        "Benchmarks: replay an RL rollout step (Gym-like client) against engines and routers.",
+    ),
+    "cancel": (
+        "launcher.cli_jobs",
+        "cancel_command",
+        "Cancel a job: scancel (the driver tears everything down on SIGTERM), or SIGTERM a local driver.",
+    ),
+    "list": ("launcher.cli_jobs", "list_command", "The jobs under the job root, oldest first."),
+    "logs": ("launcher.cli_jobs", "logs_command", "Print a job's logs from its job directory."),
+    "render": (
+        "launcher.cli_spec",
+        "render_command",
+        "Write the standalone sbatch script of a job spec (submit it with `sbatch FILE`).",
+    ),
+    "router": ("router.cli", "router_command", "Run the generation router in the foreground."),
+    "status": (
+        "launcher.status.cli",
+        "status_command",
+        "Show a job's fleet: router and per-engine load, latency, cache and health, and the last events.",
+    ),
+    "submit": (
+        "launcher.cli_spec",
+        "submit_command",
+        "Submit a job spec to Slurm (or run it locally with cluster: local).",
+    ),
+    "validate": (
+        "launcher.cli_spec",
+        "validate_command",
+        "Check a job spec; print OK and a summary, or every problem (exit status 2).",
+    ),
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+def load_command(name: str) -> click.Command:
+    module, attr, _ = COMMANDS[name]
+    command = getattr(importlib.import_module(module), attr)
+    assert isinstance(command, click.Command)
+    return command
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported when used; the command list uses ``COMMANDS``' help."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return load_command(cmd_name) if cmd_name in COMMANDS else None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        limit = formatter.width - 6 - max(len(name) for name in COMMANDS)
+        rows = []
+        for name in sorted(COMMANDS):
+            rows.append((name, click.utils.make_default_short_help(COMMANDS[name][2], limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="rl-launch")
 def main() -> None:
     """Launch RL post-training jobs: vLLM fleets behind one stable generation router."""
 
 
-def _register() -> None:
-    from router.cli import router_command
-
-    main.add_command(router_command)
-
-    from launcher.bench.cli import bench_group
-
-    main.add_command(bench_group)
-
-    from launcher.cli_spec import render_command, submit_command, validate_command
-
-    main.add_command(validate_command)
-    main.add_command(render_command)
-    main.add_command(submit_command)
-
-    from launcher.cli_jobs import cancel_command, list_command, logs_command
-
-    main.add_command(list_command)
-    main.add_command(cancel_command)
-    main.add_command(logs_command)
-
-    from launcher.status.cli import status_command
-
-    main.add_command(status_command)
-
-
-_register()
 if __name__ == "__main__":
     main()

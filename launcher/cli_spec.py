@@ -8,21 +8,39 @@ ran and failed" (1). ``submit --dry-run`` only reads and prints: it never import
 
 from __future__ import annotations
 
+import json
+import shlex
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import yaml
 
 from launcher.spec import ResolvedSpec, SpecError, load_resolved
 
+if TYPE_CHECKING:
+    from launcher.slurm.request import SlurmRequest
+
 _SPEC_ARG = click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+_SET_OPT = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY.PATH=VALUE",
+    help="Override one spec field (repeatable), e.g. --set generation.nodes=4; VALUE is read as YAML.",
+)
 
 
-def _load(spec: Path) -> ResolvedSpec:
+def _load(spec: Path, overrides: tuple[str, ...] = (), as_json: bool = False) -> ResolvedSpec:
     try:
-        return load_resolved(spec)
+        return load_resolved(spec, overrides)
     except SpecError as exc:
-        click.echo(str(exc), err=True)
+        if as_json:
+            issues = [{"path": i.path, "line": i.line, "message": i.message} for i in exc.issues]
+            click.echo(json.dumps({"ok": False, "spec": str(spec), "issues": issues}, indent=2))
+        else:
+            click.echo(str(exc), err=True)
         raise click.exceptions.Exit(2) from None
 
 
@@ -63,9 +81,15 @@ def summarize(resolved: ResolvedSpec) -> list[str]:
 
 @click.command("validate")
 @_SPEC_ARG
-def validate_command(spec: Path) -> None:
+@_SET_OPT
+@click.option("--json", "as_json", is_flag=True, help="Print the result (resolved spec or problems) as JSON.")
+def validate_command(spec: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Check a job spec; print OK and a summary, or every problem (exit status 2)."""
-    resolved = _load(spec)
+    resolved = _load(spec, overrides, as_json)
+    if as_json:
+        payload = {"ok": True, "spec": str(spec), "resolved": resolved.model_dump(mode="json")}
+        click.echo(json.dumps(payload, indent=2))
+        return
     click.echo(f"OK {spec}")
     for line in summarize(resolved):
         click.echo(line)
@@ -73,6 +97,7 @@ def validate_command(spec: Path) -> None:
 
 @click.command("render")
 @_SPEC_ARG
+@_SET_OPT
 @click.option(
     "-o",
     "--output",
@@ -80,19 +105,19 @@ def validate_command(spec: Path) -> None:
     default=None,
     help="Where to write the script ('-' for stdout; default <job_root>/<name>.sbatch).",
 )
-def render_command(spec: Path, output: Path | None) -> None:
+def render_command(spec: Path, overrides: tuple[str, ...], output: Path | None) -> None:
     """Write the standalone sbatch script of a job spec (submit it with `sbatch FILE`)."""
     from launcher.render import render_sbatch, write_sbatch
 
-    resolved = _load(spec)
+    resolved = _load(spec, overrides)
     if resolved.slurm is None:
         raise click.ClickException(
             f"{spec}: cluster is 'local', so there is no sbatch script; run `rl-launch submit {spec}`"
         )
     if output is not None and str(output) == "-":
-        click.echo(render_sbatch(resolved), nl=False)
+        click.echo(render_sbatch(resolved, overrides=overrides), nl=False)
         return
-    path = write_sbatch(resolved, output)
+    path = write_sbatch(resolved, output, overrides=overrides)
     click.echo(f"wrote {path}")
     click.echo(f"submit with: sbatch {path}")
 
@@ -123,16 +148,63 @@ def _print_dry_run(spec: Path, resolved: ResolvedSpec) -> None:
         else:
             click.echo("# submitit parameters (AutoExecutor.update_parameters)")
             click.echo(yaml.safe_dump(request.submitit_parameters, sort_keys=False).rstrip())
-        if request.srun_args:
-            click.echo("")
-            click.echo("# srun arguments of the driver's steps (container)")
-            click.echo(" ".join(request.srun_args))
+        click.echo("")
+        for line in launch_lines(resolved, request):
+            click.echo(line)
     click.echo("")
     click.echo("# dry run: nothing was submitted")
 
 
+def launch_lines(resolved: ResolvedSpec, request: SlurmRequest) -> list[str]:
+    """The command lines that will run: the batch script's last line, and the ``srun`` line of each step
+    the driver starts (node names and ports come from the allocation, so they are placeholders)."""
+    from launcher.slurm.srun import step_command
+
+    if request.submitit_parameters is not None:
+        folder = Path(resolved.job_root) / "submitit" / "%j"
+        inner = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+        where = "the submitit batch script's setup line (its own command line after it is never reached)"
+    else:
+        from launcher.render import driver_command, rl_launch_command
+
+        inner = driver_command(rl_launch_command(), resolved.spec_path or "SPEC")
+        where = "the last line of the batch script (rl-launch render)"
+    gen = resolved.generation
+    gpus = gen.resources.gpus_per_node if gen.resources is not None else 0
+    hetjob = resolved.slurm is not None and resolved.slurm.layout == "hetjob"
+    worker = step_command(
+        node="<node>",
+        name="ray-worker-<node>",
+        log="<job_dir>/logs/ray-worker-<node>.log",
+        argv=["<ray start --address=<head> --block>"],
+        container=request.srun_args,
+        het_group=(0 if hetjob else None),
+    )
+    host = step_command(
+        node="<node>",
+        name="engines-<node>",
+        log="<job_dir>/logs/engine-host-node<i>.log",
+        argv=["<python -m launcher.engines.host --config <job_dir>/engines/node-<i>.json>"],
+        container=request.srun_args,
+        gpus=gpus,
+        het_group=(1 if hetjob else None),
+    )
+    container = "in the container" if request.srun_args else "no container"
+    return [
+        f"# the driver ({container}): {where}",
+        request.driver_line(inner),
+        f"# time-limit warning: --signal={request.signal} (the driver only; it tears the job down)",
+        "# a Ray worker on every node but the driver's (hetjob: --het-group of its component)",
+        " ".join(worker),
+        f"# an engine host on each of the {gen.nodes} generation node(s)",
+        " ".join(host),
+        "# the Ray head, the router and the training command run inside the driver's step",
+    ]
+
+
 @click.command("submit")
 @_SPEC_ARG
+@_SET_OPT
 @click.option(
     "--dry-run", is_flag=True, help="Print the resolved spec and the Slurm request; submit nothing."
 )
@@ -149,15 +221,30 @@ def _print_dry_run(spec: Path, resolved: ResolvedSpec) -> None:
     help="The job's directory (logs, state, Gym overlay); with --in-allocation.",
 )
 def submit_command(
-    spec: Path, dry_run: bool, follow: bool, in_allocation: bool, job_dir: Path | None
+    spec: Path,
+    overrides: tuple[str, ...],
+    dry_run: bool,
+    follow: bool,
+    in_allocation: bool,
+    job_dir: Path | None,
 ) -> None:
     """Submit a job spec to Slurm (or run it locally with cluster: local)."""
     if dry_run and in_allocation:
         raise click.UsageError("--dry-run and --in-allocation exclude each other")
-    resolved = _load(spec)
+    resolved = _load(spec, overrides)
     if dry_run:
         _print_dry_run(spec, resolved)
         return
+    if resolved.cluster == "slurm":
+        from launcher.slurm.commands import SlurmCommandMissing, require
+
+        try:
+            if in_allocation:
+                require(["srun"], "running the driver in an allocation")
+            else:
+                require(["sbatch", "srun"], f"submitting {spec} (cluster: slurm)")
+        except SlurmCommandMissing as exc:
+            raise click.ClickException(str(exc)) from None
     from launcher.submit import SubmitError, submit_job
 
     try:

@@ -55,10 +55,14 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def render_sbatch(resolved: ResolvedSpec, *, rl_launch: Sequence[str] | None = None) -> str:
+def render_sbatch(
+    resolved: ResolvedSpec, *, rl_launch: Sequence[str] | None = None, overrides: Sequence[str] = ()
+) -> str:
     """The sbatch script for ``resolved`` (a ``cluster: slurm`` spec loaded from a file).
 
-    ``rl_launch`` overrides the command found by ``rl_launch_command`` (tests, unusual installs).
+    ``rl_launch`` overrides the command found by ``rl_launch_command`` (tests, unusual installs);
+    ``overrides`` are the ``--set`` arguments the spec was resolved with, passed on to the driver so the
+    job runs the spec that was rendered.
     """
     if resolved.slurm is None:
         raise ValueError(
@@ -97,9 +101,15 @@ def render_sbatch(resolved: ResolvedSpec, *, rl_launch: Sequence[str] | None = N
             job_root=resolved.job_root,
             layout_note=layout_note,
             components=components,
-            command=shlex.join(command),
+            launch=request.driver_line(driver_command(command, resolved.spec_path, overrides)),
         )
     )
+
+
+def driver_command(rl_launch: Sequence[str], spec_path: str, overrides: Sequence[str] = ()) -> str:
+    """Shell text of the driver's command line in the batch script (``$job_dir`` set by the script)."""
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    return f'{shlex.join([*rl_launch, "submit", spec_path, *sets])} --in-allocation --job-dir "$job_dir"'
 
 
 def default_script_path(resolved: ResolvedSpec) -> Path:
@@ -107,10 +117,12 @@ def default_script_path(resolved: ResolvedSpec) -> Path:
     return Path(resolved.job_root) / f"{resolved.name}.sbatch"
 
 
-def write_sbatch(resolved: ResolvedSpec, out: str | os.PathLike[str] | None = None) -> Path:
+def write_sbatch(
+    resolved: ResolvedSpec, out: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
+) -> Path:
     """Render to ``out`` (default ``default_script_path``) and create ``job_root``, since Slurm writes
     the batch log there (``#SBATCH --output``) and silently fails a job whose log directory is missing."""
-    text = render_sbatch(resolved)
+    text = render_sbatch(resolved, overrides=overrides)
     Path(resolved.job_root).mkdir(parents=True, exist_ok=True)
     path = Path(out) if out is not None else default_script_path(resolved)
     path.parent.mkdir(parents=True, exist_ok=True)

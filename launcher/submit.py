@@ -66,6 +66,7 @@ def submit_slurm(spec: ResolvedSpec) -> tuple[str, Path]:
         params = dict(request.submitit_parameters)
         params["slurm_use_srun"] = False
         executor.update_parameters(**params)
+        executor.update_parameters(slurm_setup=request.submitit_setup_for(executor))
         try:
             job = executor.submit(_driver_entry, spec.spec_path)
         except subprocess.CalledProcessError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,18 +30,19 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(vllm_python: str) -> Path:
-    """A tiny random Llama + tokenizer that vLLM can serve, built once and cached on disk.
+def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama + tokenizer that vLLM can serve, built once per test session.
 
-    Cached under ``~/.cache/rl-launch/tiny-llama-v1`` (``$XDG_CACHE_HOME`` respected); building takes
-    ~10 s and needs torch, so it runs in the vLLM venv (see ``tests/tiny_model.py``).
+    Built in a session temp directory (tests write nothing outside pytest's temporary directories; on
+    the local Slurm cluster /tmp is shared with the nodes); building takes ~10 s and needs torch, so it
+    runs in the vLLM venv (see ``tests/tiny_model.py``).
     """
     try:  # tests/ is a package when tests/__init__.py exists, a rootdir on sys.path otherwise
         from tests.tiny_model import ensure_tiny_model
     except ImportError:
         from tiny_model import ensure_tiny_model  # type: ignore[no-redef]
 
-    return ensure_tiny_model(vllm_python)
+    return ensure_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-model") / "tiny-llama")
 
 
 # ============================================================================================
@@ -72,3 +74,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 
 # END CI strictness
+
+
+# ============================================================================================
+# BEGIN test isolation: tests write only under pytest's temporary directories. $HOME points at a
+# session temp directory, so a default that lands in the home directory (a spec without job_root:
+# ~/rl-launch/jobs, as in examples/local.yaml; ~/.cache) lands there instead of the user's home.
+# ============================================================================================
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("home")
+    saved = {key: os.environ.get(key) for key in ("HOME", "XDG_CACHE_HOME")}
+    os.environ["HOME"] = str(home)
+    os.environ.pop("XDG_CACHE_HOME", None)
+    yield home
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+# END test isolation

@@ -6,6 +6,7 @@ what made this test environment); the second must be exactly what CI runs.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -44,3 +45,8 @@ def test_readme_first_command_runs_the_local_job() -> None:
     assert "rollout replay" in out and "cache_aware" in out
     assert "router serving http://127.0.0.1:" in out
     assert re.search(r"finished: training finished \(exit 0\)", out), out[-2000:]
+    # the job's outputs are in its job directory (under the session's $HOME, see conftest), never in
+    # the directory it was started from
+    jobs = list((Path(os.environ["HOME"]) / "rl-launch" / "jobs").glob("local-sim-*"))
+    assert len(jobs) == 1 and (jobs[0] / "replay.json").is_file(), jobs
+    assert not (ROOT / "bench" / "results").exists()

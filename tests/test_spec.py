@@ -6,10 +6,14 @@ and assert it was never called.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import textwrap
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -378,12 +382,15 @@ def test_single_allocation_request(tmp_path: Path) -> None:
         "slurm_account": "acct",
         "slurm_mem": "0",
         "slurm_exclusive": True,
-        "slurm_additional_parameters": {"mail-type": "END", "requeue": True},
-        "slurm_srun_args": list(req.srun_args),
+        "slurm_use_srun": False,
+        "slurm_additional_parameters": {"mail-type": "END", "requeue": True, "signal": "B:USR2@90"},
     }
+    assert "#SBATCH --signal=B:USR2@90" in lines
 
 
-def test_submitit_accepts_the_parameters(tmp_path: Path) -> None:
+def test_submitit_accepts_the_parameters(tmp_path: Path, no_sbatch: Path) -> None:
+    # no_sbatch: submitit's Slurm executor wants an `srun` on PATH (a recording one that must stay unused),
+    # so this runs, and means the same, on a machine without Slurm
     submitit = pytest.importorskip("submitit")
     path = with_changes(
         tmp_path, {"slurm.qos": "high", "slurm.constraint": "h100", "slurm.extra_sbatch": ["--requeue"]}
@@ -392,6 +399,16 @@ def test_submitit_accepts_the_parameters(tmp_path: Path) -> None:
     assert params is not None
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
     executor.update_parameters(**params)  # raises on any name or value submitit does not accept
+    # the batch script submitit would write: our warning signal replaces its --signal=USR2@90 (which
+    # every step received), and the setup line execs the driver so the batch shell is the driver
+    inner = executor._executor  # type: ignore[attr-defined]
+    request = build_request(load_resolved(path))
+    executor.update_parameters(slurm_setup=request.submitit_setup_for(executor))
+    text = inner._make_submission_file_text(inner._submitit_command_str, "uid")
+    signals = [line for line in text.splitlines() if "--signal" in line]
+    assert signals == ["#SBATCH --signal=B:USR2@90"]
+    assert f"exec {inner._submitit_command_str}" in text.splitlines()
+    assert not no_sbatch.exists()
 
 
 def test_gres_gpu_request(tmp_path: Path) -> None:
@@ -626,6 +643,11 @@ def test_cli_submit_dry_run_hetjob(tmp_path: Path, no_sbatch: Path) -> None:
 def test_cli_submit_calls_submit_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple] = []
     monkeypatch.setattr("launcher.submit.submit_job", lambda spec, **kw: calls.append((spec, kw)))
+    bin_dir = tmp_path / "bin"  # --in-allocation checks that srun exists (a Slurm-less machine has none)
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     path = write(tmp_path, BASE)
     result = CliRunner().invoke(
         main, ["submit", str(path), "--in-allocation", "--job-dir", str(tmp_path / "jd"), "--follow"]
@@ -656,6 +678,214 @@ def test_submit_surfaces_sbatchs_refusal(tmp_path: Path, monkeypatch: pytest.Mon
     fake = bin_dir / "sbatch"
     fake.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: batch' >&2\nexit 1\n")
     fake.chmod(0o755)
+    srun = bin_dir / "srun"  # submitit's Slurm executor wants one on PATH; it is never run here
+    srun.write_text("#!/bin/sh\nexit 1\n")
+    srun.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(SubmitError, match="invalid partition specified: batch"):
         submit_job(load_resolved(write(tmp_path, BASE)))
+
+
+def test_submit_without_slurm_commands_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))  # no sbatch, no srun
+    spec = write(tmp_path, BASE)
+    result = CliRunner().invoke(main, ["submit", str(spec)])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"Error: `sbatch` and `srun` not found on PATH, and submitting {spec} (cluster: slurm) needs the "
+        "Slurm client: run it on a Slurm login node (or add Slurm's bin directory to PATH), or set "
+        "`cluster: local` to run on this machine"
+    ]
+    assert not (tmp_path / "jobs").exists()  # nothing was started or written
+
+
+# --------------------------------------------------------------------------------------------------
+# Layering: what `rl-launch --help` / `validate` import, and no import cycle between spec and slurm
+# --------------------------------------------------------------------------------------------------
+
+HEAVY_MODULES = ("aiohttp", "ray", "numpy", "submitit", "router.server", "router.cli", "launcher.bench.cli")
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint('\\n'.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    ).stdout
+    return set(out.split())
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["validate", "examples/slurm-sim.yaml"]])
+def test_help_and_validate_import_nothing_heavy(argv: list[str]) -> None:
+    code = f"from launcher.cli import main\nmain({argv!r}, standalone_mode=False)"
+    loaded = _modules_after(code)
+    assert "launcher.spec" in loaded or argv == ["--help"]
+    assert sorted(m for m in HEAVY_MODULES if m in loaded) == []
+
+
+def test_lazy_command_list_matches_the_commands_own_help() -> None:
+    from launcher.cli import COMMANDS, load_command
+
+    for name, (_, _, short) in COMMANDS.items():
+        command = load_command(name)
+        assert command.name == name
+        assert command.get_short_help_str(limit=10**6) == short
+
+
+def test_spec_and_slurm_packages_do_not_import_each_other_in_a_cycle() -> None:
+    # the spec uses the pure Slurm syntax modules; the request builder reads the spec, not the reverse
+    assert "launcher.spec" not in _modules_after("import launcher.slurm.time, launcher.slurm.options")
+    loaded = _modules_after("import launcher.spec")
+    assert "launcher.slurm.request" not in loaded and "launcher.slurm.nodes" not in loaded
+
+
+# --------------------------------------------------------------------------------------------------
+# --set overrides, --json, the resolved snapshot
+# --------------------------------------------------------------------------------------------------
+
+
+def test_set_overrides_are_parsed_as_yaml_and_validated_like_the_file(tmp_path: Path) -> None:
+    path = with_changes(tmp_path, {})
+    r = load_resolved(
+        path,
+        [
+            "generation.nodes=4",
+            "slurm.time=1:30:00",  # stays a string (no base-60 int), normalized like the file's
+            "generation.vllm_args=[--max-model-len, 8192]",
+            "training.env.NCCL_DEBUG=WARN",  # creates the mapping entry
+            "slurm.exclusive=true",
+        ],
+    )
+    assert r.generation.nodes == 4 and r.total_nodes == 5
+    assert r.slurm is not None and r.slurm.time == "01:30:00" and r.generation.resources.exclusive is True
+    assert r.generation.vllm_args == ("--max-model-len", "8192")
+    assert r.training.env == {"NCCL_DEBUG": "WARN"}
+    assert load_resolved(path).generation.nodes == 2  # the file itself is unchanged
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("generation.nodes=x", "--set generation.nodes=x: must be an integer (got 'x')"),
+        ("generation.nodez=3", "--set generation.nodez=3: unknown field; did you mean 'nodes'?"),
+        ("generation.nodes", "--set generation.nodes: expected KEY.PATH=VALUE"),
+        ("training.command.x=1", "--set training.command.x=1: training.command is not a section"),
+        (
+            "generation.tensor_parallel_size=16",
+            "--set generation.tensor_parallel_size=16: tensor_parallel_size",
+        ),
+    ],
+)
+def test_set_errors_name_the_override(tmp_path: Path, override: str, message: str) -> None:
+    with pytest.raises(SpecError) as err:
+        load_resolved(with_changes(tmp_path, {}), [override])
+    assert message in str(err.value)
+
+
+def test_cli_set_on_validate_render_and_submit_dry_run(tmp_path: Path, no_sbatch: Path) -> None:
+    path = with_changes(tmp_path, {})
+    runner = CliRunner()
+    ok = runner.invoke(main, ["validate", str(path), "--set", "generation.nodes=3"])
+    assert ok.exit_code == 0 and "generation: 3 node(s)" in ok.output
+    bad = runner.invoke(main, ["validate", str(path), "--set", "generation.nodes=x"])
+    assert bad.exit_code == 2 and "--set generation.nodes=x: must be an integer" in bad.output
+    script = runner.invoke(main, ["render", str(path), "-o", "-", "--set", "generation.nodes=3"]).output
+    assert "#SBATCH --nodes=4" in script
+    assert script.splitlines()[-1].endswith(
+        f'submit {path} --set generation.nodes=3 --in-allocation --job-dir "$job_dir"'
+    )
+    dry = runner.invoke(main, ["submit", str(path), "--dry-run", "--set", "generation.nodes=3"])
+    assert dry.exit_code == 0 and "#SBATCH --nodes=4" in dry.output
+    assert not no_sbatch.exists() or no_sbatch.read_text() == ""
+
+
+def test_cli_validate_json(tmp_path: Path) -> None:
+    path = with_changes(tmp_path, {})
+    ok = CliRunner().invoke(main, ["validate", str(path), "--json"])
+    data = json.loads(ok.output)
+    assert ok.exit_code == 0 and data["ok"] is True and data["resolved"]["generation"]["num_engines"] == 16
+    bad = CliRunner().invoke(main, ["validate", str(path), "--json", "--set", "generation.nodes=0"])
+    data = json.loads(bad.output)
+    assert bad.exit_code == 2 and data["ok"] is False
+    assert data["issues"] == [
+        {"path": "--set generation.nodes=0", "line": None, "message": "must be >= 1 (got 0)"}
+    ]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_resolved_snapshot_round_trips(example: Path, tmp_path: Path) -> None:
+    from launcher.spec import load_snapshot
+
+    resolved = load_resolved(example)
+    snapshot = tmp_path / "spec.resolved.yaml"
+    snapshot.write_text(resolved.to_yaml())
+    assert load_snapshot(snapshot) == resolved
+
+
+def test_snapshot_errors_name_the_file(tmp_path: Path) -> None:
+    from launcher.spec import load_snapshot
+
+    data = yaml.safe_load(load_resolved(EXAMPLES[0]).to_yaml())
+    data["generation"]["surprise"] = 1
+    bad = tmp_path / "snap.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(SpecError, match=r"snap\.yaml: generation\.surprise: "):
+        load_snapshot(bad)
+    with pytest.raises(SpecError, match="no such file"):
+        load_snapshot(tmp_path / "missing.yaml")
+
+
+# --------------------------------------------------------------------------------------------------
+# Hostile YAML: alias bombs and deep nesting are refused at once, with one line
+# --------------------------------------------------------------------------------------------------
+
+ALIAS_BOMB = "\n".join(
+    ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    + [
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]"
+        for i in range(8)
+    ]
+    + ["name: *i", "training: {command: x}"]
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (ALIAS_BOMB, "expands to more than 100,000 values once aliases (*name) are followed"),
+        ("name: " + "[" * 5000 + "]" * 5000, "nested more than 64 levels deep"),
+        ("name: &a [*a]\ntraining: {command: x}", "refers to a node that contains it"),
+    ],
+    ids=["alias-bomb", "deep-nesting", "recursive-alias"],
+)
+def test_hostile_yaml_is_refused_in_one_line_at_once(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    start = time.monotonic()
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    elapsed = time.monotonic() - start
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and re.match(rf"{re.escape(str(path))}:\d+: YAML refused: ", lines[0])
+    assert message in lines[0]
+    assert elapsed < 5  # bounded work (the bomb took > 50 s before); the target (< 1 s) is printed by bench
+
+
+def test_job_outputs_default_into_the_job_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a job (the driver exports the job directory), the replay's default results and the
+    simulator's scratch files go into it, not into the submit directory or a shared /tmp."""
+    from launcher.bench.cli import default_results_dir
+    from launcher.engines.sim.process import scratch_root
+
+    monkeypatch.delenv("RL_JOB_DIR", raising=False)
+    monkeypatch.delenv("RL_LAUNCH_JOB_DIR", raising=False)
+    assert default_results_dir() == Path("bench/results") and scratch_root() is None
+    monkeypatch.setenv("RL_JOB_DIR", str(tmp_path / "job"))
+    monkeypatch.setenv("RL_LAUNCH_JOB_DIR", str(tmp_path / "job"))
+    assert default_results_dir() == tmp_path / "job" / "bench"
+    assert scratch_root() == str(tmp_path / "job" / "scratch") and (tmp_path / "job" / "scratch").is_dir()

@@ -54,7 +54,8 @@ CHAT_TEMPLATE = (
 
 
 def default_model_dir() -> Path:
-    """Where the shared cached model lives (``~/.cache/rl-launch/tiny-llama-v1``)."""
+    """Where a build goes when no directory is given (``~/.cache/rl-launch/tiny-llama-v1``; the tests
+    give a session temp directory instead)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "rl-launch" / MODEL_VERSION
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,15 @@ from launcher.bench.workload import (
 )
 
 DEFAULT_RESULTS_DIR = "bench/results"
+JOB_DIR_ENV = "RL_JOB_DIR"
+"""Set by the driver for the training command: a replay run as a job's "training" writes there."""
+
+
+def default_results_dir() -> Path:
+    """``$RL_JOB_DIR/bench`` inside a job, else ``bench/results``: a job's outputs belong in its job
+    directory, never in whatever directory it was submitted from (which Slurm makes the job's cwd)."""
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    return Path(job_dir) / "bench" if job_dir else Path(DEFAULT_RESULTS_DIR)
 
 
 def _workload_options(f: Any) -> Any:
@@ -189,9 +199,11 @@ def trace_command(
 @click.option(
     "--results-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=DEFAULT_RESULTS_DIR,
-    show_default=True,
-    help="Where outputs not given explicitly go.",
+    default=None,
+    help=(
+        "Where outputs not given explicitly go "
+        f"[default: $RL_JOB_DIR/bench inside a job, else {DEFAULT_RESULTS_DIR}]."
+    ),
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def replay_command(
@@ -224,7 +236,7 @@ def replay_command(
     json_path: Path | None,
     csv_path: Path | None,
     png_path: Path | None,
-    results_dir: Path,
+    results_dir: Path | None,
     quiet: bool,
 ) -> None:
     """Replay a rollout step and report wall clock, time to 50/90/100%, prefix hits and load spread.
@@ -321,7 +333,15 @@ def replay_command(
         "trace_file": str(trace_file) if trace_file else None,
     }
     rows = _write_outputs(
-        trace, stats, outcomes, run_config, results_dir, json_path, csv_path, png_path, console
+        trace,
+        stats,
+        outcomes,
+        run_config,
+        results_dir or default_results_dir(),
+        json_path,
+        csv_path,
+        png_path,
+        console,
     )
     if any(r["sessions_ok"] == 0 for r in rows):
         console.print("[red]an arm completed no session at all[/] (see errors; is the URL right?)")

@@ -42,6 +42,7 @@ from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host import EngineHostConfig
 from launcher.engines.sim.cli import options_to_flags
 from launcher.fleet import HealthPolicy
+from launcher.slurm.request import container_srun_args
 from launcher.spec import ResolvedSpec
 
 
@@ -96,7 +97,9 @@ class Driver:
         self.local = spec.cluster == "local"
         self.training_nodes = training_nodes
         self.generation_nodes = generation_nodes
-        self.steps: LocalSteps | SrunSteps = LocalSteps() if self.local else SrunSteps()
+        self.steps: LocalSteps | SrunSteps = (
+            LocalSteps() if self.local else SrunSteps(container_srun_args(spec))
+        )
         self.ray: RayCluster | None = None
         self.engine_steps: list[Step] = []
         self.router: Any = None

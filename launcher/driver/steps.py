@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.slurm.srun import step_command
+
 
 @dataclass
 class Step:
@@ -85,12 +87,9 @@ class LocalSteps:
 
 
 class SrunSteps:
-    """Slurm: one ``srun`` step per process, pinned to one node of the allocation.
-
-    ``--overlap`` lets steps share the node's CPUs with the driver's own step; ``--kill-on-bad-exit``
-    is off so one engine host's death is reported by the driver (naming the node) instead of killing
-    the whole job; ``--export=ALL`` carries the driver's environment (venv, RAY_* settings).
-    """
+    """Slurm: one ``srun`` step per process, pinned to one node of the allocation; the command line
+    (and why each option) is ``launcher.slurm.srun.step_command``. ``srun_args`` are the container's
+    ``--container-*`` arguments, given to every step."""
 
     def __init__(self, srun_args: Sequence[str] = ()) -> None:
         self.srun_args = list(srun_args)
@@ -105,23 +104,15 @@ class SrunSteps:
         gpus: int = 0,
         het_group: int | None = None,
     ) -> Step:
-        cmd = [
-            "srun",
-            "--nodes=1",
-            "--ntasks=1",
-            f"--nodelist={node}",
-            "--overlap",
-            "--kill-on-bad-exit=0",
-            "--export=ALL",
-            f"--job-name={role}",
-            f"--output={log}",
-        ]
-        if het_group is not None:
-            cmd.append(f"--het-group={het_group}")
-        if gpus:
-            cmd.append(f"--gpus-per-node={gpus}")
-        cmd += self.srun_args
-        cmd += list(argv)
+        cmd = step_command(
+            node=node,
+            name=role,
+            log=log,
+            argv=argv,
+            container=self.srun_args,
+            gpus=gpus,
+            het_group=het_group,
+        )
         proc = subprocess.Popen(
             cmd, env=dict(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )

@@ -24,158 +24,30 @@ Layout: heterogeneous job (when Slurm forces it)
     must not inherit by accident (time, account, QOS, partition, resources) are written into every
     component explicitly rather than relying on Slurm's option propagation rules.
 
-Containers (pyxis/enroot): the container does not wrap the batch script (the driver runs on the host of
-the first node, where ``srun`` exists); it wraps the steps the driver starts with ``srun``.
-``SlurmRequest.srun_args`` holds those ``--container-*`` arguments; under submitit they are the
-``slurm_srun_args``.
+Containers (pyxis/enroot) and the time-limit warning: ``launcher.slurm.srun`` (the batch shell ``exec``s
+the driver, in a container step when the spec has one; every step carries the ``--container-*``
+arguments; ``--signal=B:USR2@N`` warns the driver alone). Both submit paths use the same launch line:
+the rendered script writes it, and under submitit it is the ``slurm_setup`` line (``submitit_setup``),
+which ``exec``s before submitit's own command line is reached.
 
-Time strings follow sbatch's ``--time``: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``, or
-an integer number of minutes (``parse_time``). Unlimited times are refused: submitit needs a number,
-and a job with no end is a job that never releases its GPUs.
+Time strings: ``launcher.slurm.time``; ``extra_sbatch`` syntax: ``launcher.slurm.options``; the node
+split: ``launcher.slurm.nodes``.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
+
+from launcher.slurm.options import parse_sbatch_option
+from launcher.slurm.srun import container_args, driver_launch_line, signal_option
+from launcher.slurm.time import parse_time
 
 if TYPE_CHECKING:
     from launcher.spec import ResolvedResources, ResolvedSpec
 
 Layout = Literal["single", "hetjob"]
-
-_TIME_FORMS = "M, M:S, H:M:S, D-H, D-H:M or D-H:M:S (e.g. 04:00:00 or 1-12:00:00)"
-
-# sbatch options the spec sets itself: giving them again in extra_sbatch would silently fight the spec
-# (or the driver's node split), so they are refused with a pointer to the spec field to use instead.
-MANAGED_SBATCH_OPTIONS: dict[str, str] = {
-    "nodes": "set training.nodes / generation.nodes instead",
-    "ntasks": "the launcher runs one task per node; remove it",
-    "ntasks-per-node": "the launcher runs one task per node; remove it",
-    "cpus-per-task": "set slurm.cpus_per_task instead",
-    "gpus-per-node": "set slurm.gpus_per_node instead",
-    "gpus": "set slurm.gpus_per_node instead",
-    "gpus-per-task": "set slurm.gpus_per_node instead",
-    "partition": "set slurm.partition instead",
-    "account": "set slurm.account instead",
-    "qos": "set slurm.qos instead",
-    "time": "set slurm.time instead",
-    "constraint": "set slurm.constraint instead",
-    "exclusive": "set slurm.exclusive instead",
-    "mem": "set slurm.mem instead",
-    "job-name": "set name instead",
-    "output": "set job_root instead (the batch log goes there)",
-    "error": "set job_root instead (the batch log goes there)",
-    "hetjob": "set training.slurm / generation.slurm; the launcher decides when a hetjob is needed",
-    "packjob": "set training.slurm / generation.slurm; the launcher decides when a hetjob is needed",
-}
-
-
-# --------------------------------------------------------------------------------------------------
-# Time strings
-# --------------------------------------------------------------------------------------------------
-
-
-def parse_time(value: str | int) -> int:
-    """Seconds in a Slurm ``--time`` value; ``ValueError`` saying which forms are accepted otherwise.
-
-    An ``int`` is minutes, as sbatch reads a bare number. Fields after the first must stay below their
-    unit (``1:75:00`` is refused) because an out-of-range field is far more often a typo than intent.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"must be a Slurm time string ({_TIME_FORMS}), got {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"must be > 0 minutes, got {value}")
-        return value * 60
-    text = value.strip()
-    if text.lower() in {"unlimited", "infinite", "-1"}:
-        raise ValueError(f"must be a finite time ({_TIME_FORMS}); an unlimited job never frees its GPUs")
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
-    if not m:
-        raise ValueError(f"{value!r} is not a Slurm time; use {_TIME_FORMS}")
-    days_s, a, b, c = m.groups()
-    nums = [int(x) for x in (a, b, c) if x is not None]
-    if days_s is not None:
-        # D-H, D-H:M, D-H:M:S
-        days = int(days_s)
-        hours, minutes, seconds = [*nums, 0, 0][:3]
-        if hours >= 24:
-            raise ValueError(f"{value!r}: hours must be < 24 after 'D-' (got {hours})")
-    elif len(nums) == 1:  # M
-        days, hours, minutes, seconds = 0, 0, nums[0], 0
-    elif len(nums) == 2:  # M:S
-        days, hours, (minutes, seconds) = 0, 0, nums
-    else:  # H:M:S
-        days, (hours, minutes, seconds) = 0, nums
-    if len(nums) >= 2 and (minutes >= 60 and (days_s is not None or len(nums) == 3)):
-        raise ValueError(f"{value!r}: minutes must be < 60 (got {minutes})")
-    if len(nums) >= 2 and seconds >= 60:
-        raise ValueError(f"{value!r}: seconds must be < 60 (got {seconds})")
-    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    if total <= 0:
-        raise ValueError(f"{value!r} is zero; give the job some time, e.g. 04:00:00")
-    return total
-
-
-def format_time(seconds: int) -> str:
-    """``HH:MM:SS`` or ``D-HH:MM:SS``: one unambiguous spelling for directives and dry-run output."""
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    hms = f"{hours:02d}:{minutes:02d}:{secs:02d}"
-    return f"{days}-{hms}" if days else hms
-
-
-def time_minutes(seconds: int) -> int:
-    """Whole minutes for submitit's ``timeout_min``, rounded up so the job never gets less than asked."""
-    return max(1, math.ceil(seconds / 60))
-
-
-# --------------------------------------------------------------------------------------------------
-# Extra sbatch options
-# --------------------------------------------------------------------------------------------------
-
-
-def parse_sbatch_option(option: str) -> tuple[str, str | bool]:
-    """Split one ``extra_sbatch`` entry into (long name, value or ``True`` for a bare flag).
-
-    Accepted: ``--name``, ``--name=value``, ``--name value``. Short options are refused because the
-    submitit path needs the long name (``slurm_additional_parameters`` is keyed by it), and both paths
-    (script and submitit) must ask Slurm for the same thing.
-    """
-    if not isinstance(option, str):
-        raise ValueError(f"must be a string like '--mail-type=END', got {option!r}")
-    text = option.strip()
-    if "\n" in text or "\r" in text:
-        raise ValueError(f"{option!r} spans lines; give one option per list entry")
-    if text.startswith("#SBATCH"):
-        raise ValueError(f"{option!r}: give the option only, without '#SBATCH' (e.g. '--mail-type=END')")
-    m = re.fullmatch(r"--([A-Za-z][A-Za-z0-9_-]*)(?:(?:=|\s+)(\S.*))?", text)
-    if not m:
-        raise ValueError(
-            f"{option!r} is not a long sbatch option; use '--name=value' or '--name' "
-            "(short forms like '-C x' are not accepted)"
-        )
-    name, value = m.group(1).replace("_", "-"), m.group(2)
-    return name, (value.strip() if value is not None else True)
-
-
-def check_sbatch_option(option: str) -> str:
-    """Validate an ``extra_sbatch`` entry (form, and not an option the spec manages); return it."""
-    name, value = parse_sbatch_option(option)
-    if name in MANAGED_SBATCH_OPTIONS:
-        raise ValueError(f"'--{name}' is set by the launcher: {MANAGED_SBATCH_OPTIONS[name]}")
-    if name == "gres" and isinstance(value, str) and value.startswith("gpu"):
-        raise ValueError(
-            "'--gres=gpu...' is set by the launcher; use slurm.gpus_per_node with slurm.gpu_request: gres"
-        )
-    return option.strip()
-
 
 # --------------------------------------------------------------------------------------------------
 # The request
@@ -202,7 +74,28 @@ class SlurmRequest:
     components: tuple[SlurmComponent, ...]
     submitit_parameters: dict[str, Any] | None
     srun_args: tuple[str, ...] = ()
-    """pyxis ``--container-*`` arguments for every ``srun`` step the driver starts (empty: no container)."""
+    """pyxis ``--container-*`` arguments of every ``srun`` step, the driver's included (empty: no
+    container)."""
+    signal: str = ""
+    """``--signal`` value (``B:USR2@N``): the time-limit warning, to the batch shell (the driver) only."""
+
+    def driver_line(self, command: str) -> str:
+        """The batch script's command line: ``exec`` of ``command`` (shell text), in a container step
+        when there is a container (``launcher.slurm.srun.driver_launch_line``)."""
+        return driver_launch_line(self.srun_args, command)
+
+    def submitit_setup(self, submitit_command: str) -> list[str]:
+        """``slurm_setup`` lines for submitit: the driver line around submitit's own command, so that the
+        batch shell becomes the driver (or its ``srun``) and receives the ``B:`` warning signal."""
+        # submitit exports this just before its own command line, which the exec never reaches
+        return ["export SUBMITIT_EXECUTOR=slurm", self.driver_line(submitit_command)]
+
+    def submitit_setup_for(self, executor: Any) -> list[str]:
+        """``submitit_setup`` for a ``submitit.AutoExecutor`` on Slurm. submitit has no public name for
+        the command line it writes last (``python -u -m submitit.core._submit FOLDER``), so it is read
+        from its Slurm executor; ``tests/test_spec.py`` checks the submission file it then writes."""
+        return self.submitit_setup(executor._executor._submitit_command_str)
+
     log_pattern: str = ""
     """Where Slurm writes the batch script's output (``%j`` = job id); its directory must exist."""
 
@@ -255,17 +148,8 @@ def log_pattern(resolved: ResolvedSpec) -> str:
 
 
 def container_srun_args(resolved: ResolvedSpec) -> tuple[str, ...]:
-    """pyxis arguments for the driver's ``srun`` steps (see the module docstring)."""
-    slurm = resolved.slurm
-    if slurm is None or slurm.container is None:
-        return ()
-    c = slurm.container
-    args = [f"--container-image={c.image}"]
-    if c.mounts:
-        args.append(f"--container-mounts={','.join(c.mounts)}")
-    if c.workdir:
-        args.append(f"--container-workdir={c.workdir}")
-    return tuple(args)
+    """pyxis arguments for every ``srun`` step of the job (``launcher.slurm.srun.container_args``)."""
+    return container_args(resolved.slurm.container) if resolved.slurm is not None else ()
 
 
 def build_request(resolved: ResolvedSpec) -> SlurmRequest:
@@ -280,6 +164,8 @@ def build_request(resolved: ResolvedSpec) -> SlurmRequest:
     job_wide = [f"--job-name={resolved.name}", f"--output={log}", "--open-mode=append"]
     shared = [f"--time={slurm.time}"] + ([f"--account={slurm.account}"] if slurm.account else [])
     srun_args = container_srun_args(resolved)
+    signal = signal_option(parse_time(slurm.time))
+    job_wide.append(f"--signal={signal}")
 
     if slurm.layout == "single":
         nodes = resolved.training.nodes + resolved.generation.nodes
@@ -288,8 +174,9 @@ def build_request(resolved: ResolvedSpec) -> SlurmRequest:
         return SlurmRequest(
             layout="single",
             components=(component,),
-            submitit_parameters=submitit_parameters(resolved, nodes, gen_res, srun_args),
+            submitit_parameters=submitit_parameters(resolved, nodes, gen_res, signal),
             srun_args=srun_args,
+            signal=signal,
             log_pattern=log,
         )
 
@@ -315,17 +202,22 @@ def build_request(resolved: ResolvedSpec) -> SlurmRequest:
         components=(training, generation),
         submitit_parameters=None,
         srun_args=srun_args,
+        signal=signal,
         log_pattern=log,
     )
 
 
 def submitit_parameters(
-    resolved: ResolvedSpec, nodes: int, res: ResolvedResources, srun_args: Sequence[str]
+    resolved: ResolvedSpec, nodes: int, res: ResolvedResources, signal: str
 ) -> dict[str, Any]:
     """``submitit.AutoExecutor.update_parameters`` keywords for the single allocation.
 
     Generic names where submitit has them (``nodes``, ``timeout_min``...), ``slurm_``-prefixed ones
     otherwise; extras become ``slurm_additional_parameters`` (submitit writes each as ``--key=value``).
+    ``signal`` replaces submitit's own ``--signal=USR2@90`` (sent to every step: engines and Ray workers
+    died of it 90 s before the limit): submitit applies additional parameters after its own.
+    ``slurm_use_srun`` is off: the driver runs once, and starts every other process itself. The caller
+    adds ``slurm_setup`` (``SlurmRequest.submitit_setup``), which needs submitit's command line.
     The job name and output paths are left to the caller: submitit owns its folder layout.
     """
     slurm = resolved.slurm
@@ -335,6 +227,7 @@ def submitit_parameters(
         "nodes": nodes,
         "tasks_per_node": 1,
         "timeout_min": slurm.time_min,
+        "slurm_use_srun": False,
     }
     if res.cpus_per_task is not None:
         params["cpus_per_task"] = res.cpus_per_task
@@ -354,118 +247,7 @@ def submitit_parameters(
             params[key] = value
     if res.exclusive:
         params["slurm_exclusive"] = True
-    additional = dict(parse_sbatch_option(opt) for opt in res.extra_sbatch)
-    if additional:
-        params["slurm_additional_parameters"] = additional
-    if srun_args:
-        params["slurm_srun_args"] = list(srun_args)
+    additional: dict[str, Any] = dict(parse_sbatch_option(opt) for opt in res.extra_sbatch)
+    additional["signal"] = signal
+    params["slurm_additional_parameters"] = additional
     return params
-
-
-# --------------------------------------------------------------------------------------------------
-# Splitting the allocation
-# --------------------------------------------------------------------------------------------------
-
-
-def natural_key(host: str) -> tuple[tuple[int, int, str], ...]:
-    """Sort key that orders ``gpu2`` before ``gpu10``, as Slurm's node lists do."""
-    return tuple(
-        (1, int(part), "") if part.isdigit() else (0, 0, part) for part in re.split(r"(\d+)", host) if part
-    )
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in host list {text!r}")
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise ValueError(f"unbalanced '[' in host list {text!r}")
-    parts.append(text[start:])
-    return [p for p in (s.strip() for s in parts) if p]
-
-
-def _expand_one(pattern: str) -> list[str]:
-    m = re.search(r"\[([^\[\]]*)\]", pattern)
-    if not m:
-        return [pattern]
-    head, tail = pattern[: m.start()], pattern[m.end() :]
-    values: list[str] = []
-    for item in m.group(1).split(","):
-        item = item.strip()
-        if not item:
-            continue
-        lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad range {item!r} in host list pattern {pattern!r}")
-        if not sep:
-            values.append(lo)
-            continue
-        if int(hi) < int(lo):
-            raise ValueError(f"descending range {item!r} in host list pattern {pattern!r}")
-        values.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
-    return [h for v in values for h in _expand_one(head + v + tail)]
-
-
-def expand_hostlist(nodelist: str) -> list[str]:
-    """Expand a Slurm host list (``gpu[01-03,07],cpu5``) without calling ``scontrol``.
-
-    Pure Python so the split is testable anywhere and costs no process per node; zero padding follows
-    the range's lower bound, as Slurm's does.
-    """
-    return [host for part in _split_top_level(nodelist) for host in _expand_one(part)]
-
-
-@dataclass(frozen=True)
-class NodeSplit:
-    """Which hosts are training and which generation, in natural order."""
-
-    training: tuple[str, ...]
-    generation: tuple[str, ...]
-
-    @property
-    def all(self) -> tuple[str, ...]:
-        return self.training + self.generation
-
-
-def split_nodes(resolved: ResolvedSpec, env: Mapping[str, str] | None = None) -> NodeSplit:
-    """Split the running allocation into training and generation hosts.
-
-    Single allocation: the first ``training.nodes`` of the sorted ``SLURM_JOB_NODELIST`` are training,
-    the rest generation. Hetjob: component 0 (``SLURM_JOB_NODELIST_HET_GROUP_0``) is training,
-    component 1 generation. ``cluster: local``: both roles are ``localhost``. A node count that does not
-    match the spec raises ``ValueError`` (a resized or mismatched allocation must not be half-used).
-    """
-    if resolved.slurm is None:
-        return NodeSplit(("localhost",), ("localhost",))
-    env = os.environ if env is None else env
-    want_t, want_g = resolved.training.nodes, resolved.generation.nodes
-
-    def hosts(var: str) -> list[str]:
-        value = env.get(var)
-        if not value:
-            raise ValueError(f"${var} is not set: split_nodes must run inside the job's allocation")
-        return sorted(expand_hostlist(value), key=natural_key)
-
-    if resolved.slurm.layout == "single":
-        nodes = hosts("SLURM_JOB_NODELIST")
-        if len(nodes) != want_t + want_g:
-            raise ValueError(
-                f"the allocation has {len(nodes)} nodes but the spec asks for {want_t} training + "
-                f"{want_g} generation = {want_t + want_g}"
-            )
-        return NodeSplit(tuple(nodes[:want_t]), tuple(nodes[want_t:]))
-    training, generation = hosts("SLURM_JOB_NODELIST_HET_GROUP_0"), hosts("SLURM_JOB_NODELIST_HET_GROUP_1")
-    if len(training) != want_t or len(generation) != want_g:
-        raise ValueError(
-            f"hetjob components have {len(training)} + {len(generation)} nodes but the spec asks for "
-            f"{want_t} training + {want_g} generation"
-        )
-    return NodeSplit(tuple(training), tuple(generation))

