@@ -186,7 +186,7 @@ def cancel_command(job: str, wait: bool, timeout_s: float, root: Path) -> None:
         except ProcessLookupError:
             raise click.ClickException(f"the driver of {d} (pid {pid}) is not running") from None
         click.echo(f"sent SIGTERM to the local driver {pid} ({d})")
-        done = lambda: jd.read_result() is not None  # noqa: E731
+        done = lambda: (r := jd.read_result()) is not None and r.torn_down  # noqa: E731
     if not wait:
         return
     deadline = time.monotonic() + timeout_s

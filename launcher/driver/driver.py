@@ -234,7 +234,7 @@ class Driver:
         finally:
             for s in previous:  # a second signal during teardown must not abort it half-way
                 signal.signal(s, signal.SIG_IGN)
-        result = JobResult(code, reason, outcome, signame, self.timings, time.time())
+        result = JobResult(code, reason, outcome, signame, self.timings, time.time(), torn_down=False)
         if signame is not None:
             # Slurm's SIGKILL follows its SIGTERM after KillWait seconds, maybe before the teardown ends:
             # say how the job ended first.
@@ -247,6 +247,7 @@ class Driver:
                 signal.signal(s, handler)
         phase = {"finished": "finished", "failed": "failed"}.get(outcome, "cancelled")
         result.timings = self.timings
+        result.torn_down = True
         self.state.event(phase, reason, exit_code=code, outcome=outcome, signal=signame, timings=self.timings)
         self.job.write_result(result)
         self._say(f"{outcome}: {reason} (exit {code})")

@@ -111,7 +111,9 @@ class JobResult:
     """``result.json``, written once, last, by the driver: how the job ended.
 
     ``outcome`` is one of ``finished``, ``failed``, ``cancelled``, ``time limit``; ``signal`` names the
-    signal that stopped it (``SIGTERM``, ``SIGINT``, ``SIGUSR2``) when one did."""
+    signal that stopped it (``SIGTERM``, ``SIGINT``, ``SIGUSR2``) when one did. A signal's result is
+    written twice: at once with ``torn_down`` false (Slurm's SIGKILL may follow before the teardown
+    ends), and again with ``torn_down`` true once nothing of the job runs any more."""
 
     exit_code: int
     reason: str
@@ -119,6 +121,7 @@ class JobResult:
     signal: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     t: float | None = None
+    torn_down: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,6 +136,7 @@ class JobResult:
             signal=d.get("signal"),
             timings=dict(d.get("timings") or {}),
             t=d.get("t"),
+            torn_down=bool(d.get("torn_down", True)),
         )
 
 
