@@ -1,23 +1,24 @@
-"""``rl-launch list``, ``rl-launch cancel JOB``, ``rl-launch logs JOB``: the job directory plus Slurm.
+"""``rl-launch list``, ``rl-launch cancel [JOB]``, ``rl-launch logs [JOB]``: the job directory plus Slurm.
 
-A job is named by its Slurm job id (``123``), its directory name (``grpo-123``) or its directory path.
-Everything shown comes from the job directory (written by the driver) and, for live state, from
-``squeue``/``sacct``: nothing else needs to be running for these commands to work.
+A job is named by its Slurm job id (``123``), its directory name (``grpo-123``) or its directory path;
+``logs`` (like ``status``) takes the newest job when none is named. A Slurm job is known from the moment
+``submit`` returns (its ``submitted.json``), queued or not. Everything shown comes from the job directory
+(``launcher.jobdir``) and, for live state, from ``squeue``/``sacct`` (``launcher.slurm.queue``): nothing
+else needs to be running for these commands to work.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
-from launcher.driver.jobdir import JobDir
+from launcher.jobdir import JobDir, is_same_process
 
 DEFAULT_ROOT = Path(os.path.expanduser("~/rl-launch/jobs"))
 _ROOT = click.option(
@@ -29,121 +30,256 @@ _ROOT = click.option(
 )
 
 
+def created_at(d: Path) -> float:
+    """When the job was submitted (or, for a local job, started): not the directory's mtime, which
+    every state update of a running job moves forward."""
+    job = JobDir(d)
+    submitted = job.read_submitted()
+    if submitted is not None and submitted.t:
+        return submitted.t
+    try:
+        with job.events_file.open() as f:
+            first = json.loads(f.readline())
+        return float(first["t"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        return d.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def job_dirs(root: Path) -> list[Path]:
+    """Every job under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    dirs = [p for p in root.iterdir() if (p / "events.jsonl").exists() or (p / "state.json").exists()]
-    return sorted(dirs, key=lambda p: p.stat().st_mtime)
+    dirs = [p for p in root.iterdir() if p.is_dir() and JobDir(p).exists()]
+    return sorted(dirs, key=lambda p: (created_at(p), p.name))
 
 
-def resolve_job(job: str, root: Path) -> Path:
+def resolve_job(job: str | None, root: Path) -> Path:
+    """The named job's directory; the newest job under ``root`` when ``job`` is None."""
+    if job is None:
+        dirs = job_dirs(root)
+        if not dirs:
+            raise click.ClickException(f"no jobs under {root} (pass --root, or a job id or directory)")
+        return dirs[-1]
     path = Path(job)
     if path.is_dir():
         return path
     for d in reversed(job_dirs(root)):
-        if d.name == job or d.name.endswith(f"-{job}"):
+        if d.name == job or d.name.endswith(f"-{job}") or slurm_job_id(d) == job:
             return d
     raise click.ClickException(f"no job {job!r} under {root} (rl-launch list shows the jobs there)")
 
 
 def slurm_job_id(job_dir: Path) -> str | None:
-    """The Slurm job id of ``<name>-<id>``; local runs are named ``<name>-local-<time>-<pid>``."""
-    if "-local-" in job_dir.name:
-        return None
-    suffix = job_dir.name.rsplit("-", 1)[-1]
-    return suffix if suffix.isdigit() else None
+    return JobDir(job_dir).slurm_job_id()
 
 
 def slurm_state(job_id: str) -> str:
-    if shutil.which("squeue") is None:
-        return "?"
-    from launcher.submit import slurm_state as state
+    from launcher.slurm.queue import describe_state
 
-    return state(job_id) or "?"
+    return describe_state(job_id)
+
+
+def job_summary(d: Path) -> dict[str, Any]:
+    """One job as ``list`` shows it (and ``list --json`` prints it)."""
+    job = JobDir(d)
+    state = job.read_state()
+    result = job.read_result()
+    job_id = slurm_job_id(d)
+    slurm = slurm_state(job_id) if job_id else "local"
+    phase = str(state.get("phase") or ("queued" if job_id else "-"))
+    if result is not None:
+        phase = result.outcome or phase
+    return {
+        "job": d.name,
+        "job_id": job_id,
+        "job_dir": str(d),
+        "slurm": slurm,
+        "phase": phase,
+        "detail": str(result.reason if result is not None else state.get("detail") or ""),
+        "router_url": state.get("router_url"),
+        "exit_code": result.exit_code if result is not None else None,
+        "submitted": created_at(d),
+        "updated": state.get("updated"),
+    }
 
 
 @click.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the jobs as a JSON list (for scripts).")
 @_ROOT
-def list_command(root: Path) -> None:
-    """The jobs under the job root, oldest first."""
+def list_command(as_json: bool, root: Path) -> None:
+    """The jobs under the job root, oldest first (queued ones included)."""
+    rows = [job_summary(d) for d in job_dirs(root)]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
     from rich.console import Console
     from rich.table import Table
 
     table = Table()
     for column in ("job", "slurm", "phase", "detail", "router", "updated"):
         table.add_column(column, no_wrap=column != "detail")
-    for d in job_dirs(root):
-        state = JobDir(d).read_state()
-        job_id = slurm_job_id(d)
-        updated = state.get("updated")
+    for row in rows:
+        updated = row["updated"] or row["submitted"]
         table.add_row(
-            d.name,
-            slurm_state(job_id) if job_id else "local",
-            str(state.get("phase", "-")),
-            str(state.get("detail", ""))[:60],
-            str(state.get("router_url", "")),
+            row["job"],
+            row["slurm"],
+            row["phase"],
+            row["detail"][:60],
+            str(row["router_url"] or ""),
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(updated)) if updated else "-",
         )
     Console(width=None if os.isatty(1) else 200).print(table)
 
 
+def _driver_process(job: JobDir) -> int:
+    """The pid of a local job's driver, checked to be that job's driver (a recycled pid must not be
+    signalled)."""
+    state = job.read_state()
+    pid = state.get("driver_pid")
+    if not pid:
+        raise click.ClickException(f"{job.path} records no driver process (it has not started)")
+    host = state.get("driver_host")
+    import socket
+
+    if host and host != socket.gethostname():
+        raise click.ClickException(f"the driver of {job.path} runs on {host}; cancel it there")
+    if not is_same_process(int(pid), state.get("driver_start_ticks")):
+        raise click.ClickException(f"the driver of {job.path} (pid {pid}) is not running")
+    return int(pid)
+
+
 @click.command("cancel")
 @click.argument("job")
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    show_default=True,
+    help="Wait (up to --timeout) until the job has recorded its result.",
+)
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=60.0, show_default=True)
 @_ROOT
-def cancel_command(job: str, root: Path) -> None:
-    """Cancel a job: scancel (the driver tears everything down on SIGTERM), or SIGTERM a local driver."""
+def cancel_command(job: str, wait: bool, timeout_s: float, root: Path) -> None:
+    """Cancel a job, queued or running: scancel (the driver tears everything down on SIGTERM), or SIGTERM
+    to a local job's driver."""
+    from launcher.slurm.queue import cancel, is_final, job_state
+
     d = resolve_job(job, root)
+    jd = JobDir(d)
     job_id = slurm_job_id(d)
+    ended = jd.read_result()
+    if ended is not None:
+        raise click.ClickException(f"{d.name} has already ended ({ended.outcome}: {ended.reason})")
     if job_id is not None:
-        proc = subprocess.run(["scancel", job_id], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise click.ClickException(f"scancel {job_id} failed: {proc.stderr.strip()}")
+        error = cancel(job_id)
+        if error:
+            raise click.ClickException(f"scancel {job_id} failed: {error}")
         click.echo(f"cancelled Slurm job {job_id} ({d})")
+        done = lambda: jd.read_result() is not None or is_final(job_state(job_id))  # noqa: E731
+    else:
+        pid = _driver_process(jd)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            raise click.ClickException(f"the driver of {d} (pid {pid}) is not running") from None
+        click.echo(f"sent SIGTERM to the local driver {pid} ({d})")
+        done = lambda: (r := jd.read_result()) is not None and r.torn_down  # noqa: E731
+    if not wait:
         return
-    pid = JobDir(d).read_state().get("driver_pid")
-    if not pid:
-        raise click.ClickException(f"{d} records no driver process to signal")
-    try:
-        os.kill(int(pid), signal.SIGTERM)
-    except ProcessLookupError:
-        raise click.ClickException(f"the driver of {d} (pid {pid}) is not running") from None
-    click.echo(f"sent SIGTERM to the local driver {pid} ({d})")
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"{d.name} recorded no result within {timeout_s:g} s")
+        time.sleep(0.2)
+    result = jd.read_result()
+    if result is not None:
+        click.echo(f"{d.name}: {result.outcome}: {result.reason} (exit {result.exit_code})")
 
 
-def engine_log(d: Path, index: int) -> Path:
-    listed: list[str] = []
-    for urls in sorted((d / "engines").glob("node-*.urls.json")):
-        listed += [e.get("log", "") for e in json.loads(urls.read_text()).get("engines", [])]
-    if not 0 <= index < len(listed):
+def engine_log(d: Path, which: str) -> Path:
+    """Engine ``which``'s log: its id as the dashboard shows it (``node0-1``) or its 0-based position in
+    fleet order (node by node, in numeric node order)."""
+    entries = JobDir(d).engine_entries()
+    if not entries:
+        raise click.ClickException(f"{d.name} lists no engines (yet)")
+    ids = [e.id for e in entries]
+    if which in ids:
+        entry = entries[ids.index(which)]
+    elif which.isdigit() and int(which) < len(entries):
+        entry = entries[int(which)]
+    else:
         raise click.ClickException(
-            f"{d.name} has {len(listed)} engine(s); --engine takes 0..{len(listed) - 1}"
+            f"{d.name} has no engine {which!r}; --engine takes 0..{len(entries) - 1} or an id "
+            f"({', '.join(ids[:4])}{', ...' if len(ids) > 4 else ''})"
         )
-    return Path(listed[index])
+    return Path(entry.log) if entry.log else JobDir(d).engine_log(entry.node_index, entry.index)
+
+
+def job_ended(d: Path) -> bool:
+    """The driver recorded its result, or Slurm ended the job (killed before it could)."""
+    jd = JobDir(d)
+    if jd.read_result() is not None:
+        return True
+    job_id = slurm_job_id(d)
+    if job_id is None:
+        return False
+    from launcher.slurm.queue import is_final, job_state
+
+    return is_final(job_state(job_id))
 
 
 @click.command("logs")
-@click.argument("job")
-@click.option("--engine", "engine", type=int, default=None, help="Engine N's log (0-based, fleet order).")
+@click.argument("job", required=False)
+@click.option(
+    "--engine", "engine", default=None, help="An engine's log: its id (node0-1) or N (fleet order)."
+)
+@click.option("--training", "training", is_flag=True, help="The training command's output.")
 @click.option("--router", "router", is_flag=True, help="The router's events (URL, policy, restarts).")
 @click.option("--driver", "driver", is_flag=True, help="The driver's log (the default).")
-@click.option("--follow", "-f", is_flag=True, help="Keep printing as the log grows.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing as the log grows; ends when the job ends.")
 @_ROOT
-def logs_command(job: str, engine: int | None, router: bool, driver: bool, follow: bool, root: Path) -> None:
-    """Print a job's logs from its job directory."""
+def logs_command(
+    job: str | None, engine: str | None, training: bool, router: bool, driver: bool, follow: bool, root: Path
+) -> None:
+    """Print a job's logs from its job directory (JOB: id, name or path; default: the newest job)."""
+    if sum(bool(x) for x in (engine is not None, training, router, driver)) > 1:
+        raise click.UsageError("--engine, --training, --router and --driver exclude each other")
     d = resolve_job(job, root)
+    jd = JobDir(d)
     if router:
-        for ev in JobDir(d).read_events():
+        for ev in jd.read_events():
             if "router" in ev.get("phase", "") or "router_url" in ev:
                 click.echo(json.dumps(ev))
         return
-    path = engine_log(d, engine) if engine is not None else d / "driver.log"
+    if engine is not None:
+        path = engine_log(d, engine)
+    elif training:
+        path = jd.training_log
+    else:
+        path = jd.driver_log
     if not path.exists():
-        raise click.ClickException(f"{path} does not exist (yet)")
+        if not follow:
+            job_id = slurm_job_id(d)
+            where = f" (Slurm: {slurm_state(job_id)})" if job_id and jd.read_state() == {} else ""
+            raise click.ClickException(f"{path} does not exist (yet){where}")
+        while not path.exists():
+            if job_ended(d):
+                raise click.ClickException(f"{d.name} ended without writing {path.name}")
+            time.sleep(0.5)
     with path.open(errors="replace") as f:
         click.echo(f.read(), nl=False)
+        checked = 0.0
         while follow:
             line = f.readline()
             if line:
                 click.echo(line, nl=False)
-            else:
-                time.sleep(0.5)
+                continue
+            if time.monotonic() - checked > 2.0:
+                checked = time.monotonic()
+                if job_ended(d):
+                    click.echo(f.read(), nl=False)  # what was written before the end
+                    return
+            time.sleep(0.3)

@@ -9,8 +9,14 @@
 * ``--in-allocation`` runs the driver inside an existing allocation (salloc, a user's own sbatch
   script, the rendered template).
 
-Submission prints the job id and job directory and returns; ``--follow`` stays attached and shows the
-phases from the job directory until the job ends, then exits with the job's exit code.
+**What you submit is what runs.** The job is submitted held (``--hold``); its directory, the
+``submitted.json`` record and the resolved spec snapshot are written; then it is released. The driver
+runs that snapshot, never the YAML file, which the user may edit while the job waits in the queue. A
+job whose records could not be written is cancelled, so nothing is left queued behind an error.
+
+Submission prints the job id and job directory (``--json``: as JSON) and returns; ``--follow`` stays
+attached and shows the phases from the job directory until the job ends, then exits with the job's
+exit code.
 """
 
 from __future__ import annotations
@@ -18,12 +24,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from launcher.driver.driver import Driver
-from launcher.driver.jobdir import JobDir, write_json_atomic
+from launcher.jobdir import JobDir, SubmittedJob
 from launcher.slurm import build_request, split_nodes
+from launcher.slurm.queue import cancel as scancel
+from launcher.slurm.queue import is_final, job_state
 from launcher.spec import ResolvedSpec
 
 
@@ -32,78 +41,96 @@ class SubmitError(RuntimeError):
 
 
 def run_in_allocation(spec: ResolvedSpec, job_dir: Path | None = None) -> int:
-    """The driver, inside an allocation (or on this machine for ``cluster: local``)."""
+    """The driver, inside an allocation (or on this machine for ``cluster: local``). A job directory
+    that holds a submitted snapshot runs that snapshot."""
+    from launcher.driver.driver import Driver
+
     if job_dir is None:
         job_id = os.environ.get("SLURM_JOB_ID") or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         job_dir = spec.job_dir(job_id)
+    job = JobDir(job_dir)
+    if job.spec_file.exists() and job.submitted_file.exists():
+        spec = job.read_spec()
     nodes = split_nodes(spec)
-    return Driver(spec, job_dir, list(nodes.training), list(nodes.generation)).run()
+    return Driver(spec, job.path, list(nodes.training), list(nodes.generation)).run()
 
 
-def _driver_entry(spec_path: str) -> int:
-    """What the submitit job runs (a module-level function, so it unpickles on the node)."""
-    from launcher.spec import load_resolved
-
-    spec = load_resolved(spec_path)
-    code = run_in_allocation(spec)
+def _driver_entry(job_root: str, name: str) -> int:
+    """What the submitit job runs (a module-level function, so it unpickles on the node): the snapshot
+    in ``<job_root>/<name>-<SLURM_JOB_ID>``, written before the job was released."""
+    job = JobDir(Path(job_root) / f"{name}-{os.environ['SLURM_JOB_ID']}")
+    spec = job.read_spec()
+    code = run_in_allocation(spec, job.path)
     if code != 0:
-        result = JobDir(spec.job_dir(os.environ["SLURM_JOB_ID"])).result_file
-        reason = json.loads(result.read_text()).get("reason", "") if result.exists() else ""
-        raise SystemExit(f"rl-launch job failed (exit {code}): {reason}")
+        result = job.read_result()
+        raise SystemExit(f"rl-launch job failed (exit {code}): {result.reason if result else ''}")
     return code
 
 
-def submit_slurm(spec: ResolvedSpec) -> tuple[str, Path]:
-    """Submit; return (job id, job directory). Nothing is left queued if submission fails."""
-    if spec.spec_path is None:
-        raise SubmitError("the spec must come from a file to be submitted (the job re-reads it on the node)")
+def _submit_held(spec: ResolvedSpec) -> str:
+    """Submit with ``--hold``; return the job id."""
     request = build_request(spec)
-    Path(spec.job_root).mkdir(parents=True, exist_ok=True)
     if request.submitit_parameters is not None:
         import submitit
 
         executor = submitit.AutoExecutor(folder=Path(spec.job_root) / "submitit" / "%j", cluster="slurm")
         params = dict(request.submitit_parameters)
         params["slurm_use_srun"] = False
+        extra = dict(params.get("slurm_additional_parameters") or {})
+        params["slurm_additional_parameters"] = {**extra, "hold": True}
         executor.update_parameters(**params)
         executor.update_parameters(slurm_setup=request.submitit_setup_for(executor))
         try:
-            job = executor.submit(_driver_entry, spec.spec_path)
+            job = executor.submit(_driver_entry, spec.job_root, spec.name)
         except subprocess.CalledProcessError as exc:
             raise SubmitError(f"sbatch refused the job: {_stderr(exc)}") from None
         except Exception as exc:  # submitit wraps sbatch's failure in its own errors
             raise SubmitError(f"sbatch refused the job: {exc}") from None
-        job_id = str(job.job_id)
-    else:
-        from launcher.render import write_sbatch
+        return str(job.job_id)
+    from launcher.render import write_sbatch
 
-        script = write_sbatch(spec)
-        proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    script = write_sbatch(spec)
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True)
+    except OSError as exc:
+        raise SubmitError(f"sbatch could not be run: {exc}") from None
+    if proc.returncode != 0:
+        raise SubmitError(f"sbatch refused the job: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout.strip().split(";")[0].split("+")[0]
+
+
+def submit_slurm(spec: ResolvedSpec) -> tuple[str, Path]:
+    """Submit; return (job id, job directory). Nothing is left queued if submission fails."""
+    Path(spec.job_root).mkdir(parents=True, exist_ok=True)
+    submitted = time.time()
+    job_id = _submit_held(spec)
+    job = JobDir(spec.job_dir(job_id))
+    try:
+        job.create()
+        job.write_spec(spec)
+        job.write_submitted(
+            SubmittedJob(
+                job_id=job_id,
+                name=spec.name,
+                cluster="slurm",
+                t=submitted,
+                spec_snapshot=str(job.spec_file),
+                job_dir=str(job.path),
+            )
+        )
+        job.log_event("submitted", f"Slurm job {job_id} submitted", slurm_job_id=job_id)
+        proc = subprocess.run(["scontrol", "release", job_id], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise SubmitError(f"sbatch refused the job: {proc.stderr.strip() or proc.stdout.strip()}")
-        job_id = proc.stdout.strip().split(";")[0].split("+")[0]
-    return job_id, spec.job_dir(job_id)
+            raise SubmitError(f"scontrol release {job_id} failed: {proc.stderr.strip()}")
+    except BaseException:
+        scancel(job_id)
+        raise
+    return job_id, job.path
 
 
 def _stderr(exc: subprocess.CalledProcessError) -> str:
     out = exc.stderr or exc.output or b""
     return (out.decode(errors="replace") if isinstance(out, bytes) else str(out)).strip()
-
-
-def slurm_state(job_id: str) -> str:
-    """The job's state from squeue (live) or sacct (finished); '' if Slurm does not know it (yet)."""
-    q = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    state = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else ""
-    if state:
-        return state
-    a = subprocess.run(
-        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True
-    )
-    lines = [x.strip() for x in a.stdout.splitlines() if x.strip()]
-    return lines[0].split()[0] if lines else ""
-
-
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 
 
 def follow_job(job_id: str, job_dir: Path, poll_s: float = 1.0, timeout_s: float | None = None) -> int:
@@ -117,7 +144,7 @@ def follow_job(job_id: str, job_dir: Path, poll_s: float = 1.0, timeout_s: float
     state = ""
     with console.status(f"job {job_id}: queued") as status:
         while True:
-            state = slurm_state(job_id)
+            state = job_state(job_id)
             events = job.read_events()
             for ev in events[seen:]:
                 console.print(f"[bold]{ev['phase']}[/bold] {ev.get('detail', '')}")
@@ -125,7 +152,7 @@ def follow_job(job_id: str, job_dir: Path, poll_s: float = 1.0, timeout_s: float
             status.update(
                 f"job {job_id}: {state or 'submitted'}; phase {events[-1]['phase'] if events else '-'}"
             )
-            if state.split()[0] in FINAL_STATES if state else False:
+            if is_final(state):
                 break
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 console.print(f"[yellow]stopped following after {timeout_s:g} s; the job goes on[/yellow]")
@@ -133,10 +160,8 @@ def follow_job(job_id: str, job_dir: Path, poll_s: float = 1.0, timeout_s: float
             time.sleep(poll_s)
     for ev in job.read_events()[seen:]:
         console.print(f"[bold]{ev['phase']}[/bold] {ev.get('detail', '')}")
-    result = job.result_file
-    code = (
-        json.loads(result.read_text())["exit_code"] if result.exists() else (0 if state == "COMPLETED" else 1)
-    )
+    result = job.read_result()
+    code = result.exit_code if result is not None else (0 if state == "COMPLETED" else 1)
     console.print(f"job {job_id} {state}: exit {code}")
     return int(code)
 
@@ -147,15 +172,18 @@ def submit_job(
     follow: bool = False,
     in_allocation: bool = False,
     job_dir: Path | None = None,
+    as_json: bool = False,
 ) -> int:
     """Submit ``spec`` (or run it in this allocation / locally); returns the exit status for the CLI."""
     if spec.cluster == "local" or in_allocation:
         return run_in_allocation(spec, job_dir)
-    submitted = time.time()
     job_id, jdir = submit_slurm(spec)
-    jdir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(jdir / "submitted.json", {"t": submitted, "job_id": job_id})
-    print(f"submitted job {job_id}\njob directory: {jdir}", flush=True)
+    if as_json:
+        payload: dict[str, Any] = {"job_id": job_id, "job_dir": str(jdir), "name": spec.name}
+        print(json.dumps(payload), flush=True)
+    else:
+        print(f"submitted job {job_id}\njob directory: {jdir}", flush=True)
     if not follow:
         return 0
+    sys.stdout.flush()
     return follow_job(job_id, jdir)

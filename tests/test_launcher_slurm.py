@@ -234,28 +234,181 @@ def test_training_exit_code_propagates_and_teardown_runs(tmp_path: Path) -> None
     assert wait_no_leftovers() == []
 
 
+def wait_training(job: Path, timeout_s: float = 120) -> dict[str, object]:
+    """The job state once the training command runs and the fleet controller has judged the engines."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = json.loads((job / "state.json").read_text()) if (job / "state.json").exists() else {}
+        if state.get("phase") == "training" and state.get("fleet"):
+            return state
+        assert time.monotonic() < deadline, f"job never reached training: {state}"
+        time.sleep(0.3)
+
+
+def job_id_of(job: Path) -> str:
+    return json.loads((job / "submitted.json").read_text())["job_id"]
+
+
+def read_events(job: Path) -> list[dict[str, object]]:
+    return [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if x.strip()]
+
+
 def test_cancel_mid_run_tears_down(tmp_path: Path) -> None:
+    """``rl-launch cancel`` is scancel: every node cleared, the result recorded as cancelled by SIGTERM
+    (not a Ray stack dump), the state final. Prints the figures the README quotes."""
     spec = write_spec(tmp_path, "to-cancel", "sleep 600")
     proc = submit(spec)
     assert proc.returncode == 0, proc.stderr
     job = job_dir_of(proc.stdout)
-    deadline = time.monotonic() + 120
-    while True:
-        state = json.loads((job / "state.json").read_text()) if (job / "state.json").exists() else {}
-        if state.get("phase") == "training":
-            break
-        assert time.monotonic() < deadline, f"job never reached training: {state}"
-        time.sleep(0.5)
+    wait_training(job)
     root = str(tmp_path / "jobs")
-    cancel = subprocess.run([RL_LAUNCH, "cancel", job.name, "--root", root], capture_output=True, text=True)
+    t0 = time.monotonic()
+    cancel = subprocess.run(
+        [RL_LAUNCH, "cancel", job.name, "--root", root, "--no-wait"], capture_output=True, text=True
+    )
     assert cancel.returncode == 0, cancel.stderr
+    recorded = None
     deadline = time.monotonic() + 60
+    while not squeue_empty() or leftovers():
+        if recorded is None and (job / "result.json").exists():
+            recorded = time.monotonic() - t0
+        assert time.monotonic() < deadline, f"still running 60 s after cancel: {leftovers()}"
+        time.sleep(0.1)
+    clear = time.monotonic() - t0
+    result = json.loads((job / "result.json").read_text())
+    recorded = recorded if recorded is not None else clear
+    assert (result["outcome"], result["signal"], result["exit_code"]) == ("cancelled", "SIGTERM", 143), result
+    state = json.loads((job / "state.json").read_text())
+    assert state["phase"] in ("stopping", "cancelled")
+    assert "HEALTHY" not in {e["state"] for e in state["fleet"]["engines"]} or state["phase"] == "stopping"
+    listing = subprocess.run([RL_LAUNCH, "list", "--json", "--root", root], capture_output=True, text=True)
+    row = next(r for r in json.loads(listing.stdout) if r["job"] == job.name)
+    assert row["phase"] == "cancelled" and row["slurm"].startswith("CANCELLED"), row
+    print(
+        f"\nslurm scancel: result recorded {recorded:.2f} s, nothing running on any node {clear:.2f} s, "
+        f"final: {result['torn_down']} (teardown {result['timings'].get('teardown_s')} s)"
+    )
+
+
+def test_time_limit_is_recorded_and_the_fleet_lives_until_it(tmp_path: Path) -> None:
+    """A one-minute job: the engines and Ray must not die of the time-limit warning (submitit signals
+    every step 90 s before the limit, i.e. at once here), and at the limit the driver records it."""
+    spec = write_spec(
+        tmp_path,
+        "short-limit",
+        "sleep 600",
+        slurm={"partition": "debug", "time": "00:01:00", "cpus_per_task": 2, "gpus_per_node": 0},
+    )
+    proc = submit(spec)
+    assert proc.returncode == 0, proc.stderr
+    job = job_dir_of(proc.stdout)
+    wait_training(job)
+    deadline = time.monotonic() + 180
     while not squeue_empty():
-        assert time.monotonic() < deadline, "job still in squeue 60 s after cancel"
-        time.sleep(0.5)
+        assert time.monotonic() < deadline, "the one-minute job outlived its limit by two minutes"
+        time.sleep(1)
     assert wait_no_leftovers() == []
-    listing = subprocess.run([RL_LAUNCH, "list", "--root", root], capture_output=True, text=True)
-    assert job.name in listing.stdout
+    result = json.loads((job / "result.json").read_text())
+    assert result["outcome"] == "time limit", result
+    events = read_events(job)
+    assert not [e for e in events if e["phase"] == "engine_host_died"], events
+    assert not [e for e in events if e["phase"] == "fleet" and e.get("to_state") == "DEAD"], events
+    print(f"\nslurm time limit: {result['reason']} ({result['signal']}), final {result['torn_down']}")
+
+
+def test_warning_signal_spares_the_steps_and_stops_the_driver(tmp_path: Path) -> None:
+    """SIGUSR2 to every step (what submitit's --signal=USR2@90 does) leaves Ray and the engines up;
+    SIGUSR2 to the batch step (--signal=B:USR2@s) is the driver's cue: time limit, torn down in order."""
+    spec = write_spec(tmp_path, "usr2", "sleep 600")
+    proc = submit(spec)
+    assert proc.returncode == 0, proc.stderr
+    job = job_dir_of(proc.stdout)
+    wait_training(job)
+    job_id = job_id_of(job)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=10)
+    time.sleep(5)
+    state = json.loads((job / "state.json").read_text())
+    assert state["phase"] == "training"
+    assert {e["state"] for e in state["fleet"]["engines"]} == {"HEALTHY"}, state["fleet"]["engines"]
+    assert not [e for e in read_events(job) if e["phase"] in ("engine_host_died", "failed")]
+    t0 = time.monotonic()
+    subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], check=True, timeout=10)
+    deadline = time.monotonic() + 60
+    while not squeue_empty() or leftovers():
+        assert time.monotonic() < deadline, f"still running 60 s after the warning: {leftovers()}"
+        time.sleep(0.2)
+    clear = time.monotonic() - t0
+    result = json.loads((job / "result.json").read_text())
+    assert (result["outcome"], result["signal"], result["torn_down"]) == ("time limit", "SIGUSR2", True), (
+        result
+    )
+    state = json.loads((job / "state.json").read_text())
+    assert state["phase"] == "cancelled" and {e["state"] for e in state["fleet"]["engines"]} == {"STOPPED"}
+    print(f"\nslurm SIGUSR2 to the batch step: nothing running after {clear:.2f} s")
+
+
+# Waits for the driver to report a dead engine host and readmit its engines; exits 0 when it has.
+HOST_WATCHER = textwrap.dedent(
+    """\
+    import json, os, sys, time
+    job = os.environ["RL_JOB_DIR"]
+    deadline = time.time() + 240
+    def events():
+        return [json.loads(x) for x in open(os.path.join(job, "events.jsonl")) if x.strip()]
+    while time.time() < deadline:
+        died = [e for e in events() if e["phase"] == "engine_host_died"]
+        fleet = json.load(open(os.path.join(job, "state.json"))).get("fleet", {})
+        engines = fleet.get("engines", [])
+        if died and engines and all(e["state"] == "HEALTHY" for e in engines) and all(
+                e["previous_urls"] for e in engines if e["id"].startswith("node%d-" % died[0]["node_index"])):
+            sys.exit(0)
+        time.sleep(0.5)
+    sys.exit(1)
+    """
+)
+
+
+def test_killed_engine_host_step_is_reported_and_restarted(tmp_path: Path) -> None:
+    watcher = tmp_path / "watcher.py"
+    watcher.write_text(HOST_WATCHER)
+    spec = write_spec(tmp_path, "host-kill", f"{sys.executable} {watcher}")
+    proc = submit(spec)
+    assert proc.returncode == 0, proc.stderr
+    job = job_dir_of(proc.stdout)
+    state = wait_training(job)
+    job_id = job_id_of(job)
+    victim_node = state["nodes"]["generation"][0]  # type: ignore[index]
+    steps = subprocess.run(
+        ["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    step = next(line.split()[0] for line in steps if line.strip().endswith(f"engines-{victim_node}"))
+    t0 = time.time()
+    subprocess.run(["scancel", step], check=True, timeout=10)
+    result = wait_result(job, timeout_s=300)
+    assert result["exit_code"] == 0 and result["outcome"] == "finished", result
+    events = read_events(job)
+    died = next(e for e in events if e["phase"] == "engine_host_died")
+    assert died["node_index"] == 0 and died["engines"] == ["node0-0", "node0-1"]
+    restart = next(e for e in events if e["phase"] == "engine_host_restart")
+    back = [
+        e for e in events if e["phase"] == "engine_restarted" and str(e["engine_id"]).startswith("node0-")
+    ]
+    assert len(back) == 2
+    healthy = [
+        e
+        for e in events
+        if e["phase"] == "fleet"
+        and e.get("to_state") == "HEALTHY"
+        and str(e["engine_id"]).startswith("node0-")
+    ]
+    assert len(healthy) >= 2
+    assert "exited with" in (job / "driver.log").read_text()
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
+    print(
+        f"\nslurm engine-host step killed: reported {died['t'] - t0:.1f} s, host restarted "
+        f"{restart['t'] - t0:.1f} s, engines readmitted {max(e['t'] for e in healthy) - t0:.1f} s"
+    )
 
 
 @pytest.mark.vllm

@@ -119,7 +119,7 @@ def write_job(
         (job_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     if listing is not None:
         (job_dir / "engines" / "node-0.urls.json").write_text(
-            json.dumps({"node": "gpu-0", "engines": listing})
+            json.dumps({"node": "gpu-0", "engines": [{"index": i, **e} for i, e in enumerate(listing)]})
         )
     if result is not None:
         (job_dir / "result.json").write_text(json.dumps(result))
@@ -296,7 +296,8 @@ def test_listing_without_fleet_state_is_marked_unknown(tmp_path: Path, fleet: di
     snap = collect_snapshot(job, window_s=0.2)
     assert snap["engine_source"] == "listing"
     assert [e["state"] for e in snap["engines"]] == ["HEALTHY?"] * 3
-    assert [e["id"] for e in snap["engines"]] == [0, 1, 2]  # rl-launch logs --engine N numbering
+    # the ids rl-launch logs --engine takes (and the fleet controller uses)
+    assert [e["id"] for e in snap["engines"]] == ["node0-0", "node0-1", "node0-2"]
     text = frame_text(snap)
     assert "HEALTHY?" in _line_with(text, urls[0])
     assert "not judged" in text
@@ -376,9 +377,9 @@ def test_queued_job_says_so(tmp_path: Path) -> None:
 
 
 def test_queued_slurm_job_without_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from launcher import cli_jobs
+    from launcher.slurm import queue
 
-    monkeypatch.setattr(cli_jobs, "slurm_state", lambda job_id: "PENDING" if job_id == "777" else "?")
+    monkeypatch.setattr(queue, "describe_state", lambda job_id: "PENDING" if job_id == "777" else "?")
     result = CliRunner().invoke(main, ["status", "777", "--once", "--root", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "job queued (Slurm: PENDING)" in result.output

@@ -15,9 +15,20 @@ Phases, each bounded and each recorded in the job directory (``state.json``, ``e
 5. **Training**: the command runs here (``bash -c``), its output teed to the job log; its exit code is the
    job's.
 
-Teardown runs on every path (success, failure, SIGTERM from ``scancel``, Ctrl-C): training, router,
-engine hosts (which stop their engines' process groups), Ray workers, Ray head. Nothing of the job is
-left running on any node.
+Stopping, every way, through one teardown (training, router, engine hosts, which stop their engines'
+process groups, Ray workers, Ray head; nothing of the job is left running on any node):
+
+* the job ends by itself (training exits, the fleet is gone, a phase fails): ``finished`` / ``failed``;
+* SIGTERM (``scancel``, ``rl-launch cancel``, Slurm at the time limit) or SIGINT (Ctrl-C): ``cancelled``,
+  or ``time limit`` when the SIGTERM comes at the allocation's end time;
+* SIGUSR2, Slurm's warning before the time limit (``--signal=B:USR2@<s>``, sent to the batch step
+  only): ``time limit``, torn down while there is still time to do it in order.
+
+``ray.init`` installs Ray's own SIGTERM handlers (a Python one that calls ``sys.exit`` and a C++ one that
+prints a stack dump), which used to win over the driver's: the driver is why the handlers are installed
+again right after ``ray.init``. On a signal the result is recorded before the teardown starts (Slurm
+sends SIGKILL ``KillWait`` seconds after SIGTERM, which may come before the teardown ends) and again,
+with the teardown's duration, once it has ended.
 """
 
 from __future__ import annotations
@@ -35,15 +46,18 @@ from typing import Any
 import yaml
 
 from launcher.driver.fleet_controller import FleetController
-from launcher.driver.jobdir import JobDir, write_json_atomic
 from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME, RayCluster
 from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host import EngineHostConfig
 from launcher.engines.sim.cli import options_to_flags
 from launcher.fleet import HealthPolicy
+from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks
 from launcher.slurm.request import container_srun_args
 from launcher.spec import ResolvedSpec
+
+# The signals that stop a job; SIGUSR2 is Slurm's warning before the time limit.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 
 
 class JobFailed(RuntimeError):
@@ -51,11 +65,69 @@ class JobFailed(RuntimeError):
 
 
 class Terminated(BaseException):
-    """SIGTERM/SIGINT arrived (scancel, Ctrl-C): unwind through teardown."""
+    """A stop signal arrived (scancel, cancel, Ctrl-C, the time limit): unwind through teardown.
 
-    def __init__(self, signum: int) -> None:
+    A ``BaseException`` so no ``except Exception`` on the way (a phase's retry loop) swallows it."""
+
+    def __init__(self, signum: int, outcome: str) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.outcome = outcome
+
+    @property
+    def reason(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.outcome == "time limit":
+            return f"time limit: the allocation ends ({name}); torn down before Slurm kills it"
+        return f"cancelled by {name}"
+
+
+def slurm_end_time(job_id: str | None) -> float | None:
+    """The allocation's end time (epoch seconds) from ``squeue``, or None (no Slurm, unlimited)."""
+    if not job_id:
+        return None
+    from launcher.slurm.queue import job_end_time
+
+    return job_end_time(job_id)
+
+
+class EngineHostSteps:
+    """The engine-host step of every generation node, restartable one at a time (the fleet controller
+    restarts the host of a node whose step died)."""
+
+    def __init__(self, start: Any) -> None:
+        self._start = start  # node index -> Step
+        self.steps: dict[int, Step] = {}
+        self._lock = threading.Lock()
+
+    def launch(self, node_index: int) -> Step:
+        step = self._start(node_index)
+        with self._lock:
+            self.steps[node_index] = step
+        return step
+
+    def exited(self, node_index: int) -> int | None:
+        with self._lock:
+            step = self.steps.get(node_index)
+        return None if step is None or step.alive() else step.returncode()
+
+    def restart(self, node_index: int) -> None:
+        with self._lock:
+            old = self.steps.get(node_index)
+        if old is not None:
+            old.stop(grace_s=5)
+        self.launch(node_index)
+
+    def describe(self, node_index: int) -> str:
+        with self._lock:
+            step = self.steps.get(node_index)
+        if step is None:
+            return "never started"
+        return f"node {step.node}; log {step.log}:\n{step.log_tail(10)}"
+
+    def all(self) -> list[Step]:
+        with self._lock:
+            return [self.steps[i] for i in sorted(self.steps)]
 
 
 def node_address(node: str, local: bool) -> str:
@@ -94,6 +166,7 @@ class Driver:
     ) -> None:
         self.spec = spec
         self.job = JobDir(job_dir).create()
+        self.state = StateWriter(self.job)
         self.local = spec.cluster == "local"
         self.training_nodes = training_nodes
         self.generation_nodes = generation_nodes
@@ -101,7 +174,8 @@ class Driver:
             LocalSteps() if self.local else SrunSteps(container_srun_args(spec))
         )
         self.ray: RayCluster | None = None
-        self.engine_steps: list[Step] = []
+        self.hosts = EngineHostSteps(self._launch_host)
+        self.end_time: float | None = None
         self.router: Any = None
         self.controller: FleetController | None = None
         self.status_server: StatusServer | None = None
@@ -111,75 +185,108 @@ class Driver:
 
     # -- the job ------------------------------------------------------------------------------------
     def run(self) -> int:
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-        def on_signal(signum: int, frame: object) -> None:
-            raise Terminated(signum)
-
-        for s in previous:
-            signal.signal(s, on_signal)
+        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        self._install_stop_handlers()
         code = 1
         reason = ""
+        outcome = "failed"
+        signame: str | None = None
         # Every process the job starts inherits this, so leftovers can be traced to their job.
         os.environ["RL_LAUNCH_JOB_DIR"] = str(self.job.path)
         try:
+            self._say(f"job directory: {self.job.path}")
             self._write_spec()
-            self.job.event(
+            self.state.event(
                 "starting",
                 f"driver on {socket.gethostname()}",
                 nodes={"training": self.training_nodes, "generation": self.generation_nodes},
+                driver_pid=os.getpid(),
+                driver_start_ticks=start_ticks(os.getpid()),
+                driver_host=socket.gethostname(),
+                slurm_job_id=os.environ.get("SLURM_JOB_ID") if not self.local else None,
             )
+            if not self.local:
+                self.end_time = slurm_end_time(os.environ.get("SLURM_JOB_ID"))
             self._start_ray()
             api_urls = self._start_engines()
-            router_url = self._start_router(api_urls)
+            self._start_router(api_urls)
             gen = self.spec.generation
             self.controller = FleetController(
                 self.job,
+                self.state,
                 self.router,
-                {i: self.job.engines / f"node-{i}.urls.json" for i in range(len(self.generation_nodes))},
+                len(self.generation_nodes),
                 HealthPolicy(
                     restarts_per_engine=gen.restarts_per_engine, restarts_per_run=gen.restarts_per_run
                 ),
+                hosts=self.hosts,
+                restart_timeout_s=gen.startup_timeout_s + 30,
                 say=self._say,
             ).start()
             self._start_status_endpoint()
-            env = self._wire_gym(router_url)
+            env = self._wire_gym(self.state.snapshot()["router_url"])
             code = self._run_training(env)
             reason = "training finished" if code == 0 else f"training command exited with {code}"
+            outcome = "finished" if code == 0 else "failed"
         except Terminated as exc:
             code = 128 + exc.signum
-            reason = f"terminated by {exc}"
+            reason, outcome, signame = exc.reason, exc.outcome, signal.Signals(exc.signum).name
         except (JobFailed, TimeoutError, RuntimeError, OSError) as exc:
             code = 1
             reason = str(exc)
         finally:
-            try:
-                for s in previous:  # a second signal during teardown must not abort it half-way
-                    signal.signal(s, signal.SIG_IGN)
-                self._teardown()
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
-        phase = "finished" if code == 0 else "failed"
-        self.job.event(phase, reason, exit_code=code, timings=self.timings)
-        write_json_atomic(
-            self.job.result_file, {"exit_code": code, "reason": reason, "timings": self.timings}
-        )
-        self._say(f"{phase}: {reason} (exit {code})")
+            for s in previous:  # a second signal during teardown must not abort it half-way
+                signal.signal(s, signal.SIG_IGN)
+        result = JobResult(code, reason, outcome, signame, self.timings, time.time(), torn_down=False)
+        if signame is not None:
+            # Slurm's SIGKILL follows its SIGTERM after KillWait seconds, maybe before the teardown ends:
+            # say how the job ended first.
+            self.state.event("stopping", reason, outcome=outcome, signal=signame)
+            self.job.write_result(result)
+        try:
+            self._teardown()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        phase = {"finished": "finished", "failed": "failed"}.get(outcome, "cancelled")
+        result.timings = self.timings
+        result.torn_down = True
+        self.state.event(phase, reason, exit_code=code, outcome=outcome, signal=signame, timings=self.timings)
+        self.job.write_result(result)
+        self._say(f"{outcome}: {reason} (exit {code})")
         return code
+
+    def _install_stop_handlers(self) -> None:
+        """The driver's handlers for every stop signal. Called again right after ``ray.init``, which
+        replaces the SIGTERM handler with Ray's (``sys.exit`` plus a C++ stack dump, exit 134)."""
+
+        def on_signal(signum: int, frame: object) -> None:
+            raise Terminated(signum, self._outcome_of(signum))
+
+        for s in STOP_SIGNALS:
+            signal.signal(s, on_signal)
+
+    def _outcome_of(self, signum: int) -> str:
+        if signum == signal.SIGUSR2:
+            return "time limit"
+        if signum == signal.SIGTERM and self.end_time is not None and time.time() >= self.end_time - 10:
+            return "time limit"  # Slurm's SIGTERM at the end of the allocation, not a scancel
+        return "cancelled"
 
     def _say(self, message: str) -> None:
         line = f"[rl-launch {time.monotonic() - self.t0:6.1f}s] {message}"
         print(line, file=sys.stderr, flush=True)
-        with (self.job.path / "driver.log").open("a") as f:
+        with self.job.driver_log.open("a") as f:
             f.write(line + "\n")
 
     def _mark(self, name: str, since: float) -> None:
         self.timings[name] = round(time.monotonic() - since, 2)
 
     def _write_spec(self) -> None:
-        (self.job.path / "spec.resolved.yaml").write_text(self.spec.to_yaml())
+        if not self.job.spec_file.exists():  # ``submit`` wrote the snapshot this job runs; keep it
+            self.job.write_spec(self.spec)
         self.job.new_api_key()
+        self.job.new_admin_token()
 
     # -- phases ----------------------------------------------------------------------------------------
     def _start_ray(self) -> None:
@@ -195,6 +302,7 @@ class Driver:
             self.local,
             num_cpus=os.cpu_count() if self.local else None,
         )
+        self._say(f"starting Ray ({1 + len(others)} node(s))")
         self.ray.start_head()
         if others:
             assert isinstance(self.steps, SrunSteps)
@@ -202,18 +310,20 @@ class Driver:
             if self.spec.slurm is not None and self.spec.slurm.layout == "hetjob":
                 groups = {n: 0 if n in self.training_nodes else 1 for n in others}
             self.ray.start_workers(others, self.steps, groups)
-        self.ray.connect_and_wait(1 + len(others), time.monotonic() + 120)
+        try:
+            self.ray.connect_and_wait(1 + len(others), time.monotonic() + 120)
+        finally:
+            self._install_stop_handlers()  # ray.init replaced the SIGTERM handler with Ray's
         self._mark("ray_start_s", t)
-        self.job.event("ray_up", f"{1 + len(others)} Ray node(s) alive at {self.ray.address}")
+        self.state.event("ray_up", f"{1 + len(others)} Ray node(s) alive at {self.ray.address}")
         self._say(f"Ray up: {1 + len(others)} node(s) in {self.timings['ray_start_s']} s")
 
-    def _engine_start_error(self, hosts: list[tuple[EngineHostConfig, Step]]) -> str | None:
+    def _engine_start_error(self, indices: list[int]) -> str | None:
         """The first error an engine host wrote into its listing, naming its node; None if none did."""
-        for cfg, step in hosts:
-            path = Path(cfg.urls_file)
-            listing = _read_json(path) if path.exists() else {}
-            if listing.get("error"):
-                return f"engines on node {step.node} failed to start:\n{listing['error']}"
+        for i in indices:
+            listing = self.job.read_listing(i)
+            if listing is not None and listing.error:
+                return f"engines on node {self.generation_nodes[i]} failed to start:\n{listing.error}"
         return None
 
     def _engine_config(self, index: int, node: str) -> EngineHostConfig:
@@ -231,41 +341,46 @@ class Driver:
             env=dict(gen.env),
             startup_timeout_s=gen.startup_timeout_s,
             log_dir=str(self.job.logs),
-            urls_file=str(self.job.engines / f"node-{index}.urls.json"),
+            job_dir=str(self.job.path),
             api_key_file=str(self.job.api_key_file),
             vllm_python=os.environ.get("RL_LAUNCH_VLLM_PYTHON"),
             node_index=index,
         )
 
-    def _start_engines(self) -> list[str]:
-        t = time.monotonic()
+    def _launch_host(self, index: int) -> Step:
+        """Start (or start again) generation node ``index``'s engine host step."""
         gen = self.spec.generation
         resources = gen.resources
         gpus = resources.gpus_per_node if resources is not None else 0
         het_group = 1 if self.spec.slurm is not None and self.spec.slurm.layout == "hetjob" else None
-        configs = []
-        for i, node in enumerate(self.generation_nodes):
-            cfg = self._engine_config(i, node)
-            path = self.job.engines / f"node-{i}.json"
-            cfg.dump(path)
-            configs.append(cfg)
-            argv = [sys.executable, "-m", "launcher.engines.host", "--config", str(path)]
-            self.engine_steps.append(
-                self.steps.start(
-                    node,
-                    f"engines-{node}",
-                    argv,
-                    os.environ,
-                    self.job.logs / f"engine-host-node{i}.log",
-                    gpus=gpus,
-                    het_group=het_group,
-                )
-            )
+        node = self.generation_nodes[index]
+        path = self.job.host_config_file(index)
+        if not path.exists():
+            self._engine_config(index, node).dump(path)
+        argv = [sys.executable, "-m", "launcher.engines.host", "--config", str(path)]
+        return self.steps.start(
+            node,
+            f"engines-{node}",
+            argv,
+            os.environ,
+            self.job.engine_host_log(index),
+            gpus=gpus,
+            het_group=het_group,
+        )
+
+    def _start_engines(self) -> list[str]:
+        t = time.monotonic()
+        gen = self.spec.generation
+        indices = list(range(len(self.generation_nodes)))
+        self._say(f"starting {gen.num_engines} {gen.engine} engine(s) on {len(indices)} node(s)")
+        for i in indices:
+            self.hosts.launch(i)
+        steps = self.hosts.all()
         deadline = time.monotonic() + gen.startup_timeout_s + 30
         urls: list[str] = []
-        for cfg, step in zip(configs, self.engine_steps, strict=True):
+        for i, step in zip(indices, steps, strict=True):
             try:
-                wait_for_file(Path(cfg.urls_file), self.engine_steps, deadline)
+                wait_for_file(self.job.listing_file(i), steps, deadline)
             except TimeoutError:
                 raise JobFailed(
                     f"engines on node {step.node} not ready within {gen.startup_timeout_s:g} s; "
@@ -275,16 +390,15 @@ class Driver:
                 # A host that gives up writes its reason before exiting; report that reason (it names
                 # the deadline and carries the engine's log tail) rather than the bare exit, whichever
                 # node's listing the loop happened to be waiting on when the other host died.
-                hosts = list(zip(configs, self.engine_steps, strict=True))
-                raise JobFailed(
-                    self._engine_start_error(hosts) or f"engines failed to start: {exc}"
-                ) from None
-            error = self._engine_start_error([(cfg, step)])
+                reason = self._engine_start_error(indices) or f"engines failed to start: {exc}"
+                raise JobFailed(reason) from None
+            error = self._engine_start_error([i])
             if error:
                 raise JobFailed(error)
-            listing = _read_json(Path(cfg.urls_file))
-            urls += [e["api_url"] for e in listing["engines"]]
-            self.job.event(
+            listing = self.job.read_listing(i)
+            assert listing is not None
+            urls += [e.api_url for e in sorted(listing.engines, key=lambda e: e.index)]
+            self.state.event(
                 "engines_ready",
                 f"{len(urls)}/{gen.num_engines} engines ready",
                 engines_ready=len(urls),
@@ -321,11 +435,11 @@ class Driver:
             max_attempts=r.max_attempts,
             no_healthy_backend_status=r.no_healthy_backend_status,
             api_key=key,
-            admin_token=key,
+            admin_token=self.job.read_admin_token(),
         )
         url = ray.get(self.router.base_url.remote(), timeout=120)
         self._mark("router_start_s", t)
-        self.job.event("router_serving", f"router serving {url}/v1", router_url=url, policy=r.policy)
+        self.state.event("router_serving", f"router serving {url}/v1", router_url=url, policy=r.policy)
         self._say(f"router serving {url}/v1 ({r.policy}, {len(api_urls)} engines)")
         return url
 
@@ -334,7 +448,7 @@ class Driver:
         self.status_server = StatusServer(
             self.job, host, reserve_port(host, self.spec.router.port_range)
         ).start()
-        self.job.update_state(status_url=self.status_server.url)
+        self.state.update(status_url=self.status_server.url)
         self.job.log_event(
             "status_endpoint",
             f"status endpoint {self.status_server.url}/status",
@@ -377,9 +491,9 @@ class Driver:
 
     def _run_training(self, env: dict[str, str]) -> int:
         t = time.monotonic()
-        self.job.event("training", "training command running")
+        self.state.event("training", "training command running")
         self._say(f"training: {self.spec.training.command}")
-        log_path = self.job.logs / "training.log"
+        log_path = self.job.training_log
         self.training = subprocess.Popen(
             ["bash", "-c", self.spec.training.command],
             env=env,
@@ -405,29 +519,15 @@ class Driver:
 
     # -- teardown --------------------------------------------------------------------------------------
     def _teardown(self) -> None:
+        """Stop everything the job started, on every node; the independent parts in parallel, so the
+        whole fits inside Slurm's KillWait after a scancel."""
         t = time.monotonic()
         if self.controller is not None:
             self.controller.stop()
         if self.status_server is not None:
             self.status_server.stop()
-        if self.training is not None and self.training.poll() is None:
-            try:
-                os.killpg(self.training.pid, signal.SIGTERM)
-                self.training.wait(10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.training.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if self.router is not None:
-            try:
-                import ray
-
-                ray.get(self.router.stop.remote(), timeout=10)
-                ray.kill(self.router, no_restart=True)
-            except Exception:  # the actor may be gone already; Ray's shutdown below reaps it anyway
-                pass
-        threads = [threading.Thread(target=s.stop) for s in self.engine_steps]
+        parts = [self._stop_training, self._stop_router, *[s.stop for s in self.hosts.all()]]
+        threads = [threading.Thread(target=part) for part in parts]
         for th in threads:
             th.start()
         for th in threads:
@@ -435,6 +535,29 @@ class Driver:
         if self.ray is not None:
             self.ray.stop()
         self._mark("teardown_s", t)
+
+    def _stop_training(self) -> None:
+        if self.training is None or self.training.poll() is not None:
+            return
+        try:
+            os.killpg(self.training.pid, signal.SIGTERM)
+            self.training.wait(10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.training.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _stop_router(self) -> None:
+        if self.router is None:
+            return
+        try:
+            import ray
+
+            ray.get(self.router.stop.remote(), timeout=10)
+            ray.kill(self.router, no_restart=True)
+        except Exception:  # the actor may be gone already; Ray's shutdown below reaps it anyway
+            pass
 
 
 def _tee(proc: subprocess.Popen[bytes], log_path: Path) -> None:
@@ -445,9 +568,3 @@ def _tee(proc: subprocess.Popen[bytes], log_path: Path) -> None:
             log.flush()
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    import json
-
-    return json.loads(path.read_text())

@@ -4,25 +4,37 @@ Every tick (1 s by default) it gathers the two kinds of evidence separately — 
 per engine with a short timeout (a hung probe is a failure), and the router's drained per-backend
 outcomes of the same window — hands them to ``launcher.fleet.FleetHealth``, and pushes the **whole**
 serving set to the router (never a delta: a restarted router actor converges on the next tick). Engines
-the state machine condemns are restarted in place by their node's engine host (a control file in the job
-directory; the replacement comes back on a new port and is readmitted only after passing probes).
-State changes, restarts and router restarts go to ``events.jsonl``; the fleet snapshot goes to
-``state.json`` for ``rl-launch status``. When nothing can serve any more, ``fatal`` is set and the driver
-fails the job with that reason instead of hanging.
+the state machine condemns are restarted in place by their node's engine host (``ControlRequests`` in
+the job directory; the replacement comes back on a new port and is readmitted only after passing probes).
+
+Two failures the probes alone would handle late or never:
+
+* **A dead engine host** (its srun step or process exited: a node problem, an OOM kill, ``scancel`` of
+  the step). Seen on the next tick from the step itself, reported (event and driver log), and every
+  engine it held is condemned at once; the engines that get a restart are served by a new host step on
+  the same node, which adopts the requested generations. Budgets spent: the engines retire, and with
+  none left the job fails with the reason.
+* **A restart that never answers.** ``FleetHealth`` has no timer for RESTARTING (only the driver can
+  cancel what it started), so this loop gives each restart ``restart_timeout_s`` and then reports it
+  failed: no engine waits in RESTARTING forever.
+
+State changes, restarts and router restarts go to ``events.jsonl``; the fleet snapshot goes to the job
+state for ``rl-launch status``. When nothing can serve any more, ``fatal`` is set and the driver fails
+the job with that reason instead of hanging. ``stop`` writes the final snapshot: every engine STOPPED.
 """
 
 from __future__ import annotations
 
-import json
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from launcher.driver.jobdir import JobDir, write_json_atomic
-from launcher.fleet import EngineRecord, FleetHealth, HealthPolicy, ProbeResult, TickInput
+from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy, ProbeResult, TickInput
+from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
 from router.backends import canonical_backend_url
 
 
@@ -34,34 +46,62 @@ def probe(url: str, timeout_s: float) -> ProbeResult:
         return ProbeResult(False, f"probe failed: {exc}")
 
 
+class EngineHosts(Protocol):
+    """The driver's engine-host steps, as the controller needs them."""
+
+    def exited(self, node_index: int) -> int | None:
+        """The host's exit status if its step has ended, else None."""
+
+    def restart(self, node_index: int) -> None:
+        """Start node ``node_index``'s engine host again (same node, same config)."""
+
+    def describe(self, node_index: int) -> str:
+        """Node name and log tail, for the report."""
+
+
+@dataclass
+class _HostDown:
+    since: float
+    code: int | None
+
+
 class FleetController:
     def __init__(
         self,
         job: JobDir,
+        state: StateWriter,
         router: Any,
-        listings: dict[int, Path],
+        node_count: int,
         policy: HealthPolicy | None = None,
+        hosts: EngineHosts | None = None,
         tick_s: float = 1.0,
         probe_timeout_s: float = 1.0,
+        restart_timeout_s: float = 900.0,
         say: Callable[[str], None] | None = None,
     ) -> None:
         self.job = job
+        self.state = state
         self.say = say or (lambda message: None)
         self.router = router
-        self.listings = listings  # node index -> engines/node-<i>.urls.json
+        self.hosts = hosts
         self.tick_s = tick_s
         self.probe_timeout_s = probe_timeout_s
+        self.restart_timeout_s = restart_timeout_s
         self.where: dict[str, tuple[int, int]] = {}  # engine id -> (node index, engine index)
         self.generation: dict[str, int] = {}
+        self.restart_since: dict[str, float] = {}
+        self.hosts_down: dict[int, _HostDown] = {}
         records = []
-        for node_index, path in sorted(listings.items()):
-            for entry in json.loads(path.read_text())["engines"]:
-                engine_id = f"node{node_index}-{entry['index']}"
-                self.where[engine_id] = (node_index, int(entry["index"]))
-                self.generation[engine_id] = int(entry.get("generation", 0))
-                records.append(
-                    EngineRecord(id=engine_id, node=entry["node"], url=canonical_backend_url(entry["url"]))
-                )
+        for node_index in range(node_count):
+            listing = job.read_listing(node_index)
+            if listing is None:
+                raise RuntimeError(f"no engine listing for generation node {node_index}")
+            for entry in listing.engines:
+                eid = engine_id(node_index, entry.index)
+                self.where[eid] = (node_index, entry.index)
+                self.generation[eid] = entry.generation
+                records.append(EngineRecord(id=eid, node=entry.node, url=canonical_backend_url(entry.url)))
+        self.node_count = node_count
         self.fleet = FleetHealth(records, policy)
         self.fatal: str | None = None
         self._stop = threading.Event()
@@ -75,10 +115,27 @@ class FleetController:
         return self
 
     def stop(self) -> None:
+        """Stop ticking and record the final fleet state (every engine STOPPED, with the state it was in)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.state.update(fleet=self.final_snapshot())
+
+    def final_snapshot(self) -> dict[str, Any]:
+        snap = self.fleet.snapshot()
+        for e in snap["engines"]:
+            e["state_at_end"] = e["state"]
+            e["state"] = STOPPED
+            e["serving"] = False
+        snap["totals"] = {
+            **{k: 0 for k in snap["totals"]},
+            STOPPED: len(snap["engines"]),
+            "engines": len(snap["engines"]),
+            "serving": 0,
+        }
+        snap["final"] = True
+        return snap
 
     def _loop(self) -> None:
         while not self._stop.wait(self.tick_s):
@@ -91,6 +148,9 @@ class FleetController:
     def tick(self) -> None:
         import ray
 
+        self._check_hosts()
+        self._collect_restarts()
+        self._expire_restarts()
         targets = self.fleet.probe_targets()
         results = list(self._pool.map(lambda u: probe(u, self.probe_timeout_s), targets.values()))
         probes = dict(zip(targets.values(), results, strict=True))
@@ -98,7 +158,6 @@ class FleetController:
             outcomes = ray.get(self.router.drain_backend_outcomes.remote(), timeout=5)
         except Exception:  # the router actor is restarting: probes alone this tick
             outcomes = {}
-        self._collect_restarts()
         result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes))
         try:
             ray.get(self.router.set_serving_backends.remote(result.serving_urls), timeout=5)
@@ -110,8 +169,9 @@ class FleetController:
             self._router_pid = pid
         except Exception as exc:
             self.job.log_event("router_unreachable", f"could not push the serving set: {exc!r}")
-        for engine_id in result.to_restart:
-            self._request_restart(engine_id)
+        for eid in result.to_restart:
+            self._request_restart(eid)
+        self._restart_hosts(result.to_restart)
         for event in result.events:
             if event.get("level") in ("warning", "error") or event["to_state"] in ("DEAD", "RETIRED"):
                 # Loudly, in the driver's own log too: a shrinking fleet must not go unnoticed.
@@ -125,41 +185,92 @@ class FleetController:
                 f"{event['to_state']} ({event['reason']})",
                 **dict(event),
             )
-        self.job.update_state(fleet=self.fleet.snapshot())
+        if not self._stop.is_set():  # stop() writes the final snapshot; a late tick must not undo it
+            self.state.update(fleet=self.fleet.snapshot())
         if result.fatal and self.fatal is None:
             self.fatal = result.fatal
 
-    def _request_restart(self, engine_id: str) -> None:
-        node_index, index = self.where[engine_id]
-        self.generation[engine_id] += 1
-        control = self.listings[node_index].with_name(f"node-{node_index}.control.json")
-        try:
-            requests = json.loads(control.read_text())
-        except (OSError, ValueError):
-            requests = {"restart": {}}
-        requests["restart"][str(index)] = self.generation[engine_id]
-        write_json_atomic(control, requests)
-        self.job.log_event("engine_restart", f"engine {engine_id}: restart requested", engine_id=engine_id)
+    def _engines_of(self, node_index: int) -> list[str]:
+        return [eid for eid, (n, _) in self.where.items() if n == node_index]
+
+    def _check_hosts(self) -> None:
+        """A host step that ended condemns its engines now (their probes would take several ticks, and a
+        restart request to a dead host would never be answered)."""
+        if self.hosts is None:
+            return
+        for node_index in range(self.node_count):
+            if node_index in self.hosts_down:
+                continue
+            code = self.hosts.exited(node_index)
+            if code is None:
+                continue
+            self.hosts_down[node_index] = _HostDown(time.monotonic(), code)
+            reason = f"engine host on generation node {node_index} exited with {code}"
+            self.say(f"{reason}; {self.hosts.describe(node_index)}")
+            self.job.log_event(
+                "engine_host_died",
+                reason,
+                node_index=node_index,
+                exit_code=code,
+                engines=self._engines_of(node_index),
+            )
+            for eid in self._engines_of(node_index):
+                if self.fleet.state(eid) is EngineState.RESTARTING:
+                    self.fleet.restart_failed(eid, reason)
+                    self.restart_since.pop(eid, None)
+                else:
+                    self.fleet.mark_dead(eid, reason)
+
+    def _restart_hosts(self, restarting: list[str]) -> None:
+        if self.hosts is None:
+            return
+        for node_index in sorted({self.where[eid][0] for eid in restarting} & set(self.hosts_down)):
+            del self.hosts_down[node_index]
+            self.job.log_event(
+                "engine_host_restart",
+                f"starting generation node {node_index}'s engine host again",
+                node_index=node_index,
+            )
+            self.say(f"starting the engine host of generation node {node_index} again")
+            self.hosts.restart(node_index)
+
+    def _request_restart(self, eid: str) -> None:
+        node_index, index = self.where[eid]
+        self.generation[eid] += 1
+        self.restart_since[eid] = time.monotonic()
+        requests = self.job.read_control(node_index)  # this controller is the file's only writer
+        requests.restart[index] = self.generation[eid]
+        self.job.write_control(node_index, requests)
+        self.job.log_event("engine_restart", f"engine {eid}: restart requested", engine_id=eid)
+
+    def _expire_restarts(self) -> None:
+        now = time.monotonic()
+        for eid, since in list(self.restart_since.items()):
+            if self.fleet.state(eid) is not EngineState.RESTARTING:
+                self.restart_since.pop(eid)
+            elif now - since > self.restart_timeout_s:
+                self.restart_since.pop(eid)
+                self.fleet.restart_failed(eid, f"no replacement within {self.restart_timeout_s:g} s")
 
     def _collect_restarts(self) -> None:
         """Tell the state machine about replacements the engine hosts finished (new URL or error)."""
-        for engine_id, (node_index, index) in self.where.items():
-            if self.fleet.state(engine_id) != "RESTARTING":
+        listings = {}
+        for eid, (node_index, index) in self.where.items():
+            if self.fleet.state(eid) is not EngineState.RESTARTING:
                 continue
-            try:
-                listing = json.loads(self.listings[node_index].read_text())
-            except (OSError, ValueError):
+            if node_index not in listings:
+                listings[node_index] = self.job.read_listing(node_index)
+            listing = listings[node_index]
+            if listing is None:
                 continue
-            entry = next((e for e in listing.get("engines", []) if int(e["index"]) == index), None)
-            if entry is None or int(entry.get("generation", 0)) < self.generation[engine_id]:
-                continue
-            if entry.get("error"):
-                self.fleet.restart_failed(engine_id, str(entry["error"])[-2000:])
+            entry = next((e for e in listing.engines if e.index == index), None)
+            if entry is None or entry.generation < self.generation[eid]:
+                continue  # not answered yet (a restarted host that fails exits: _check_hosts sees it)
+            self.restart_since.pop(eid, None)
+            if entry.error:
+                self.fleet.restart_failed(eid, str(entry.error)[-2000:])
             else:
-                self.fleet.restarted(engine_id, canonical_backend_url(entry["url"]))
+                self.fleet.restarted(eid, canonical_backend_url(entry.url))
                 self.job.log_event(
-                    "engine_restarted",
-                    f"engine {engine_id} back on {entry['url']}",
-                    engine_id=engine_id,
-                    url=entry["url"],
+                    "engine_restarted", f"engine {eid} back on {entry.url}", engine_id=eid, url=entry.url
                 )

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from launcher.driver.steps import LocalSteps, SrunSteps, Step
+from launcher.driver.warning_shield import shielded
 
 # The job's named actors (the router: "router") live here, so a training script or an operator attached to
 # the same cluster (RAY_ADDRESS) can find them with ray.get_actor("router", namespace=RAY_NAMESPACE).
@@ -86,7 +87,8 @@ class RayCluster:
         ]
         if self.num_cpus is not None:
             argv.append(f"--num-cpus={self.num_cpus}")
-        self.head = LocalSteps().start("head", "ray-head", argv, self.env, self.logs / "ray-head.log")
+        log = self.logs / "ray-head.log"
+        self.head = LocalSteps().start("head", "ray-head", shielded(argv), self.env, log)
 
     def start_workers(
         self, nodes: Sequence[str], steps: SrunSteps, het_groups: Mapping[str, int] | None = None
@@ -103,7 +105,9 @@ class RayCluster:
             ]
             log = self.logs / f"ray-worker-{node}.log"
             group = het_groups.get(node) if het_groups else None
-            self.workers.append(steps.start(node, f"ray-worker-{node}", argv, self.env, log, het_group=group))
+            self.workers.append(
+                steps.start(node, f"ray-worker-{node}", shielded(argv), self.env, log, het_group=group)
+            )
 
     def connect_and_wait(self, expected_nodes: int, deadline: float) -> object:
         """``ray.init`` against the head, then wait until ``expected_nodes`` are alive."""

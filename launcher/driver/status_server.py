@@ -17,7 +17,17 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from launcher.driver.jobdir import JobDir
+from launcher.jobdir import JobDir
+
+
+def parse_count(raw: str) -> int | None:
+    """``n`` of ``/events?n=``: a positive integer, else None (answered 400; ``n=0`` used to return every
+    event, and ``n=abc`` closed the connection from inside the handler)."""
+    raw = raw.strip()
+    if not raw.isdigit() or len(raw) > 9:
+        return None
+    n = int(raw)
+    return n if n > 0 else None
 
 
 class StatusServer:
@@ -50,8 +60,12 @@ class StatusServer:
                 if parts.path == "/status":
                     self._json(200, job.read_state())
                 elif parts.path == "/events":
-                    n = int((parse_qs(parts.query).get("n") or ["50"])[0])
-                    self._json(200, {"events": job.read_events()[-max(n, 0) :]})
+                    raw = (parse_qs(parts.query, keep_blank_values=True).get("n") or ["50"])[0]
+                    n = parse_count(raw)
+                    if n is None:
+                        self._json(400, {"error": f"n must be a positive integer (got {raw[:40]!r})"})
+                    else:
+                        self._json(200, {"events": job.read_events()[-n:]})
                 else:
                     self._json(404, {"error": f"{parts.path} not found; try /status or /events?n=50"})
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.engines.base import Engine, EngineSpec, EngineStartError
+from launcher.jobdir import EngineEntry, EngineListing, JobDir, write_json_atomic
 
 
 @dataclass
@@ -47,7 +48,7 @@ class EngineHostConfig:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 900.0
     log_dir: str = "."
-    urls_file: str = "engines.json"
+    job_dir: str = "."
     api_key_file: str | None = None
     vllm_python: str | None = None
     node_index: int = 0
@@ -58,13 +59,6 @@ class EngineHostConfig:
 
     def dump(self, path: str | Path) -> None:
         write_json_atomic(Path(path), self.__dict__)
-
-
-def write_json_atomic(path: Path, payload: object) -> None:
-    """Readers on other nodes must never see half a file: write aside, then rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
 
 
 def split_gpus(gpus: Sequence[str], count: int, per_engine: int) -> list[list[str]]:
@@ -91,7 +85,7 @@ def build_engine(cfg: EngineHostConfig, index: int, gpus: list[str]) -> Engine:
     api_key = read_secret(cfg.api_key_file)
     log_dir = Path(cfg.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = str(log_dir / f"engine-node{cfg.node_index}-{index}.log")
+    log_path = str(JobDir(cfg.job_dir).engine_log(cfg.node_index, index))
     if cfg.kind == "sim":
         from launcher.engines.sim.process import SimEngine
 
@@ -176,10 +170,12 @@ def start_all(engines: list[Engine], timeout_s: float) -> None:
 class EngineHost:
     """Holds the node's engines and restarts one on request.
 
-    Restart requests come from the driver through ``<urls_file>.control.json`` (``{"restart": {index:
-    generation}}``, written atomically on the shared filesystem): a request whose generation is newer
-    than the engine's current one stops that engine and starts a replacement on a new port, on the same
-    GPUs; the listing is rewritten with the new URL and generation once it is healthy, or with the error.
+    Restart requests come from the fleet controller through ``engines/node-<i>.control.json``
+    (``ControlRequests``, written atomically on the shared filesystem): a request whose generation is
+    newer than the engine's current one stops that engine and starts a replacement on a new port, on the
+    same GPUs; the listing is rewritten with the new URL and generation once it is healthy, or with the
+    error. A host started again after its step died takes the requested generations as its own, so its
+    fresh engines answer the restart requests the controller made for the dead host's engines.
     A file rather than a socket because the driver and the host may be on different nodes and already
     share the job directory; polling it every half second costs nothing next to an engine's start time.
     """
@@ -187,34 +183,39 @@ class EngineHost:
     def __init__(self, cfg: EngineHostConfig) -> None:
         self.cfg = cfg
         self.node = socket.gethostname()
-        self.urls_file = Path(cfg.urls_file)
-        self.control_file = self.urls_file.with_name(
-            self.urls_file.name.replace(".urls.json", ".control.json")
-        )
+        self.job = JobDir(cfg.job_dir)
         self.groups = gpu_groups(cfg)
         self.engines: list[Engine] = [build_engine(cfg, i, g) for i, g in enumerate(self.groups)]
-        self.generations = [0] * len(self.engines)
+        requested = self.job.read_control(cfg.node_index).restart
+        self.generations = [requested.get(i, 0) for i in range(len(self.engines))]
         self.errors: list[str | None] = [None] * len(self.engines)
 
-    def entry(self, index: int) -> dict[str, object]:
+    def entry(self, index: int) -> EngineEntry:
         engine = self.engines[index]
         url = engine_urls(engine)[0] if self.errors[index] is None else ""
-        return {
-            "index": index,
-            "url": url,
-            "api_url": f"{url}/v1" if url else "",
-            "node": self.node,
-            "node_index": self.cfg.node_index,
-            "generation": self.generations[index],
-            "log": str(getattr(engine, "log_path", "") or ""),
-            "error": self.errors[index],
-        }
+        return EngineEntry(
+            index=index,
+            url=url,
+            api_url=f"{url}/v1" if url else "",
+            node=self.node,
+            node_index=self.cfg.node_index,
+            generation=self.generations[index],
+            log=str(getattr(engine, "log_path", "") or ""),
+            error=self.errors[index],
+        )
 
     def publish(self, started: float) -> None:
-        listing = [self.entry(i) for i in range(len(self.engines))]
-        write_json_atomic(
-            self.urls_file, {"node": self.node, "engines": listing, "ready_s": time.monotonic() - started}
+        self.job.write_listing(
+            EngineListing(
+                node=self.node,
+                node_index=self.cfg.node_index,
+                engines=[self.entry(i) for i in range(len(self.engines))],
+                ready_s=time.monotonic() - started,
+            )
         )
+
+    def publish_error(self, error: str) -> None:
+        self.job.write_listing(EngineListing(node=self.node, node_index=self.cfg.node_index, error=error))
 
     def restart(self, index: int, generation: int) -> None:
         old = self.engines[index]
@@ -229,11 +230,8 @@ class EngineHost:
             self.errors[index] = str(exc)
 
     def pending_restarts(self) -> dict[int, int]:
-        try:
-            requests = json.loads(self.control_file.read_text()).get("restart", {})
-        except (OSError, ValueError):
-            return {}
-        return {int(i): int(g) for i, g in requests.items() if int(g) > self.generations[int(i)]}
+        requests = self.job.read_control(self.cfg.node_index).restart
+        return {i: g for i, g in requests.items() if 0 <= i < len(self.engines) and g > self.generations[i]}
 
     def stop(self) -> None:
         for engine in self.engines:
@@ -242,16 +240,27 @@ class EngineHost:
 
 def run(cfg: EngineHostConfig) -> int:
     stop = threading.Event()
+
+    def abort_startup(signum: int, frame: object) -> None:
+        # While engines start, unwind through start_all, which stops every engine it started: a host
+        # that waited for them instead would be SIGKILLed by the driver and leave them running.
+        raise SystemExit(128 + signum)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, abort_startup)
+    # Slurm's time-limit warning is the driver's to act on (it tears the whole job down in order); an
+    # engine host, and the engines that inherit this disposition, must not die of it 90 s early.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     host = EngineHost(cfg)
     started = time.monotonic()
     try:
         start_all(host.engines, cfg.startup_timeout_s)
     except EngineStartError as exc:
-        write_json_atomic(host.urls_file, {"node": host.node, "error": str(exc), "engines": []})
+        host.publish_error(str(exc))
         print(f"engine host on {host.node}: {exc}", file=sys.stderr, flush=True)
         return 3
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
     host.publish(started)
     print(
         f"engine host on {host.node}: {len(host.engines)} engine(s) ready "

@@ -16,8 +16,7 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from launcher import cli_jobs
-from launcher.cli_jobs import _ROOT, job_dirs, resolve_job
+from launcher.cli_jobs import _ROOT, resolve_job
 from launcher.status.collect import StatusCollector, acollect_snapshot
 from launcher.status.render import render_snapshot
 
@@ -33,14 +32,13 @@ def resolve_target(job: str | None, root: Path) -> tuple[Path | None, str | None
     bare job id that Slurm knows resolves to ``(None, id)`` and shows as queued instead of "no such job".
     """
     if job is None:
-        dirs = job_dirs(root)
-        if not dirs:
-            raise click.ClickException(f"no jobs under {root} (pass --root, or a job id or directory)")
-        return dirs[-1], None
+        return resolve_job(None, root), None
     try:
         return resolve_job(job, root), None
     except click.ClickException:
-        if job.isdigit() and cli_jobs.slurm_state(job) not in ("", "?"):
+        from launcher.slurm import queue
+
+        if job.isdigit() and queue.describe_state(job) not in ("", "?"):
             return None, job
         raise
 
@@ -57,7 +55,8 @@ async def _live(collector: StatusCollector, interval: float, console: Console) -
             while True:
                 started = time.monotonic()
                 snap = await collector.collect()
-                live.update(render_snapshot(snap, max_rows=rows_that_fit(console, snap)), refresh=True)
+                frame = render_snapshot(snap, max_rows=rows_that_fit(console, snap), width=console.size.width)
+                live.update(frame, refresh=True)
                 if snap["condition"] == "finished":
                     return  # the final frame stays on screen: result, last events
                 await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
@@ -99,7 +98,7 @@ def status_command(
         if as_json:
             click.echo(json.dumps(snap, indent=2, default=str))
         else:
-            console.print(render_snapshot(snap))
+            console.print(render_snapshot(snap, width=console.size.width))
         return
     try:
         asyncio.run(_live(collector, interval, console))

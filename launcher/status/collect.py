@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from launcher.driver.jobdir import JobDir
+from launcher.jobdir import FINAL_PHASES, STOPPED, JobDir, engine_id
 
 SNAPSHOT_VERSION = 1
 
@@ -337,32 +337,24 @@ def read_event_log(path: Path, last: int, tail_bytes: int = 256 * 1024) -> tuple
     return (float(start) if isinstance(start, int | float) else None), events[-last:] if last > 0 else []
 
 
-def _node_index(path: Path) -> int:
-    stem = path.name.removesuffix(".urls.json").removeprefix("node-")
-    return int(stem) if stem.isdigit() else 1 << 30
-
-
 def listed_engines(job_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Engines from ``engines/node-*.urls.json`` in fleet order (the order ``rl-launch logs --engine N``
-    counts), as rows with an unknown state, plus the start errors those files record."""
+    """Engines from the engine listings in fleet order (numeric node order, then engine index: the
+    order ``rl-launch logs --engine N`` counts), with the ids ``logs --engine`` takes (``node0-1``) and
+    an unknown state, plus the start errors those listings record."""
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
-    files = sorted((job_dir / "engines").glob("node-*.urls.json"), key=_node_index)
-    for path in files:
-        listing = _read_json(path)
-        if listing is None:
-            continue
-        if listing.get("error"):
-            node = listing.get("node") or path.name
-            problems.append(f"engines on {node} failed to start: {str(listing['error']).strip()[:300]}")
-        for e in listing.get("engines") or []:
-            if not isinstance(e, dict) or not (e.get("url") or e.get("api_url")):
+    for listing in JobDir(job_dir).listings():
+        if listing.error:
+            node = listing.node or f"generation node {listing.node_index}"
+            problems.append(f"engines on {node} failed to start: {str(listing.error).strip()[:300]}")
+        for e in sorted(listing.engines, key=lambda e: e.index):
+            if not (e.url or e.api_url):
                 continue
             rows.append(
                 {
-                    "id": len(rows),
-                    "node": e.get("node") or listing.get("node") or "",
-                    "url": e.get("url") or e.get("api_url"),
+                    "id": engine_id(listing.node_index, e.index),
+                    "node": e.node or listing.node,
+                    "url": e.url or e.api_url,
                     "state": UNKNOWN_STATE,
                     "restarts": 0,
                     "last_reason": "",
@@ -419,15 +411,25 @@ def _describe(exc: BaseException, timeout_s: float) -> str:
 
 def default_slurm_state(job_id: str) -> str:
     """Slurm's word on the job ('?' without Slurm tools); the same lookup ``rl-launch list`` uses."""
-    from launcher.cli_jobs import slurm_state
+    from launcher.slurm.queue import describe_state
 
-    return slurm_state(job_id)
+    return describe_state(job_id)
 
 
 def _final_slurm_states() -> frozenset[str]:
-    from launcher.submit import FINAL_STATES
+    from launcher.slurm.queue import FINAL_STATES
 
-    return frozenset(FINAL_STATES)
+    return FINAL_STATES
+
+
+def final_rows(engines: list[dict[str, Any]]) -> None:
+    """A finished job serves nothing: every engine row says STOPPED (keeping the state the fleet
+    controller last saw in ``state_at_end``), whether or not the driver lived to write the final
+    snapshot itself."""
+    for e in engines:
+        if e["state"] != STOPPED:
+            e.setdefault("state_at_end", e["state"])
+            e["state"] = STOPPED
 
 
 class StatusCollector:
@@ -453,9 +455,7 @@ class StatusCollector:
         self.job_dir = Path(job_dir) if job_dir is not None else None
         self.name = name or (self.job_dir.name if self.job_dir is not None else str(slurm_job_id))
         if slurm_job_id is None and self.job_dir is not None:
-            from launcher.cli_jobs import slurm_job_id as job_id_of
-
-            slurm_job_id = job_id_of(self.job_dir)
+            slurm_job_id = JobDir(self.job_dir).slurm_job_id()
         self.slurm_job_id = slurm_job_id
         self.timeout_s = timeout_s
         self.events = events
@@ -528,7 +528,7 @@ class StatusCollector:
         engines, source, problems = fleet_engines(state, self.job_dir)
         router_url = state.get("router_url") or None
         phase = str(state.get("phase") or ("queued" if not state else "?"))
-        done = result is not None or phase in ("finished", "failed")
+        done = result is not None or phase in FINAL_PHASES
 
         # Scrape only while the job can be serving: a finished job's addresses may belong to someone
         # else's job by now, and a queued one has none.
@@ -545,6 +545,8 @@ class StatusCollector:
             router_got = await self._nothing()
             engine_got = [router_got] * len(engines)
         condition, message = self._condition(state, phase, result, slurm, done, router_url, router_got)
+        if done:
+            final_rows(engines)
 
         router = self._router_view(router_url, router_got, scrape)
         prev_router = self._prev_router
@@ -618,9 +620,9 @@ class StatusCollector:
         if done:
             if result is not None:
                 code = result.get("exit_code")
-                word = "finished" if code == 0 else "failed"
+                word = result.get("outcome") or ("finished" if code == 0 else "failed")
                 return "finished", f"job {word}: exit {code} ({result.get('reason') or 'no reason given'})"
-            if phase in ("finished", "failed"):
+            if phase in FINAL_PHASES:
                 return "finished", f"job {phase}: {state.get('detail') or 'no detail'}"
             return "finished", (
                 f"Slurm says {slurm}; the driver wrote no result.json (killed before it could; "

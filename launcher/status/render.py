@@ -28,6 +28,7 @@ STATE_STYLES = {
     "RETIRED": "red",
     "RESTARTING": "bold cyan",
     "RECOVERING": "cyan",
+    "STOPPED": "dim",
 }
 
 CONDITION_STYLES = {
@@ -223,24 +224,64 @@ def _engine_cells(e: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
-def _engine_table(snap: dict[str, Any], max_rows: int | None) -> Text:
+# Columns given up first when the terminal is too narrow for all of them (the note is cut, not dropped,
+# while at least a few characters of it fit). id and state always stay: they say which engine (the id
+# ``rl-launch logs --engine`` takes) and whether it serves.
+DROP_ORDER = ("url", "run/wait", "kv", "in-flight", "hit", "restarts", "node", "err", "p50", "req/s", "note")
+_GAP = 2
+_MIN_NOTE = 12
+
+
+def fit_columns(widths: dict[str, int], width: int | None) -> list[str]:
+    """The columns (in ``ENGINE_COLUMNS`` order) that fit ``width`` cells, dropping by ``DROP_ORDER``."""
+    names = [name for name, _ in ENGINE_COLUMNS]
+    if width is None:
+        return names
+
+    def needed(cols: list[str]) -> int:
+        fixed = [c for c in cols if c != "note"]
+        total = sum(widths[c] for c in fixed) + _GAP * (len(fixed) - 1)
+        if "note" in cols:
+            total += _GAP + min(widths["note"], _MIN_NOTE)
+        return total
+
+    cols = list(names)
+    for name in DROP_ORDER:
+        if needed(cols) <= width:
+            break
+        cols.remove(name)
+    return cols
+
+
+def _engine_table(snap: dict[str, Any], max_rows: int | None, width: int | None = None) -> Text:
     """The engine rows as one pre-aligned ``Text``. Not a ``rich.table.Table``: with 256 engines a Table
     spends ~0.5 s measuring and wrapping 3,000 cells every frame, a plain aligned block ~20x less, and
-    the live view redraws every second or two on a shared login node."""
+    the live view redraws every second or two on a shared login node. With ``width``, columns are
+    dropped by ``DROP_ORDER`` until the rest fits, instead of cutting every row at the edge."""
     engines = snap.get("engines") or []
-    rows = [_engine_cells(e) for e in _pick_rows(engines, max_rows)]
-    hidden = len(engines) - len(rows)
-    header = [(name, "bold dim") for name, _ in ENGINE_COLUMNS]
-    widths = [max(cell_len(row[i][0]) for row in [header, *rows]) for i in range(len(ENGINE_COLUMNS))]
+    all_rows = [_engine_cells(e) for e in _pick_rows(engines, max_rows)]
+    hidden = len(engines) - len(all_rows)
+    names = [name for name, _ in ENGINE_COLUMNS]
+    all_header = [(name, "bold dim") for name in names]
+    measured = {
+        name: max(cell_len(row[i][0]) for row in [all_header, *all_rows]) for i, name in enumerate(names)
+    }
+    keep = fit_columns(measured, width)
+    index = [names.index(c) for c in keep]
+    columns = [ENGINE_COLUMNS[i] for i in index]
+    rows = [[row[i] for i in index] for row in all_rows]
+    header = [all_header[i] for i in index]
+    widths = [measured[c] for c in keep]
     out = Text(no_wrap=True, overflow="ellipsis")
-    last = len(ENGINE_COLUMNS) - 1
+    last = len(columns) - 1
     for n, row in enumerate([header, *rows]):
         if n:
             out.append("\n")
-        for i, ((text, style), (_, justify), width) in enumerate(
-            zip(row, ENGINE_COLUMNS, widths, strict=True)
-        ):
-            pad = " " * (width - cell_len(text))
+        for i, ((text, style), (_, justify), width_i) in enumerate(zip(row, columns, widths, strict=True)):
+            if width is not None and i == last and columns[i][0] == "note":
+                room = max(1, width - (sum(widths[:-1]) + _GAP * last))
+                text = text if cell_len(text) <= room else text[: max(0, room - 1)] + "…"
+            pad = " " * (width_i - cell_len(text))
             if i == last:
                 out.append(text, style)
                 continue
@@ -294,9 +335,12 @@ def _events(snap: dict[str, Any]) -> Table:
     return table
 
 
-def render_snapshot(snap: dict[str, Any], max_rows: int | None = None) -> RenderableType:
+def render_snapshot(
+    snap: dict[str, Any], max_rows: int | None = None, width: int | None = None
+) -> RenderableType:
     """The whole frame. ``max_rows`` caps the engine table (the live view passes what fits the
-    terminal); ``None`` lists every engine (``--once``)."""
+    terminal); ``None`` lists every engine (``--once``). ``width``: the terminal's columns, which the
+    engine table fits by dropping its least important columns."""
     parts: list[RenderableType] = [_job_header(snap)]
     condition = snap.get("condition", "running")
     message = snap.get("message")
@@ -312,7 +356,7 @@ def render_snapshot(snap: dict[str, Any], max_rows: int | None = None) -> Render
         parts.append(_router_line(snap))
     if snap.get("engines"):
         parts.append(_summary(snap))
-        parts.append(_engine_table(snap, max_rows))
+        parts.append(_engine_table(snap, max_rows, width))
     if snap.get("events"):
         parts.append(_events(snap))
     return Group(*parts)

@@ -1,0 +1,36 @@
+"""The job directory: its layout, its typed records, and the only code that reads or writes it."""
+
+from launcher.jobdir.atomic import append_json_line, read_json, write_json_atomic, write_text_atomic
+from launcher.jobdir.layout import JobDir, StateWriter
+from launcher.jobdir.process import is_same_process, start_ticks
+from launcher.jobdir.records import (
+    FINAL_PHASES,
+    PHASES,
+    STOPPED,
+    ControlRequests,
+    EngineEntry,
+    EngineListing,
+    JobResult,
+    SubmittedJob,
+    engine_id,
+)
+
+__all__ = [
+    "FINAL_PHASES",
+    "PHASES",
+    "STOPPED",
+    "ControlRequests",
+    "EngineEntry",
+    "EngineListing",
+    "JobDir",
+    "JobResult",
+    "StateWriter",
+    "SubmittedJob",
+    "append_json_line",
+    "engine_id",
+    "is_same_process",
+    "read_json",
+    "start_ticks",
+    "write_json_atomic",
+    "write_text_atomic",
+]

@@ -1,0 +1,283 @@
+"""The job directory: every file's name, who writes it, and how it is read.
+
+Layout (on the shared filesystem, so every node and the login node see it)::
+
+    <job_dir>/
+      submitted.json          SubmittedJob, by ``rl-launch submit`` (a Slurm job is known while queued)
+      spec.resolved.yaml      the resolved spec the job runs (written by submit; no secrets)
+      state.json              the job state (phase, figures, fleet snapshot): the driver's StateWriter only
+      events.jsonl            append-only: phase changes, fleet events, restarts
+      driver.log              the driver's own log
+      gym_overlay.yaml        policy_base_url / policy_api_key / policy_model_name for NeMo-Gym
+      secrets/api_key         the per-run client API key, 0600 in a 0700 directory
+      secrets/admin_token     the router's admin token (router and fleet controller only), 0600
+      engines/node-<i>.json          the engine host's config for generation node i (driver)
+      engines/node-<i>.urls.json     EngineListing: what node i serves, or its start error (engine host)
+      engines/node-<i>.control.json  ControlRequests: restart requests (fleet controller)
+      logs/                   engine, engine-host, Ray and training logs
+      result.json             JobResult, written last (driver)
+
+Every file has one writer; writes are atomic with unique temporary names (``atomic.py``). Listings are
+always returned in numeric node order, so engine N of ``rl-launch logs --engine N``, the dashboard's rows
+and the fleet controller's ids name the same engine from 11 nodes on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launcher.jobdir.atomic import append_json_line, read_json, write_json_atomic, write_text_atomic
+from launcher.jobdir.records import (
+    ControlRequests,
+    EngineEntry,
+    EngineListing,
+    JobResult,
+    SubmittedJob,
+)
+
+if TYPE_CHECKING:
+    from launcher.spec import ResolvedSpec
+
+_LISTING = re.compile(r"^node-(\d+)\.urls\.json$")
+
+
+class JobDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).resolve()
+
+    def __repr__(self) -> str:
+        return f"JobDir({str(self.path)!r})"
+
+    # -- names ------------------------------------------------------------------------------------------
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def engines(self) -> Path:
+        return self.path / "engines"
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "state.json"
+
+    @property
+    def events_file(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def result_file(self) -> Path:
+        return self.path / "result.json"
+
+    @property
+    def submitted_file(self) -> Path:
+        return self.path / "submitted.json"
+
+    @property
+    def spec_file(self) -> Path:
+        return self.path / "spec.resolved.yaml"
+
+    @property
+    def driver_log(self) -> Path:
+        return self.path / "driver.log"
+
+    @property
+    def training_log(self) -> Path:
+        return self.logs / "training.log"
+
+    @property
+    def api_key_file(self) -> Path:
+        return self.path / "secrets" / "api_key"
+
+    @property
+    def admin_token_file(self) -> Path:
+        return self.path / "secrets" / "admin_token"
+
+    def host_config_file(self, node_index: int) -> Path:
+        return self.engines / f"node-{node_index}.json"
+
+    def listing_file(self, node_index: int) -> Path:
+        return self.engines / f"node-{node_index}.urls.json"
+
+    def control_file(self, node_index: int) -> Path:
+        return self.engines / f"node-{node_index}.control.json"
+
+    def engine_host_log(self, node_index: int) -> Path:
+        return self.logs / f"engine-host-node{node_index}.log"
+
+    def engine_log(self, node_index: int, index: int) -> Path:
+        return self.logs / f"engine-node{node_index}-{index}.log"
+
+    def create(self) -> JobDir:
+        for d in (self.path, self.logs, self.engines):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def exists(self) -> bool:
+        return self.submitted_file.exists() or self.state_file.exists() or self.events_file.exists()
+
+    def slurm_job_id(self) -> str | None:
+        """The Slurm job id: from ``submitted.json`` or the driver's state, else the ``<name>-<id>``
+        suffix of the directory (local runs are named ``<name>-local-<time>-<pid>`` and have none)."""
+        submitted = self.read_submitted()
+        if submitted is not None and submitted.job_id:
+            return submitted.job_id
+        state_id = self.read_state().get("slurm_job_id")
+        if state_id:
+            return str(state_id)
+        if "-local-" in self.path.name:
+            return None
+        suffix = self.path.name.rsplit("-", 1)[-1]
+        return suffix if suffix.isdigit() else None
+
+    # -- secrets ----------------------------------------------------------------------------------------
+    def _new_secret(self, path: Path) -> Path:
+        """A random secret in a 0600 file (0700 directory): handed over by path or environment, never by
+        argv, never written to the spec or a log."""
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+        return path
+
+    def new_api_key(self) -> Path:
+        return self._new_secret(self.api_key_file)
+
+    def new_admin_token(self) -> Path:
+        """Separate from the API key: every rollout worker holds the API key, and must not be able to add
+        or remove the router's engines with it."""
+        return self._new_secret(self.admin_token_file)
+
+    def read_api_key(self) -> str:
+        return self.api_key_file.read_text().strip()
+
+    def read_admin_token(self) -> str:
+        return self.admin_token_file.read_text().strip()
+
+    # -- state and events (read side; the driver writes through StateWriter) ---------------------------
+    def read_state(self) -> dict[str, Any]:
+        return read_json(self.state_file) or {}
+
+    def read_events(self) -> list[dict[str, Any]]:
+        import json
+
+        try:
+            lines = self.events_file.read_text().splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line being appended right now
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+    def log_event(self, kind: str, detail: str = "", **fields: Any) -> None:
+        """Append an event that changes no state (any process may; lines never interleave)."""
+        append_json_line(self.events_file, {"t": time.time(), "phase": kind, "detail": detail, **fields})
+
+    # -- engine listings and control requests ---------------------------------------------------------
+    def listing_indices(self) -> list[int]:
+        """Node indices with a listing, in numeric order (node-10 after node-9, never after node-1)."""
+        try:
+            names = os.listdir(self.engines)
+        except OSError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _LISTING.match(n)))
+
+    def read_listing(self, node_index: int) -> EngineListing | None:
+        data = read_json(self.listing_file(node_index))
+        return EngineListing.from_dict(data, node_index) if data is not None else None
+
+    def write_listing(self, listing: EngineListing) -> None:
+        write_json_atomic(self.listing_file(listing.node_index), listing.to_dict())
+
+    def listings(self) -> list[EngineListing]:
+        out = []
+        for i in self.listing_indices():
+            listing = self.read_listing(i)
+            if listing is not None:
+                out.append(listing)
+        return out
+
+    def engine_entries(self) -> list[EngineEntry]:
+        """Every listed engine in fleet order: node index, then engine index."""
+        return [e for listing in self.listings() for e in sorted(listing.engines, key=lambda e: e.index)]
+
+    def read_control(self, node_index: int) -> ControlRequests:
+        data = read_json(self.control_file(node_index))
+        return ControlRequests.from_dict(data) if data is not None else ControlRequests()
+
+    def write_control(self, node_index: int, requests: ControlRequests) -> None:
+        write_json_atomic(self.control_file(node_index), requests.to_dict())
+
+    # -- the spec snapshot ------------------------------------------------------------------------------
+    def write_spec(self, spec: ResolvedSpec) -> None:
+        """The resolved spec, as the job will run it: ``submit`` writes it, and the driver runs this
+        snapshot, not the YAML file, which the user may edit while the job is queued."""
+        write_text_atomic(self.spec_file, spec.to_yaml())
+
+    def read_spec(self) -> ResolvedSpec:
+        import yaml
+
+        from launcher.spec import ResolvedSpec
+
+        return ResolvedSpec.model_validate(yaml.safe_load(self.spec_file.read_text()))
+
+    # -- result and submission ----------------------------------------------------------------------
+    def read_result(self) -> JobResult | None:
+        data = read_json(self.result_file)
+        return JobResult.from_dict(data) if data is not None else None
+
+    def write_result(self, result: JobResult) -> None:
+        write_json_atomic(self.result_file, result.to_dict())
+
+    def read_submitted(self) -> SubmittedJob | None:
+        data = read_json(self.submitted_file)
+        return SubmittedJob.from_dict(data) if data is not None else None
+
+    def write_submitted(self, record: SubmittedJob) -> None:
+        write_json_atomic(self.submitted_file, record.to_dict())
+
+
+class StateWriter:
+    """The one writer of ``state.json``, shared by the driver's main thread and the fleet thread.
+
+    The state lives in memory and every change is written whole under a lock: no thread reads the file
+    back to modify it, so one thread's update can never drop another's (a lost phase), and the unique
+    temporary names of ``write_json_atomic`` keep two renames from colliding."""
+
+    def __init__(self, job: JobDir) -> None:
+        self.job = job
+        self._lock = threading.Lock()
+        self._state: dict[str, Any] = job.read_state()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._state)
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self._state.update(fields)
+            write_json_atomic(self.job.state_file, self._state)
+
+    def event(self, phase: str, detail: str = "", **figures: Any) -> None:
+        """A phase change: appended to the events and made the current state."""
+        t = time.time()
+        with self._lock:
+            append_json_line(self.job.events_file, {"t": t, "phase": phase, "detail": detail, **figures})
+            self._state.update({"phase": phase, "detail": detail, "updated": t, **figures})
+            write_json_atomic(self.job.state_file, self._state)
+
+    def log_event(self, kind: str, detail: str = "", **fields: Any) -> None:
+        self.job.log_event(kind, detail, **fields)

@@ -1,0 +1,167 @@
+"""The typed records that processes exchange through the job directory.
+
+One module owns each shape: the engine host writes ``EngineListing``, the fleet controller writes
+``ControlRequests``, the driver writes ``JobResult`` and the job state, ``rl-launch submit`` writes
+``SubmittedJob``. Readers parse with ``from_dict``, which tolerates missing keys (a file written by an
+older launcher) instead of raising in a dashboard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Phases a job's state passes through, in order; the last three are final.
+PHASES = (
+    "submitted",
+    "queued",
+    "starting",
+    "ray_up",
+    "engines_ready",
+    "router_serving",
+    "training",
+    "stopping",
+    "finished",
+    "failed",
+    "cancelled",
+)
+FINAL_PHASES = frozenset({"finished", "failed", "cancelled"})
+
+# Engine state written for every engine once the job is over: no finished job shows HEALTHY engines.
+STOPPED = "STOPPED"
+
+
+def engine_id(node_index: int, index: int) -> str:
+    """The one name of an engine: in the fleet state, the dashboard, events and ``logs --engine``."""
+    return f"node{node_index}-{index}"
+
+
+@dataclass
+class EngineEntry:
+    index: int
+    url: str = ""
+    api_url: str = ""
+    node: str = ""
+    node_index: int = 0
+    generation: int = 0
+    log: str = ""
+    error: str | None = None
+
+    @property
+    def id(self) -> str:
+        return engine_id(self.node_index, self.index)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], node_index: int = 0) -> EngineEntry:
+        return cls(
+            index=int(d.get("index", 0)),
+            url=str(d.get("url") or ""),
+            api_url=str(d.get("api_url") or ""),
+            node=str(d.get("node") or ""),
+            node_index=int(d.get("node_index", node_index)),
+            generation=int(d.get("generation", 0)),
+            log=str(d.get("log") or ""),
+            error=d.get("error"),
+        )
+
+
+@dataclass
+class EngineListing:
+    """``engines/node-<i>.urls.json``: what one node's engine host serves (or why it could not)."""
+
+    node: str
+    node_index: int
+    engines: list[EngineEntry] = field(default_factory=list)
+    ready_s: float | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], node_index: int) -> EngineListing:
+        idx = int(d.get("node_index", node_index))
+        return cls(
+            node=str(d.get("node") or ""),
+            node_index=idx,
+            engines=[EngineEntry.from_dict(e, idx) for e in d.get("engines") or [] if isinstance(e, dict)],
+            ready_s=d.get("ready_s"),
+            error=d.get("error"),
+        )
+
+
+@dataclass
+class ControlRequests:
+    """``engines/node-<i>.control.json``: restart requests, ``{engine index: generation}``; a request is
+    pending while its generation is newer than the engine's."""
+
+    restart: dict[int, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"restart": {str(k): v for k, v in self.restart.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ControlRequests:
+        raw = d.get("restart") or {}
+        return cls(restart={int(k): int(v) for k, v in raw.items()})
+
+
+@dataclass
+class JobResult:
+    """``result.json``, written once, last, by the driver: how the job ended.
+
+    ``outcome`` is one of ``finished``, ``failed``, ``cancelled``, ``time limit``; ``signal`` names the
+    signal that stopped it (``SIGTERM``, ``SIGINT``, ``SIGUSR2``) when one did. A signal's result is
+    written twice: at once with ``torn_down`` false (Slurm's SIGKILL may follow before the teardown
+    ends), and again with ``torn_down`` true once nothing of the job runs any more."""
+
+    exit_code: int
+    reason: str
+    outcome: str = ""
+    signal: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    t: float | None = None
+    torn_down: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> JobResult:
+        code = int(d.get("exit_code", 1))
+        return cls(
+            exit_code=code,
+            reason=str(d.get("reason") or ""),
+            outcome=str(d.get("outcome") or ("finished" if code == 0 else "failed")),
+            signal=d.get("signal"),
+            timings=dict(d.get("timings") or {}),
+            t=d.get("t"),
+            torn_down=bool(d.get("torn_down", True)),
+        )
+
+
+@dataclass
+class SubmittedJob:
+    """``submitted.json``, written by ``rl-launch submit`` before it returns: the job exists for ``list``,
+    ``status``, ``logs`` and ``cancel`` from that moment, while Slurm still has it queued."""
+
+    job_id: str
+    name: str
+    cluster: str
+    t: float
+    spec_snapshot: str = ""
+    job_dir: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SubmittedJob:
+        return cls(
+            job_id=str(d.get("job_id") or ""),
+            name=str(d.get("name") or ""),
+            cluster=str(d.get("cluster") or "slurm"),
+            t=float(d.get("t") or 0.0),
+            spec_snapshot=str(d.get("spec_snapshot") or ""),
+            job_dir=str(d.get("job_dir") or ""),
+        )
