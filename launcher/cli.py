@@ -25,10 +25,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "cancel": (
         "launcher.cli_jobs",
         "cancel_command",
-        "Cancel a job: scancel (the driver tears everything down on SIGTERM), or SIGTERM a local driver.",
+        "Cancel a job, queued or running: scancel (the driver tears everything down on SIGTERM), or SIGTERM "
+        "to a local job's driver.",
     ),
-    "list": ("launcher.cli_jobs", "list_command", "The jobs under the job root, oldest first."),
-    "logs": ("launcher.cli_jobs", "logs_command", "Print a job's logs from its job directory."),
+    "list": (
+        "launcher.cli_jobs",
+        "list_command",
+        "The jobs under the job root, oldest first (queued ones included).",
+    ),
+    "logs": (
+        "launcher.cli_jobs",
+        "logs_command",
+        "Print a job's logs from its job directory (JOB: id, name or path; default: the newest job).",
+    ),
     "render": (
         "launcher.cli_spec",
         "render_command",
