@@ -157,6 +157,9 @@ class RouterConfig(RouterSettings):
     """Every setting of one router process. Build it once (CLI flags, or ``from_settings`` for a job) and
     pass it whole to ``GenerationRouter`` / ``GenerationRouterActor``."""
 
+    # A model-level error's text would otherwise quote the whole input, secrets included.
+    model_config = ConfigDict(hide_input_in_errors=True)
+
     host: str = Field(default="127.0.0.1", min_length=1, description="address to listen on")
     port: int = Field(default=0, ge=0, le=65535, description="port to listen on (0: the OS chooses)")
     bind_retry_s: float = Field(

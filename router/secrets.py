@@ -33,7 +33,7 @@ def read_secret_file(path: str | Path, flag: str, warn: Callable[[str], None]) -
     secret = text.strip()
     if not secret:
         raise SecretSourceError(f"{flag} {p}: the file is empty; write the secret into it")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
         warn(f"{flag} {p} is readable by group or others (mode {stat.S_IMODE(mode):o}); run chmod 600 on it")
     return secret
 

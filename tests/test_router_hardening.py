@@ -369,6 +369,9 @@ def test_secrets_never_in_dumps_or_repr_but_travel_in_a_pickle() -> None:
     c = RouterConfig(api_key="s3cret-client", admin_token="s3cret-admin", backend_api_key="s3cret-engine")
     for text in (repr(c), str(c), c.model_dump_json(), str(c.model_dump())):
         assert "s3cret" not in text
+    with pytest.raises(ValidationError) as info:  # an error's text quotes no input, so no secret
+        RouterConfig(host="0.0.0.0", backend_api_key="s3cret-engine", port=-1)
+    assert "s3cret" not in str(info.value) and "s3cret" not in describe_errors(info.value)
     again = pickle.loads(pickle.dumps(c))  # what Ray does to the actor's argument
     assert again.secret("api_key") == "s3cret-client"
     assert again.admin_secret == "s3cret-admin"
