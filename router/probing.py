@@ -91,12 +91,17 @@ class HealthProber:
             await asyncio.sleep(next_at - time.monotonic())
 
 
+NO_BACKENDS_WARNING = (
+    "the router has no backends: every request gets the no-healthy status and /readiness 503 until one "
+    "is registered (POST /workers, or --backend)"
+)
+
+
 async def warn_while_empty(backends: BackendSet, every_s: float = 30.0) -> None:
-    """Say loudly, until a worker is registered, that a router without backends serves nothing: it
-    answers every request with its no-healthy status and ``/readiness`` with 503."""
-    while not backends.members:
-        log.warning(
-            "the router has no backends: every request gets the no-healthy status and /readiness 503 "
-            "until one is registered (POST /workers, or --backend)"
-        )
+    """Repeat ``NO_BACKENDS_WARNING`` (the router logs it once at construction) every ``every_s`` until
+    a worker is registered: a router without backends serves nothing, and says so loudly."""
+    while True:
         await asyncio.sleep(every_s)
+        if backends.members:
+            return
+        log.warning(NO_BACKENDS_WARNING)

@@ -36,7 +36,7 @@ from router.config import RouterConfig, is_loopback_host
 from router.forwarding import Forwarder, ForwardingConfig
 from router.metrics import RouterMetrics
 from router.policies import LoadTracker, Policy, make_policy
-from router.probing import HealthProber, warn_while_empty
+from router.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
 from router.status import error_body
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,8 @@ class GenerationRouter:
                 config.host,
                 "" if is_loopback_host(config.host) else " (--insecure-admin)",
             )
+        if not configured and not config.health_managed:
+            log.warning(NO_BACKENDS_WARNING)
         # Bound now: a conflict raises here, and the URL is valid from this line on.
         self._socket = bind_listening_socket(config.host, config.port, retry_s=config.bind_retry_s)
         self.port: int = self._socket.getsockname()[1]
