@@ -171,7 +171,7 @@ class RouterConfig(RouterSettings):
         "once and only the controller re-admits it",
     )
     probe_interval_s: float = Field(
-        default=2.0, ge=0, description="GET /health on each backend this often (0: off)"
+        default=1.0, ge=0, description="GET /health on each backend this often (0: off)"
     )
     probe_timeout_s: float = Field(default=2.0, gt=0, description="a probe slower than this fails")
     probe_failures_to_eject: int = Field(

@@ -11,9 +11,10 @@ Without it a standalone router whose engines all died kept routing to them and a
 * ``successes_to_readmit`` consecutive successful probes re-admit it (one lucky answer from a flapping
   engine is not enough).
 
-With the defaults (2 s, 2 s, 3 failures) the last dead engine leaves within ~8 s and the router answers
-its no-healthy status. Under the launcher the fleet controller owns the serving set with more evidence,
-and this prober is not started (``RouterConfig.probing``).
+With the defaults (every 1 s, 2 s timeout, 3 failures) a refused engine leaves within ~3 s and a wedged
+one (each probe waits out its timeout, which delays the next round) within ~7 s, so the router answers
+its no-healthy status well inside 10 s of the last engine dying. Under the launcher the fleet controller
+owns the serving set with more evidence, and this prober is not started (``RouterConfig.probing``).
 """
 
 from __future__ import annotations

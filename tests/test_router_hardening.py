@@ -46,9 +46,12 @@ class CountingEngine(FakeEngine):
     """A FakeEngine that counts the ``GET /health`` probes it receives."""
 
     health_hits: int = 0
+    wedged: bool = False  # GET /health never answers
 
     async def health(self, request: web.Request) -> web.Response:
         self.health_hits += 1
+        if self.wedged:
+            await asyncio.sleep(3600)
         return await super().health(request)
 
 
@@ -230,6 +233,21 @@ async def test_standalone_defaults_answer_no_healthy_within_10s_of_the_last_engi
             assert time.monotonic() - t0 < 10.0, "still routing to dead engines after 10 s"
             await asyncio.sleep(0.5)
         assert (await call("GET", r.base_url() + "/readiness"))[0] == 503
+    finally:
+        r.stop()
+
+
+async def test_standalone_defaults_eject_a_wedged_engine_within_10s(engines) -> None:
+    """A wedged engine accepts connections and never answers: only the probe timeout can see it."""
+    (e,) = await engines(1)
+    r = GenerationRouter(RouterConfig(), [e.api_url])
+    r.serve_in_background()
+    try:
+        await wait_for(lambda: e.health_hits >= 1, 5)
+        e.wedged = True
+        elapsed = await wait_for(lambda: r.serving_backends() == [], 10.0, step_s=0.2)
+        assert elapsed > 2.0  # it took failed probes, not one
+        assert (await call("POST", r.base_url() + CHAT, json={}))[0] == 409
     finally:
         r.stop()
 
