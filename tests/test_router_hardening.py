@@ -1,7 +1,8 @@
 """Router hardening (issue 9): one test per finding, each against real servers on 127.0.0.1.
 
-Every test here failed on the code before the fix it pins. Routers are real ``GenerationRouter``s or real
-``rl-launch router`` processes; backends are real aiohttp servers on OS-chosen ports.
+Each test failed on the code before the fix it pins, unless its docstring says it guards a behaviour
+that was kept. Routers are real ``GenerationRouter``s or real ``rl-launch router`` processes; backends are
+real aiohttp servers on OS-chosen ports.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ async def test_workers_take_the_api_key_when_no_admin_token(engines, routers) ->
 
 
 async def test_admin_token_set_means_the_client_key_is_not_enough(engines, routers) -> None:
+    """Kept behaviour, the counterpart of the API-key fallback: with an admin token, the client key
+    (which every rollout worker holds) cannot touch /workers."""
     (e,) = await engines(1)
     r = routers([e.api_url], api_key="client-key", admin_token="admin-key")
     assert (await call("DELETE", r.base_url() + "/workers/" + quote(e.url, safe=""), "client-key"))[0] == 401
