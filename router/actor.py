@@ -2,9 +2,11 @@
 
 Everything is built in ``__init__`` (policy, socket, serving thread) from constructor arguments only, so
 when Ray restarts a dead actor it rebinds the very same host:port: the URL Gym was given stays valid.
-The port must therefore be chosen once by the caller (``reserve_port``), never left to ``port=0``: a
-restarted actor would then come back elsewhere. The serving set is not persisted: the fleet controller
-pushes the whole set every tick, so a restarted router converges on the next tick.
+The arguments are one ``RouterConfig`` (pickled by Ray, secrets included: they travel inside Ray's object
+store, never in argv or a log) and the initial backend URLs. The port must be chosen once by the caller
+(``reserve_port``), never left to ``port=0``: a restarted actor would then come back elsewhere.
+The serving set is not persisted: the fleet controller pushes the whole set every tick, so a restarted
+router converges on the next tick.
 """
 
 from __future__ import annotations
@@ -13,15 +15,20 @@ import os
 import socket
 from typing import Any
 
+from router.config import RouterConfig
 from router.server import GenerationRouter
+
+# A restarted actor may start while the dead one's socket is still being torn down.
+ACTOR_MIN_BIND_RETRY_S = 10.0
 
 
 class GenerationRouterActor:
-    def __init__(self, backend_urls: list[str], host: str, port: int, **kwargs: Any) -> None:
-        if port == 0:
+    def __init__(self, config: RouterConfig, backend_urls: list[str]) -> None:
+        if config.port == 0:
             raise ValueError("GenerationRouterActor needs a fixed port (a restart must rebind the same URL)")
-        kwargs.setdefault("bind_retry_s", 10.0)
-        self._router = GenerationRouter(backend_urls, host=host, port=port, **kwargs)
+        if config.bind_retry_s < ACTOR_MIN_BIND_RETRY_S:
+            config = config.model_copy(update={"bind_retry_s": ACTOR_MIN_BIND_RETRY_S})
+        self._router = GenerationRouter(config, backend_urls)
         self._router.serve_in_background()
 
     def base_url(self) -> str:

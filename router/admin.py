@@ -7,6 +7,12 @@ engine's fault. ``/readiness`` is the "can it route at all" question (at least o
 ``/workers`` matches vllm-router's API so scripts written for it (NeMo-RL registers each replica this way)
 drive this router unchanged: ``POST /workers {"url": ...}`` blocks until the worker's ``GET /health`` is
 2xx, then admits it; a timeout or a duplicate is a 400 with ``"code": "ADD_WORKER_FAILED"``.
+
+A registration that waits is an outbound probe loop the caller started, so it lives only as long as some
+caller waits for it: when every caller of a pending URL has disconnected the loop is cancelled (before,
+a stranger's URL was probed for 300 s after the caller left). Callers of the same pending URL share one
+loop, and at most ``max_pending`` distinct URLs wait at once (429 above: a flood of registrations must
+not become a flood of outbound probes).
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from urllib.parse import unquote
 
 import aiohttp
 import orjson
@@ -43,6 +48,8 @@ class AdminApi:
         session_getter: Callable[[], aiohttp.ClientSession],
         worker_health_timeout_s: float = 300.0,
         worker_health_interval_s: float = 0.5,
+        max_pending: int = 64,
+        disconnect_poll_s: float = 0.2,
     ) -> None:
         self.backends = backends
         self.metrics = metrics
@@ -50,7 +57,10 @@ class AdminApi:
         self._session_getter = session_getter
         self.worker_health_timeout_s = worker_health_timeout_s
         self.worker_health_interval_s = worker_health_interval_s
-        self._pending: set[str] = set()
+        self.max_pending = max_pending
+        self.disconnect_poll_s = disconnect_poll_s
+        # url -> (the shared health wait, how many callers are waiting on it)
+        self._pending: dict[str, tuple[asyncio.Task[bool], int]] = {}
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self.health)
@@ -72,7 +82,11 @@ class AdminApi:
 
     async def list_workers(self, request: web.Request) -> web.Response:
         load = self.backends.load
-        workers = [{"url": u, "in_flight": load.in_flight(u), "healthy": True} for u in self.backends.serving]
+        serving = set(self.backends.serving)
+        workers = [
+            {"url": u, "in_flight": load.in_flight(u) if u in serving else 0, "healthy": u in serving}
+            for u in self.backends.members
+        ]
         return _json(
             200, {"workers": workers, "urls": list(self.backends.serving), "policy": self.policy_name}
         )
@@ -86,20 +100,60 @@ class AdminApi:
             return _add_failed('body must be JSON like {"url": "http://host:port"}')
         except ValueError as exc:
             return _add_failed(str(exc))
-        if url in self.backends.load or url in self._pending:
+        if url in self.backends.members:
             return _add_failed(f"worker {url} is already registered")
-        self._pending.add(url)
-        try:
-            healthy = await self._wait_healthy(url)
-        finally:
-            self._pending.discard(url)
+        if url not in self._pending and len(self._pending) >= self.max_pending:
+            return _json(
+                429,
+                {
+                    "success": False,
+                    "code": ADD_WORKER_FAILED,
+                    "message": f"{len(self._pending)} registrations are already waiting for health; "
+                    "retry when some have finished",
+                },
+            )
+        healthy = await self._join_wait(request, url)
+        if healthy is None:  # the caller went away; nobody reads this answer
+            return _json(499, {"success": False, "message": "client disconnected"})
         if not healthy:
             return _add_failed(
                 f"worker {url} did not answer GET /health with 2xx within {self.worker_health_timeout_s:g} s"
             )
-        if not self.backends.add(url):
-            return _add_failed(f"worker {url} is already registered")
+        # A caller that shared another's wait finds the URL added already: the same registration.
+        self.backends.add(url)
         return _json(200, {"success": True, "message": f"worker {url} added", "url": url})
+
+    async def _join_wait(self, request: web.Request, url: str) -> bool | None:
+        """Wait on ``url``'s shared health loop until it ends or this caller disconnects (then ``None``).
+        The loop is cancelled when its last caller leaves."""
+        entry = self._pending.get(url)
+        task = entry[0] if entry else asyncio.get_running_loop().create_task(self._wait_healthy(url))
+        self._pending[url] = (task, (entry[1] if entry else 0) + 1)
+        gone = asyncio.get_running_loop().create_task(self._caller_gone(request))
+        try:
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Also reached when aiohttp cancels this handler because the client went away.
+            gone.cancel()
+            current = self._pending.get(url)
+            if current is not None and current[0] is task:
+                if current[1] <= 1:
+                    del self._pending[url]
+                    if not task.done():
+                        task.cancel()
+                else:
+                    self._pending[url] = (task, current[1] - 1)
+        if not task.done() or task.cancelled():
+            return None
+        return task.result()
+
+    async def _caller_gone(self, request: web.Request) -> None:
+        """Return once the caller's connection is closed (aiohttp does not cancel handlers by default)."""
+        while True:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return
+            await asyncio.sleep(self.disconnect_poll_s)
 
     async def _wait_healthy(self, url: str) -> bool:
         session = self._session_getter()
@@ -119,7 +173,9 @@ class AdminApi:
 
     async def delete_worker(self, request: web.Request) -> web.Response:
         try:
-            url = canonical_backend_url(unquote(request.match_info["url"]))
+            # match_info is already percent-decoded once by aiohttp; decoding again would turn a
+            # registered URL's literal "%41" into "A" and miss it.
+            url = canonical_backend_url(request.match_info["url"])
         except ValueError as exc:
             return _json(400, {"success": False, "message": str(exc)})
         if not self.backends.remove(url):

@@ -3,6 +3,14 @@
 Separate because the client key travels to every rollout worker (it is in Gym's config), while the admin
 key can remove engines from rotation. ``/health``, ``/readiness`` and ``/metrics`` stay open, as vLLM's
 do, so probes and scrapers need no secret.
+
+``/workers`` is never open by accident: the router is built with ``RouterConfig.admin_secret`` (the admin
+token, else the client key), and ``RouterConfig`` refuses a non-loopback address with neither unless
+``insecure_admin`` is set.
+
+aiohttp decodes header bytes as UTF-8 with ``surrogateescape``, so a non-UTF-8 ``Authorization`` value
+arrives as a ``str`` that cannot be encoded back: it is a wrong credential (401), never an exception
+(a 500 with a traceback per request is an unauthenticated log flood, and 500 is a status clients retry).
 """
 
 from __future__ import annotations
@@ -26,7 +34,13 @@ def _bearer(request: web.Request) -> str | None:
 
 
 def _matches(given: str | None, expected: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+    if given is None:
+        return False
+    try:
+        raw = given.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes smuggled in as surrogates
+        return False
+    return hmac.compare_digest(raw, expected.encode("utf-8"))
 
 
 def auth_middleware(

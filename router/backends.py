@@ -8,12 +8,18 @@ so a controller can tell "3 failures among 3,000 successes" from "3 failures in 
 Backends are keyed by their canonical URL: ``http://host:port`` plus any path prefix, without a trailing
 ``/v1``. Engines are advertised as ``http://h:p/v1`` (what Gym is given) while vllm-router's admin API
 registers ``http://h:p``; both name the same engine and must not count as two.
+
+Two sets, because a standalone router ejects and re-admits on its own: the *members* (what was
+configured, pushed or registered, in order) and the *serving* set (members not currently ejected).
+Ejection never forgets a member, so the prober keeps probing it and can bring it back; removal
+(``DELETE /workers``, a pushed set without it) forgets it. Under a fleet controller nothing is ejected
+and the two sets are the same.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 from router.policies.base import LoadTracker, Policy
@@ -53,31 +59,70 @@ class BackendSet:
         self._lock = threading.Lock()
         self._window: dict[str, list[int]] = {}
         self.totals: dict[str, list[int]] = {}
+        self._members: tuple[str, ...] = ()
+        self._ejected: set[str] = set()
+        # Called with (url, ok) on every recorded outcome, on the recording thread (the router's loop):
+        # the prober counts proxied attempts as evidence between its probes.
+        self.outcome_listener: Callable[[str, bool], None] | None = None
 
-    # -- the serving set ---------------------------------------------------------------------------
+    # -- members and the serving set ---------------------------------------------------------------
     @property
     def serving(self) -> tuple[str, ...]:
         return self.load.backends
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._members
+
+    @property
+    def ejected(self) -> frozenset[str]:
+        return frozenset(self._ejected)
+
+    def _sync(self) -> None:
+        serving = tuple(u for u in self._members if u not in self._ejected)
+        if serving != self.load.backends:
+            self.load.set_backends(serving)
+            self.policy.on_backends_changed(serving)
+
     def replace(self, urls: Iterable[str]) -> tuple[str, ...]:
+        """Make ``urls`` the members, serving at once (a pushed set is the controller's verdict)."""
         canonical = tuple(dict.fromkeys(canonical_backend_url(u) for u in urls))
-        if canonical != self.load.backends:
-            self.load.set_backends(canonical)
-            self.policy.on_backends_changed(canonical)
+        self._members = canonical
+        self._ejected.clear()
+        self._sync()
         return canonical
 
     def add(self, url: str) -> bool:
         key = canonical_backend_url(url)
-        if key in self.load:
+        if key in self._members:
             return False
-        self.replace((*self.load.backends, key))
+        self._members = (*self._members, key)
+        self._sync()
         return True
 
     def remove(self, url: str) -> bool:
         key = canonical_backend_url(url)
-        if key not in self.load:
+        if key not in self._members:
             return False
-        self.replace(u for u in self.load.backends if u != key)
+        self._members = tuple(u for u in self._members if u != key)
+        self._ejected.discard(key)
+        self._sync()
+        return True
+
+    def eject(self, url: str) -> bool:
+        """Take a member out of rotation without forgetting it; False if it was not serving."""
+        if url not in self._members or url in self._ejected:
+            return False
+        self._ejected.add(url)
+        self._sync()
+        return True
+
+    def readmit(self, url: str) -> bool:
+        """Put an ejected member back in rotation; False if it was not ejected."""
+        if url not in self._ejected:
+            return False
+        self._ejected.discard(url)
+        self._sync()
         return True
 
     # -- outcomes -----------------------------------------------------------------------------------
@@ -92,6 +137,9 @@ class BackendSet:
             if t is None:
                 t = self.totals[url] = [0, 0]
             t[i] += 1
+        listener = self.outcome_listener
+        if listener is not None:
+            listener(url, ok)
 
     def drain(self) -> dict[str, tuple[int, int]]:
         """``{url: (successes, failures)}`` since the last drain, both from the same window."""

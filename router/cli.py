@@ -1,157 +1,184 @@
-"""``rl-launch router``: run the generation router standalone, in the foreground (Ctrl-C stops cleanly)."""
+"""``rl-launch router``: run the generation router standalone, in the foreground (Ctrl-C stops cleanly).
+
+The flags only parse; every check is ``RouterConfig``'s (one place, one wording), and every default shown
+in ``--help`` is read from it. Secrets come from ``--*-file`` or the environment (``router.secrets``).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import threading
+from typing import Any
 
 import click
+from pydantic import ValidationError
 
-from router.backends import canonical_backend_url
-from router.policies import DEFAULT_POLICY, POLICIES
-from router.server import GenerationRouter, RouterBindError
-from router.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, validate_no_healthy_status
+from router.config import SECRET_FIELDS, RouterConfig, describe_errors
+from router.policies import POLICIES
+from router.secrets import SecretSourceError, resolve_secret
 
-
-def _check_backend(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
-    for value in values:
-        try:
-            canonical_backend_url(value)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc)) from None
-    return values
+DEFAULT_PORT = 8000
+SECRET_ENV = {
+    "api_key": "RL_ROUTER_API_KEY",
+    "admin_token": "RL_ROUTER_ADMIN_TOKEN",
+    "backend_api_key": "RL_ROUTER_BACKEND_API_KEY",
+}
 
 
-def _check_status(ctx: click.Context, param: click.Parameter, value: int) -> int:
-    try:
-        return validate_no_healthy_status(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+def _default(field: str) -> Any:
+    return RouterConfig.model_fields[field].default
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _setting(field: str, kind: type, help_text: str) -> Any:
+    return click.option(
+        _flag(field), field, type=kind, default=_default(field), show_default=True, help=help_text
+    )
+
+
+def _secret_options(fn: Any) -> Any:
+    helps = {
+        "api_key": "Bearer token clients must send",
+        "admin_token": "Bearer token /workers requires (default: the API key)",
+        "backend_api_key": "Replace the client's token with this one toward engines",
+    }
+    for name in reversed(SECRET_FIELDS):
+        env = SECRET_ENV[name]
+        fn = click.option(
+            f"{_flag(name)}-file",
+            f"{name}_file",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help=f"{helps[name]}: read from this file (chmod 600).",
+        )(fn)
+        fn = click.option(
+            _flag(name),
+            name,
+            envvar=env,
+            default=None,
+            help=f"{helps[name]} (env {env}). On the command line it shows in ps: prefer {_flag(name)}-file.",
+        )(fn)
+    return fn
 
 
 @click.command("router")
 @click.option(
-    "--backend",
-    "backends",
-    multiple=True,
-    callback=_check_backend,
-    help="Engine URL, http://host:port/v1 (repeat for each engine).",
-)
-@click.option("--policy", type=click.Choice(list(POLICIES)), default=DEFAULT_POLICY, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option(
-    "--backend-timeout-s",
-    type=click.FloatRange(min=0, min_open=True),
-    default=300.0,
-    show_default=True,
-    help="Total time one backend attempt may take before it counts as failed (answered 500).",
+    "--backend", "backends", multiple=True, help="Engine URL, http://host:port/v1 (repeat for each engine)."
 )
 @click.option(
-    "--connect-timeout-s", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True
+    "--policy", default=_default("policy"), show_default=True, help=f"Routing policy: {', '.join(POLICIES)}."
 )
-@click.option(
-    "--no-healthy-backend-status",
-    type=int,
-    default=DEFAULT_NO_HEALTHY_BACKEND_STATUS,
-    callback=_check_status,
-    show_default=True,
-    help="Status when no backend serves; must be a 4xx that clients do not retry.",
+@click.option("--host", default=_default("host"), show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="Port to listen on.")
+@_setting("backend_timeout_s", float, "Total time one backend attempt may take before it counts as failed.")
+@_setting("connect_timeout_s", float, "TCP connect timeout toward a backend.")
+@_setting("no_healthy_backend_status", int, "Status when no backend serves; a 4xx that clients do not retry.")
+@_setting("max_attempts", int, "Attempts per request on distinct backends (1 disables the retry).")
+@_setting("probe_interval_s", float, "Probe GET /health on each backend this often; 0 turns probing off.")
+@_setting("probe_timeout_s", float, "A health probe slower than this counts as failed.")
+@_setting(
+    "probe_failures_to_eject", int, "Consecutive failures (probes or proxied attempts) that eject a backend."
 )
-@click.option(
-    "--max-attempts",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Attempts per request on distinct backends (1 disables the retry).",
-)
-@click.option(
-    "--probe-interval-s",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Actively probe GET /health on each backend at this interval (standalone use).",
-)
+@_setting("probe_successes_to_readmit", int, "Consecutive successful probes that re-admit a backend.")
+@_setting("worker_health_timeout_s", float, "How long POST /workers waits for the worker's GET /health.")
+@_setting("max_request_bytes", int, "Largest request body accepted (413 above).")
 @click.option("--session-header", default=None, help="consistent_hash: header carrying the session key.")
 @click.option(
-    "--api-key",
-    envvar="RL_ROUTER_API_KEY",
-    default=None,
-    help="Bearer token clients must send (env RL_ROUTER_API_KEY).",
+    "--insecure-admin",
+    is_flag=True,
+    default=False,
+    help="Allow /workers without any token on a non-loopback address (anyone on the network can then "
+    "add or remove engines).",
 )
-@click.option(
-    "--backend-api-key",
-    envvar="RL_ROUTER_BACKEND_API_KEY",
-    default=None,
-    help="Replace the client's token with this one toward engines (env RL_ROUTER_BACKEND_API_KEY).",
-)
-@click.option(
-    "--admin-token",
-    envvar="RL_ROUTER_ADMIN_TOKEN",
-    default=None,
-    help="Bearer token required by /workers (env RL_ROUTER_ADMIN_TOKEN).",
-)
+@_secret_options
 @click.option(
     "--options-json",
     default=None,
     metavar="JSON",
-    help='More GenerationRouter keyword arguments, e.g. \'{"policy_options": {"load_slack": 4}}\'.',
+    help='More RouterConfig fields (no secrets), e.g. \'{"policy_options": {"load_slack": 4}}\'.',
 )
+@click.pass_context
 def router_command(
+    ctx: click.Context,
     backends: tuple[str, ...],
-    policy: str,
-    host: str,
-    port: int,
-    backend_timeout_s: float,
-    connect_timeout_s: float,
-    no_healthy_backend_status: int,
-    max_attempts: int,
-    probe_interval_s: float | None,
     session_header: str | None,
-    api_key: str | None,
-    backend_api_key: str | None,
-    admin_token: str | None,
     options_json: str | None,
+    **flags: Any,
 ) -> None:
     """Run the generation router in the foreground."""
-    options = {"session_header": session_header} if session_header and policy == "consistent_hash" else {}
-    extra: dict[str, object] = {}
-    if options_json:
-        try:
-            extra = json.loads(options_json)
-        except json.JSONDecodeError as exc:
-            raise click.BadParameter(f"not JSON: {exc}", param_hint="--options-json") from None
-        if not isinstance(extra, dict):
-            raise click.BadParameter("must be a JSON object", param_hint="--options-json")
-        options.update(extra.pop("policy_options", {}))
+    warn = _warn
+    secrets: dict[str, str | None] = {}
     try:
-        router = GenerationRouter(
-            backends,
-            host=host,
-            port=port,
-            policy=policy,
-            policy_options=options,
-            backend_timeout_s=backend_timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            no_healthy_backend_status=no_healthy_backend_status,
-            max_attempts=max_attempts,
-            probe_interval_s=probe_interval_s,
-            api_key=api_key,
-            backend_api_key=backend_api_key,
-            admin_token=admin_token,
-            **extra,  # type: ignore[arg-type]
+        for name in SECRET_FIELDS:
+            source = ctx.get_parameter_source(name)
+            secrets[name] = resolve_secret(
+                name=name.replace("_", "-"),
+                flag_value=flags.pop(name),
+                from_env=source is click.core.ParameterSource.ENVIRONMENT,
+                env_var=SECRET_ENV[name],
+                file_path=flags.pop(f"{name}_file"),
+                warn=warn,
+            )
+    except SecretSourceError as exc:
+        raise click.ClickException(str(exc)) from None
+    settings: dict[str, Any] = dict(flags)
+    extra = _options_json(options_json)
+    policy_options = dict(extra.pop("policy_options", None) or {})
+    if session_header is not None:
+        policy_options.setdefault("session_header", session_header)
+    settings.update(extra)
+    settings["policy_options"] = policy_options
+    try:
+        config = RouterConfig.model_validate({**settings, **secrets})
+    except ValidationError as exc:
+        raise click.ClickException("invalid router settings:\n" + describe_errors(exc)) from None
+    _serve(config, backends)
+
+
+def _warn(message: str) -> None:
+    click.echo(f"warning: {message}", err=True)
+
+
+def _options_json(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--options-json") from None
+    if not isinstance(extra, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--options-json")
+    leaked = sorted(set(extra) & set(SECRET_FIELDS))
+    if leaked:
+        raise click.BadParameter(
+            f"{', '.join(leaked)} cannot be given here (argv is visible in ps); use "
+            + ", ".join(f"{_flag(k)}-file" for k in leaked),
+            param_hint="--options-json",
         )
-    except TypeError as exc:
-        raise click.BadParameter(str(exc), param_hint="--options-json") from None
+    return extra
+
+
+def _serve(config: RouterConfig, backends: tuple[str, ...]) -> None:
+    from router.server import GenerationRouter, RouterBindError  # aiohttp only once the config is valid
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        router = GenerationRouter(config, backends)
     except (RouterBindError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     router.serve_in_background()
-    click.echo(
-        f"router serving {router.base_url()}/v1 (policy {policy}, {len(backends)} backend(s))", err=True
-    )
+    probing = f"probing /health every {config.probe_interval_s:g} s" if config.probing else "no probing"
+    what = f"policy {config.policy}, {len(backends)} backend(s), {probing}"
+    click.echo(f"router serving {router.base_url()}/v1 ({what})", err=True)
     try:
         while not stop.wait(0.5):
             pass

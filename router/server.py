@@ -23,7 +23,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -32,11 +32,12 @@ from aiohttp import web
 from router.admin import AdminApi
 from router.auth import auth_middleware
 from router.backends import BackendSet, canonical_backend_url
+from router.config import RouterConfig, is_loopback_host
 from router.forwarding import Forwarder, ForwardingConfig
 from router.metrics import RouterMetrics
-from router.policies import DEFAULT_POLICY, LoadTracker, Policy, make_policy
-from router.probing import HealthProber
-from router.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, error_body, validate_no_healthy_status
+from router.policies import LoadTracker, Policy, make_policy
+from router.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
+from router.status import error_body
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,42 +104,15 @@ def bind_listening_socket(host: str, port: int, retry_s: float = 0.0, backlog: i
 class GenerationRouter:
     """An aiohttp reverse proxy with pluggable routing policies and a health-managed serving set."""
 
-    def __init__(
-        self,
-        backend_urls: Iterable[str] = (),
-        host: str = "127.0.0.1",
-        port: int = 0,
-        policy: str | Policy = DEFAULT_POLICY,
-        backend_timeout_s: float = 300.0,
-        connect_timeout_s: float = 5.0,
-        no_healthy_backend_status: int = DEFAULT_NO_HEALTHY_BACKEND_STATUS,
-        health_managed: bool = False,
-        *,
-        policy_options: dict[str, Any] | None = None,
-        max_attempts: int = 2,
-        retry_on_timeout: bool = True,
-        api_key: str | None = None,
-        backend_api_key: str | None = None,
-        admin_token: str | None = None,
-        probe_interval_s: float | None = None,
-        probe_timeout_s: float = 2.0,
-        worker_health_timeout_s: float = 300.0,
-        max_request_bytes: int = 64 * 1024 * 1024,
-        bind_retry_s: float = 0.0,
-    ) -> None:
-        if backend_timeout_s <= 0:
-            raise ValueError(f"backend_timeout_s must be > 0, got {backend_timeout_s}")
-        if connect_timeout_s <= 0:
-            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1 (1 = no retry), got {max_attempts}")
-        if probe_interval_s is not None and probe_interval_s <= 0:
-            raise ValueError(f"probe_interval_s must be > 0, got {probe_interval_s}")
-        validate_no_healthy_status(no_healthy_backend_status)
+    def __init__(self, config: RouterConfig, backend_urls: Iterable[str] = ()) -> None:
+        """Validation lives in ``RouterConfig`` alone; here only the backend URLs are canonicalised
+        (a malformed one raises ``ValueError`` naming it)."""
+        if not isinstance(config, RouterConfig):
+            raise TypeError(f"GenerationRouter takes a RouterConfig, got {type(config).__name__}")
+        self.config = config
         configured = tuple(dict.fromkeys(canonical_backend_url(u) for u in backend_urls))
-        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, **(policy_options or {}))
-        self.host = host
-        self._configured = configured
+        self.policy: Policy = make_policy(config.policy, **config.policy_options)
+        self.host = config.host
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
         self.metrics = RouterMetrics(self.backends, self.policy.name)
@@ -147,23 +121,30 @@ class GenerationRouter:
             self.policy,
             self.metrics,
             ForwardingConfig(
-                backend_timeout_s=backend_timeout_s,
-                connect_timeout_s=connect_timeout_s,
-                no_healthy_backend_status=no_healthy_backend_status,
-                max_attempts=max_attempts,
-                retry_on_timeout=retry_on_timeout,
-                health_managed=health_managed,
-                backend_api_key=backend_api_key,
+                backend_timeout_s=config.backend_timeout_s,
+                connect_timeout_s=config.connect_timeout_s,
+                no_healthy_backend_status=config.no_healthy_backend_status,
+                max_attempts=config.max_attempts,
+                retry_on_timeout=config.retry_on_timeout,
+                health_managed=config.health_managed,
+                backend_api_key=config.secret("backend_api_key"),
             ),
         )
-        self._api_key = api_key
-        self._admin_token = admin_token
-        self._probe_interval_s = probe_interval_s
-        self._probe_timeout_s = probe_timeout_s
-        self._worker_health_timeout_s = worker_health_timeout_s
-        self._max_request_bytes = max_request_bytes
+        self._api_key = config.secret("api_key")
+        self._admin_token = config.admin_secret
+        self._max_request_bytes = config.max_request_bytes
+        if self._admin_token is None:
+            # RouterConfig refused this on any other address unless insecure_admin was given.
+            log.warning(
+                "the /workers admin API on %s is open (no admin token or API key): any process that can "
+                "reach it can add or remove engines%s",
+                config.host,
+                "" if is_loopback_host(config.host) else " (--insecure-admin)",
+            )
+        if not configured and not config.health_managed:
+            log.warning(NO_BACKENDS_WARNING)
         # Bound now: a conflict raises here, and the URL is valid from this line on.
-        self._socket = bind_listening_socket(host, port, retry_s=bind_retry_s)
+        self._socket = bind_listening_socket(config.host, config.port, retry_s=config.bind_retry_s)
         self.port: int = self._socket.getsockname()[1]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -197,7 +178,8 @@ class GenerationRouter:
             self.metrics,
             self.policy.name,
             self._session,
-            worker_health_timeout_s=self._worker_health_timeout_s,
+            worker_health_timeout_s=self.config.worker_health_timeout_s,
+            max_pending=self.config.max_pending_registrations,
         )
         admin.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", _not_found)
@@ -215,15 +197,25 @@ class GenerationRouter:
         await self._runner.setup()
         site = web.SockSite(self._runner, self._socket, shutdown_timeout=1.0)
         await site.start()
-        if self._probe_interval_s is not None:
+        self._background.extend(asyncio.get_running_loop().create_task(c) for c in self._background_jobs())
+
+    def _background_jobs(self) -> list[Coroutine[Any, Any, None]]:
+        """The prober when standalone, and the no-backend warning when nothing feeds the router."""
+        c = self.config
+        jobs: list[Coroutine[Any, Any, None]] = []
+        if c.probing:
             prober = HealthProber(
                 self.backends,
-                lambda: self._configured,
                 self._session,
-                self._probe_interval_s,
-                timeout_s=self._probe_timeout_s,
+                c.probe_interval_s,
+                timeout_s=c.probe_timeout_s,
+                failures_to_eject=c.probe_failures_to_eject,
+                successes_to_readmit=c.probe_successes_to_readmit,
             )
-            self._background.append(asyncio.get_running_loop().create_task(prober.run()))
+            jobs.append(prober.run())
+        if not c.health_managed:
+            jobs.append(warn_while_empty(self.backends))
+        return jobs
 
     async def _shutdown(self) -> None:
         for task in self._background:
@@ -312,7 +304,6 @@ class GenerationRouter:
     def set_serving_backends(self, urls: Iterable[str]) -> list[str]:
         """Replace the serving set whole (new URLs welcome: a restarted engine returns on a new port)."""
         canonical = tuple(dict.fromkeys(canonical_backend_url(u) for u in urls))
-        self._configured = canonical
         return list(self._call(lambda: self.backends.replace(canonical)))
 
     def serving_backends(self) -> list[str]:

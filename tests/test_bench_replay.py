@@ -504,11 +504,11 @@ async def test_max_wall_cancels_and_counts_unfinished_sessions() -> None:
 
 def test_url_arm_finds_engines_through_router_workers() -> None:
     sim = pytest.importorskip("launcher.engines.sim", reason="simulator not available")
-    from router import GenerationRouter
+    from router import GenerationRouter, RouterConfig
 
     trace = generate("p30_all", seed=2, scale=0.01, turn_scale=0.1)
     with sim.SimFleet(2, speed=20.0) as fleet:
-        router = GenerationRouter(backend_urls=[u + "/v1" for u in fleet.urls], host="127.0.0.1", port=0)
+        router = GenerationRouter(RouterConfig(host="127.0.0.1", port=0), [u + "/v1" for u in fleet.urls])
         router.serve_in_background()
         try:
             cfg = ClientConfig(max_wall_s=20.0, request_timeout_s=10.0, retry=FAST_RETRY)

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router import GenerationRouter, RouterBindError
+from router.config import RouterConfig
 from router.status import CLIENT_RETRIED_STATUSES
 from tests.http_backends import FakeEngine, dead_url
 
@@ -43,7 +44,9 @@ def routers() -> object:
 
     def make(backends: list[str], **kwargs: object) -> GenerationRouter:
         kwargs.setdefault("policy", "round_robin")
-        r = GenerationRouter(backends, host="127.0.0.1", port=0, **kwargs)  # type: ignore[arg-type]
+        kwargs.setdefault("probe_interval_s", 0)  # these tests count outcomes; probing has its own tests
+        config = RouterConfig(host="127.0.0.1", port=0, **kwargs)  # type: ignore[arg-type]
+        r = GenerationRouter(config, backends)
         r.serve_in_background()
         made.append(r)
         return r
@@ -210,7 +213,7 @@ async def test_no_serving_backend_answers_configured_status(engines, routers) ->
 @pytest.mark.parametrize("code", sorted(CLIENT_RETRIED_STATUSES | {200, 302, 501}))
 def test_statuses_clients_retry_are_refused(code: int) -> None:
     with pytest.raises(ValueError, match=str(code)):
-        GenerationRouter([], port=0, no_healthy_backend_status=code)
+        RouterConfig(no_healthy_backend_status=code)
 
 
 def test_port_conflict_names_the_address() -> None:
@@ -219,18 +222,18 @@ def test_port_conflict_names_the_address() -> None:
         holder.listen()
         port = holder.getsockname()[1]
         with pytest.raises(RouterBindError, match=f"127.0.0.1:{port}"):
-            GenerationRouter([], host="127.0.0.1", port=port)
+            GenerationRouter(RouterConfig(host="127.0.0.1", port=port))
 
 
 def test_bad_urls_and_options_are_named() -> None:
     with pytest.raises(ValueError, match="ftp://x"):
-        GenerationRouter(["ftp://x:1/v1"], port=0)
+        GenerationRouter(RouterConfig(), ["ftp://x:1/v1"])
     with pytest.raises(ValueError, match="no port"):
-        GenerationRouter(["http://host/v1"], port=0)
+        GenerationRouter(RouterConfig(), ["http://host/v1"])
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
-        GenerationRouter([], port=0, policy="fastest")
-    with pytest.raises(ValueError, match="65536"):
-        GenerationRouter([], port=65536)
+        RouterConfig(policy="fastest")
+    with pytest.raises(ValueError, match="65535"):
+        RouterConfig(port=65536)
 
 
 async def test_drain_hands_over_both_counts_once(engines, routers) -> None:
@@ -385,11 +388,11 @@ async def test_hop_by_hop_request_headers_dropped(engines, routers) -> None:
 
 
 async def test_router_stops_and_frees_port(engines) -> None:
-    r = GenerationRouter([], port=0)
+    r = GenerationRouter(RouterConfig())
     r.serve_in_background()
     assert r.is_serving()
     port = r.port
     r.stop()
     assert not r.is_serving()
-    again = GenerationRouter([], port=port)  # the same port binds again at once
+    again = GenerationRouter(RouterConfig(port=port))  # the same port binds again at once
     again.stop()

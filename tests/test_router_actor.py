@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 
 from router.actor import remote_router_actor, reserve_port
+from router.config import RouterConfig
 
 pytestmark = pytest.mark.ray
 
@@ -50,7 +51,8 @@ def test_killed_actor_rebinds_the_same_port(ray_local) -> None:
     ray = ray_local
     port = reserve_port()
     Actor = remote_router_actor(num_cpus=0)
-    actor = Actor.remote([], "127.0.0.1", port, policy="least_outstanding")
+    config = RouterConfig(host="127.0.0.1", port=port, policy="least_outstanding", health_managed=True)
+    actor = Actor.remote(config, [])
     url = ray.get(actor.base_url.remote(), timeout=60)
     assert url == f"http://127.0.0.1:{port}"
     assert _get(url + "/health") == 200

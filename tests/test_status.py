@@ -35,6 +35,7 @@ from launcher.status.collect import (
 )
 from launcher.status.render import render_snapshot, sparkline
 from router import GenerationRouter
+from router.config import RouterConfig
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running. " * 8  # ~130 tokens: 8 blocks
 
@@ -90,7 +91,7 @@ class Traffic:
 def fleet() -> Iterator[dict[str, Any]]:
     sims = SimFleet(3, speed=50)
     urls = sims.start()
-    router = GenerationRouter(urls, host="127.0.0.1", port=0)
+    router = GenerationRouter(RouterConfig(host="127.0.0.1", port=0), urls)
     router_url = router.serve_in_background()
     for _ in range(9):  # warm every engine's prefix cache, so hit % is a real figure
         assert (
@@ -307,7 +308,9 @@ def test_500s_no_backend_answers_and_error_rate(tmp_path: Path) -> None:
     """A router whose only backend refuses: the 500 counts, the engine's error rate over the interval is
     100 %; emptied, the router answers no-backend (409), counted separately."""
     dead = _refused_url()
-    router = GenerationRouter([dead], host="127.0.0.1", port=0, max_attempts=1)
+    # No active probing: the refused backend must stay in the set long enough to be counted.
+    config = RouterConfig(host="127.0.0.1", port=0, max_attempts=1, probe_interval_s=0)
+    router = GenerationRouter(config, [dead])
     url = router.serve_in_background()
     try:
         job = write_job(

@@ -386,16 +386,16 @@ def test_engines_serve_and_reuse_prefix_directly(vllm_engines: list[VllmEngine])
 @pytest.mark.timeout(900)
 def test_router_over_two_engines(vllm_engines: list[VllmEngine]) -> None:
     """Multi-turn chat through the cache-aware router: streaming and not, /tokenize, cache reuse."""
-    from router import GenerationRouter
+    from router import GenerationRouter, RouterConfig
 
-    router = GenerationRouter(
-        backend_urls=[e.api_url for e in vllm_engines],
+    config = RouterConfig(
         host="127.0.0.1",
         port=0,
         policy="cache_aware",
         backend_timeout_s=ROUTER_BACKEND_TIMEOUT_S,
         connect_timeout_s=5,
     )
+    router = GenerationRouter(config, [e.api_url for e in vllm_engines])
     router.serve_in_background()
     try:
         url = router.base_url()

@@ -223,15 +223,10 @@ def router_for(
         with _router_process(engine_urls, policy, router_options) as url:
             yield url
         return
-    from router import GenerationRouter
+    from router import GenerationRouter, RouterConfig
 
-    r = GenerationRouter(
-        backend_urls=[_v1(u) for u in engine_urls],
-        host="127.0.0.1",
-        port=0,
-        policy=policy,
-        **dict(router_options or {}),
-    )
+    config = RouterConfig(host="127.0.0.1", port=0, **{"policy": policy, **dict(router_options or {})})
+    r = GenerationRouter(config, [_v1(u) for u in engine_urls])
     try:
         r.serve_in_background()
         yield r.base_url()

@@ -153,7 +153,7 @@ def trace_command(
     "client's GIL, as in production).",
 )
 @click.option("--sim-opt", multiple=True, help="Extra simulator option KEY=VALUE (repeatable).")
-@click.option("--router-opt", multiple=True, help="Extra GenerationRouter option KEY=VALUE (repeatable).")
+@click.option("--router-opt", multiple=True, help="Extra RouterConfig field KEY=VALUE (repeatable).")
 @click.option(
     "--repeats",
     type=click.IntRange(min=1),

@@ -425,18 +425,21 @@ class Driver:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         )
         key = self.job.read_api_key()
-        self.router = actor_cls.remote(
-            api_urls,
-            host,
-            port,
+        from router.config import RouterConfig
+
+        config = RouterConfig(
+            host=host,
+            port=port,
             policy=r.policy,
             backend_timeout_s=r.backend_timeout_s,
             connect_timeout_s=r.connect_timeout_s,
             max_attempts=r.max_attempts,
             no_healthy_backend_status=r.no_healthy_backend_status,
+            health_managed=True,  # the fleet-health loop owns the serving set; no probing in the router
             api_key=key,
             admin_token=self.job.read_admin_token(),
         )
+        self.router = actor_cls.remote(config, api_urls)
         url = ray.get(self.router.base_url.remote(), timeout=120)
         self._mark("router_start_s", t)
         self.state.event("router_serving", f"router serving {url}/v1", router_url=url, policy=r.policy)

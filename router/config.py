@@ -1,0 +1,260 @@
+"""``RouterConfig``: every router setting in one pydantic model, validated once.
+
+Before this model the same settings were checked three times (click callbacks, ``GenerationRouter``, the
+spec's router section) with copied error text that drifted, and five of them were copied by hand from the
+spec into the Ray actor. Now the CLI, the spec and the driver build one ``RouterConfig`` and hand it whole
+to ``GenerationRouter`` / ``GenerationRouterActor`` (it pickles for Ray).
+
+Two layers, because a job spec must not set everything:
+
+* ``RouterSettings`` holds what a job spec's ``router:`` section may set (policy and its options,
+  timeouts, retries, the no-healthy status, the request size cap). Its errors carry the field's location,
+  so a spec loader that prefixes ``router.`` reports ``router.policy_options.load_slack: ...``.
+* ``RouterConfig`` adds what the process running the router decides: address, secrets, whether a fleet
+  controller owns the serving set (``health_managed``), active probing, admin-API limits.
+
+Secrets (``api_key``, ``admin_token``, ``backend_api_key``) are ``SecretStr`` fields excluded from
+``model_dump``/``model_dump_json`` and hidden from ``repr``: a saved or logged config never holds them.
+
+This module must stay light (no aiohttp, Ray or ``router.server``): ``rl-launch validate`` imports it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import typing
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from router.policies import DEFAULT_POLICY, POLICIES
+from router.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, validate_no_healthy_status
+
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+SECRET_FIELDS = ("api_key", "admin_token", "backend_api_key")
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback IP literal. Any other name counts as reachable from the network."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _option_error(key: str, message: str, value: Any) -> ValidationError:
+    """A ``ValidationError`` located at ``<key>`` inside the field: raised from the ``policy_options``
+    validator, pydantic reports it at ``policy_options.<key>``, so a spec loader can point at its line."""
+    loc: tuple[str, ...] = (key,) if key else ()
+    return ValidationError.from_exception_data(
+        "RouterSettings",
+        [InitErrorDetails(type=PydanticCustomError("value_error", message), loc=loc, input=value)],
+    )
+
+
+def _options_model(policy: str) -> type[BaseModel]:
+    """A strict model of the policy constructor's keyword parameters (names, types, defaults)."""
+    cls = POLICIES[policy]
+    hints = typing.get_type_hints(cls.__init__)
+    fields: dict[str, Any] = {}
+    for name, param in inspect.signature(cls.__init__).parameters.items():
+        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        default = ... if param.default is param.empty else param.default
+        fields[name] = (hints.get(name, Any), default)
+    return create_model(  # type: ignore[call-overload,no-any-return]
+        f"{cls.__name__}Options", __config__=ConfigDict(extra="forbid", strict=True), **fields
+    )
+
+
+def validate_policy_options(policy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Check ``options`` against ``policy``'s constructor and build it once; raise a ``ValidationError``
+    at ``policy_options.<key>`` for an unknown key, a wrong type or a value the policy refuses."""
+    model = _options_model(policy)
+    known = ", ".join(model.model_fields) or "none"
+    for key in options:
+        if key not in model.model_fields:
+            raise _option_error(
+                str(key),
+                f"not an option of policy {policy!r} (its options: {known})",
+                options[key],
+            )
+    try:
+        model.model_validate(options)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = str(err["loc"][0]) if err["loc"] else ""
+        raise _option_error(
+            key, f"{err['msg']} (got {options.get(key)!r})", options.get(key)
+        ) from None
+    try:
+        POLICIES[policy](**options)
+    except (TypeError, ValueError) as exc:
+        # The policy's own range checks: name the key its message mentions, if any.
+        key = next((k for k in options if k in str(exc)), "")
+        raise _option_error(key, str(exc), options.get(key, options)) from None
+    return dict(options)
+
+
+class RouterSettings(BaseModel):
+    """The router settings a job spec's ``router:`` section may set (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    policy: str = Field(default=DEFAULT_POLICY, description="routing policy name")
+    policy_options: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the policy's constructor"
+    )
+    backend_timeout_s: float = Field(
+        default=300.0, gt=0, description="total time one backend attempt may take before it counts as failed"
+    )
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP connect timeout toward a backend")
+    max_attempts: int = Field(default=2, ge=1, description="attempts per request on distinct backends")
+    retry_on_timeout: bool = Field(default=True, description="retry an attempt that timed out elsewhere")
+    no_healthy_backend_status: int = Field(
+        default=DEFAULT_NO_HEALTHY_BACKEND_STATUS, description="status when no backend serves (a 4xx)"
+    )
+    max_request_bytes: int = Field(
+        default=DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest request body accepted (413 above)"
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown routing policy {v!r}; choose one of: {', '.join(POLICIES)}")
+        return v
+
+    @field_validator("policy_options")
+    @classmethod
+    def _policy_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        policy = info.data.get("policy")
+        if policy is None:  # the policy itself was invalid: its error already says so
+            return v
+        return validate_policy_options(policy, v)
+
+    @field_validator("no_healthy_backend_status")
+    @classmethod
+    def _status(cls, v: int) -> int:
+        return validate_no_healthy_status(v)
+
+
+class RouterConfig(RouterSettings):
+    """Every setting of one router process. Build it once (CLI flags, or ``from_settings`` for a job) and
+    pass it whole to ``GenerationRouter`` / ``GenerationRouterActor``."""
+
+    # A model-level error's text would otherwise quote the whole input, secrets included.
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    host: str = Field(default="127.0.0.1", min_length=1, description="address to listen on")
+    port: int = Field(default=0, ge=0, le=65535, description="port to listen on (0: the OS chooses)")
+    bind_retry_s: float = Field(
+        default=0.0, ge=0, description="keep retrying a port still held by a dying process this long"
+    )
+    health_managed: bool = Field(
+        default=False,
+        description="a fleet controller owns the serving set: no active probing, a failed backend leaves at "
+        "once and only the controller re-admits it",
+    )
+    probe_interval_s: float = Field(
+        default=1.0, ge=0, description="GET /health on each backend this often (0: off)"
+    )
+    probe_timeout_s: float = Field(default=2.0, gt=0, description="a probe slower than this fails")
+    probe_failures_to_eject: int = Field(
+        default=3, ge=1, description="consecutive failures (probes or proxied attempts) that eject a backend"
+    )
+    probe_successes_to_readmit: int = Field(
+        default=2, ge=1, description="consecutive successful probes that re-admit an ejected backend"
+    )
+    worker_health_timeout_s: float = Field(
+        default=300.0, gt=0, description="POST /workers waits this long for the worker's GET /health"
+    )
+    max_pending_registrations: int = Field(
+        default=64, ge=1, description="distinct worker URLs POST /workers may be waiting on at once"
+    )
+    insecure_admin: bool = Field(
+        default=False,
+        description="allow an unauthenticated /workers API on a non-loopback address (never in production)",
+    )
+    # HTTP limits (head timeout, keep-alive, connection cap, backend header cap) join here as one
+    # ``http: HttpLimits`` field from router/limits.py when the http branch is merged.
+
+    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    admin_token: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    backend_api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
+
+    @field_validator(*SECRET_FIELDS, mode="before")
+    @classmethod
+    def _secret(cls, v: Any, info: ValidationInfo) -> Any:
+        raw = v.get_secret_value() if isinstance(v, SecretStr) else v
+        if isinstance(raw, str) and not raw.strip():
+            raise ValueError(f"{info.field_name} is empty; give a non-empty secret or none at all")
+        return v
+
+    @model_validator(mode="after")
+    def _admin_is_not_open(self) -> RouterConfig:
+        if (
+            self.api_key is None
+            and self.admin_token is None
+            and not self.insecure_admin
+            and not is_loopback_host(self.host)
+        ):
+            raise ValueError(
+                f"the /workers admin API would be open to anyone who can reach {self.host}: give an admin "
+                "token or an API key (--admin-token-file / --api-key-file, or RL_ROUTER_ADMIN_TOKEN), "
+                "listen on 127.0.0.1, or pass --insecure-admin to accept that"
+            )
+        return self
+
+    # -- derived views -------------------------------------------------------------------------------
+    @property
+    def probing(self) -> bool:
+        """Active probing runs only when standalone: a fleet controller has more evidence than a probe."""
+        return self.probe_interval_s > 0 and not self.health_managed
+
+    @property
+    def admin_secret(self) -> str | None:
+        """What ``/workers`` requires: the admin token, else the client API key, else nothing."""
+        secret = self.admin_token or self.api_key
+        return secret.get_secret_value() if secret is not None else None
+
+    def secret(self, name: str) -> str | None:
+        value = getattr(self, name)
+        return value.get_secret_value() if value is not None else None
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings, **process: Any) -> RouterConfig:
+        """A job's router settings plus what the driver decides (``host``, ``port``, secrets,
+        ``health_managed=True``...). Extra fields of a subclass (a spec's ``port_range``) are dropped."""
+        own = settings.model_dump(include=set(RouterSettings.model_fields))
+        return cls.model_validate({**own, **process})
+
+
+def describe_errors(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem, ``<prefix><field.path>: <message>``, for CLIs and logs."""
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"])
+        msg = str(err["msg"])
+        if msg.startswith(("Value error, ", "Assertion failed, ")):
+            msg = msg.split(", ", 1)[1]
+        where = f"{prefix}{path}" if path else prefix.rstrip(".")
+        secret = bool(err["loc"]) and err["loc"][0] in SECRET_FIELDS
+        if err["type"] not in ("value_error", "assertion_error") and "input" in err and not secret:
+            msg = f"{msg} (got {err['input']!r})"
+        lines.append(f"{where}: {msg}" if where else msg)
+    return "\n".join(lines)
