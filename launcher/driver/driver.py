@@ -427,14 +427,10 @@ class Driver:
         key = self.job.read_api_key()
         from router.config import RouterConfig
 
-        config = RouterConfig(
+        config = RouterConfig.from_settings(
+            r,
             host=host,
             port=port,
-            policy=r.policy,
-            backend_timeout_s=r.backend_timeout_s,
-            connect_timeout_s=r.connect_timeout_s,
-            max_attempts=r.max_attempts,
-            no_healthy_backend_status=r.no_healthy_backend_status,
             health_managed=True,  # the fleet-health loop owns the serving set; no probing in the router
             api_key=key,
             admin_token=self.job.read_admin_token(),

@@ -41,11 +41,14 @@ it (``router``) and how NeMo-Gym is pointed at it (``gym``). Example (every fiel
       slurm: null
     router:
       policy: cache_aware
+      policy_options: {load_slack: 3}   # the policy's own options, checked against the policy
       port_range: [20000, 20999]      # or "20000-20999"; where the router's port is reserved
       backend_timeout_s: 300
       connect_timeout_s: 5
       max_attempts: 2
+      retry_on_timeout: true
       no_healthy_backend_status: 409
+      max_request_bytes: 67108864
     gym:
       overlay: gym_overlay.yaml       # relative: inside the job directory
       model_name: null                # default: generation's served model name

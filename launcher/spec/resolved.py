@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from launcher.spec.schema import Container
+from router.config import RouterSettings
 
 
 class _Resolved(BaseModel):
@@ -79,13 +80,14 @@ class ResolvedGeneration(_Resolved):
     resources: ResolvedResources | None
 
 
-class ResolvedRouter(_Resolved):
-    policy: str
+class ResolvedRouter(RouterSettings):
+    """The router settings as validated by ``RouterSettings`` (read back from a snapshot, they are checked
+    again by the same rules), plus the port range the driver reserves from."""
+
+    # Not strict: a snapshot is YAML, where the port range comes back as a list.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
     port_range: tuple[int, int]
-    backend_timeout_s: float
-    connect_timeout_s: float
-    max_attempts: int
-    no_healthy_backend_status: int
 
 
 class ResolvedGym(_Resolved):

@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from launcher.slurm.options import check_sbatch_option, parse_sbatch_option
 from launcher.slurm.time import format_time, parse_time
 from launcher.spec.errors import Issue, SpecError
-from router.policies import DEFAULT_POLICY, POLICIES
-from router.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, validate_no_healthy_status
+from router.config import RouterSettings
 
 if TYPE_CHECKING:
     from launcher.spec.resolved import ResolvedSpec
@@ -312,20 +311,14 @@ class GenerationSection(_Section):
         return _check_env(v)
 
 
-class RouterSection(_Section):
-    policy: str = Field(default=DEFAULT_POLICY, description="routing policy name")
-    port_range: tuple[int, int] = DEFAULT_ROUTER_PORT_RANGE
-    backend_timeout_s: float = Field(default=300.0, gt=0)
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    max_attempts: int = Field(default=2, ge=1)
-    no_healthy_backend_status: int = DEFAULT_NO_HEALTHY_BACKEND_STATUS
+class RouterSection(RouterSettings):
+    """The spec's ``router:`` section: ``RouterSettings`` (validated there, once, with the policy's own
+    options) plus where the driver reserves the router's port. The driver hands these settings whole to
+    ``RouterConfig.from_settings``; nothing is copied field by field."""
 
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown routing policy {v!r}; choose one of: {', '.join(POLICIES)}")
-        return v
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
+
+    port_range: tuple[int, int] = DEFAULT_ROUTER_PORT_RANGE
 
     @field_validator("port_range", mode="before")
     @classmethod
@@ -357,11 +350,6 @@ class RouterSection(_Section):
                 "pick a range outside them, e.g. {}-{}".format(*DEFAULT_ROUTER_PORT_RANGE)
             )
         return v
-
-    @field_validator("no_healthy_backend_status")
-    @classmethod
-    def _status(cls, v: int) -> int:
-        return validate_no_healthy_status(v)
 
 
 class GymSection(_Section):
