@@ -249,7 +249,8 @@ def test_container_flags_reach_every_step_on_the_cluster(tmp_path: Path, layout:
         )
         rows = [line.split("\t", 1) for line in record.read_text().splitlines()]
         steps = {name: flags for name, flags in rows}
-        nodes = json.loads((job / "events.jsonl").read_text().splitlines()[0])["nodes"]
+        events = [json.loads(line) for line in (job / "events.jsonl").read_text().splitlines()]
+        nodes = next(e for e in events if e.get("phase") == "starting")["nodes"]
         others = [n for n in [*nodes["training"], *nodes["generation"]] if n != nodes["training"][0]]
         want = {
             "driver",
