@@ -193,7 +193,9 @@ exec REAL_SRUN "${args[@]}"
 
 
 @pytest.mark.slurm
-def test_container_flags_reach_every_step_on_the_cluster(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["single", "hetjob"])
+def test_container_flags_reach_every_step_on_the_cluster(tmp_path: Path, layout: str) -> None:
+    """``single``: submitted through submitit (its setup line); ``hetjob``: the rendered sbatch script."""
     from tests.test_slurm_cluster import _slurm_unreachable
 
     reason = _slurm_unreachable()
@@ -224,6 +226,7 @@ def test_container_flags_reach_every_step_on_the_cluster(tmp_path: Path) -> None
             "engines_per_node": 1,
             "startup_timeout_s": 90,
             "sim": {"speed": 20},
+            **({"slurm": {"cpus_per_task": 2}} if layout == "hetjob" else {}),
         },
     )
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
@@ -246,7 +249,8 @@ def test_container_flags_reach_every_step_on_the_cluster(tmp_path: Path) -> None
         )
         rows = [line.split("\t", 1) for line in record.read_text().splitlines()]
         steps = {name: flags for name, flags in rows}
-        nodes = json.loads((job / "events.jsonl").read_text().splitlines()[0])["nodes"]
+        events = [json.loads(line) for line in (job / "events.jsonl").read_text().splitlines()]
+        nodes = next(e for e in events if e.get("phase") == "starting")["nodes"]
         others = [n for n in [*nodes["training"], *nodes["generation"]] if n != nodes["training"][0]]
         want = {
             "driver",
@@ -257,8 +261,11 @@ def test_container_flags_reach_every_step_on_the_cluster(tmp_path: Path) -> None
         assert all(flags == expected for flags in steps.values()), rows
         # the training command ran inside the driver's container, in its workdir
         assert (job / "training-saw.txt").read_text().split() == [image, str(workdir)]
-        # submitit's batch script: our warning signal (batch shell only), and the setup line that execs
-        submission = next((tmp_path / "jobs" / "submitit" / job_id).glob("*_submission.sh")).read_text()
+        # the batch script: our warning signal (batch shell only), and the line that execs the driver step
+        if layout == "single":
+            submission = next((tmp_path / "jobs" / "submitit" / job_id).glob("*_submission.sh")).read_text()
+        else:
+            submission = (tmp_path / "jobs" / "c.sbatch").read_text()
         assert [x for x in submission.splitlines() if "--signal" in x] == ["#SBATCH --signal=B:USR2@90"]
         assert any(x.startswith("exec srun ") and "--job-name=driver" in x for x in submission.splitlines())
     finally:
