@@ -40,6 +40,7 @@ it (``router``) and how NeMo-Gym is pointed at it (``gym``). Example (every fiel
       env: {}
       slurm: null
     router:
+      kind: builtin                   # the front: builtin (rl-launch's router)
       policy: cache_aware
       policy_options: {load_slack: 3}   # the policy's own options, checked against the policy
       port_range: [20000, 20999]      # or "20000-20999"; where the router's port is reserved

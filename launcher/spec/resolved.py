@@ -87,6 +87,7 @@ class ResolvedRouter(RouterSettings):
     # Not strict: a snapshot is YAML, where the port range comes back as a list.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
+    kind: Literal["builtin"]
     port_range: tuple[int, int]
 
 

@@ -312,12 +312,14 @@ class GenerationSection(_Section):
 
 
 class RouterSection(RouterSettings):
-    """The spec's ``router:`` section: ``RouterSettings`` (validated there, once, with the policy's own
-    options) plus where the driver reserves the router's port. The driver hands these settings whole to
-    ``RouterConfig.from_settings``; nothing is copied field by field."""
+    """The spec's ``router:`` section: which front the fleet sits behind (``kind``, see
+    ``launcher.gateways``), ``RouterSettings`` for our own router (validated there, once, with the
+    policy's own options), and where the driver reserves the front's port. The driver hands these
+    settings whole to ``RouterConfig.from_settings``; nothing is copied field by field."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
 
+    kind: Literal["builtin"] = Field(default="builtin", description="the front in front of the fleet")
     port_range: tuple[int, int] = DEFAULT_ROUTER_PORT_RANGE
 
     @field_validator("port_range", mode="before")

@@ -1,0 +1,36 @@
+"""The fronts a fleet can sit behind, chosen by the spec's ``router.kind`` (see ``base.Gateway``)."""
+
+from __future__ import annotations
+
+import importlib
+
+from launcher.gateways.base import Gateway, GatewayContext, GatewayError, GatewayMember, GatewayView
+
+# kind -> (module, class); imported on use, so a kind's heavy dependencies (Ray Serve, Dynamo) load only
+# when a job asks for that kind.
+GATEWAY_KINDS: dict[str, tuple[str, str]] = {
+    "builtin": ("launcher.gateways.builtin", "BuiltinRouterGateway"),
+}
+
+
+def make_gateway(kind: str, context: GatewayContext) -> Gateway:
+    try:
+        module, name = GATEWAY_KINDS[kind]
+    except KeyError:
+        known = ", ".join(GATEWAY_KINDS)
+        raise GatewayError(f"unknown router.kind {kind!r}; choose one of: {known}") from None
+    cls = getattr(importlib.import_module(module), name)
+    gateway = cls(context)
+    assert isinstance(gateway, Gateway)
+    return gateway
+
+
+__all__ = [
+    "GATEWAY_KINDS",
+    "Gateway",
+    "GatewayContext",
+    "GatewayError",
+    "GatewayMember",
+    "GatewayView",
+    "make_gateway",
+]

@@ -1,0 +1,118 @@
+"""One interface for every front a fleet can sit behind (our router, vllm-router, Ray Serve, Dynamo).
+
+The driver and the fleet controller talk to "the gateway", never to one kind of front, the way submitit's
+executors sit behind one ``Executor``: the driver starts it (or attaches to one that runs already), hands
+its one stable base URL to Gym and the training command, and stops it at teardown; the fleet controller
+pushes the whole serving set every tick (a kind that only knows add/remove turns that into deltas),
+drains per-backend outcomes where the kind reports them, and notices when the gateway process itself
+restarted. ``view`` is the gateway's *own* view of the fleet, shown by ``rl-launch status`` beside ours,
+because a front that disagrees with the controller (a worker it still routes to, one it never admitted)
+is exactly what an operator needs to see.
+
+Why whole sets and not deltas at the interface: a gateway that restarts (our router actor, a managed
+vllm-router) comes back empty or stale; pushing the whole set every tick converges it on the next tick
+without the controller having to know that it restarted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from launcher.jobdir import JobDir
+    from launcher.spec import ResolvedSpec
+
+
+class GatewayError(RuntimeError):
+    """The gateway could not start, attach or apply a change; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class GatewayMember:
+    """One backend as the gateway sees it."""
+
+    url: str
+    healthy: bool | None = None
+    """``None`` when the gateway does not report health per backend."""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class GatewayView:
+    """What the gateway itself reports: reachable or not, and the backends it routes to."""
+
+    kind: str
+    base_url: str
+    reachable: bool
+    members: tuple[GatewayMember, ...] = ()
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "base_url": self.base_url,
+            "reachable": self.reachable,
+            "detail": self.detail,
+            "members": [{"url": m.url, "healthy": m.healthy, "detail": m.detail} for m in self.members],
+        }
+
+
+@dataclass
+class GatewayContext:
+    """What a gateway kind may use to start: the job, where to listen, the job's secrets."""
+
+    spec: ResolvedSpec
+    job: JobDir
+    host: str
+    """The driver node's address (loopback in local mode): where a launcher-owned front listens."""
+    port: int
+    """Reserved once from the spec's port range: a restarted front rebinds the same URL."""
+    api_key: str
+    """What clients (Gym) send, and what engines expect."""
+    admin_token: str
+    """The front's admin surface (``/workers``): the driver and the fleet controller only."""
+    say: Callable[[str], None] = field(default=lambda message: None)
+
+
+class Gateway(ABC):
+    """The front in front of the fleet. Methods are called from the driver's and the fleet controller's
+    threads; an implementation must be safe for that (the kinds here hold no state a race could tear)."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, context: GatewayContext) -> None:
+        self.context = context
+
+    @abstractmethod
+    def start(self, engine_urls: Sequence[str]) -> str:
+        """Start (or attach to) the front with these engines serving; return its base URL (no ``/v1``)
+        once it answers. Raises ``GatewayError`` naming what failed."""
+
+    @abstractmethod
+    def base_url(self) -> str:
+        """The stable URL for the life of the run (clients use ``base_url() + "/v1"``)."""
+
+    @abstractmethod
+    def set_serving(self, urls: Sequence[str]) -> None:
+        """Make exactly ``urls`` (engine API URLs, with or without ``/v1``) the backends that serve."""
+
+    def drain_outcomes(self) -> dict[str, tuple[int, int]]:
+        """``{url: (successes, failures)}`` since the last drain, where the kind reports them; ``{}``
+        otherwise (the controller then judges on its own probes alone)."""
+        return {}
+
+    def instance(self) -> str | None:
+        """An identity of the front's process that changes when it restarts (``None``: unknown)."""
+        return None
+
+    @abstractmethod
+    def view(self) -> GatewayView:
+        """The front's own view of the fleet (``rl-launch status`` shows it next to the controller's)."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop what the launcher started (and deregister from a front it only attached to); idempotent,
+        bounded in time."""

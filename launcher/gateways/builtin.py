@@ -1,0 +1,95 @@
+"""``router.kind: builtin``: rl-launch's own generation router, as a Ray actor restarted in place.
+
+The actor (``router.actor.GenerationRouterActor``, ``max_restarts=-1``) is pinned to the driver's node and
+built from one ``RouterConfig`` (the spec's router settings plus the reserved port, the job's secrets, and
+``health_managed``: the fleet controller owns the serving set, so the router does not probe). A restarted
+actor rebinds the same port and converges on the controller's next push.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
+
+_CALL_TIMEOUT_S = 5.0
+
+
+class BuiltinRouterGateway(Gateway):
+    kind = "builtin"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.actor: Any = None
+        self._url = ""
+
+    def start(self, engine_urls: Sequence[str]) -> str:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME
+        from router.actor import remote_router_actor
+        from router.config import RouterConfig
+
+        ctx = self.context
+        config = RouterConfig.from_settings(
+            ctx.spec.router,
+            host=ctx.host,
+            port=ctx.port,
+            health_managed=True,  # the fleet-health loop owns the serving set; no probing in the router
+            api_key=ctx.api_key,
+            admin_token=ctx.admin_token,
+        )
+        actor_cls = remote_router_actor(
+            num_cpus=0,
+            name=ROUTER_ACTOR_NAME,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=False
+            ),
+        )
+        self.actor = actor_cls.remote(config, list(engine_urls))
+        try:
+            self._url = ray.get(self.actor.base_url.remote(), timeout=120)
+        except Exception as exc:
+            raise GatewayError(f"the router actor did not start on {ctx.host}:{ctx.port}: {exc}") from exc
+        return self._url
+
+    def base_url(self) -> str:
+        return self._url
+
+    def _get(self, ref: Any) -> Any:
+        import ray
+
+        return ray.get(ref, timeout=_CALL_TIMEOUT_S)
+
+    def set_serving(self, urls: Sequence[str]) -> None:
+        self._get(self.actor.set_serving_backends.remote(list(urls)))
+
+    def drain_outcomes(self) -> dict[str, tuple[int, int]]:
+        return dict(self._get(self.actor.drain_backend_outcomes.remote()))
+
+    def instance(self) -> str | None:
+        return str(self._get(self.actor.pid.remote()))
+
+    def view(self) -> GatewayView:
+        try:
+            serving = self._get(self.actor.serving_backends.remote())
+        except Exception as exc:
+            return GatewayView(self.kind, self._url, False, detail=f"router actor unreachable: {exc!r}")
+        return GatewayView(self.kind, self._url, True, tuple(GatewayMember(u, True) for u in serving))
+
+    def stop(self) -> None:
+        if self.actor is None:
+            return
+        import ray
+
+        try:
+            ray.get(self.actor.stop.remote(), timeout=10)
+        except Exception:  # the actor may be gone already; it is killed below either way
+            pass
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:
+            pass
+        self.actor = None
