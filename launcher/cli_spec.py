@@ -148,8 +148,9 @@ def _print_dry_run(spec: Path, resolved: ResolvedSpec) -> None:
     default=None,
     help="The job's directory (logs, state, Gym overlay); with --in-allocation.",
 )
+@click.option("--json", "as_json", is_flag=True, help="Print the job id and job directory as JSON.")
 def submit_command(
-    spec: Path, dry_run: bool, follow: bool, in_allocation: bool, job_dir: Path | None
+    spec: Path, dry_run: bool, follow: bool, in_allocation: bool, job_dir: Path | None, as_json: bool
 ) -> None:
     """Submit a job spec to Slurm (or run it locally with cluster: local)."""
     if dry_run and in_allocation:
@@ -161,7 +162,9 @@ def submit_command(
     from launcher.submit import SubmitError, submit_job
 
     try:
-        code = submit_job(resolved, follow=follow, in_allocation=in_allocation, job_dir=job_dir)
+        code = submit_job(
+            resolved, follow=follow, in_allocation=in_allocation, job_dir=job_dir, as_json=as_json
+        )
     except SubmitError as exc:
         raise click.ClickException(str(exc)) from None
     raise SystemExit(code)

@@ -161,7 +161,7 @@ class RayCluster:
         except Exception:  # teardown must go on
             pass
         for step in self.workers:
-            step.stop(grace_s=10)
+            step.stop(grace_s=10)  # a no-op for workers the driver's teardown stopped already
         if self.head is not None:
             self.head.stop(grace_s=10)
             # `ray start --block` stops its node's processes on SIGTERM; `ray stop` on this node catches
