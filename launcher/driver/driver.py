@@ -35,6 +35,7 @@ with the teardown's duration, once it has ended.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -266,7 +267,7 @@ class Driver:
             self.state.event(phase, reason, exit_code=code, outcome=outcome, signal=signame, torn_down=False)
             self.job.write_result(result)
         try:
-            self._teardown()
+            self._teardown(hurry=signame is not None)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -281,6 +282,13 @@ class Driver:
             self.job.log_event("torn_down", f"teardown took {self.timings.get('teardown_s')} s")
         self.job.write_result(result)
         self._say(f"{outcome}: {reason} (exit {code})")
+        if self.ray is not None and not self.ray.disconnected:
+            # ray.shutdown is stuck on a head Slurm took down; Ray's exit hook would wait on it again
+            # until SIGKILL. Everything is stopped and recorded: leave now.
+            self._say("Ray did not disconnect; exiting without its exit hooks")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         return code
 
     def _install_stop_handlers(self) -> None:
@@ -553,37 +561,48 @@ class Driver:
         return code
 
     # -- teardown --------------------------------------------------------------------------------------
-    def _teardown(self) -> None:
+    def _teardown(self, hurry: bool = False) -> None:
         """Stop everything the job started, on every node; the independent parts in parallel and each
         bounded, so the whole fits inside Slurm's KillWait after a scancel (the steps got SIGTERM from
-        Slurm as well, and mostly only need to be waited for). Each part's time goes to the timings."""
+        Slurm as well, and mostly only need to be waited for). Each part's time goes to the timings.
+
+        ``hurry`` (a stop signal: Slurm's SIGKILL may be seconds away): the Ray head is stopped together
+        with the rest instead of after the router's orderly stop, which only waits on a head that Slurm
+        is taking down anyway (the router actor goes with it)."""
         t = time.monotonic()
+        parts: list[tuple[str, Any]] = [("training", self._stop_training)]
+        if not hurry:
+            parts.append(("router", self._stop_router))
         if self.controller is not None:
-            self.controller.stop()
+            parts.append(("fleet-controller", self.controller.stop))
         if self.status_server is not None:
-            self.status_server.stop()
-        parts: list[tuple[str, Any]] = [("training", self._stop_training), ("router", self._stop_router)]
+            parts.append(("status-endpoint", self.status_server.stop))
         parts += [(f"engines-{s.node}", s.stop) for s in self.hosts.all()]
         if self.ray is not None:
             parts += [(f"ray-worker-{s.node}", s.stop) for s in self.ray.workers]
+            if hurry:
+                parts.append(("ray-head", functools.partial(self.ray.stop, hurry=True)))
         took: dict[str, float] = {}
 
         def timed(name: str, part: Any) -> None:
             t_part = time.monotonic()
             try:
                 part()
+            except Exception as exc:  # one part's failure must not keep the others running
+                self._say(f"teardown: stopping {name} failed: {exc!r}")
             finally:
                 took[name] = round(time.monotonic() - t_part, 2)
+                self._say(f"teardown: {name} stopped in {took[name]} s")
 
         threads = [threading.Thread(target=timed, args=part) for part in parts]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        if self.ray is not None:
+        if self.ray is not None and not hurry:
             timed("ray-head", self.ray.stop)
         self._mark("teardown_s", t)
-        self._say(f"torn down in {self.timings['teardown_s']} s: {took}")
+        self._say(f"torn down in {self.timings['teardown_s']} s")
 
     def _stop_training(self) -> None:
         if self.training is None or self.training.poll() is not None:

@@ -117,12 +117,12 @@ class FleetController:
     def stop(self) -> None:
         """Stop ticking and record the final fleet state (every engine STOPPED, with the state it was in)."""
         self._stop.set()
+        self.state.update(fleet=self.final_snapshot())
         if self._thread is not None:
             # A tick may sit in a ray.get whose head is gone already (scancel signals every step): do
-            # not wait for it; its late state write is suppressed once the stop is set.
+            # not wait long for it; its late state write is suppressed once the stop is set.
             self._thread.join(2)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.state.update(fleet=self.final_snapshot())
 
     def final_snapshot(self) -> dict[str, Any]:
         snap = self.fleet.snapshot()
