@@ -117,10 +117,19 @@ class EngineHostSteps:
         self._start = start  # node index -> Step
         self.steps: dict[int, Step] = {}
         self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Teardown has begun: no host may be started again (a fleet tick still in flight would see the
+        hosts the teardown stops as dead, and restart them into orphans)."""
+        with self._lock:
+            self._closed = True
 
     def launch(self, node_index: int) -> Step:
-        step = self._start(node_index)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the job is being torn down; no engine host is started")
+            step = self._start(node_index)
             self.steps[node_index] = step
         return step
 
@@ -570,6 +579,7 @@ class Driver:
         with the rest instead of after the router's orderly stop, which only waits on a head that Slurm
         is taking down anyway (the router actor goes with it)."""
         t = time.monotonic()
+        self.hosts.close()
         parts: list[tuple[str, Any]] = [("training", self._stop_training)]
         if not hurry:
             parts.append(("router", self._stop_router))

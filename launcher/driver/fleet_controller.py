@@ -198,7 +198,7 @@ class FleetController:
     def _check_hosts(self) -> None:
         """A host step that ended condemns its engines now (their probes would take several ticks, and a
         restart request to a dead host would never be answered)."""
-        if self.hosts is None:
+        if self.hosts is None or self._stop.is_set():  # stopping: the teardown ends the hosts
             return
         for node_index in range(self.node_count):
             if node_index in self.hosts_down:
@@ -224,7 +224,7 @@ class FleetController:
                     self.fleet.mark_dead(eid, reason)
 
     def _restart_hosts(self, restarting: list[str]) -> None:
-        if self.hosts is None:
+        if self.hosts is None or self._stop.is_set():
             return
         for node_index in sorted({self.where[eid][0] for eid in restarting} & set(self.hosts_down)):
             del self.hosts_down[node_index]
