@@ -118,8 +118,12 @@ TRAINER = textwrap.dedent(
     json.dump({"policy_base_url": overlay["policy_base_url"], "model": overlay["policy_model_name"],
                "env_url": os.environ["RL_POLICY_BASE_URL"]}, open(os.path.join(out, "seen.json"), "w"))
     files = [f"--{kind}={os.path.join(out, 'replay.' + kind)}" for kind in ("json", "csv", "png")]
+    # the engines from the job directory: the router's GET /workers takes the admin token, which a
+    # rollout worker does not hold
+    from launcher.jobdir import JobDir
+    engines = [x for e in JobDir(os.environ["RL_JOB_DIR"]).engine_entries() for x in ("--engine-url", e.url)]
     rc = subprocess.call(["rl-launch", "bench", "replay", "--url", overlay["policy_base_url"],
-                          "--workload", "longtail", "--scale", "0.03", *files])
+                          "--workload", "longtail", "--scale", "0.03", *engines, *files])
     sys.exit(rc)
     """
 )
