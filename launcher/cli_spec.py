@@ -220,6 +220,7 @@ def launch_lines(resolved: ResolvedSpec, request: SlurmRequest) -> list[str]:
     default=None,
     help="The job's directory (logs, state, Gym overlay); with --in-allocation.",
 )
+@click.option("--json", "as_json", is_flag=True, help="Print the job id and job directory as JSON.")
 def submit_command(
     spec: Path,
     overrides: tuple[str, ...],
@@ -227,6 +228,7 @@ def submit_command(
     follow: bool,
     in_allocation: bool,
     job_dir: Path | None,
+    as_json: bool,
 ) -> None:
     """Submit a job spec to Slurm (or run it locally with cluster: local)."""
     if dry_run and in_allocation:
@@ -248,7 +250,9 @@ def submit_command(
     from launcher.submit import SubmitError, submit_job
 
     try:
-        code = submit_job(resolved, follow=follow, in_allocation=in_allocation, job_dir=job_dir)
+        code = submit_job(
+            resolved, follow=follow, in_allocation=in_allocation, job_dir=job_dir, as_json=as_json
+        )
     except SubmitError as exc:
         raise click.ClickException(str(exc)) from None
     raise SystemExit(code)

@@ -78,6 +78,10 @@ def _submit_held(spec: ResolvedSpec) -> str:
         params["slurm_use_srun"] = False
         extra = dict(params.get("slurm_additional_parameters") or {})
         params["slurm_additional_parameters"] = {**extra, "hold": True}
+        # submitit's batch shell runs the driver as a child; a shell without a trap dies of scancel's
+        # SIGTERM (or a B:USR2 warning) at once, and Slurm then kills the driver mid-teardown. With a
+        # trap it waits for the driver (a trap's handler is reset in the child, which keeps its own).
+        params["slurm_setup"] = ["trap 'true' TERM USR2", *(params.get("slurm_setup") or [])]
         executor.update_parameters(**params)
         executor.update_parameters(slurm_setup=request.submitit_setup_for(executor))
         try:

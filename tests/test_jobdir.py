@@ -214,3 +214,25 @@ def test_list_json_and_status_default_to_the_newest_job(tmp_path: Path) -> None:
     assert rows[1]["job_dir"] == str(newer.path) and rows[1]["slurm"] == "local"
     status = CliRunner().invoke(main, ["status", "--json", "--root", str(root)])
     assert json.loads(status.output)["job"]["name"] == "b-local-2-2"
+
+
+def test_logs_follow_ends_with_the_job_and_training_log(tmp_path: Path) -> None:
+    root = tmp_path / "jobs"
+    job = JobDir(root / "demo-local-1-1").create()
+    StateWriter(job).event("training", "running")
+    job.driver_log.write_text("driver line\n")
+    job.training_log.write_text("step 1 loss 0.5\n")
+
+    def finish() -> None:
+        with job.training_log.open("a") as f:
+            f.write("step 2 loss 0.4\n")
+        job.write_result(JobResult(0, "training finished", "finished"))
+
+    timer = threading.Timer(1.0, finish)
+    timer.start()
+    out = CliRunner().invoke(main, ["logs", "--training", "-f", "--root", str(root)])
+    timer.join()
+    assert out.exit_code == 0, out.output
+    assert out.output == "step 1 loss 0.5\nstep 2 loss 0.4\n"
+    driver = CliRunner().invoke(main, ["logs", "demo-local-1-1", "--root", str(root)])
+    assert driver.output == "driver line\n"

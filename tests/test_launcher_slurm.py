@@ -118,8 +118,12 @@ TRAINER = textwrap.dedent(
     json.dump({"policy_base_url": overlay["policy_base_url"], "model": overlay["policy_model_name"],
                "env_url": os.environ["RL_POLICY_BASE_URL"]}, open(os.path.join(out, "seen.json"), "w"))
     files = [f"--{kind}={os.path.join(out, 'replay.' + kind)}" for kind in ("json", "csv", "png")]
+    # the engines from the job directory: the router's GET /workers takes the admin token, which a
+    # rollout worker does not hold
+    from launcher.jobdir import JobDir
+    engines = [x for e in JobDir(os.environ["RL_JOB_DIR"]).engine_entries() for x in ("--engine-url", e.url)]
     rc = subprocess.call(["rl-launch", "bench", "replay", "--url", overlay["policy_base_url"],
-                          "--workload", "longtail", "--scale", "0.03", *files])
+                          "--workload", "longtail", "--scale", "0.03", *engines, *files])
     sys.exit(rc)
     """
 )
@@ -279,8 +283,9 @@ def test_cancel_mid_run_tears_down(tmp_path: Path) -> None:
     recorded = recorded if recorded is not None else clear
     assert (result["outcome"], result["signal"], result["exit_code"]) == ("cancelled", "SIGTERM", 143), result
     state = json.loads((job / "state.json").read_text())
-    assert state["phase"] in ("stopping", "cancelled")
-    assert "HEALTHY" not in {e["state"] for e in state["fleet"]["engines"]} or state["phase"] == "stopping"
+    assert state["phase"] == "cancelled" and state["torn_down"] is True, state
+    assert {e["state"] for e in state["fleet"]["engines"]} == {"STOPPED"}
+    assert result["torn_down"] is True  # within Slurm's KillWait (5 s on this cluster)
     listing = subprocess.run([RL_LAUNCH, "list", "--json", "--root", root], capture_output=True, text=True)
     row = next(r for r in json.loads(listing.stdout) if r["job"] == job.name)
     assert row["phase"] == "cancelled" and row["slurm"].startswith("CANCELLED"), row
@@ -309,16 +314,20 @@ def test_time_limit_is_recorded_and_the_fleet_lives_until_it(tmp_path: Path) -> 
         time.sleep(1)
     assert wait_no_leftovers() == []
     result = json.loads((job / "result.json").read_text())
-    assert result["outcome"] == "time limit", result
+    # stopped by the driver itself before the limit (stop_margin_s: 10 s for one minute), in order
+    assert (result["outcome"], result["exit_code"], result["torn_down"]) == ("time limit", 124, True), result
+    state = json.loads((job / "state.json").read_text())
+    assert state["phase"] == "cancelled" and {e["state"] for e in state["fleet"]["engines"]} == {"STOPPED"}
     events = read_events(job)
     assert not [e for e in events if e["phase"] == "engine_host_died"], events
     assert not [e for e in events if e["phase"] == "fleet" and e.get("to_state") == "DEAD"], events
-    print(f"\nslurm time limit: {result['reason']} ({result['signal']}), final {result['torn_down']}")
+    print(f"\nslurm time limit: {result['reason']}; teardown {result['timings']['teardown_s']} s")
 
 
 def test_warning_signal_spares_the_steps_and_stops_the_driver(tmp_path: Path) -> None:
     """SIGUSR2 to every step (what submitit's --signal=USR2@90 does) leaves Ray and the engines up;
-    SIGUSR2 to the batch step (--signal=B:USR2@s) is the driver's cue: time limit, torn down in order."""
+    SIGUSR2 to the driver is its cue: time limit, torn down in order. (``scancel --full`` signals the
+    batch shell's children too; the batch shell itself dies of it, so Slurm ends the job meanwhile.)"""
     spec = write_spec(tmp_path, "usr2", "sleep 600")
     proc = submit(spec)
     assert proc.returncode == 0, proc.stderr
@@ -332,19 +341,19 @@ def test_warning_signal_spares_the_steps_and_stops_the_driver(tmp_path: Path) ->
     assert {e["state"] for e in state["fleet"]["engines"]} == {"HEALTHY"}, state["fleet"]["engines"]
     assert not [e for e in read_events(job) if e["phase"] in ("engine_host_died", "failed")]
     t0 = time.monotonic()
-    subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], check=True, timeout=10)
+    subprocess.run(["scancel", "--signal=USR2", "--full", job_id], check=True, timeout=10)
     deadline = time.monotonic() + 60
     while not squeue_empty() or leftovers():
         assert time.monotonic() < deadline, f"still running 60 s after the warning: {leftovers()}"
         time.sleep(0.2)
     clear = time.monotonic() - t0
     result = json.loads((job / "result.json").read_text())
-    assert (result["outcome"], result["signal"], result["torn_down"]) == ("time limit", "SIGUSR2", True), (
+    assert (result["outcome"], result["signal"], result["exit_code"]) == ("time limit", "SIGUSR2", 140), (
         result
     )
     state = json.loads((job / "state.json").read_text())
     assert state["phase"] == "cancelled" and {e["state"] for e in state["fleet"]["engines"]} == {"STOPPED"}
-    print(f"\nslurm SIGUSR2 to the batch step: nothing running after {clear:.2f} s")
+    print(f"\nslurm SIGUSR2 to the driver: nothing running after {clear:.2f} s, final {result['torn_down']}")
 
 
 # Waits for the driver to report a dead engine host and readmit its engines; exits 0 when it has.
@@ -599,3 +608,43 @@ def test_all_engines_dead_with_budget_spent_fails_the_job(tmp_path: Path) -> Non
     assert failed["t"] - victim["t"] < 30
     assert squeue_empty()
     assert wait_no_leftovers() == []
+
+
+def test_queued_job_is_known_from_submit_and_cancellable(tmp_path: Path) -> None:
+    """From the moment submit returns: list/status/logs know the job, show PENDING with Slurm's reason,
+    and cancel (by Slurm id) takes it out of the queue. The snapshot it would run is in its directory."""
+    spec = write_spec(
+        tmp_path,
+        "queued",
+        "true",
+        slurm={
+            "partition": "debug",
+            "time": "00:20:00",
+            "cpus_per_task": 2,
+            "gpus_per_node": 0,
+            "extra_sbatch": ["--begin=now+3600"],
+        },
+    )
+    proc = submit(spec, "--json")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    job, job_id = Path(record["job_dir"]), record["job_id"]
+    assert (job / "spec.resolved.yaml").exists() and (job / "submitted.json").exists()
+    spec.write_text("name: edited-after-submit\n")  # the queued job runs the snapshot, not this file
+    root = str(tmp_path / "jobs")
+    listing = subprocess.run([RL_LAUNCH, "list", "--json", "--root", root], capture_output=True, text=True)
+    (row,) = json.loads(listing.stdout)
+    assert (row["job_id"], row["phase"]) == (job_id, "queued")
+    assert row["slurm"] == "PENDING (BeginTime)", row
+    status = subprocess.run([RL_LAUNCH, "status", "--json", "--root", root], capture_output=True, text=True)
+    snap = json.loads(status.stdout)
+    assert snap["condition"] == "queued" and snap["job"]["name"] == job.name, snap
+    assert "PENDING (BeginTime)" in snap["message"]
+    logs = subprocess.run([RL_LAUNCH, "logs", job_id, "--root", root], capture_output=True, text=True)
+    assert logs.returncode != 0 and "PENDING (BeginTime)" in logs.stderr
+    cancel = subprocess.run([RL_LAUNCH, "cancel", job_id, "--root", root], capture_output=True, text=True)
+    assert cancel.returncode == 0, cancel.stderr
+    assert squeue_empty()
+    listing = subprocess.run([RL_LAUNCH, "list", "--json", "--root", root], capture_output=True, text=True)
+    (row,) = json.loads(listing.stdout)
+    assert row["slurm"].startswith("CANCELLED"), row

@@ -22,7 +22,9 @@ process groups, Ray workers, Ray head; nothing of the job is left running on any
 * SIGTERM (``scancel``, ``rl-launch cancel``, Slurm at the time limit) or SIGINT (Ctrl-C): ``cancelled``,
   or ``time limit`` when the SIGTERM comes at the allocation's end time;
 * SIGUSR2, Slurm's warning before the time limit (``--signal=B:USR2@<s>``, sent to the batch step
-  only): ``time limit``, torn down while there is still time to do it in order.
+  only): ``time limit``, torn down while there is still time to do it in order;
+* the allocation's end time (``squeue %e``) minus a margin (``stop_margin_s``), even when no warning
+  signal arrives: ``time limit``, exit 124.
 
 ``ray.init`` installs Ray's own SIGTERM handlers (a Python one that calls ``sys.exit`` and a C++ one that
 prints a stack dump), which used to win over the driver's: the driver is why the handlers are installed
@@ -33,6 +35,7 @@ with the teardown's duration, once it has ended.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -77,9 +80,25 @@ class Terminated(BaseException):
     @property
     def reason(self) -> str:
         name = signal.Signals(self.signum).name
+        if self.outcome == "time limit" and self.signum == signal.SIGUSR2:
+            return f"time limit: Slurm's warning before the end of the allocation ({name})"
         if self.outcome == "time limit":
-            return f"time limit: the allocation ends ({name}); torn down before Slurm kills it"
+            return f"time limit: Slurm ended the allocation ({name} at its end time)"
         return f"cancelled by {name}"
+
+
+class TimeLimitReached(Exception):
+    """The allocation's end is near: stop in order now rather than be killed at the limit."""
+
+
+# Exit status of a job the driver stopped itself before the time limit (as coreutils' ``timeout``).
+TIME_LIMIT_EXIT = 124
+
+
+def stop_margin_s(allocation_s: float) -> float:
+    """How long before the allocation's end the driver starts its teardown on its own: enough for an
+    orderly teardown (a few seconds) with room for a slow node, never more than a tenth of a short job."""
+    return min(90.0, max(10.0, 0.1 * allocation_s))
 
 
 def slurm_end_time(job_id: str | None) -> float | None:
@@ -99,10 +118,19 @@ class EngineHostSteps:
         self._start = start  # node index -> Step
         self.steps: dict[int, Step] = {}
         self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Teardown has begun: no host may be started again (a fleet tick still in flight would see the
+        hosts the teardown stops as dead, and restart them into orphans)."""
+        with self._lock:
+            self._closed = True
 
     def launch(self, node_index: int) -> Step:
-        step = self._start(node_index)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the job is being torn down; no engine host is started")
+            step = self._start(node_index)
             self.steps[node_index] = step
         return step
 
@@ -176,6 +204,7 @@ class Driver:
         self.ray: RayCluster | None = None
         self.hosts = EngineHostSteps(self._launch_host)
         self.end_time: float | None = None
+        self.stop_at: float | None = None
         self.router: Any = None
         self.controller: FleetController | None = None
         self.status_server: StatusServer | None = None
@@ -207,6 +236,8 @@ class Driver:
             )
             if not self.local:
                 self.end_time = slurm_end_time(os.environ.get("SLURM_JOB_ID"))
+                if self.end_time is not None:
+                    self.stop_at = self.end_time - stop_margin_s(self.end_time - time.time())
             self._start_ray()
             api_urls = self._start_engines()
             self._start_router(api_urls)
@@ -231,6 +262,8 @@ class Driver:
         except Terminated as exc:
             code = 128 + exc.signum
             reason, outcome, signame = exc.reason, exc.outcome, signal.Signals(exc.signum).name
+        except TimeLimitReached as exc:
+            code, reason, outcome = TIME_LIMIT_EXIT, str(exc), "time limit"
         except (JobFailed, TimeoutError, RuntimeError, OSError) as exc:
             code = 1
             reason = str(exc)
@@ -238,22 +271,36 @@ class Driver:
             for s in previous:  # a second signal during teardown must not abort it half-way
                 signal.signal(s, signal.SIG_IGN)
         result = JobResult(code, reason, outcome, signame, self.timings, time.time(), torn_down=False)
+        phase = {"finished": "finished", "failed": "failed"}.get(outcome, "cancelled")
         if signame is not None:
-            # Slurm's SIGKILL follows its SIGTERM after KillWait seconds, maybe before the teardown ends:
-            # say how the job ended first.
-            self.state.event("stopping", reason, outcome=outcome, signal=signame)
+            # Slurm's SIGKILL follows its SIGTERM after KillWait seconds (5 s on some clusters), maybe
+            # before the teardown ends: record how the job ended, and its final phase, first.
+            self._say(f"{reason}: tearing down")
+            self.state.event(phase, reason, exit_code=code, outcome=outcome, signal=signame, torn_down=False)
             self.job.write_result(result)
         try:
-            self._teardown()
+            self._teardown(hurry=signame is not None)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        phase = {"finished": "finished", "failed": "failed"}.get(outcome, "cancelled")
         result.timings = self.timings
         result.torn_down = True
-        self.state.event(phase, reason, exit_code=code, outcome=outcome, signal=signame, timings=self.timings)
+        if signame is None:
+            self.state.event(
+                phase, reason, exit_code=code, outcome=outcome, timings=self.timings, torn_down=True
+            )
+        else:
+            self.state.update(timings=self.timings, torn_down=True)
+            self.job.log_event("torn_down", f"teardown took {self.timings.get('teardown_s')} s")
         self.job.write_result(result)
         self._say(f"{outcome}: {reason} (exit {code})")
+        if self.ray is not None and not self.ray.disconnected:
+            # ray.shutdown is stuck on a head Slurm took down; Ray's exit hook would wait on it again
+            # until SIGKILL. Everything is stopped and recorded: leave now.
+            self._say("Ray did not disconnect; exiting without its exit hooks")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         return code
 
     def _install_stop_handlers(self) -> None:
@@ -512,28 +559,62 @@ class Driver:
                     # No engine can serve and none is coming back: fail now, instead of leaving the
                     # trainer to retry against an empty fleet until the allocation's time limit.
                     raise JobFailed(self.controller.fatal) from None
+                if self.stop_at is not None and time.time() >= self.stop_at:
+                    # The warning signal may never reach this process (with --signal=B:USR2 it goes to
+                    # the batch shell, which must pass it on); the end time alone is reason enough.
+                    assert self.end_time is not None
+                    left = self.end_time - time.time()
+                    raise TimeLimitReached(
+                        f"time limit: the allocation ends in {left:.0f} s; stopped before Slurm kills it"
+                    ) from None
         tee.join(5)
         self._mark("training_s", t)
         return code
 
     # -- teardown --------------------------------------------------------------------------------------
-    def _teardown(self) -> None:
-        """Stop everything the job started, on every node; the independent parts in parallel, so the
-        whole fits inside Slurm's KillWait after a scancel."""
+    def _teardown(self, hurry: bool = False) -> None:
+        """Stop everything the job started, on every node; the independent parts in parallel and each
+        bounded, so the whole fits inside Slurm's KillWait after a scancel (the steps got SIGTERM from
+        Slurm as well, and mostly only need to be waited for). Each part's time goes to the timings.
+
+        ``hurry`` (a stop signal: Slurm's SIGKILL may be seconds away): the Ray head is stopped together
+        with the rest instead of after the router's orderly stop, which only waits on a head that Slurm
+        is taking down anyway (the router actor goes with it)."""
         t = time.monotonic()
+        self.hosts.close()
+        parts: list[tuple[str, Any]] = [("training", self._stop_training)]
+        if not hurry:
+            parts.append(("router", self._stop_router))
         if self.controller is not None:
-            self.controller.stop()
+            parts.append(("fleet-controller", self.controller.stop))
         if self.status_server is not None:
-            self.status_server.stop()
-        parts = [self._stop_training, self._stop_router, *[s.stop for s in self.hosts.all()]]
-        threads = [threading.Thread(target=part) for part in parts]
+            parts.append(("status-endpoint", self.status_server.stop))
+        parts += [(f"engines-{s.node}", s.stop) for s in self.hosts.all()]
+        if self.ray is not None:
+            parts += [(f"ray-worker-{s.node}", s.stop) for s in self.ray.workers]
+            if hurry:
+                parts.append(("ray-head", functools.partial(self.ray.stop, hurry=True)))
+        took: dict[str, float] = {}
+
+        def timed(name: str, part: Any) -> None:
+            t_part = time.monotonic()
+            try:
+                part()
+            except Exception as exc:  # one part's failure must not keep the others running
+                self._say(f"teardown: stopping {name} failed: {exc!r}")
+            finally:
+                took[name] = round(time.monotonic() - t_part, 2)
+                self._say(f"teardown: {name} stopped in {took[name]} s")
+
+        threads = [threading.Thread(target=timed, args=part) for part in parts]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        if self.ray is not None:
-            self.ray.stop()
+        if self.ray is not None and not hurry:
+            timed("ray-head", self.ray.stop)
         self._mark("teardown_s", t)
+        self._say(f"torn down in {self.timings['teardown_s']} s")
 
     def _stop_training(self) -> None:
         if self.training is None or self.training.poll() is not None:
@@ -553,7 +634,7 @@ class Driver:
         try:
             import ray
 
-            ray.get(self.router.stop.remote(), timeout=10)
+            ray.get(self.router.stop.remote(), timeout=3)
             ray.kill(self.router, no_restart=True)
         except Exception:  # the actor may be gone already; Ray's shutdown below reaps it anyway
             pass

@@ -117,10 +117,12 @@ class FleetController:
     def stop(self) -> None:
         """Stop ticking and record the final fleet state (every engine STOPPED, with the state it was in)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        self._pool.shutdown(wait=False, cancel_futures=True)
         self.state.update(fleet=self.final_snapshot())
+        if self._thread is not None:
+            # A tick may sit in a ray.get whose head is gone already (scancel signals every step): do
+            # not wait long for it; its late state write is suppressed once the stop is set.
+            self._thread.join(2)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def final_snapshot(self) -> dict[str, Any]:
         snap = self.fleet.snapshot()
@@ -196,7 +198,7 @@ class FleetController:
     def _check_hosts(self) -> None:
         """A host step that ended condemns its engines now (their probes would take several ticks, and a
         restart request to a dead host would never be answered)."""
-        if self.hosts is None:
+        if self.hosts is None or self._stop.is_set():  # stopping: the teardown ends the hosts
             return
         for node_index in range(self.node_count):
             if node_index in self.hosts_down:
@@ -222,7 +224,7 @@ class FleetController:
                     self.fleet.mark_dead(eid, reason)
 
     def _restart_hosts(self, restarting: list[str]) -> None:
-        if self.hosts is None:
+        if self.hosts is None or self._stop.is_set():
             return
         for node_index in sorted({self.where[eid][0] for eid in restarting} & set(self.hosts_down)):
             del self.hosts_down[node_index]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -69,6 +70,9 @@ class RayCluster:
         self.num_cpus = num_cpus
         self.head: Step | None = None
         self.workers: list[Step] = []
+        # False once stop() gave up waiting for ray.shutdown: Ray's own exit hook would then wait on the
+        # dead head again at interpreter exit, until Slurm's SIGKILL.
+        self.disconnected = True
 
     @property
     def address(self) -> str:
@@ -152,18 +156,31 @@ class RayCluster:
                     f"log {step.log}:\n{step.log_tail()}"
                 )
 
-    def stop(self) -> None:
-        try:
-            import ray
+    def stop(self, shutdown_timeout_s: float = 3.0, hurry: bool = False) -> None:
+        """Disconnect, then stop every node's step. ``ray.shutdown`` waits on the head, which Slurm may
+        have signalled already (scancel signals every process of the job): bounded, so the rest of the
+        teardown still fits in KillWait. ``hurry``: stop the steps while the disconnect is under way."""
 
-            if ray.is_initialized():
-                ray.shutdown()
-        except Exception:  # teardown must go on
-            pass
+        def shutdown() -> None:
+            try:
+                import ray
+
+                if ray.is_initialized():
+                    ray.shutdown()
+            except Exception:  # teardown must go on
+                pass
+
+        t = threading.Thread(target=shutdown, name="ray-shutdown", daemon=True)
+        t.start()
+        if not hurry:
+            t.join(shutdown_timeout_s)
+        grace_s = 1.5 if hurry else 10.0  # hurry: Slurm's SIGKILL comes KillWait after its SIGTERM
         for step in self.workers:
-            step.stop(grace_s=10)
+            step.stop(grace_s=grace_s)  # a no-op for workers the driver's teardown stopped already
         if self.head is not None:
-            self.head.stop(grace_s=10)
+            self.head.stop(grace_s=grace_s)
             # `ray start --block` stops its node's processes on SIGTERM; `ray stop` on this node catches
             # stragglers of this cluster only when nothing else uses Ray here, so it is not run blindly.
+        t.join(shutdown_timeout_s if not hurry else 0.5)
+        self.disconnected = not t.is_alive()
         self.workers.clear()
