@@ -654,7 +654,8 @@ def test_cli_submit_calls_submit_job(tmp_path: Path, monkeypatch: pytest.MonkeyP
     )
     assert result.exit_code == 0, result.output
     ((spec, kw),) = calls
-    assert spec.name == "t" and kw == {"follow": True, "in_allocation": True, "job_dir": tmp_path / "jd"}
+    assert spec.name == "t"
+    assert kw == {"follow": True, "in_allocation": True, "job_dir": tmp_path / "jd", "as_json": False}
 
 
 def test_cli_submit_bad_spec_exits_2_before_submitting(tmp_path: Path, no_sbatch: Path) -> None:
