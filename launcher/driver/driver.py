@@ -49,12 +49,13 @@ from typing import Any
 import yaml
 
 from launcher.driver.fleet_controller import FleetController
-from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME, RayCluster
+from launcher.driver.ray_cluster import RayCluster
 from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host import EngineHostConfig
 from launcher.engines.sim.cli import options_to_flags
 from launcher.fleet import HealthPolicy
+from launcher.gateways import Gateway, GatewayContext, GatewayError, make_gateway
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks
 from launcher.slurm.request import container_srun_args
 from launcher.spec import ResolvedSpec
@@ -205,7 +206,7 @@ class Driver:
         self.hosts = EngineHostSteps(self._launch_host)
         self.end_time: float | None = None
         self.stop_at: float | None = None
-        self.router: Any = None
+        self.gateway: Gateway | None = None
         self.controller: FleetController | None = None
         self.status_server: StatusServer | None = None
         self.training: subprocess.Popen[bytes] | None = None
@@ -245,7 +246,7 @@ class Driver:
             self.controller = FleetController(
                 self.job,
                 self.state,
-                self.router,
+                self.gateway,
                 len(self.generation_nodes),
                 HealthPolicy(
                     restarts_per_engine=gen.restarts_per_engine, restarts_per_run=gen.restarts_per_run
@@ -456,37 +457,31 @@ class Driver:
         return urls
 
     def _start_router(self, api_urls: list[str]) -> str:
+        """The front in front of the fleet (``router.kind``; see ``launcher.gateways``), on a port
+        reserved once from the spec's range, so a restarted front rebinds the same URL."""
         t = time.monotonic()
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from router.actor import remote_router_actor
-
         r = self.spec.router
         host = node_address(socket.gethostname(), self.local)
-        port = reserve_port(host, r.port_range)
-        node_id = ray.get_runtime_context().get_node_id()
-        actor_cls = remote_router_actor(
-            num_cpus=0,
-            name=ROUTER_ACTOR_NAME,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-        )
-        key = self.job.read_api_key()
-        from router.config import RouterConfig
-
-        config = RouterConfig.from_settings(
-            r,
+        context = GatewayContext(
+            spec=self.spec,
+            job=self.job,
             host=host,
-            port=port,
-            health_managed=True,  # the fleet-health loop owns the serving set; no probing in the router
-            api_key=key,
+            port=reserve_port(host, r.port_range),
+            api_key=self.job.read_api_key(),
             admin_token=self.job.read_admin_token(),
+            say=self._say,
         )
-        self.router = actor_cls.remote(config, api_urls)
-        url = ray.get(self.router.base_url.remote(), timeout=120)
+        try:
+            self.gateway = make_gateway(r.kind, context)
+            url = self.gateway.start(api_urls)
+        except GatewayError as exc:
+            raise JobFailed(str(exc)) from None
         self._mark("router_start_s", t)
-        self.state.event("router_serving", f"router serving {url}/v1", router_url=url, policy=r.policy)
-        self._say(f"router serving {url}/v1 ({r.policy}, {len(api_urls)} engines)")
+        self.state.event(
+            "router_serving", f"router serving {url}/v1", router_url=url, policy=r.policy, gateway=r.kind
+        )
+        label = r.policy if r.kind == "builtin" else f"{r.kind}: {r.policy}"
+        self._say(f"router serving {url}/v1 ({label}, {len(api_urls)} engines)")
         return url
 
     def _start_status_endpoint(self) -> None:
@@ -629,15 +624,8 @@ class Driver:
                 pass
 
     def _stop_router(self) -> None:
-        if self.router is None:
-            return
-        try:
-            import ray
-
-            ray.get(self.router.stop.remote(), timeout=3)
-            ray.kill(self.router, no_restart=True)
-        except Exception:  # the actor may be gone already; Ray's shutdown below reaps it anyway
-            pass
+        if self.gateway is not None:
+            self.gateway.stop()
 
 
 def _tee(proc: subprocess.Popen[bytes], log_path: Path) -> None:

@@ -1,9 +1,10 @@
 """The fleet-health loop of the driver: probe, drain, judge, push the whole serving set, restart.
 
 Every tick (1 s by default) it gathers the two kinds of evidence separately — an active ``GET /health``
-per engine with a short timeout (a hung probe is a failure), and the router's drained per-backend
-outcomes of the same window — hands them to ``launcher.fleet.FleetHealth``, and pushes the **whole**
-serving set to the router (never a delta: a restarted router actor converges on the next tick). Engines
+per engine with a short timeout (a hung probe is a failure), and the gateway's drained per-backend
+outcomes of the same window (where its kind reports them, see ``launcher.gateways``) — hands them to
+``launcher.fleet.FleetHealth``, and pushes the **whole** serving set to the gateway (never a delta: a
+restarted router actor or managed front converges on the next tick). Engines
 the state machine condemns are restarted in place by their node's engine host (``ControlRequests`` in
 the job directory; the replacement comes back on a new port and is readmitted only after passing probes).
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy, ProbeResult, TickInput
+from launcher.gateways import Gateway
 from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
 from router.backends import canonical_backend_url
 
@@ -70,7 +72,7 @@ class FleetController:
         self,
         job: JobDir,
         state: StateWriter,
-        router: Any,
+        gateway: Gateway,
         node_count: int,
         policy: HealthPolicy | None = None,
         hosts: EngineHosts | None = None,
@@ -78,11 +80,14 @@ class FleetController:
         probe_timeout_s: float = 1.0,
         restart_timeout_s: float = 900.0,
         say: Callable[[str], None] | None = None,
+        view_every: int = 5,
     ) -> None:
         self.job = job
         self.state = state
         self.say = say or (lambda message: None)
-        self.router = router
+        self.gateway = gateway
+        self.view_every = view_every
+        self._ticks = 0
         self.hosts = hosts
         self.tick_s = tick_s
         self.probe_timeout_s = probe_timeout_s
@@ -107,7 +112,7 @@ class FleetController:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=min(32, max(1, len(records))))
-        self._router_pid: int | None = None
+        self._gateway_instance: str | None = None
 
     def start(self) -> FleetController:
         self._thread = threading.Thread(target=self._loop, name="fleet-health", daemon=True)
@@ -117,12 +122,24 @@ class FleetController:
     def stop(self) -> None:
         """Stop ticking and record the final fleet state (every engine STOPPED, with the state it was in)."""
         self._stop.set()
-        self.state.update(fleet=self.final_snapshot())
+        self.state.update(fleet=self.final_snapshot(), gateway=self._final_gateway_view())
         if self._thread is not None:
             # A tick may sit in a ray.get whose head is gone already (scancel signals every step): do
             # not wait long for it; its late state write is suppressed once the stop is set.
             self._thread.join(2)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _final_gateway_view(self) -> dict[str, Any]:
+        """The gateway as a finished job shows it: stopped, no member serving (its last view is kept
+        per member as ``state_at_end``-style detail, so the dashboard never shows a live front)."""
+        last = self.state.snapshot().get("gateway") or {}
+        return {
+            **last,
+            "reachable": False,
+            "detail": "stopped with the job",
+            "members": [{**m, "healthy": None} for m in last.get("members", [])],
+            "final": True,
+        }
 
     def final_snapshot(self) -> dict[str, Any]:
         snap = self.fleet.snapshot()
@@ -148,8 +165,6 @@ class FleetController:
 
     # -- one tick ---------------------------------------------------------------------------------------
     def tick(self) -> None:
-        import ray
-
         self._check_hosts()
         self._collect_restarts()
         self._expire_restarts()
@@ -157,20 +172,26 @@ class FleetController:
         results = list(self._pool.map(lambda u: probe(u, self.probe_timeout_s), targets.values()))
         probes = dict(zip(targets.values(), results, strict=True))
         try:
-            outcomes = ray.get(self.router.drain_backend_outcomes.remote(), timeout=5)
-        except Exception:  # the router actor is restarting: probes alone this tick
+            outcomes = self.gateway.drain_outcomes()
+        except Exception:  # the gateway is restarting: probes alone this tick
             outcomes = {}
         result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes))
         try:
-            ray.get(self.router.set_serving_backends.remote(result.serving_urls), timeout=5)
-            pid = ray.get(self.router.pid.remote(), timeout=5)
-            if self._router_pid is not None and pid != self._router_pid:
+            self.gateway.set_serving(result.serving_urls)
+            instance = self.gateway.instance()
+            if self._gateway_instance is not None and instance != self._gateway_instance:
                 self.job.log_event(
-                    "router_restarted", f"router actor restarted (pid {self._router_pid} -> {pid})"
+                    "router_restarted",
+                    f"{self.gateway.kind} gateway restarted ({self._gateway_instance} -> {instance})",
                 )
-            self._router_pid = pid
+            self._gateway_instance = instance
         except Exception as exc:
             self.job.log_event("router_unreachable", f"could not push the serving set: {exc!r}")
+        self._ticks += 1
+        if self._ticks % self.view_every == 1 or self.view_every == 1:
+            # The front's own view, beside ours in `rl-launch status` (every few ticks: for an external
+            # front it is one more HTTP call).
+            self.state.update(gateway=self.gateway.view().to_json())
         for eid in result.to_restart:
             self._request_restart(eid)
         self._restart_hosts(result.to_restart)

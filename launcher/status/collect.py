@@ -598,6 +598,7 @@ class StatusCollector:
             "problems": problems,
             "result": result,
             "router": router,
+            "gateway": _gateway_view(state.get("gateway"), engines),
             "engines": engines,
             "engine_source": source,
             "fleet": {k: v for k, v in fleet_extra.items() if k != "engines"} if fleet_extra else None,
@@ -775,3 +776,29 @@ async def acollect_snapshot(collector: StatusCollector, window_s: float = 1.0) -
 def collect_snapshot(job_dir: Path | None, window_s: float = 1.0, **collector_kwargs: Any) -> dict[str, Any]:
     """Synchronous ``acollect_snapshot`` for scripts and tests (runs its own event loop)."""
     return asyncio.run(acollect_snapshot(StatusCollector(job_dir, **collector_kwargs), window_s))
+
+
+def _gateway_view(view: Any, engines: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The front's own view of the fleet (written by the fleet controller), beside ours: each engine row
+    gets ``in_gateway`` (does the front route to it?), and the view lists what the front routes to that
+    the fleet does not know (``extra``)."""
+    if not isinstance(view, dict):
+        return None
+    members = [m for m in view.get("members") or [] if isinstance(m, dict) and m.get("url")]
+    keys = {canonical_url(str(m["url"])) for m in members}
+    ours = set()
+    for row in engines:
+        key = canonical_url(row["url"]) if row.get("url") else ""
+        ours.add(key)
+        row["in_gateway"] = (key in keys) if key and view.get("reachable") else None
+    return {
+        "kind": view.get("kind"),
+        "base_url": view.get("base_url"),
+        "reachable": view.get("reachable"),
+        "detail": view.get("detail") or "",
+        "final": bool(view.get("final")),
+        "members": len(members),
+        "healthy": sum(1 for m in members if m.get("healthy") is True),
+        "extra": sorted(k for k in keys if k not in ours),
+    }
+

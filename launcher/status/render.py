@@ -145,6 +145,27 @@ def _router_line(snap: dict[str, Any]) -> Text:
     return t
 
 
+def _gateway_line(snap: dict[str, Any]) -> Text:
+    """The front's own view (``router.kind``), next to the controller's engine states below."""
+    g = snap.get("gateway") or {}
+    t = Text()
+    t.append("gateway ", style="dim")
+    t.append(str(g.get("kind") or "?"), style="bold")
+    if g.get("final"):
+        t.append("  stopped with the job", style="dim")
+        return t
+    if not g.get("reachable"):
+        t.append(f"  unreachable: {g.get('detail') or '?'}", style="bold red")
+        return t
+    t.append("  routes to ", style="dim")
+    t.append(f"{g.get('members', 0)}", style="bold")
+    t.append(f" ({g.get('healthy', 0)} healthy by its own checks)", style="dim")
+    extra = g.get("extra") or []
+    if extra:
+        t.append(f"  {len(extra)} the fleet does not know: {', '.join(extra[:3])}", style="yellow")
+    return t
+
+
 def _summary(snap: dict[str, Any]) -> Text:
     engines = snap.get("engines") or []
     t = Text()
@@ -203,6 +224,8 @@ def _engine_cells(e: dict[str, Any]) -> list[tuple[str, str]]:
         note = (str(e["last_reason"]), "dim")
     elif e.get("in_rotation") is False:
         note = ("not in the router's rotation", "dim yellow")
+    elif e.get("in_gateway") is False and state == "HEALTHY":
+        note = ("not in the gateway's view", "dim yellow")
     else:
         note = ("", "")
     err = e.get("error_rate")
@@ -354,6 +377,8 @@ def render_snapshot(
         parts.append(Text(f"! {problem}", style="yellow"))
     if condition in ("running", "unreachable") or (snap.get("router") or {}).get("reachable") is not None:
         parts.append(_router_line(snap))
+    if snap.get("gateway"):
+        parts.append(_gateway_line(snap))
     if snap.get("engines"):
         parts.append(_summary(snap))
         parts.append(_engine_table(snap, max_rows, width))
