@@ -24,6 +24,13 @@ from launcher.bench.workload import Trace
 
 DIRECT = "direct"
 
+# Arms of the other fronts (``launcher.gateways``), named ``<front>`` or ``<front>:<option>`` (e.g.
+# ``vllm-router:cache_aware``): front -> "module:function". The function is a context manager
+# ``(n_engines, option, sim_options, sim_process)`` that starts that front with a fresh cold simulated
+# fleet behind it and yields ``(client_url, engine_urls)``; each front's module owns how (a vllm-router
+# process in front of sim engines; a Serve deployment whose replicas start their own engines).
+FRONT_ARMS: dict[str, str] = {}
+
 
 def router_policies() -> tuple[str, ...]:
     """Policy names the router knows (each is a valid ``--compare`` arm besides ``direct``)."""
@@ -32,12 +39,35 @@ def router_policies() -> tuple[str, ...]:
     return tuple(POLICIES)
 
 
+def front_of(arm: str) -> str | None:
+    """The other front an arm names (``vllm-router`` of ``vllm-router:cache_aware``), or None."""
+    front = arm.split(":", 1)[0]
+    return front if front in FRONT_ARMS else None
+
+
 def validate_arms(arms: Sequence[str]) -> list[str]:
     known = (DIRECT, *router_policies())
-    bad = [a for a in arms if a not in known]
+    bad = [a for a in arms if a not in known and front_of(a) is None]
     if bad:
-        raise ValueError(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(known)}")
+        fronts = [f"{f}[:OPTION]" for f in FRONT_ARMS]
+        raise ValueError(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join((*known, *fronts))}")
     return list(arms)
+
+
+@contextlib.contextmanager
+def front_for(
+    arm: str, n_engines: int, sim_options: Mapping[str, Any] | None, sim_process: bool
+) -> Iterator[tuple[str, list[str]]]:
+    """Start the other front an arm names, with its own cold fleet; yield (client URL, engine URLs)."""
+    import importlib
+
+    front = front_of(arm)
+    assert front is not None
+    module, function = FRONT_ARMS[front].split(":")
+    option = arm.split(":", 1)[1] if ":" in arm else None
+    start = getattr(importlib.import_module(module), function)
+    with start(n_engines, option, dict(sim_options or {}), sim_process) as (url, engines):
+        yield url, [_root(u) for u in engines]
 
 
 @dataclass(slots=True)
@@ -294,6 +324,12 @@ def run_compare(
         if on_arm_start is not None:
             on_arm_start(arm)
         cfg = dataclasses.replace(config)  # fresh per arm: model discovery must not leak across arms
+        if front_of(arm) is not None:
+            with front_for(arm, n_engines, sim_options, sim_process) as (url, engines):
+                outcomes.append(
+                    run_url(trace, url, cfg, engine_urls=engines, arm=arm, on_session_end=on_session_end)
+                )
+            continue
         with sim_fleet(n_engines, sim_options, process=sim_process) as engines:
             if arm == DIRECT:
                 outcomes.append(run_direct(trace, engines, cfg, on_session_end=on_session_end))

@@ -15,7 +15,15 @@ from typing import Any
 
 import click
 
-from launcher.bench.arms import DIRECT, ArmOutcome, run_compare, run_direct, run_url, validate_arms
+from launcher.bench.arms import (
+    DIRECT,
+    ArmOutcome,
+    front_of,
+    run_compare,
+    run_direct,
+    run_url,
+    validate_arms,
+)
 from launcher.bench.client import ClientConfig, RetryPolicy, SessionRecord
 from launcher.bench.report import default_paths, render_table, write_csv, write_json, write_png
 from launcher.bench.workload import (
@@ -555,6 +563,13 @@ def virtual_command(
         validate_arms([a for a in arm_list if a != ORACLE])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="ARMS/--compare") from None
+    fronts = [a for a in arm_list if front_of(a) is not None]
+    if fronts:
+        raise click.BadParameter(
+            f"{', '.join(fronts)}: virtual time replays the router's own policies only; compare other "
+            "fronts with rl-launch bench replay --compare",
+            param_hint="ARMS/--compare",
+        )
     try:
         seed_list = [int(x) for x in seeds.split(",")] if seeds else [seed]
     except ValueError:
