@@ -648,3 +648,18 @@ def test_queued_job_is_known_from_submit_and_cancellable(tmp_path: Path) -> None
     listing = subprocess.run([RL_LAUNCH, "list", "--json", "--root", root], capture_output=True, text=True)
     (row,) = json.loads(listing.stdout)
     assert row["slurm"].startswith("CANCELLED"), row
+
+
+def test_job_runs_the_submitted_snapshot_not_the_edited_file(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "snapshot", 'echo submitted > "$RL_JOB_DIR/ran"')
+    proc = submit(spec, "--json")
+    assert proc.returncode == 0, proc.stderr
+    job = Path(json.loads(proc.stdout)["job_dir"])
+    edited = yaml.safe_load(spec.read_text())
+    edited["training"]["command"] = 'echo edited > "$RL_JOB_DIR/ran"'
+    spec.write_text(yaml.safe_dump(edited, sort_keys=False))
+    result = wait_result(job)
+    assert result["exit_code"] == 0, result
+    assert (job / "ran").read_text().strip() == "submitted"
+    assert "echo submitted" in (job / "spec.resolved.yaml").read_text()
+    assert wait_no_leftovers() == []
