@@ -169,6 +169,11 @@ def test_sim_job_end_to_end(tmp_path: Path) -> None:
     for f in job.rglob("*"):
         if f.is_file() and f.name not in ("api_key", "gym_overlay.yaml"):
             assert key not in f.read_text(errors="replace"), f"API key leaked into {f}"
+    admin = job / "secrets" / "admin_token"  # the router's own token, separate from the client key
+    assert oct(admin.stat().st_mode)[-3:] == "600" and admin.read_text().strip() != key
+    for f in job.rglob("*"):
+        if f.is_file() and f != admin:
+            assert admin.read_text().strip() not in f.read_text(errors="replace"), f"admin token in {f}"
     for f in (tmp_path / "jobs").rglob("*"):  # the submitit/Slurm logs too
         if f.is_file() and f.suffix in (".out", ".err", ".log"):
             assert key not in f.read_text(errors="replace"), f"API key leaked into {f}"
