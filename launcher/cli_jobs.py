@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,16 @@ def slurm_state(job_id: str) -> str:
     return describe_state(job_id)
 
 
+def driver_gone(job: JobDir, slurm: str | None) -> bool:
+    """The job can no longer record a result (its driver was SIGKILLed, or the node went down): Slurm
+    says it ended, or, for a local job on this host, its driver process is gone."""
+    if slurm is not None:
+        from launcher.slurm.queue import is_final
+
+        return is_final(slurm)
+    return job.driver_alive() is False
+
+
 def job_summary(d: Path) -> dict[str, Any]:
     """One job as ``list`` shows it (and ``list --json`` prints it)."""
     job = JobDir(d)
@@ -91,15 +102,18 @@ def job_summary(d: Path) -> dict[str, Any]:
     job_id = slurm_job_id(d)
     slurm = slurm_state(job_id) if job_id else "local"
     phase = str(state.get("phase") or ("queued" if job_id else "-"))
+    detail = str(result.reason if result is not None else state.get("detail") or "")
     if result is not None:
         phase = result.outcome or phase
+    elif driver_gone(job, slurm if job_id else None):
+        phase, detail = "lost", f"ended without a result (last phase {phase}); rl-launch logs {d.name}"
     return {
         "job": d.name,
         "job_id": job_id,
         "job_dir": str(d),
         "slurm": slurm,
         "phase": phase,
-        "detail": str(result.reason if result is not None else state.get("detail") or ""),
+        "detail": detail,
         "router_url": state.get("router_url"),
         "exit_code": result.exit_code if result is not None else None,
         "submitted": created_at(d),
@@ -143,8 +157,6 @@ def _driver_process(job: JobDir) -> int:
     if not pid:
         raise click.ClickException(f"{job.path} records no driver process (it has not started)")
     host = state.get("driver_host")
-    import socket
-
     if host and host != socket.gethostname():
         raise click.ClickException(f"the driver of {job.path} runs on {host}; cancel it there")
     if not is_same_process(int(pid), state.get("driver_start_ticks")):

@@ -236,3 +236,20 @@ def test_logs_follow_ends_with_the_job_and_training_log(tmp_path: Path) -> None:
     assert out.output == "step 1 loss 0.5\nstep 2 loss 0.4\n"
     driver = CliRunner().invoke(main, ["logs", "demo-local-1-1", "--root", str(root)])
     assert driver.output == "driver line\n"
+
+
+def test_list_says_lost_when_a_local_driver_died_without_a_result(tmp_path: Path) -> None:
+    import socket
+
+    root = tmp_path / "jobs"
+    job = JobDir(root / "killed-local-1-1").create()
+    StateWriter(job).event(
+        "training", "running", driver_pid=2**22 + 7, driver_start_ticks=1, driver_host=socket.gethostname()
+    )
+    out = CliRunner().invoke(main, ["list", "--json", "--root", str(root)])
+    (row,) = json.loads(out.output)
+    assert row["phase"] == "lost" and "last phase training" in row["detail"]
+    from launcher.status import collect_snapshot
+
+    snap = collect_snapshot(job.path, window_s=0)
+    assert snap["condition"] == "finished" and snap["message"].startswith("the driver is gone")

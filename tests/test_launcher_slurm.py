@@ -169,6 +169,11 @@ def test_sim_job_end_to_end(tmp_path: Path) -> None:
     for f in job.rglob("*"):
         if f.is_file() and f.name not in ("api_key", "gym_overlay.yaml"):
             assert key not in f.read_text(errors="replace"), f"API key leaked into {f}"
+    admin = job / "secrets" / "admin_token"  # the router's own token, separate from the client key
+    assert oct(admin.stat().st_mode)[-3:] == "600" and admin.read_text().strip() != key
+    for f in job.rglob("*"):
+        if f.is_file() and f != admin:
+            assert admin.read_text().strip() not in f.read_text(errors="replace"), f"admin token in {f}"
     for f in (tmp_path / "jobs").rglob("*"):  # the submitit/Slurm logs too
         if f.is_file() and f.suffix in (".out", ".err", ".log"):
             assert key not in f.read_text(errors="replace"), f"API key leaked into {f}"
@@ -648,3 +653,18 @@ def test_queued_job_is_known_from_submit_and_cancellable(tmp_path: Path) -> None
     listing = subprocess.run([RL_LAUNCH, "list", "--json", "--root", root], capture_output=True, text=True)
     (row,) = json.loads(listing.stdout)
     assert row["slurm"].startswith("CANCELLED"), row
+
+
+def test_job_runs_the_submitted_snapshot_not_the_edited_file(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "snapshot", 'echo submitted > "$RL_JOB_DIR/ran"')
+    proc = submit(spec, "--json")
+    assert proc.returncode == 0, proc.stderr
+    job = Path(json.loads(proc.stdout)["job_dir"])
+    edited = yaml.safe_load(spec.read_text())
+    edited["training"]["command"] = 'echo edited > "$RL_JOB_DIR/ran"'
+    spec.write_text(yaml.safe_dump(edited, sort_keys=False))
+    result = wait_result(job)
+    assert result["exit_code"] == 0, result
+    assert (job / "ran").read_text().strip() == "submitted"
+    assert "echo submitted" in (job / "spec.resolved.yaml").read_text()
+    assert wait_no_leftovers() == []

@@ -75,6 +75,13 @@ def assert_final(job: Path, outcome: str, signame: str) -> None:
     assert (result["outcome"], result["signal"]) == (outcome, signame), result
     assert result["exit_code"] == 128 + signal.Signals[signame].value
     assert "teardown_s" in result["timings"] and result["torn_down"] is True
+    # the router's admin token: its own 0600 file beside the API key, in no other file of the job
+    admin, key = job / "secrets" / "admin_token", job / "secrets" / "api_key"
+    assert oct(admin.stat().st_mode)[-3:] == "600" and admin.read_text() != key.read_text()
+    token = admin.read_text().strip()
+    assert [
+        f for f in job.rglob("*") if f.is_file() and f != admin and token in f.read_text(errors="replace")
+    ] == []
     state = json.loads((job / "state.json").read_text())
     assert state["phase"] == "cancelled", state["phase"]
     assert {e["state"] for e in state["fleet"]["engines"]} == {"STOPPED"}

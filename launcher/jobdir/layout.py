@@ -136,6 +136,19 @@ class JobDir:
         suffix = self.path.name.rsplit("-", 1)[-1]
         return suffix if suffix.isdigit() else None
 
+    def driver_alive(self) -> bool | None:
+        """Whether this job's driver process still runs: None when that cannot be told from here (no
+        driver recorded yet, or it runs on another host)."""
+        import socket
+
+        from launcher.jobdir.process import is_same_process
+
+        state = self.read_state()
+        pid = state.get("driver_pid")
+        if not pid or state.get("driver_host") not in (None, socket.gethostname()):
+            return None
+        return is_same_process(int(pid), state.get("driver_start_ticks"))
+
     # -- secrets ----------------------------------------------------------------------------------------
     def _new_secret(self, path: Path) -> Path:
         """A random secret in a 0600 file (0700 directory): handed over by path or environment, never by

@@ -538,6 +538,11 @@ class StatusCollector:
         slurm, router_got, *engine_got = await asyncio.gather(self._slurm_state(), router_task, *engine_tasks)
 
         slurm_word = slurm.split()[0] if slurm else ""
+        if not done and self.slurm_job_id is None and jd is not None and jd.driver_alive() is False:
+            # A local driver killed before it could record its result: nothing of it serves any more.
+            done, scrape = True, False
+            router_got = await self._nothing()
+            engine_got = [router_got] * len(engines)
         if not done and slurm_word and slurm_word in _final_slurm_states():
             # Slurm ended the job before the driver could say so; its processes went with it, and anything
             # still answering on those addresses belongs to someone else now.
@@ -625,6 +630,11 @@ class StatusCollector:
                 return "finished", f"job {word}: exit {code} ({result.get('reason') or 'no reason given'})"
             if phase in FINAL_PHASES:
                 return "finished", f"job {phase}: {state.get('detail') or 'no detail'}"
+            if self.slurm_job_id is None:
+                return "finished", (
+                    f"the driver is gone and wrote no result.json (killed before it could; "
+                    f"rl-launch logs {self.name} shows how far it got)"
+                )
             return "finished", (
                 f"Slurm says {slurm}; the driver wrote no result.json (killed before it could; "
                 f"rl-launch logs {self.name} shows how far it got)"
