@@ -6,6 +6,7 @@ what made this test environment); the second must be exactly what CI runs.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -49,4 +50,9 @@ def test_readme_first_command_runs_the_local_job() -> None:
     # the directory it was started from
     jobs = list((Path(os.environ["HOME"]) / "rl-launch" / "jobs").glob("local-sim-*"))
     assert len(jobs) == 1 and (jobs[0] / "replay.json").is_file(), jobs
+    # the replay's per-engine figures come from the job directory's listings (the router's /workers
+    # needs the admin token, which a trainer does not hold)
+    replay = json.loads((jobs[0] / "replay.json").read_text())
+    assert replay["config"]["engines"] == 4, replay["config"]
+    assert "4 engines" in out
     assert not (ROOT / "bench" / "results").exists()

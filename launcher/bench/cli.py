@@ -48,6 +48,22 @@ def default_results_dir() -> Path:
     return Path(job_dir) / "bench" if job_dir else Path(DEFAULT_RESULTS_DIR)
 
 
+def job_engine_urls() -> list[str]:
+    """Inside a job (``$RL_JOB_DIR``): the engines its listings name, for the per-engine figures of a
+    ``--url`` replay. The router's ``GET /workers`` needs the admin token, which a trainer never holds;
+    the job directory is where the launcher publishes the fleet."""
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    if not job_dir:
+        return []
+    from launcher.jobdir import JobDir
+
+    try:
+        listings = JobDir(Path(job_dir)).listings()
+    except (OSError, ValueError):
+        return []
+    return [e.api_url or e.url for listing in listings for e in listing.engines if e.api_url or e.url]
+
+
 def _workload_options(f: Any) -> Any:
     """The options that define a generated trace, shared by ``trace`` and ``replay``."""
     opts = [
@@ -299,6 +315,8 @@ def replay_command(
     router_options = _kv(router_opt, "--router-opt")
 
     progress, on_arm_start, on_session_end = _progress(console, len(trace.sessions), quiet)
+    if url and not engine_urls:
+        engine_urls = tuple(job_engine_urls())
     try:
         outcomes = _run_arms(
             trace,
