@@ -32,7 +32,9 @@ from aiohttp import web
 from router.admin import AdminApi
 from router.auth import auth_middleware
 from router.backends import BackendSet, canonical_backend_url
+from router.connections import ConnectionGate, GuardedSockSite
 from router.forwarding import Forwarder, ForwardingConfig
+from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits, effective_connection_cap, raise_open_file_limit
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_POLICY, LoadTracker, Policy, make_policy
 from router.probing import HealthProber
@@ -173,6 +175,9 @@ class GenerationRouter:
         self._startup_error: BaseException | None = None
         self._background: list[asyncio.Task[None]] = []
         self._health_session: aiohttp.ClientSession | None = None
+        # HTTP resource limits (router.limits); replace before serve_in_background() to change them.
+        self.http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
+        self.connections: ConnectionGate | None = None
 
     # -- identity ----------------------------------------------------------------------------------------
     def base_url(self) -> str:
@@ -210,10 +215,34 @@ class GenerationRouter:
         return self._health_session
 
     async def _start(self) -> None:
+        limits = self.http_limits
+        self.forwarder.use_limits(limits)
         self._health_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self._runner = web.AppRunner(self._build_app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its handler, so the upstream request is
+        # aborted and its slot released at once instead of running (and being retried) for nobody.
+        # auto_decompress off: a gzip body is forwarded as sent, with its Content-Encoding, and never
+        # inflated in the router's memory (58 KB of gzip can be 60 MB).
+        handler_kwargs: dict[str, Any] = {
+            "access_log": None,
+            "keepalive_timeout": limits.keepalive_timeout_s,
+            "auto_decompress": False,
+        }
+        self._runner = web.AppRunner(
+            self._build_app(), handle_signals=False, handler_cancellation=True, **handler_kwargs
+        )
         await self._runner.setup()
-        site = web.SockSite(self._runner, self._socket, shutdown_timeout=1.0)
+        errors = self.metrics.errors
+        self.connections = ConnectionGate(
+            effective_connection_cap(limits, raise_open_file_limit()),
+            on_event=lambda kind: errors.labels(kind).inc(),
+        )
+        site = GuardedSockSite(
+            self._runner,
+            self._socket,
+            gate=self.connections,
+            head_timeout_s=limits.head_timeout_s,
+            handler_kwargs=handler_kwargs,
+        )
         await site.start()
         if self._probe_interval_s is not None:
             prober = HealthProber(
