@@ -465,3 +465,179 @@ async def test_affinity_records_the_retry_target_never_the_failed_backend(engine
     status, reply = await post(r.base_url() + CHAT, body)
     assert status == 200 and orjson.loads(reply)["backend"] == good.name
     assert policy.index.continuation_holders(prepared.features)[0] == (live,)
+
+
+# -- item 9: the heart, pinned with literal expected values (mutation-tested) -------------------------
+
+
+def test_never_answer_set_is_literal() -> None:
+    from router.status import validate_no_healthy_status
+
+    for refused in (404, 408, 429, 500, 502, 503, 504, 520, 501, 599, 200, 302, 399, 600, 0):
+        with pytest.raises(ValueError, match=str(refused)):
+            validate_no_healthy_status(refused)
+    for usable in (400, 409, 410, 418, 422, 451, 499):
+        assert validate_no_healthy_status(usable) == usable
+    for not_int in (True, 409.0, "409", None):
+        with pytest.raises(ValueError, match="integer"):
+            validate_no_healthy_status(not_int)  # type: ignore[arg-type]
+
+
+def test_error_shapes_are_literal() -> None:
+    from router.status import (
+        BACKEND_FAILURE_STATUS,
+        DEFAULT_NO_HEALTHY_BACKEND_STATUS,
+        error_body,
+        sse_error_event,
+    )
+
+    assert (BACKEND_FAILURE_STATUS, DEFAULT_NO_HEALTHY_BACKEND_STATUS) == (500, 409)
+    assert error_body("m", "k", 409) == b'{"error":{"message":"m","type":"k","code":409},"router":true}'
+    assert (
+        sse_error_event("m", "k")
+        == b'event: error\ndata: {"error":{"message":"m","type":"k","code":500}}\n\n'
+    )
+
+
+def test_load_cap_formula_and_its_edge() -> None:
+    policy = CacheAware(load_factor=1.25, load_slack=3)
+    assert policy.load_cap(LoadTracker([])) == 5  # ceil(1.25 * 1 / 1) + 3
+    load = LoadTracker(["a", "b", "c", "d"])
+    assert policy.load_cap(load) == 4  # ceil(1.25 * 1 / 4) + 3
+    for url, n in (("a", 6), ("b", 2), ("c", 1), ("d", 1)):
+        for _ in range(n):
+            load.acquire(url)
+    assert policy.load_cap(load) == 7  # ceil(1.25 * 11 / 4) + 3
+    body = orjson.dumps({"messages": [{"role": "user", "content": "the session " * 40}]})
+    req = policy.prepare(RouteRequest(CHAT, body=body))
+    policy.commit(req, "a")
+    assert policy.choose(req, load) == "a"  # 6 in flight < 7: affinity
+    load.acquire("a")
+    assert policy.load_cap(load) == 7  # ceil(1.25 * 12 / 4) + 3
+    assert policy.choose(req, load) in ("c", "d")  # 7 in flight is not < 7: least loaded instead
+    assert policy.decisions == {"affinity": 1, "balanced": 1, "cold": 0}
+
+
+def test_byte_cap_formula_and_its_edge() -> None:
+    policy = CacheAware(byte_load_factor=1.5)
+    assert CacheAware(byte_load_factor=0).byte_cap(LoadTracker(["a"]), 10) is None
+    load = LoadTracker(["a", "b", "c", "d"])
+    load.acquire("a", 3000)
+    assert policy.byte_cap(load, 1000) == 1500.0  # 1.5 * (3000 + 1000) / 4
+    body = orjson.dumps({"messages": [{"role": "user", "content": "long context " * 40}]})
+    req = policy.prepare(RouteRequest(CHAT, body=body))
+    w = len(body)
+    for held, expect_affinity in ((w, True), (w + 1, False)):
+        load = LoadTracker(["a", "b", "c"])
+        load.acquire("a", held)  # byte cap = 1.5 * (held + w) / 3: exactly `held` when held == w
+        policy.commit(req, "a")
+        chosen = policy.choose(req, load)
+        assert (chosen == "a") is expect_affinity, (held, chosen)
+
+
+def test_choose_excludes_failed_holders_and_records_nothing() -> None:
+    policy = CacheAware()
+    load = LoadTracker(["a", "b"])
+    body = orjson.dumps({"messages": [{"role": "user", "content": "x" * 3000}]})
+    req = policy.prepare(RouteRequest(CHAT, body=body))
+    policy.choose(req, load)
+    assert len(policy.index) == 0  # choose decides only
+    policy.commit(req, "a")
+    assert policy.choose(req, load) == "a"
+    assert policy.choose(req, load, frozenset({"a"})) == "b"
+    policy.commit(req, "b")
+    assert policy.index.continuation_holders(req.features) == (("b", "a"), 3)
+    policy.retract(req, "b")
+    assert policy.index.continuation_holders(req.features) == (("a",), 3)
+    policy.retract(req, "a")
+    assert len(policy.index) == 0 and policy.index.continuation_holders(req.features) == ((), 0)
+
+
+def test_prompt_start_literal_offsets() -> None:
+    from router.policies.prefix_index import prompt_start
+
+    assert prompt_start(b'{"note":"a\\"messages","messages":[{"role":"user"}]}') == 22  # escaped key skipped
+    assert prompt_start(b'{"note":"a\\"messages"}') == 0  # only the escaped one: none
+    assert prompt_start(b'{"model":"m","prompt":"p","messages":[]}') == 13  # the earliest key
+    assert prompt_start(b'{"model":"m","input":"i"}') == 13
+    assert prompt_start(b'{"model":"m"}') == 0
+
+
+def test_block_hashes_message_boundaries_and_fixed_blocks() -> None:
+    from router.policies.prefix_index import block_hashes
+
+    chat = b'{"messages":[{"a":1}, \n {"b":2} ],"max_tokens":4}'
+    assert block_hashes(chat, 1024, 1) == [hash((0, chat[1:19])), hash((hash((0, chat[1:19])), chat[19:30]))]
+    h1 = hash((0, chat[1:9]))
+    assert block_hashes(chat, 8, 1)[:3] == [
+        h1,
+        hash((h1, chat[9:17])),
+        hash((hash((h1, chat[9:17])), chat[17:19])),
+    ]
+    assert len(block_hashes(chat, 8, 1)) == 5  # 8 + 8 + 2 up to the first boundary, 8 + 3 to the second
+    assert len(block_hashes(chat, 8, 1, max_blocks=2)) == 2
+    prompt = b'{"model":"m","prompt":"' + b"x" * 50 + b'"}'  # completions: no boundary, fixed blocks
+    a = hash((0, prompt[13:29]))
+    b = hash((a, prompt[29:45]))
+    assert block_hashes(prompt, 16, 13) == [a, b, hash((b, prompt[45:61]))]  # partial last block dropped
+    assert block_hashes(prompt, 16, 13, max_blocks=1) == [a]
+    assert block_hashes(b'{"prompt":"short"}', 64, 1) == []
+
+
+def test_prefix_index_literal_behaviour() -> None:
+    from router.policies.prefix_index import ENTRY_BYTES, PrefixIndex
+
+    index = PrefixIndex(max_bytes=ENTRY_BYTES * 4, holders_per_block=2)
+    assert index.max_entries == 4
+    index.record([11, 12, 13], "a")
+    assert index.continuation_holders([11, 12, 13]) == (("a",), 3)  # an exact repeat
+    assert index.continuation_holders([11, 12, 13, 14]) == (("a",), 3)  # continues after a leaf
+    assert index.continuation_holders([11, 12, 99]) == ((), 2)  # diverges: merely shares a prefix
+    assert index.continuation_holders([99]) == ((), 0)
+    index.record([11, 12, 13], "b")
+    index.record([11, 12, 13], "c")
+    assert index.continuation_holders([11, 12, 13]) == (("c", "b"), 3)  # at most 2 holders, newest first
+    index.record([11, 12, 14], "d")  # block 12 now has two continuations
+    assert index.continuation_holders([11, 12]) == (("d", "c"), 2)
+    assert index.continuation_holders([11, 12, 15]) == ((), 2)
+    assert (len(index), index.evictions, index.approx_bytes) == (4, 0, 4 * ENTRY_BYTES)
+    index.record([21], "e")  # the least recently used entry (13) goes
+    assert (len(index), index.evictions) == (4, 1)
+    assert index.continuation_holders([11, 12, 13]) == ((), 2)
+    index.discard([11, 12], "d")
+    assert index.continuation_holders([11, 12]) == (("c",), 2)
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixIndex(max_bytes=ENTRY_BYTES - 1)
+    with pytest.raises(ValueError, match="holders_per_block"):
+        PrefixIndex(holders_per_block=0)
+
+
+async def test_in_flight_counts_request_and_bytes_until_it_ends(raw_backends, routers) -> None:
+    hang = await raw_backends(lambda head, body: None)
+    r = routers([hang.url + "/v1"], backend_timeout_s=5)
+    task = asyncio.create_task(post(r.base_url() + CHAT, b"x" * 1000))
+    for _ in range(100):
+        if hang.requests:
+            break
+        await asyncio.sleep(0.02)
+    assert r.in_flight() == {hang.url: 1}
+    assert r.backends.load.bytes_in_flight(hang.url) == 1000
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.wait_for(hang.closed.wait(), 2)
+    await asyncio.sleep(0.05)
+    assert r.in_flight() == {hang.url: 0} and r.backends.load.bytes_in_flight(hang.url) == 0
+
+
+async def test_retry_is_counted_and_both_counts_released(engines, routers) -> None:
+    (bad,) = await engines(1, mode="status", status=503)
+    (good,) = await engines(1)
+    r = routers([bad.api_url, good.api_url])
+    status, _ = await post(r.base_url() + CHAT, b"y" * 300)
+    assert status == 200
+    assert r.in_flight() == {bad.url: 0, good.url: 0}
+    assert r.backends.load.total_bytes_in_flight == 0
+    assert await metric_samples(r, "rl_router_retries") == {(): 1.0}
+    assert await metric_samples(r, "rl_router_policy_decisions") == {(("policy", "round_robin"),): 2.0}
+    errors = await metric_samples(r, "rl_router_errors")
+    assert errors == {(("kind", "status"),): 1.0}
