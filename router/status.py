@@ -40,12 +40,12 @@ def validate_no_healthy_status(status: int) -> int:
     """Return ``status`` if it is a 4xx that no client retries; raise ``ValueError`` naming it otherwise."""
     if not isinstance(status, int) or isinstance(status, bool):
         raise ValueError(f"no_healthy_backend_status must be an integer, got {status!r}")
-    if status in CLIENT_RETRIED_STATUSES or status >= 500:
+    if status in CLIENT_RETRIED_STATUSES:
         raise ValueError(
-            f"no_healthy_backend_status={status} is retried by clients (Gym retries 404, 408, 429 and 5xx; "
-            "some versions forever); use a 4xx outside that set, e.g. 409"
+            f"no_healthy_backend_status={status} is retried by clients (Gym retries 404, 408, 429, 500, 502, "
+            "503, 504 and 520; some versions forever); use a 4xx outside that set, e.g. 409"
         )
-    if not 400 <= status < 500:
+    if not 400 <= status < 500:  # also every other 5xx: a server error reads as one the client may retry
         raise ValueError(f"no_healthy_backend_status={status} must be a 4xx client error (e.g. 409)")
     return status
 

@@ -10,7 +10,8 @@ bounded, explainable run on a few modules is what is needed. Operators (each app
 * a call statement deleted (``tried.add(url)`` -> ``pass``), a ``return x`` to ``return None``.
 
 Docstrings, annotations and ``log``/``raise`` message strings are left alone. The mutated module is
-written into a scratch copy of the repository (``git archive HEAD``), never into the working tree, and
+written into a scratch copy of the working tree (files git tracks or does not ignore), never into the
+working tree itself, and
 tests run there with ``-x`` (a killed mutant stops at its first failing test) under a per-mutant timeout
 (a hang counts as killed).
 
@@ -214,9 +215,17 @@ def mutate(source: str, index: int) -> str:
 
 
 def _scratch_copy() -> Path:
+    """The working tree as it is (tracked and untracked files, not ignored ones) in a temporary folder."""
     work = Path(tempfile.mkdtemp(prefix="mutants-"))
-    archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "-c", "-o", "--exclude-standard"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        src = ROOT / name
+        if src.is_file():
+            dest = work / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest)
     return work
 
 
