@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router import GenerationRouter
 from router.limits import HttpLimits
-from router.policies import CacheAware, ConsistentHash, LoadTracker, RouteRequest
+from router.policies import CacheAware, ConsistentHash, LoadTracker, NoBackendAvailable, RouteRequest
 from tests.http_backends import FakeEngine, dead_url
 
 CHAT = "/v1/chat/completions"
@@ -590,7 +590,8 @@ def test_block_hashes_message_boundaries_and_fixed_blocks() -> None:
 def test_prefix_index_literal_behaviour() -> None:
     from router.policies.prefix_index import ENTRY_BYTES, PrefixIndex
 
-    index = PrefixIndex(max_bytes=ENTRY_BYTES * 4, holders_per_block=2)
+    assert ENTRY_BYTES == 200  # the measured estimate the byte budget is converted with
+    index = PrefixIndex(max_bytes=800, holders_per_block=2)
     assert index.max_entries == 4
     index.record([11, 12, 13], "a")
     assert index.continuation_holders([11, 12, 13]) == (("a",), 3)  # an exact repeat
@@ -603,14 +604,15 @@ def test_prefix_index_literal_behaviour() -> None:
     index.record([11, 12, 14], "d")  # block 12 now has two continuations
     assert index.continuation_holders([11, 12]) == (("d", "c"), 2)
     assert index.continuation_holders([11, 12, 15]) == ((), 2)
-    assert (len(index), index.evictions, index.approx_bytes) == (4, 0, 4 * ENTRY_BYTES)
+    assert (len(index), index.evictions, index.approx_bytes) == (4, 0, 800)
     index.record([21], "e")  # the least recently used entry (13) goes
     assert (len(index), index.evictions) == (4, 1)
     assert index.continuation_holders([11, 12, 13]) == ((), 2)
     index.discard([11, 12], "d")
     assert index.continuation_holders([11, 12]) == (("c",), 2)
     with pytest.raises(ValueError, match="max_bytes"):
-        PrefixIndex(max_bytes=ENTRY_BYTES - 1)
+        PrefixIndex(max_bytes=199)
+    assert PrefixIndex(max_bytes=200).max_entries == 1
     with pytest.raises(ValueError, match="holders_per_block"):
         PrefixIndex(holders_per_block=0)
 
@@ -644,3 +646,113 @@ async def test_retry_is_counted_and_both_counts_released(engines, routers) -> No
     assert await metric_samples(r, "rl_router_policy_decisions") == {(("policy", "round_robin"),): 2.0}
     errors = await metric_samples(r, "rl_router_errors")
     assert errors == {(("kind", "status"),): 1.0}
+
+
+def test_cache_aware_options_defaults_and_edges_are_literal() -> None:
+    p = CacheAware()
+    assert (p.block_bytes, p.load_factor, p.load_slack, p.byte_load_factor, p.max_blocks) == (
+        1024,
+        1.25,
+        3,
+        1.5,
+        8192,
+    )
+    assert (p.index.max_bytes, p.index.holders_per_block) == (64 * 1024 * 1024, 4)
+    edge = CacheAware(
+        block_bytes=16, load_factor=1.0, load_slack=1, byte_load_factor=1.0, max_prompt_bytes=100
+    )
+    assert (edge.block_bytes, edge.max_blocks) == (16, 6)
+    assert CacheAware(byte_load_factor=0).byte_load_factor == 0
+    for bad, field_name in (
+        ({"block_bytes": 15}, "block_bytes"),
+        ({"load_factor": 0.99}, "load_factor"),
+        ({"load_slack": 0}, "load_slack"),
+        ({"byte_load_factor": 0.99}, "byte_load_factor"),
+    ):
+        with pytest.raises(ValueError, match=field_name):
+            CacheAware(**bad)  # type: ignore[arg-type]
+    assert p.stats() == {
+        "index_entries": 0.0,
+        "index_bytes": 0.0,
+        "index_evictions": 0.0,
+        "decisions_affinity": 0.0,
+        "decisions_balanced": 0.0,
+        "decisions_cold": 0.0,
+    }
+
+
+def test_cache_aware_cold_and_balanced_decisions_are_counted() -> None:
+    policy = CacheAware(block_bytes=64)
+    load = LoadTracker(["a", "b"])
+    assert policy.choose(RouteRequest(CHAT, body=b""), load) in ("a", "b")  # nothing to hash: cold
+    body = orjson.dumps({"messages": [{"role": "user", "content": "z" * 300}]})
+    req = policy.prepare(RouteRequest(CHAT, body=body))
+    policy.choose(req, load)  # never seen: cold
+    policy.commit(req, "a")
+    for _ in range(8):
+        load.acquire("a")  # cap = ceil(1.25 * 9 / 2) + 3 = 9 > 8: still under
+    assert policy.choose(req, load) == "a"
+    load.acquire("a")  # 9 in flight, cap = ceil(1.25 * 10 / 2) + 3 = 10 > 9: under
+    assert policy.choose(req, load) == "a"
+    for _ in range(3):
+        load.acquire("a")  # 12 in flight, cap = ceil(1.25 * 13 / 2) + 3 = 12: not under
+    assert policy.choose(req, load) == "b"
+    assert policy.decisions == {"affinity": 2, "balanced": 1, "cold": 2}
+    stats = policy.stats()
+    assert (stats["decisions_affinity"], stats["decisions_balanced"], stats["decisions_cold"]) == (
+        2.0,
+        1.0,
+        2.0,
+    )
+    assert (stats["index_entries"], stats["index_bytes"]) == (
+        float(len(policy.index)),
+        200.0 * len(policy.index),
+    )
+    with pytest.raises(NoBackendAvailable):
+        policy.choose(req, LoadTracker([]))
+
+
+def test_message_boundaries_only_between_message_objects() -> None:
+    from router.policies.prefix_index import PrefixIndex, _boundaries, block_hashes
+
+    assert _boundaries(b'{"messages":[{"a":{"b":1}},{"c":2}]}', 1) == [25, 33]  # nested: the outer "}"
+    assert _boundaries(b'{"messages":[{"a":1},"x"]}', 1) == []  # "}," then no "{": not a boundary
+    assert _boundaries(b'{"messages":[{"a":1}, ', 1) == []  # truncated after the comma
+    assert _boundaries(b'{"messages":[{"a":1}  ', 1) == []  # truncated after the brace
+    body = b'{"prompt":"' + b"y" * 40 + b'"}'
+    assert block_hashes(body, 16) == block_hashes(body, 16, 0)  # start defaults to the first byte
+    assert len(block_hashes(body, 16)) == 3
+    assert PrefixIndex().max_bytes == 67108864 and PrefixIndex().holders_per_block == 4
+    one = PrefixIndex(holders_per_block=1)
+    one.record([5], "a")
+    one.record([5], "b")
+    assert one.continuation_holders([5]) == (("b",), 1)
+
+
+def test_prefix_index_record_and_discard_edges() -> None:
+    from router.policies.prefix_index import PrefixIndex
+
+    index = PrefixIndex(holders_per_block=3)
+    index.record([11, 12, 13], "a")
+    index.record([11, 12, 13, 16], "a")  # the same backend's next turn: 13 stops being a leaf
+    assert index.continuation_holders([11, 12, 13, 17]) == ((), 3)
+    assert index.continuation_holders([11, 12, 13, 16, 18]) == (("a",), 4)
+    index.record([31], "a")
+    index.record([31], "b")
+    index.record([31], "a")
+    assert index.continuation_holders([31]) == (("a", "b"), 1)  # most recent first
+    index.record([31], "c")
+    index.discard([31], "a")  # not the newest holder
+    assert index.continuation_holders([31, 32]) == (("c", "b"), 1)  # still a leaf, continued
+    index.discard([999], "a")  # unknown block: nothing to do
+    index.discard([31], "zzz")
+    assert index.continuation_holders([31]) == (("c", "b"), 1)
+    lru = PrefixIndex(max_bytes=600)  # 3 entries
+    lru.record([1], "a")
+    lru.record([2], "a")
+    lru.record([1], "a")  # refreshes 1 (the fast path)
+    lru.record([3], "a")
+    lru.record([4], "a")  # evicts the least recently used: 2
+    assert lru.continuation_holders([1]) == (("a",), 1)
+    assert lru.continuation_holders([2]) == ((), 0)
+    assert lru.evictions == 1

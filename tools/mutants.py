@@ -89,8 +89,8 @@ class _Sites(ast.NodeTransformer):
     visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
 
     def visit_arguments(self, node: ast.arguments) -> ast.AST:
-        for default in [*node.defaults, *[d for d in node.kw_defaults if d is not None]]:
-            self.visit(default)
+        node.defaults = [self.visit(d) for d in node.defaults]
+        node.kw_defaults = [None if d is None else self.visit(d) for d in node.kw_defaults]
         return node
 
     def visit_ClassDef(self, node: ast.ClassDef) -> ast.AST:
