@@ -756,3 +756,16 @@ def test_prefix_index_record_and_discard_edges() -> None:
     assert lru.continuation_holders([1]) == (("a",), 1)
     assert lru.continuation_holders([2]) == ((), 0)
     assert lru.evictions == 1
+
+
+def test_cache_aware_single_backend_and_prepared_requests() -> None:
+    policy = CacheAware()
+    one = LoadTracker(["a"])
+    one.acquire("a", 100)
+    assert policy.byte_cap(one, 50) == 225.0  # 1.5 * (100 + 50) / 1
+    assert policy.byte_cap(LoadTracker([]), 10) == 15.0  # an empty fleet divides by one, not zero
+    assert policy.load_cap(one) == 6  # ceil(1.25 * 2 / 1) + 3
+    body = orjson.dumps({"messages": [{"role": "user", "content": "q" * 2000}]})
+    prepared = policy.prepare(RouteRequest(CHAT, body=body))
+    assert policy.prepare(prepared) is prepared  # features are computed once
+    assert policy.choose(prepared, one) == "a"
