@@ -95,8 +95,7 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(UpstreamError("reset", "backend switched protocols (101) unasked", started=True))
+        except httptools.HttpParserUpgrade:  # after a 101 head (already failed in on_headers_complete)
             self.abort()
             return
         except httptools.HttpParserError as exc:
@@ -138,7 +137,10 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
-        if 100 <= self.status < 200 and self.status != 101:
+        if self.status == 101:  # the parser stops after this head; the request never asked for it
+            self._fail(UpstreamError("reset", "backend switched protocols (101) unasked", started=True))
+            return
+        if 100 <= self.status < 200:
             # An interim response: forget it and wait for the final one on the same connection.
             self.interim = True
             self.headers = []

@@ -20,7 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router import GenerationRouter
 from router.limits import HttpLimits
-from router.policies import CacheAware, ConsistentHash, LoadTracker, NoBackendAvailable, RouteRequest
+from router.policies import (
+    CacheAware,
+    ConsistentHash,
+    LoadTracker,
+    NoBackendAvailable,
+    RoundRobin,
+    RouteRequest,
+)
 from tests.http_backends import FakeEngine, dead_url
 
 CHAT = "/v1/chat/completions"
@@ -149,13 +156,18 @@ async def post(url: str, body: bytes | dict[str, object], **kwargs: object) -> t
             return r.status, await r.read()
 
 
-async def metric_samples(router: GenerationRouter, family: str) -> dict[tuple[tuple[str, str], ...], float]:
+async def metric_samples(
+    router: GenerationRouter, family: str, sample: str | None = None
+) -> dict[tuple[tuple[str, str], ...], float]:
+    """Samples of one metric family by their labels (only the sample named ``sample`` if given)."""
     async with aiohttp.ClientSession() as s, s.get(router.base_url() + "/metrics") as resp:
         text = await resp.text()
     for f in text_string_to_metric_families(text):
         if f.name == family:
             return {
-                tuple(sorted(x.labels.items())): x.value for x in f.samples if not x.name.endswith("_created")
+                tuple(sorted(x.labels.items())): x.value
+                for x in f.samples
+                if not x.name.endswith("_created") and (sample is None or x.name == sample)
             }
     return {}
 
@@ -406,6 +418,8 @@ async def test_no_backend_is_409_and_never_a_retried_status(routers) -> None:
     r = routers([])
     status, body = await post(r.base_url() + CHAT, {})
     assert status == 409 and orjson.loads(body)["error"]["type"] == "no_healthy_backend"
+    assert await metric_samples(r, "rl_router_errors") == {(("kind", "no_backend"),): 1.0}
+    assert await metric_samples(r, "rl_router_requests") == {(("route", CHAT), ("status", "409")): 1.0}
 
 
 async def test_last_backend_failing_reports_500_not_409(engines, routers) -> None:
@@ -769,3 +783,89 @@ def test_cache_aware_single_backend_and_prepared_requests() -> None:
     prepared = policy.prepare(RouteRequest(CHAT, body=body))
     assert policy.prepare(prepared) is prepared  # features are computed once
     assert policy.choose(prepared, one) == "a"
+
+
+class ExplodingPolicy(RoundRobin):
+    def choose(self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()) -> str:
+        raise RuntimeError("a bug in a policy")
+
+
+async def test_an_escaping_error_is_counted_as_the_500_sent(engines, routers) -> None:
+    (e,) = await engines(1)
+    r = routers([e.api_url], policy=ExplodingPolicy())
+    status, _ = await post(r.base_url() + CHAT, {})
+    assert status == 500
+    assert await metric_samples(r, "rl_router_requests") == {(("route", CHAT), ("status", "500")): 1.0}
+
+
+async def test_success_is_recorded_and_timed_for_every_response_shape(engines, raw_backends, routers) -> None:
+    big = b"b" * 300_000  # above the small-response size: streamed, with its length
+    plain = await raw_backends(lambda head, body: b"HTTP/1.1 200 OK\r\nContent-Length: 300000\r\n\r\n" + big)
+    (e,) = await engines(1)
+    r = routers([plain.url + "/v1", e.api_url])
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base_url() + CHAT, data=b"{}") as resp:
+            assert resp.status == 200 and resp.headers["Content-Length"] == "300000"
+            assert await resp.read() == big
+        async with s.post(r.base_url() + CHAT, data=b'{"stream": true}') as resp:
+            e.release_stream.set()
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert r.drain_backend_outcomes() == {plain.url: (1, 0), e.url: (1, 0)}
+    latency = await metric_samples(
+        r, "rl_router_request_duration_seconds", "rl_router_request_duration_seconds_count"
+    )
+    assert latency == {(("route", CHAT),): 2.0}
+
+
+async def test_plain_body_broken_midway_is_cut_and_counted(raw_backends, routers) -> None:
+    short = b"HTTP/1.1 200 OK\r\nContent-Length: 400000\r\n\r\n" + b"c" * 1000
+    backend = await raw_backends(lambda head, body: [short, b""])
+    r = routers([backend.url + "/v1"])
+
+    async def cut_request() -> None:
+        async with aiohttp.ClientSession() as s, s.post(r.base_url() + CHAT, data=b"{}") as resp:
+            assert resp.status == 200  # the status line was sent before the body broke
+            await resp.read()
+
+    async def close_backend_after_headers() -> None:
+        for _ in range(100):
+            if backend.requests:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        assert backend.server is not None
+        backend.server.close()
+        for task in asyncio.all_tasks():
+            if task.get_coro().__qualname__.startswith("RawBackend._serve"):  # type: ignore[union-attr]
+                task.cancel()
+
+    closer = asyncio.create_task(close_backend_after_headers())
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await asyncio.wait_for(cut_request(), 10)
+    await closer
+    assert await metric_samples(r, "rl_router_errors") == {(("kind", "stream_broken"),): 1.0}
+    assert r.drain_backend_outcomes() == {backend.url: (0, 1)}
+
+
+async def test_a_huge_5xx_body_is_quoted_only_in_part(raw_backends, routers) -> None:
+    page = b"E" * 1_000_000
+    backend = await raw_backends(
+        lambda head, body: b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 1000000\r\n\r\n" + page
+    )
+    r = routers([backend.url + "/v1"], limits=HttpLimits(max_error_body_bytes=100))
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 500
+    message = orjson.loads(body)["error"]["message"]
+    assert message == f"backend failed: backend {backend.url} answered 503: " + "E" * 100
+
+
+async def test_unasked_101_and_garbage_are_failed_attempts(raw_backends, routers) -> None:
+    upgrade = await raw_backends(
+        lambda head, body: b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+    )
+    garbage = await raw_backends(lambda head, body: b"\x00\x01 this is not HTTP\r\n\r\n")
+    r = routers([upgrade.url + "/v1", garbage.url + "/v1"])
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 500 and orjson.loads(body)["error"]["type"] == "backend_reset"
+    assert (len(upgrade.requests), len(garbage.requests)) == (1, 1)
+    assert await metric_samples(r, "rl_router_errors") == {(("kind", "reset"),): 2.0}
