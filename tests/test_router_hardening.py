@@ -869,3 +869,18 @@ async def test_unasked_101_and_garbage_are_failed_attempts(raw_backends, routers
     assert status == 500 and orjson.loads(body)["error"]["type"] == "backend_reset"
     assert (len(upgrade.requests), len(garbage.requests)) == (1, 1)
     assert await metric_samples(r, "rl_router_errors") == {(("kind", "reset"),): 2.0}
+
+
+def test_forwarding_and_limit_defaults_are_literal() -> None:
+    from router.forwarding import ForwardingConfig
+    from router.limits import DEFAULT_HTTP_LIMITS, effective_connection_cap
+
+    config = ForwardingConfig(backend_timeout_s=1.0, connect_timeout_s=1.0, no_healthy_backend_status=409)
+    assert (config.max_attempts, config.retry_on_timeout, config.health_managed) == (2, True, False)
+    assert DEFAULT_HTTP_LIMITS == HttpLimits(10.0, 75.0, 8192, 65536, 4096)
+    assert effective_connection_cap(DEFAULT_HTTP_LIMITS, 20000) == 8192
+    assert effective_connection_cap(DEFAULT_HTTP_LIMITS, 1024) == 384  # (1024 - 256) // 2
+    assert effective_connection_cap(DEFAULT_HTTP_LIMITS, 100) == 1
+    for bad in ({"head_timeout_s": 0}, {"keepalive_timeout_s": -1}, {"max_client_connections": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            HttpLimits(**bad)  # type: ignore[arg-type]
