@@ -43,6 +43,7 @@ class RawBackend:
 
     answer: Callable[[bytes, bytes], bytes | list[bytes] | None]
     requests: list[tuple[bytes, bytes]] = field(default_factory=list)
+    connections: int = 0
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     server: asyncio.Server | None = None
     port: int = 0
@@ -52,6 +53,7 @@ class RawBackend:
         return f"http://127.0.0.1:{self.port}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -884,3 +886,11 @@ def test_forwarding_and_limit_defaults_are_literal() -> None:
     for bad in ({"head_timeout_s": 0}, {"keepalive_timeout_s": -1}, {"max_client_connections": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             HttpLimits(**bad)  # type: ignore[arg-type]
+
+
+async def test_upstream_connections_are_kept_alive_and_reused(raw_backends, routers) -> None:
+    backend = await raw_backends(lambda head, body: ok_json())
+    r = routers([backend.url + "/v1"])
+    for _ in range(3):
+        assert (await post(r.base_url() + CHAT, {}))[0] == 200
+    assert (len(backend.requests), backend.connections) == (3, 1)
