@@ -176,7 +176,9 @@ def decision_cost_us(n_backends: int, policy_name: str, n: int = 20000) -> float
     inflight: list[str] = []
     t0 = time.perf_counter()
     for r in reqs:
-        url = policy.choose(policy.prepare(r), load)
+        prepared = policy.prepare(r)
+        url = policy.choose(prepared, load)
+        policy.commit(prepared, url)  # what the router does per decision
         load.acquire(url)
         inflight.append(url)
         if len(inflight) > 256:  # keep ~256 in flight, like a busy fleet

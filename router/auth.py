@@ -34,13 +34,11 @@ def _bearer(request: web.Request) -> str | None:
 
 
 def _matches(given: str | None, expected: str) -> bool:
+    # surrogateescape: aiohttp decodes non-UTF-8 header bytes to surrogates; they must compare unequal
+    # (401), not raise (500 and a traceback per request).
     if given is None:
         return False
-    try:
-        raw = given.encode("utf-8")
-    except UnicodeEncodeError:  # undecodable bytes smuggled in as surrogates
-        return False
-    return hmac.compare_digest(raw, expected.encode("utf-8"))
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
 
 
 def auth_middleware(

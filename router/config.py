@@ -21,6 +21,7 @@ This module must stay light (no aiohttp, Ray or ``router.server``): ``rl-launch 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import ipaddress
 import typing
@@ -39,6 +40,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.policies import DEFAULT_POLICY, POLICIES
 from router.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, validate_no_healthy_status
 
@@ -131,6 +133,11 @@ class RouterSettings(BaseModel):
     max_request_bytes: int = Field(
         default=DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest request body accepted (413 above)"
     )
+    http: HttpLimits = Field(
+        default=DEFAULT_HTTP_LIMITS,
+        description="HTTP resource limits: head_timeout_s, keepalive_timeout_s, max_client_connections, "
+        "max_backend_header_bytes, max_error_body_bytes (see router.limits)",
+    )
 
     @field_validator("policy")
     @classmethod
@@ -151,6 +158,24 @@ class RouterSettings(BaseModel):
     @classmethod
     def _status(cls, v: int) -> int:
         return validate_no_healthy_status(v)
+
+    @field_validator("http", mode="before")
+    @classmethod
+    def _http(cls, v: Any) -> Any:
+        """A mapping (YAML, ``--options-json``) becomes ``HttpLimits``; an unknown key or a bad value is
+        one error naming it, instead of a dataclass ``TypeError``."""
+        if isinstance(v, HttpLimits):
+            return v
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a mapping of HTTP limits, got {v!r}")
+        known = {f.name for f in dataclasses.fields(HttpLimits)}
+        unknown = sorted(set(v) - known)
+        if unknown:
+            raise ValueError(f"unknown HTTP limit {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        for key, value in v.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{key} must be a number, got {value!r}")
+        return HttpLimits(**v)
 
 
 class RouterConfig(RouterSettings):
@@ -190,8 +215,6 @@ class RouterConfig(RouterSettings):
         default=False,
         description="allow an unauthenticated /workers API on a non-loopback address (never in production)",
     )
-    # HTTP limits (head timeout, keep-alive, connection cap, backend header cap) join here as one
-    # ``http: HttpLimits`` field from router/limits.py when the http branch is merged.
 
     api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
     admin_token: SecretStr | None = Field(default=None, exclude=True, repr=False)

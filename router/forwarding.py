@@ -8,13 +8,22 @@ Rules, each preventing a failure seen with real clients and peers:
   is streamed chunk by chunk as it arrives (SSE included), so a long generation is never buffered.
   Small non-streaming responses with a known length are read whole first: one write instead of many,
   and a backend dying mid-body can still be retried because nothing has reached the client yet.
-* Bodies are forwarded byte-for-byte: the upstream client (``router.upstream``) never decompresses and
-  adds no headers of its own but ``Host`` and ``Content-Length``, so ``content-encoding`` stays true and
-  the length is that of the bytes relayed.
-* Hop-by-hop headers (RFC 9110 §7.6.1, plus those named in ``Connection``) are dropped both ways.
-* A backend that refuses, resets or times out answers 500 (see ``router.status``), after at most one
-  retry on a *different* backend while nothing has been sent. Generation requests are safe to repeat
-  (no side effects beyond compute), so retry is on for every route by default.
+* Bodies are forwarded byte-for-byte both ways: the server side does not decompress request bodies
+  (``auto_decompress`` off, see ``router.server``) and the upstream client (``router.upstream``) adds no
+  headers of its own but ``Host`` and ``Content-Length``, so ``Content-Encoding`` stays true and the
+  length is that of the bytes relayed.
+* Hop-by-hop headers (RFC 9110 §7.6.1, plus those named in ``Connection``) are dropped both ways, and so
+  is ``Expect``: the router itself answers ``100-continue`` (aiohttp's default expect handler) before
+  reading the body, so the engine must not be asked again (its interim 100 is skipped in any case).
+* A backend that refuses, resets, times out or answers 5xx is a failed attempt, answered 500 (see
+  ``router.status``) after at most one retry on a *different* backend while nothing has been sent.
+  Generation requests are safe to repeat (no side effects beyond compute), so retry is on for every
+  route by default. A 4xx is the backend's answer to this request and passes through unchanged.
+* A client that disconnects cancels its handler (``handler_cancellation``): the upstream connection is
+  aborted (the engine stops generating for nobody), the in-flight slot is released at once, and the
+  request is never retried elsewhere.
+* The policy is told which backend each attempt went to (``Policy.commit``) and which one failed
+  (``Policy.retract``), so affinity follows the backend that served, never one that failed.
 * A stream that breaks after its first byte ends with an SSE ``error`` event, not a silent cut that a
   client would take for a complete answer.
 """
@@ -31,6 +40,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.backends import BackendSet
+from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.metrics import RouterMetrics
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
@@ -50,8 +60,9 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-# Recomputed for the upstream request (Host from the backend URL, length from the body).
-_REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length"}
+# Recomputed for the upstream request (Host from the backend URL, length from the body); Expect is the
+# router's own business (see module doc).
+_REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 # Content-Length is set from the bytes actually relayed.
 _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 # Responses up to this size with a known length are read whole before answering (see module doc).
@@ -59,6 +70,10 @@ SMALL_RESPONSE_BYTES = 256 * 1024
 # Bodies above this size are digested by the policy in a worker thread, off the event loop.
 LARGE_BODY_BYTES = 256 * 1024
 JSON = "application/json"
+# Failures of the backend's transport (not of one answer): with ``health_managed`` they take the backend
+# out of rotation at once. A 5xx is not among them: one poisoned request answered 500 by every engine
+# would otherwise eject the whole fleet; it is reported to the health controller as a failure instead.
+_TRANSPORT_FAILURES = frozenset({"connect", "reset", "timeout", "headers_too_large", "stream_broken"})
 
 
 @dataclass
@@ -105,6 +120,8 @@ class Forwarder:
         # No cap on connections: a fleet of engines each serving hundreds of concurrent sessions would
         # otherwise queue inside the router (aiohttp's client pool defaults to 100 in all).
         self.pool = UpstreamPool(config.connect_timeout_s, config.backend_timeout_s)
+        self.limits = DEFAULT_HTTP_LIMITS
+        self.use_limits(DEFAULT_HTTP_LIMITS)
         self._auth = (
             (b"Authorization", f"Bearer {config.backend_api_key}".encode("latin-1"))
             if config.backend_api_key is not None
@@ -112,6 +129,11 @@ class Forwarder:
         )
         self._requests: dict[tuple[str, int], Any] = {}
         self._latency: dict[str, Any] = {}
+
+    def use_limits(self, limits: HttpLimits) -> None:
+        """Apply the backend-side limits (header bytes, quoted error body); called before serving."""
+        self.limits = limits
+        self.pool.max_header_bytes = limits.max_backend_header_bytes
 
     async def close(self) -> None:
         await self.pool.close()
@@ -122,13 +144,16 @@ class Forwarder:
         route = resource.canonical if resource is not None else "?"
         started = time.perf_counter()
         metrics = self.metrics
-        status = 0
+        status = 500  # what aiohttp answers for an exception that escapes the handler
         try:
             response = await self._proxy(request)
             status = response.status
             return response
         except asyncio.CancelledError:
             status = 499  # the client went away
+            raise
+        except web.HTTPException as exc:  # e.g. 413 from request.read(): aiohttp sends exc's status
+            status = exc.status
             raise
         finally:
             counter = self._requests.get((route, status))
@@ -172,10 +197,12 @@ class Forwarder:
             if attempt:
                 self.metrics.retries.inc()
             tried.add(url)
+            self.policy.commit(route_request, url)
             try:
-                return await self._attempt(request, url, path_qs, headers, body)
+                return await self._attempt(request, route_request, url, path_qs, headers, body)
             except UpstreamError as failure:
                 last = failure
+                self.policy.retract(route_request, url)
                 self._on_failure(url, failure.kind)
                 if failure.kind == "timeout" and not self.config.retry_on_timeout:
                     break
@@ -188,7 +215,7 @@ class Forwarder:
     def _on_failure(self, url: str, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()
         self.backends.record(url, ok=False)
-        if self.config.health_managed:
+        if self.config.health_managed and kind in _TRANSPORT_FAILURES:
             # The controller owns re-admission; taking the backend out now stops the next requests from
             # landing on it before the controller's next tick.
             self.backends.remove(url)
@@ -196,12 +223,17 @@ class Forwarder:
     async def _attempt(
         self,
         request: web.Request,
+        route_request: RouteRequest,
         url: str,
         path_qs: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
     ) -> web.StreamResponse:
-        """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client."""
+        """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client.
+
+        A cancellation (the client went away) aborts the upstream connection through ``release`` and
+        frees the slot in the ``finally`` blocks; it is not an ``UpstreamError``, so nothing retries it.
+        """
         load = self.backends.load
         # Weighted by the body's size: a multi-turn request resends its whole context, so the bytes in
         # flight per backend approximate the KV each engine holds (cache_aware bounds on it).
@@ -210,31 +242,34 @@ class Forwarder:
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             try:
-                return await self._relay(request, url, upstream)
+                return await self._relay(request, route_request, url, upstream)
             finally:
                 upstream.release()
         finally:
             load.release(url, weight)
 
-    async def _relay(self, request: web.Request, url: str, upstream: UpstreamResponse) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, route_request: RouteRequest, url: str, upstream: UpstreamResponse
+    ) -> web.StreamResponse:
         resp_headers = CIMultiDict(
             (n.decode("latin-1"), v.decode("latin-1"))
             for n, v in filter_raw_headers(upstream.raw_headers, _RESPONSE_DROP)
         )
+        if upstream.status >= 500:
+            raise await self._status_failure(url, upstream)
         length = upstream.content_length
         content_type = upstream.header(b"content-type") or b""
         is_sse = content_type.startswith(b"text/event-stream")
-        ok = upstream.status < 500
         if length is not None and length <= SMALL_RESPONSE_BYTES and not is_sse:
             payload = await upstream.read()  # an UpstreamError here is still retryable: nothing sent
+            # The backend has answered in full: counted before the client write, which may fail.
+            self.backends.record(url, True)
             response = web.Response(status=upstream.status, headers=resp_headers, body=payload)
             try:
                 await response.prepare(request)
                 await response.write_eof()
             except ConnectionResetError:
                 self.metrics.errors.labels("client_gone").inc()
-                return response
-            self.backends.record(url, ok)
             return response
 
         response = web.StreamResponse(status=upstream.status, headers=resp_headers)
@@ -250,6 +285,7 @@ class Forwarder:
                 except StopAsyncIteration:
                     break
                 except UpstreamError as exc:
+                    self.policy.retract(route_request, url)
                     await self._broken_stream(request, response, url, is_sse, exc)
                     return response
                 await response.write(chunk)
@@ -258,8 +294,16 @@ class Forwarder:
             # The client went away (ClientConnectionResetError is one): not the backend's fault.
             self.metrics.errors.labels("client_gone").inc()
             return response
-        self.backends.record(url, ok)
+        self.backends.record(url, True)
         return response
+
+    async def _status_failure(self, url: str, upstream: UpstreamResponse) -> UpstreamError:
+        """A 5xx answer as a failed attempt, quoting the start of the backend's error body. Reads at most
+        ``max_error_body_bytes``; a longer body leaves the exchange incomplete, so ``release`` closes
+        the connection instead of reading the rest."""
+        quoted = await upstream.read_at_most(self.limits.max_error_body_bytes)
+        text = quoted.decode("utf-8", "replace")
+        return UpstreamError("status", f"backend {url} answered {upstream.status}: {text}", started=True)
 
     async def _broken_stream(
         self, request: web.Request, response: web.StreamResponse, url: str, is_sse: bool, exc: UpstreamError

@@ -33,7 +33,9 @@ from router.admin import AdminApi
 from router.auth import auth_middleware
 from router.backends import BackendSet, canonical_backend_url
 from router.config import RouterConfig, is_loopback_host
+from router.connections import ConnectionGate, GuardedSockSite
 from router.forwarding import Forwarder, ForwardingConfig
+from router.limits import HttpLimits, effective_connection_cap, raise_open_file_limit
 from router.metrics import RouterMetrics
 from router.policies import LoadTracker, Policy, make_policy
 from router.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
@@ -104,14 +106,17 @@ def bind_listening_socket(host: str, port: int, retry_s: float = 0.0, backlog: i
 class GenerationRouter:
     """An aiohttp reverse proxy with pluggable routing policies and a health-managed serving set."""
 
-    def __init__(self, config: RouterConfig, backend_urls: Iterable[str] = ()) -> None:
+    def __init__(
+        self, config: RouterConfig, backend_urls: Iterable[str] = (), *, policy: Policy | None = None
+    ) -> None:
         """Validation lives in ``RouterConfig`` alone; here only the backend URLs are canonicalised
-        (a malformed one raises ``ValueError`` naming it)."""
+        (a malformed one raises ``ValueError`` naming it). ``policy``: a policy object used instead of
+        the one ``config`` names (tests inject misbehaving ones); ``config.policy`` then only labels it."""
         if not isinstance(config, RouterConfig):
             raise TypeError(f"GenerationRouter takes a RouterConfig, got {type(config).__name__}")
         self.config = config
         configured = tuple(dict.fromkeys(canonical_backend_url(u) for u in backend_urls))
-        self.policy: Policy = make_policy(config.policy, **config.policy_options)
+        self.policy: Policy = policy or make_policy(config.policy, **config.policy_options)
         self.host = config.host
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
@@ -154,6 +159,8 @@ class GenerationRouter:
         self._startup_error: BaseException | None = None
         self._background: list[asyncio.Task[None]] = []
         self._health_session: aiohttp.ClientSession | None = None
+        self.http_limits: HttpLimits = config.http
+        self.connections: ConnectionGate | None = None
 
     # -- identity ----------------------------------------------------------------------------------------
     def base_url(self) -> str:
@@ -192,10 +199,34 @@ class GenerationRouter:
         return self._health_session
 
     async def _start(self) -> None:
+        limits = self.http_limits
+        self.forwarder.use_limits(limits)
         self._health_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self._runner = web.AppRunner(self._build_app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its handler, so the upstream request is
+        # aborted and its slot released at once instead of running (and being retried) for nobody.
+        # auto_decompress off: a gzip body is forwarded as sent, with its Content-Encoding, and never
+        # inflated in the router's memory (58 KB of gzip can be 60 MB).
+        handler_kwargs: dict[str, Any] = {
+            "access_log": None,
+            "keepalive_timeout": limits.keepalive_timeout_s,
+            "auto_decompress": False,
+        }
+        self._runner = web.AppRunner(
+            self._build_app(), handle_signals=False, handler_cancellation=True, **handler_kwargs
+        )
         await self._runner.setup()
-        site = web.SockSite(self._runner, self._socket, shutdown_timeout=1.0)
+        errors = self.metrics.errors
+        self.connections = ConnectionGate(
+            effective_connection_cap(limits, raise_open_file_limit()),
+            on_event=lambda kind: errors.labels(kind).inc(),
+        )
+        site = GuardedSockSite(
+            self._runner,
+            self._socket,
+            gate=self.connections,
+            head_timeout_s=limits.head_timeout_s,
+            handler_kwargs=handler_kwargs,
+        )
         await site.start()
         self._background.extend(asyncio.get_running_loop().create_task(c) for c in self._background_jobs())
 

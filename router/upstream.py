@@ -8,11 +8,15 @@ connection per in-flight request, an unlimited pool of idle connections per back
 headers and body written in one ``write``, responses parsed by ``httptools`` (llhttp, the parser Node.js
 and uvicorn use) with chunked bodies decoded and everything else passed through untouched.
 
-Failure shapes are reported as the three kinds the status contract needs: ``connect`` (refused, no
-route, connect timeout), ``reset`` (the connection broke), ``timeout`` (the total deadline passed, e.g.
-a wedged engine that accepts and never answers). A reused idle connection that turns out to be closed by
-the server before any response byte is retried once on a fresh connection: that is the pool's staleness,
-not the backend's failure.
+Failure shapes are reported as the kinds the status contract needs: ``connect`` (refused, no route,
+connect timeout), ``reset`` (the connection broke, or the answer was not HTTP), ``timeout`` (the total
+deadline passed, e.g. a wedged engine that accepts and never answers), ``headers_too_large`` (status line
+and headers beyond ``max_header_bytes``: not buffered further, since a backend could otherwise make the
+router hold hundreds of MB). Interim ``1xx`` responses (``100 Continue``, ``103 Early Hints``) are skipped:
+only the final response is ever handed to the caller, because a relayed 100 would reach the client as
+the answer and leave it waiting forever. A ``101`` (the router never asks for an upgrade) is a failure.
+A reused idle connection that turns out to be closed by the server before any response byte is retried
+once on a fresh connection: that is the pool's staleness, not the backend's failure.
 
 Streaming bodies are delivered chunk by chunk with flow control: reading from the engine pauses while
 more than ``HIGH_WATER`` bytes wait for a slow client.
@@ -42,12 +46,19 @@ class UpstreamError(Exception):
         self.started = started
 
 
+# Status line and headers of one backend answer, interim 1xx included, above which the attempt fails.
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+
+
 class _Connection(asyncio.Protocol):
     """One TCP connection to a backend, carrying one request at a time."""
 
-    def __init__(self, pool_key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, pool_key: tuple[str, int], loop: asyncio.AbstractEventLoop, max_header_bytes: int
+    ) -> None:
         self.key = pool_key
         self.loop = loop
+        self.max_header_bytes = max_header_bytes
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -66,6 +77,8 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False
         self.body_waiter: asyncio.Future[None] | None = None
         self.paused = False
+        self.head_bytes = 0
+        self.interim = False
 
     def new_exchange(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
@@ -82,9 +95,25 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # after a 101 head (already failed in on_headers_complete)
+            self.abort()
+            return
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError("reset", f"malformed response: {exc}", started=True))
             self.abort()
+            return
+        if not self.headers_done.done():
+            # Counted after feeding: the parser holds at most one read's worth beyond the cap.
+            self.head_bytes += len(data)
+            if self.head_bytes > self.max_header_bytes:
+                self._fail(
+                    UpstreamError(
+                        "headers_too_large",
+                        f"backend response head exceeds {self.max_header_bytes} bytes",
+                        started=True,
+                    )
+                )
+                self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -108,6 +137,14 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if self.status == 101:  # the parser stops after this head; the request never asked for it
+            self._fail(UpstreamError("reset", "backend switched protocols (101) unasked", started=True))
+            return
+        if 100 <= self.status < 200:
+            # An interim response: forget it and wait for the final one on the same connection.
+            self.interim = True
+            self.headers = []
+            return
         # Read now: llhttp resets its flags once the message completes, and would then say "close".
         self.keep_alive = self.parser.should_keep_alive()
         if not self.headers_done.done():
@@ -122,6 +159,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         if not self.headers_done.done():
             self.headers_done.set_result(None)
@@ -207,6 +247,19 @@ class UpstreamResponse:
             parts.append(chunk)
         return b"".join(parts)
 
+    async def read_at_most(self, limit: int) -> bytes:
+        """Up to ``limit`` bytes of the body (an error page to quote); stops early, leaving the exchange
+        incomplete (``release`` then closes the connection), and returns what arrived if it breaks."""
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while size < limit and (chunk := await self._conn.next_chunk()) is not None:
+                parts.append(chunk)
+                size += len(chunk)
+        except UpstreamError:
+            pass
+        return b"".join(parts)[:limit]
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         while (chunk := await self._conn.next_chunk()) is not None:
             yield chunk
@@ -224,10 +277,15 @@ class UpstreamPool:
     """Keep-alive connections per backend origin, without any cap (see ``Forwarder``)."""
 
     def __init__(
-        self, connect_timeout_s: float, total_timeout_s: float, max_idle_per_backend: int = 1024
+        self,
+        connect_timeout_s: float,
+        total_timeout_s: float,
+        max_idle_per_backend: int = 1024,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.total_timeout_s = total_timeout_s
+        self.max_header_bytes = max_header_bytes
         self.max_idle_per_backend = max_idle_per_backend
         self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
         self._origins: dict[str, tuple[str, int, bytes]] = {}
@@ -246,9 +304,12 @@ class UpstreamPool:
 
     async def _connect(self, key: tuple[str, int]) -> _Connection:
         loop = asyncio.get_running_loop()
+        cap = self.max_header_bytes
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                transport, conn = await loop.create_connection(lambda: _Connection(key, loop), key[0], key[1])
+                transport, conn = await loop.create_connection(
+                    lambda: _Connection(key, loop, cap), key[0], key[1]
+                )
         except TimeoutError as exc:
             raise UpstreamError("connect", f"connect to {key[0]}:{key[1]} timed out") from exc
         except OSError as exc:
@@ -308,6 +369,7 @@ class UpstreamPool:
                     raise UpstreamError("timeout", f"{base_url} did not answer in time")
                 conn = await self._connect(key)
             else:
+                conn.max_header_bytes = self.max_header_bytes
                 conn.new_exchange()
             self._busy.add(conn)
             timer = loop.call_at(deadline, conn.fail_timeout, f"{base_url} did not answer in time")

@@ -37,6 +37,16 @@ def request(messages: list[dict[str, str]], **extra: object) -> RouteRequest:
     return RouteRequest(path="/v1/chat/completions", body=chat_body(messages, **extra))
 
 
+def route(
+    policy: CacheAware, req: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()
+) -> str:
+    """What the router does per attempt that succeeds: choose, then commit the dispatch."""
+    req = policy.prepare(req)
+    url = policy.choose(req, load, exclude)
+    policy.commit(req, url)
+    return url
+
+
 def test_load_tracker_matches_naive_model() -> None:
     rng = random.Random(1)
     load = LoadTracker(BACKENDS, rng=rng)
@@ -156,7 +166,7 @@ def run_sessions(
         rng.shuffle(order)
         chosen = {}
         for i in order:  # every session's turn is in flight at once
-            url = policy.choose(request(contexts[i]), load)
+            url = route(policy, request(contexts[i]), load)
             load.acquire(url)
             peak[url] = max(peak[url], load.in_flight(url))
             chosen[i] = url
@@ -182,8 +192,10 @@ def test_cache_aware_shared_prefix_flood_does_not_pile_on_one_engine() -> None:
     policy = CacheAware()
     load = LoadTracker(BACKENDS, rng=random.Random(3))
     for i in range(1000):  # identical long system prompt, distinct short task, nothing completes
-        url = policy.choose(
-            request([{"role": "system", "content": SYSTEM}, {"role": "user", "content": str(i)}]), load
+        url = route(
+            policy,
+            request([{"role": "system", "content": SYSTEM}, {"role": "user", "content": str(i)}]),
+            load,
         )
         load.acquire(url)
         cap = policy.load_cap(load)
@@ -201,7 +213,7 @@ def test_cache_aware_groups_identical_first_turns_within_the_bound() -> None:
     group = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "the same GRPO prompt"}]
     placed = Counter()
     for _ in range(8):
-        url = policy.choose(request(group), load)
+        url = route(policy, request(group), load)
         load.acquire(url)
         placed[url] += 1
     assert placed.most_common(1)[0][1] >= 3  # the group shares one engine's cache...
@@ -213,7 +225,7 @@ def test_cache_aware_ties_are_not_list_order() -> None:
     for seed in range(40):
         policy = CacheAware()
         load = LoadTracker(BACKENDS, rng=random.Random(seed))
-        firsts[policy.choose(request([{"role": "user", "content": "x" * 2000}]), load)] += 1
+        firsts[route(policy, request([{"role": "user", "content": "x" * 2000}]), load)] += 1
     assert len(firsts) >= 5
 
 
@@ -221,11 +233,11 @@ def test_cache_aware_ignores_backends_that_left() -> None:
     policy = CacheAware()
     load = LoadTracker(BACKENDS)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "task"}]
-    first = policy.choose(request(msgs), load)
+    first = route(policy, request(msgs), load)
     load.set_backends([u for u in BACKENDS if u != first])
     policy.on_backends_changed(load.backends)
-    assert policy.choose(request(msgs), load) != first
-    assert policy.choose(request(msgs), load, frozenset(load.backends[:3])) not in load.backends[:3]
+    assert route(policy, request(msgs), load) != first
+    assert route(policy, request(msgs), load, frozenset(load.backends[:3])) not in load.backends[:3]
 
 
 def test_cache_aware_index_memory_is_capped_under_100k_sessions() -> None:
@@ -236,7 +248,7 @@ def test_cache_aware_index_memory_is_capped_under_100k_sessions() -> None:
     base, _ = tracemalloc.get_traced_memory()
     for i in range(100_000):
         body = chat_body([{"role": "user", "content": f"session {i} " + "w" * 600}])
-        policy.choose(RouteRequest("/v1/chat/completions", body=body), load)
+        route(policy, RouteRequest("/v1/chat/completions", body=body), load)
     used, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert policy.index.approx_bytes <= cap_bytes
@@ -251,12 +263,12 @@ def test_cache_aware_byte_bound_moves_a_session_off_a_context_heavy_engine(byte_
     policy = CacheAware(byte_load_factor=byte_load_factor)
     load = LoadTracker(BACKENDS, rng=random.Random(7))
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "task 1"}]
-    home = policy.choose(request(turn1), load)
+    home = route(policy, request(turn1), load)
     for u in BACKENDS:  # the same count everywhere; the home engine's requests carry huge contexts
         for _ in range(3):
             load.acquire(u, 700_000 if u == home else 20_000)
     turn2 = [*turn1, {"role": "assistant", "content": "reply"}, {"role": "user", "content": "tool output"}]
-    chosen = policy.choose(request(turn2), load)
+    chosen = route(policy, request(turn2), load)
     if byte_load_factor:
         assert chosen != home
         assert load.bytes_in_flight(chosen) == 60_000
@@ -295,7 +307,7 @@ def test_cache_aware_follows_sessions_whatever_the_json_spacing(dumps: str) -> N
     for turn in range(5):
         messages.append({"role": "user", "content": f"turn {turn}: " + "what next? " * 80})
         body = encode({"model": "tiny", "messages": messages, "max_tokens": 8})
-        homes.append(policy.choose(RouteRequest("/v1/chat/completions", body=body), load))
+        homes.append(route(policy, RouteRequest("/v1/chat/completions", body=body), load))
         messages.append({"role": "assistant", "content": "}, {] noise " * 3})
     assert len(set(homes)) == 1, homes
     assert policy.decisions["affinity"] == 4

@@ -155,8 +155,8 @@ async def test_unknown_path_is_routers_own_404(engines, routers) -> None:
     assert e.requests == []
 
 
-@pytest.mark.parametrize("code", [400, 422, 503])
-async def test_backend_status_passes_unchanged(engines, routers, code: int) -> None:
+@pytest.mark.parametrize("code", [400, 404, 422, 429])
+async def test_backend_4xx_passes_unchanged(engines, routers, code: int) -> None:
     (e,) = await engines(1, mode="status", status=code)
     r = routers([e.api_url])
     status, body, _ = await post(r.base_url() + CHAT, {})
@@ -242,7 +242,9 @@ async def test_drain_hands_over_both_counts_once(engines, routers) -> None:
     r = routers([good.api_url, bad.api_url])
     for _ in range(6):
         await post(r.base_url() + CHAT, {})
-    assert r.drain_backend_outcomes() == {good.url: (3, 0), bad.url: (0, 3)}
+    # round robin: the first lands on the good one; each later one on the 500 first (the retry on the
+    # good one moves the cursor back), so 5 failed attempts, all retried
+    assert r.drain_backend_outcomes() == {good.url: (6, 0), bad.url: (0, 5)}
     assert r.drain_backend_outcomes() == {}
 
 

@@ -1,4 +1,6 @@
-"""Router hardening (issue 9): one test per finding, each against real servers on 127.0.0.1.
+"""Router hardening (issue 9): one test per finding, each against real servers on 127.0.0.1. This file:
+the admin surface, health probing, ``RouterConfig`` and secrets; the HTTP path (exact bodies, the status
+contract, limits, affinity) is in ``test_router_hardening_http.py``.
 
 Each test failed on the code before the fix it pins, unless its docstring says it guards a behaviour
 that was kept. Routers are real ``GenerationRouter``s or real ``rl-launch router`` processes; backends are

@@ -170,6 +170,7 @@ async def _replay(
             else:
                 request = policy.prepare(RouteRequest(CHAT_PATH, body, {}))
                 url = policy.choose(request, load)
+                policy.commit(request, url)  # the simulated fleet never fails: nothing to retract
             if k > 0 and last_engine.get(s.id) != url:
                 moves += 1
             last_engine[s.id] = url

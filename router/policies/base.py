@@ -175,9 +175,18 @@ class Policy(ABC):
     """Chooses a backend for one request.
 
     ``choose`` must not block: it runs on the event loop for every request. ``exclude`` holds backends that
-    already failed this request (the retry must land elsewhere). ``on_backends_changed`` is called whenever
-    the serving set is replaced, so a policy can drop state for URLs that left (a restarted engine comes
-    back on a new port and must not inherit a ghost's affinity).
+    already failed this request (the retry must land elsewhere). ``choose`` only decides; what a policy
+    learns from a decision is told to it separately, per attempt, by whoever sends the request:
+
+    * ``commit(request, url)`` when the request is sent to ``url``;
+    * ``retract(request, url)`` when that attempt failed (refused, reset, timed out, 5xx, broken stream).
+
+    So affinity follows the backend that served (the retry target on a retry) and never stays with one
+    that failed. Learning at dispatch rather than at completion is deliberate: concurrent identical
+    requests (a GRPO group's first turns) must find each other while the first is still generating.
+    A caller that only simulates (the bench) and never fails calls ``choose`` then ``commit``.
+    ``on_backends_changed`` is called whenever the serving set is replaced, so a policy can drop state for
+    URLs that left (a restarted engine comes back on a new port and must not inherit a ghost's affinity).
     """
 
     name: str = "base"
@@ -186,6 +195,12 @@ class Policy(ABC):
     def choose(
         self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()
     ) -> str: ...
+
+    def commit(self, request: RouteRequest, url: str) -> None:  # noqa: B027 - optional hook
+        """Optional: ``request`` (as returned by ``choose``'s caller's ``prepare``) was sent to ``url``."""
+
+    def retract(self, request: RouteRequest, url: str) -> None:  # noqa: B027 - optional hook
+        """Optional: the attempt of ``request`` on ``url`` failed; forget what ``commit`` learned from it."""
 
     def prepare(self, request: RouteRequest) -> RouteRequest:
         """Return ``request`` with ``features`` filled. Pure and thread-safe: the router runs it in a

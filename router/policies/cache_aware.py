@@ -117,8 +117,7 @@ class CacheAware(Policy):
     def choose(self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()) -> str:
         if len(load) == 0:
             raise NoBackendAvailable("no serving backend")
-        hashes = request.features if request.features is not None else self.prepare(request).features
-        assert isinstance(hashes, list)
+        hashes = self._hashes(request)
         chosen: str | None = None
         if hashes:
             holders, _depth = self.index.continuation_holders(hashes)
@@ -131,9 +130,24 @@ class CacheAware(Policy):
             self.decisions["cold"] += 1
         if chosen is None:
             chosen = load.least_loaded(exclude)
-        if hashes:
-            self.index.record(hashes, chosen)
         return chosen
+
+    def _hashes(self, request: RouteRequest) -> list[int]:
+        hashes = request.features if request.features is not None else self.prepare(request).features
+        assert isinstance(hashes, list)
+        return hashes
+
+    def commit(self, request: RouteRequest, url: str) -> None:
+        """Record that ``url`` now holds this prompt (see ``Policy``: learned at dispatch)."""
+        hashes = self._hashes(request)
+        if hashes:
+            self.index.record(hashes, url)
+
+    def retract(self, request: RouteRequest, url: str) -> None:
+        """The attempt on ``url`` failed: it does not hold this prompt; drop it from the blocks' holders."""
+        hashes = self._hashes(request)
+        if hashes:
+            self.index.discard(hashes, url)
 
     def _least_loaded_under_cap(
         self, holders: tuple[str, ...], load: LoadTracker, exclude: frozenset[str], weight: int = 0

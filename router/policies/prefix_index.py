@@ -185,3 +185,18 @@ class PrefixIndex:
             popitem = entries.popitem
             for _ in range(overflow):
                 popitem(last=False)
+
+    def discard(self, hashes: list[int], backend: str) -> None:
+        """Remove ``backend`` from the holders of these blocks (its attempt failed); a block left with no
+        holder is dropped, so a walk stops before it. Child markers set by the failed record stay: at
+        worst a later request is placed by load instead of by affinity."""
+        entries = self._entries
+        for h in hashes:
+            entry = entries.get(h)
+            if entry is None or backend not in entry[1:]:
+                continue
+            holders = tuple(u for u in entry[1:] if u != backend)
+            if holders:
+                entries[h] = (entry[0], *holders)
+            else:
+                del entries[h]

@@ -1,0 +1,79 @@
+"""The router's HTTP resource limits, in one frozen value, and the process's open-file limit.
+
+Each limit closes a way for one misbehaving peer to take the router (and so every rollout) down:
+
+* ``head_timeout_s``: a client connection whose request head is not complete this long after its first
+  byte (or after the connection opened) is closed. Without it, a few hundred half-open connections
+  (slowloris) are held forever and, at the open-file limit, real requests fail.
+* ``keepalive_timeout_s``: an idle kept-alive client connection is closed after this long. Longer than
+  the clients' own idle timeout (aiohttp's client keeps 15 s), so the client, not the router, closes
+  first and never sends a request on a connection the router is just closing.
+* ``max_client_connections``: client connections above this are closed on accept, so a flood cannot use
+  up the descriptors the router needs for its upstream connections. The effective cap is also bounded
+  by the open-file limit (see ``effective_connection_cap``): each proxied request holds two descriptors.
+* ``max_backend_header_bytes``: a backend whose status line and headers exceed this is a failed attempt
+  (answered 500 after the retry); the headers are not buffered past it (a 200 MB header would otherwise
+  sit in the router's memory).
+* ``max_error_body_bytes``: how much of a backend's 5xx body is kept to quote in the router's 500.
+
+They are ``RouterConfig.http`` (and a job spec's ``router.http``), validated with the other settings.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# Descriptors kept for everything that is not a client connection: listening socket, health session,
+# idle upstream connections, log files, Ray's own sockets in an actor.
+RESERVED_FDS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    head_timeout_s: float = 10.0
+    keepalive_timeout_s: float = 75.0
+    max_client_connections: int = 8192
+    max_backend_header_bytes: int = 64 * 1024
+    max_error_body_bytes: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("head_timeout_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HttpLimits.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_client_connections", "max_backend_header_bytes", "max_error_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HttpLimits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+DEFAULT_HTTP_LIMITS = HttpLimits()
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit; return the soft limit now in force.
+
+    Distributions start processes at 1024 open files, which a router with a few hundred clients and as
+    many upstream connections reaches in normal use. Raising the soft limit needs no privilege.
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Linux
+        return 1 << 20
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:  # e.g. a container capping below the reported hard limit
+        log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+        return soft
+    return target
+
+
+def effective_connection_cap(limits: HttpLimits, open_file_limit: int) -> int:
+    """Client connections admitted at once: the configured cap, bounded so that every admitted client
+    can also hold an upstream connection without reaching the open-file limit."""
+    return max(1, min(limits.max_client_connections, (open_file_limit - RESERVED_FDS) // 2))

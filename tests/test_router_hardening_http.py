@@ -1,0 +1,907 @@
+"""Router hardening (issue 9), the HTTP path: one test per finding, each against real sockets on 127.0.0.1.
+
+The admin surface, health probing, ``RouterConfig`` and secrets have theirs in ``test_router_hardening.py``.
+
+Sections are owned by area; add to your own section rather than editing another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router import GenerationRouter
+from router.config import RouterConfig
+from router.limits import HttpLimits
+from router.policies import (
+    CacheAware,
+    ConsistentHash,
+    LoadTracker,
+    NoBackendAvailable,
+    Policy,
+    RoundRobin,
+    RouteRequest,
+)
+from tests.http_backends import FakeEngine, dead_url
+
+CHAT = "/v1/chat/completions"
+
+# --- HTTP exactness / status contract / affinity ---
+
+
+@dataclass
+class RawBackend:
+    """A backend speaking raw bytes: ``answer(head, body)`` returns what to write back (``None``: never
+    answer; a list: parts written 0.2 s apart). Records every request (head, body) and when each of its
+    connections was closed."""
+
+    answer: Callable[[bytes, bytes], bytes | list[bytes] | None]
+    requests: list[tuple[bytes, bytes]] = field(default_factory=list)
+    connections: int = 0
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    server: asyncio.Server | None = None
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length)
+                self.requests.append((head, body))
+                reply = self.answer(head, body)
+                if reply is None:
+                    await reader.read()  # hold the request until the peer closes
+                    break
+                for i, part in enumerate([reply] if isinstance(reply, bytes) else reply):
+                    if i:
+                        await asyncio.sleep(0.2)
+                    writer.write(part)
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed.set()
+            writer.close()
+
+    async def start(self) -> RawBackend:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def ok_json(payload: bytes = b'{"ok":true}') -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(payload),
+        payload,
+    )
+
+
+def headers_of(head: bytes) -> dict[bytes, bytes]:
+    out = {}
+    for line in head.split(b"\r\n")[1:]:
+        if b":" in line:
+            name, value = line.split(b":", 1)
+            out[name.strip().lower()] = value.strip()
+    return out
+
+
+@pytest.fixture
+async def raw_backends() -> AsyncIterator[Callable[..., Awaitable[RawBackend]]]:
+    made: list[RawBackend] = []
+
+    async def make(answer: Callable[[bytes, bytes], bytes | list[bytes] | None]) -> RawBackend:
+        b = await RawBackend(answer).start()
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        await b.stop()
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]:
+    started: list[FakeEngine] = []
+
+    async def make(n: int = 1, **kwargs: object) -> list[FakeEngine]:
+        out = [await FakeEngine(name=f"e{len(started) + i}", **kwargs).start() for i in range(n)]  # type: ignore[arg-type]
+        started.extend(out)
+        return out
+
+    yield make
+    for e in started:
+        e.release_stream.set()
+        await e.stop()
+
+
+@pytest.fixture
+def routers() -> object:
+    made: list[GenerationRouter] = []
+
+    def make(backends: list[str], limits: HttpLimits | None = None, **kwargs: object) -> GenerationRouter:
+        """A router on an OS-chosen port with the serving set as given: active probing off, so the
+        forwarding path alone decides what these tests see (the prober has its own tests)."""
+        policy = kwargs.pop("policy", "round_robin")
+        obj = policy if isinstance(policy, Policy) else None
+        kwargs.setdefault("probe_interval_s", 0)
+        if limits is not None:
+            kwargs["http"] = limits
+        config = RouterConfig(
+            host="127.0.0.1", port=0, policy=obj.name if obj else policy, **kwargs  # type: ignore[arg-type]
+        )
+        r = GenerationRouter(config, backends, policy=obj)
+        r.serve_in_background()
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.stop()
+
+
+async def post(url: str, body: bytes | dict[str, object], **kwargs: object) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    async with aiohttp.ClientSession(auto_decompress=False) as s:
+        async with s.post(url, data=data, **kwargs) as r:  # type: ignore[arg-type]
+            return r.status, await r.read()
+
+
+async def metric_samples(
+    router: GenerationRouter, family: str, sample: str | None = None
+) -> dict[tuple[tuple[str, str], ...], float]:
+    """Samples of one metric family by their labels (only the sample named ``sample`` if given)."""
+    async with aiohttp.ClientSession() as s, s.get(router.base_url() + "/metrics") as resp:
+        text = await resp.text()
+    for f in text_string_to_metric_families(text):
+        if f.name == family:
+            return {
+                tuple(sorted(x.labels.items())): x.value
+                for x in f.samples
+                if not x.name.endswith("_created") and (sample is None or x.name == sample)
+            }
+    return {}
+
+
+async def is_closed(reader: asyncio.StreamReader, within_s: float) -> bool:
+    """True when the peer closes the connection within ``within_s`` (EOF or reset)."""
+    try:
+        data = await asyncio.wait_for(reader.read(65536), within_s)
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+    return data == b""
+
+
+# -- item 2: exact HTTP ---------------------------------------------------------------------------------
+
+
+async def test_gzip_request_body_is_forwarded_as_sent(raw_backends, routers) -> None:
+    backend = await raw_backends(lambda head, body: ok_json())
+    r = routers([backend.url + "/v1"])
+    bomb = gzip.compress(b"0" * 20_000_000)  # ~20 KB that inflates to 20 MB
+    status, _ = await post(
+        r.base_url() + CHAT,
+        bomb,
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
+    assert status == 200
+    head, body = backend.requests[0]
+    assert body == bomb  # the compressed bytes, never inflated
+    assert headers_of(head)[b"content-encoding"] == b"gzip"
+    assert headers_of(head)[b"content-length"] == str(len(bomb)).encode()
+
+
+async def test_expect_100_continue_is_answered_by_the_router_and_not_forwarded(raw_backends, routers) -> None:
+    backend = await raw_backends(lambda head, body: ok_json())
+    r = routers([backend.url + "/v1"])
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    body = b'{"messages": []}'
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert interim.startswith(b"HTTP/1.1 100 Continue")
+    writer.write(body)
+    final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert final.startswith(b"HTTP/1.1 200")
+    writer.close()
+    head, forwarded = backend.requests[0]
+    assert forwarded == body
+    assert b"expect" not in headers_of(head)
+
+
+async def test_backend_interim_1xx_is_never_relayed_as_the_answer(raw_backends, routers) -> None:
+    # each part arrives on its own, as from an engine that sends 100 at once and the answer later
+    interim = [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>\r\n\r\n"]
+    backend = await raw_backends(lambda head, body: [*interim, ok_json(b'{"final":1}')])
+    r = routers([backend.url + "/v1"])
+    for _ in range(2):  # the second request reuses the kept-alive upstream connection
+        status, body = await asyncio.wait_for(post(r.base_url() + CHAT, {}), 5)
+        assert (status, body) == (200, b'{"final":1}')
+    assert len(backend.requests) == 2
+
+
+async def test_backend_header_flood_is_500_counted_and_not_buffered(raw_backends, routers) -> None:
+    flood = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (4 * 1024 * 1024) + b"\r\nContent-Length: 2\r\n\r\n{}"
+    a = await raw_backends(lambda head, body: flood)
+    b = await raw_backends(lambda head, body: flood)
+    r = routers([a.url + "/v1", b.url + "/v1"], limits=HttpLimits(max_backend_header_bytes=16 * 1024))
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 500
+    error = orjson.loads(body)["error"]
+    assert error["type"] == "backend_headers_too_large" and "16384 bytes" in error["message"]
+    assert (len(a.requests), len(b.requests)) == (1, 1)  # a failed attempt: retried on the other one
+    errors = await metric_samples(r, "rl_router_errors")
+    assert errors[(("kind", "headers_too_large"),)] == 2.0
+
+
+async def test_client_gone_cancels_upstream_frees_slot_and_is_never_retried(raw_backends, routers) -> None:
+    hang = await raw_backends(lambda head, body: None)  # takes the request, never answers
+    spare = await raw_backends(lambda head, body: ok_json())
+    r = routers([hang.url + "/v1", spare.url + "/v1"], backend_timeout_s=1.0)
+    _, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    for _ in range(100):
+        if hang.requests:
+            break
+        await asyncio.sleep(0.02)
+    assert len(hang.requests) == 1
+    assert sum(r.in_flight().values()) == 1
+    writer.close()  # the client gives up
+    await asyncio.wait_for(hang.closed.wait(), 2)  # the upstream request was aborted
+    for _ in range(50):
+        if sum(r.in_flight().values()) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert sum(r.in_flight().values()) == 0  # its slot is free at once, not after the backend timeout
+    await asyncio.sleep(1.5)  # past the backend timeout: nothing may re-send it elsewhere
+    assert spare.requests == []
+    requests = await metric_samples(r, "rl_router_requests")
+    assert requests == {(("route", CHAT), ("status", "499")): 1.0}
+    assert r.drain_backend_outcomes() == {}  # the client left: not the backend's failure
+
+
+async def test_half_open_connection_flood_is_capped_and_timed_out(engines, routers) -> None:
+    (e,) = await engines(1)
+    limits = HttpLimits(head_timeout_s=0.5, keepalive_timeout_s=30.0, max_client_connections=100)
+    r = routers([e.api_url], limits=limits)
+    conns = []
+    for i in range(200):  # half send a partial head, half nothing at all
+        reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+        if i % 2:
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        conns.append((reader, writer))
+    t0 = time.monotonic()
+    closed = await asyncio.gather(*(is_closed(reader, 5) for reader, _ in conns))
+    took = time.monotonic() - t0
+    assert all(closed) and took < 3  # every one closed: at once above the cap, at the head deadline below
+    assert r.connections is not None and r.connections.open == 0
+    errors = await metric_samples(r, "rl_router_errors")
+    assert errors[(("kind", "connection_cap"),)] == 100.0
+    assert errors[(("kind", "head_timeout"),)] == 100.0
+    for _, writer in conns:
+        writer.close()
+    assert (await post(r.base_url() + CHAT, {}))[0] == 200  # real requests still served
+
+
+async def test_slow_head_on_kept_alive_connection_closed_but_idle_one_kept(engines, routers) -> None:
+    (e,) = await engines(1)
+    r = routers([e.api_url], limits=HttpLimits(head_timeout_s=0.4, keepalive_timeout_s=1.5))
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    writer.write(request)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200")
+    await reader.readexactly(int(headers_of(head)[b"content-length"]))
+    assert not await is_closed(reader, 0.9)  # idle past the head deadline: kept (keep-alive governs)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHo")  # a head started and never finished
+    assert await is_closed(reader, 1.0)
+    reader2, writer2 = await asyncio.open_connection("127.0.0.1", r.port)
+    writer2.write(request)
+    head = await asyncio.wait_for(reader2.readuntil(b"\r\n\r\n"), 5)
+    await reader2.readexactly(int(headers_of(head)[b"content-length"]))
+    assert await is_closed(reader2, 3.0)  # idle past the keep-alive timeout: closed
+    writer.close()
+    writer2.close()
+
+
+def test_open_file_soft_limit_is_raised_toward_the_hard_limit() -> None:
+    code = (
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "from router import GenerationRouter, RouterConfig\n"
+        "r = GenerationRouter(RouterConfig(port=0))\n"
+        "r.serve_in_background()\n"
+        "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "r.stop()\n"
+        "print(now == hard or hard == resource.RLIM_INFINITY and now > 256, r.connections.cap)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "True"
+
+
+async def test_non_utf8_authorization_is_401(engines, routers) -> None:
+    (e,) = await engines(1)
+    r = routers([e.api_url], api_key="client-key")
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\x80key\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 401")
+    writer.close()
+
+
+async def test_metrics_count_the_status_sent_for_a_too_large_body(engines, routers) -> None:
+    (e,) = await engines(1)
+    r = routers([e.api_url], max_request_bytes=1024)
+    status, _ = await post(r.base_url() + CHAT, b"x" * 4096)
+    assert status == 413
+    requests = await metric_samples(r, "rl_router_requests")
+    assert requests == {(("route", CHAT), ("status", "413")): 1.0}
+
+
+# -- item 3: the status contract, every row ------------------------------------------------------------
+
+FAILURES: dict[str, dict[str, object]] = {
+    "refused": {},
+    "reset": {"mode": "reset"},
+    "hang": {"mode": "hang"},
+    **{str(code): {"mode": "status", "status": code} for code in (500, 502, 503, 504, 520)},
+}
+FAILURE_TYPE = {"refused": "backend_connect", "reset": "backend_reset", "hang": "backend_timeout"}
+
+
+async def failing(engines, row: str) -> tuple[str, FakeEngine | None]:
+    if row == "refused":
+        return dead_url(), None
+    (e,) = await engines(1, **FAILURES[row])
+    return e.api_url, e
+
+
+@pytest.mark.parametrize("row", list(FAILURES))
+async def test_failed_attempt_is_retried_once_on_another_backend(engines, routers, row: str) -> None:
+    bad_url, bad = await failing(engines, row)
+    (good,) = await engines(1)
+    r = routers([bad_url, good.api_url], backend_timeout_s=0.5)  # round robin: the bad one goes first
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 200 and orjson.loads(body)["backend"] == good.name
+    assert len(good.requests) == 1
+    if bad is not None:
+        assert len(bad.requests) == 1
+
+
+@pytest.mark.parametrize("row", list(FAILURES))
+async def test_two_failed_attempts_answer_500_with_the_backends_error(engines, routers, row: str) -> None:
+    first_url, first = await failing(engines, row)
+    second_url, second = await failing(engines, row)
+    r = routers([first_url, second_url], backend_timeout_s=0.5)
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 500
+    error = orjson.loads(body)["error"]
+    assert error["code"] == 500
+    if row in FAILURE_TYPE:
+        assert error["type"] == FAILURE_TYPE[row]
+    else:
+        assert error["type"] == "backend_status"
+        assert second is not None
+        assert f"answered {row}" in error["message"]
+        assert f'"backend":"{second.name}"' in error["message"]  # the backend's own error body
+    for e in (first, second):
+        if e is not None:
+            assert len(e.requests) == 1  # once each: one retry, never two on one backend
+
+
+@pytest.mark.parametrize("code", [400, 401, 404, 408, 413, 422, 429])
+async def test_4xx_passes_through_unchanged_and_is_not_retried(engines, routers, code: int) -> None:
+    (a,) = await engines(1, mode="status", status=code)
+    (b,) = await engines(1)
+    r = routers([a.api_url, b.api_url])
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == code and orjson.loads(body)["backend"] == a.name
+    assert (len(a.requests), len(b.requests)) == (1, 0)
+
+
+async def test_no_backend_is_409_and_never_a_retried_status(routers) -> None:
+    r = routers([])
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 409 and orjson.loads(body)["error"]["type"] == "no_healthy_backend"
+    assert await metric_samples(r, "rl_router_errors") == {(("kind", "no_backend"),): 1.0}
+    assert await metric_samples(r, "rl_router_requests") == {(("route", CHAT), ("status", "409")): 1.0}
+
+
+async def test_last_backend_failing_reports_500_not_409(engines, routers) -> None:
+    (bad,) = await engines(1, mode="status", status=503)
+    r = routers([bad.api_url])
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 500 and orjson.loads(body)["error"]["type"] == "backend_status"
+
+
+async def test_retry_excludes_the_failed_backend_where_the_policy_would_repeat_it(engines, routers) -> None:
+    # consistent_hash sends one session to one backend every time: only the exclusion moves the retry
+    (bad,) = await engines(1, mode="status", status=503)
+    (good,) = await engines(1)
+    r = routers([bad.api_url, good.api_url], policy="consistent_hash")
+    ring = ConsistentHash()
+    load = LoadTracker(r.serving_backends())
+    session = next(
+        s
+        for s in (f"s{i}" for i in range(1000))
+        if ring.choose(RouteRequest(CHAT, headers={"X-Session-ID": s}), load) == bad.url
+    )
+    status, body = await post(r.base_url() + CHAT, {}, headers={"X-Session-ID": session})
+    assert status == 200 and orjson.loads(body)["backend"] == good.name
+    assert (len(bad.requests), len(good.requests)) == (1, 1)
+
+
+async def test_timeout_not_retried_when_retry_on_timeout_is_off(engines, routers) -> None:
+    (hang,) = await engines(1, mode="hang")
+    (good,) = await engines(1)
+    r = routers([hang.api_url, good.api_url], backend_timeout_s=0.3, retry_on_timeout=False)
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 500 and orjson.loads(body)["error"]["type"] == "backend_timeout"
+    assert good.requests == []
+
+
+async def test_5xx_does_not_eject_a_health_managed_backend(engines, routers) -> None:
+    # one poisoned request answered 500 by every engine must not empty the fleet
+    a, b = await engines(2, mode="status", status=500)
+    r = routers([a.api_url, b.api_url], health_managed=True)
+    assert (await post(r.base_url() + CHAT, {}))[0] == 500
+    assert sorted(r.serving_backends()) == sorted([a.url, b.url])
+    assert r.drain_backend_outcomes() == {a.url: (0, 1), b.url: (0, 1)}  # reported to the controller
+
+
+# -- item 5: affinity follows the backend that served --------------------------------------------------
+
+
+async def test_affinity_records_the_retry_target_never_the_failed_backend(engines, routers) -> None:
+    (good,) = await engines(1)
+    policy = CacheAware(block_bytes=64)
+    r = routers([dead_url(), good.api_url], policy=policy)
+    dead, live = r.serving_backends()
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]})
+    prepared = policy.prepare(RouteRequest(CHAT, body=body))
+    policy.commit(prepared, dead)  # an earlier turn went to the backend that is now dead
+    assert policy.index.continuation_holders(prepared.features)[0] == (dead,)
+    status, reply = await post(r.base_url() + CHAT, body)
+    assert status == 200 and orjson.loads(reply)["backend"] == good.name
+    assert policy.index.continuation_holders(prepared.features)[0] == (live,)
+
+
+# -- item 9: the heart, pinned with literal expected values (mutation-tested) -------------------------
+
+
+def test_never_answer_set_is_literal() -> None:
+    from router.status import validate_no_healthy_status
+
+    for retried in (404, 408, 429, 500, 502, 503, 504, 520):
+        with pytest.raises(ValueError, match=f"={retried} is retried by clients"):
+            validate_no_healthy_status(retried)
+    for outside in (501, 599, 200, 302, 399, 600, 0):
+        with pytest.raises(ValueError, match=f"={outside} must be a 4xx"):
+            validate_no_healthy_status(outside)
+    for usable in (400, 409, 410, 418, 422, 451, 499):
+        assert validate_no_healthy_status(usable) == usable
+    for not_int in (True, 409.0, "409", None):
+        with pytest.raises(ValueError, match="integer"):
+            validate_no_healthy_status(not_int)  # type: ignore[arg-type]
+
+
+def test_error_shapes_are_literal() -> None:
+    from router.status import (
+        BACKEND_FAILURE_STATUS,
+        DEFAULT_NO_HEALTHY_BACKEND_STATUS,
+        error_body,
+        sse_error_event,
+    )
+
+    assert (BACKEND_FAILURE_STATUS, DEFAULT_NO_HEALTHY_BACKEND_STATUS) == (500, 409)
+    assert error_body("m", "k", 409) == b'{"error":{"message":"m","type":"k","code":409},"router":true}'
+    assert (
+        sse_error_event("m", "k")
+        == b'event: error\ndata: {"error":{"message":"m","type":"k","code":500}}\n\n'
+    )
+
+
+def test_load_cap_formula_and_its_edge() -> None:
+    policy = CacheAware(load_factor=1.25, load_slack=3)
+    assert policy.load_cap(LoadTracker([])) == 5  # ceil(1.25 * 1 / 1) + 3
+    load = LoadTracker(["a", "b", "c", "d"])
+    assert policy.load_cap(load) == 4  # ceil(1.25 * 1 / 4) + 3
+    for url, n in (("a", 6), ("b", 2), ("c", 1), ("d", 1)):
+        for _ in range(n):
+            load.acquire(url)
+    assert policy.load_cap(load) == 7  # ceil(1.25 * 11 / 4) + 3
+    body = orjson.dumps({"messages": [{"role": "user", "content": "the session " * 40}]})
+    req = policy.prepare(RouteRequest(CHAT, body=body))
+    policy.commit(req, "a")
+    assert policy.choose(req, load) == "a"  # 6 in flight < 7: affinity
+    load.acquire("a")
+    assert policy.load_cap(load) == 7  # ceil(1.25 * 12 / 4) + 3
+    assert policy.choose(req, load) in ("c", "d")  # 7 in flight is not < 7: least loaded instead
+    assert policy.decisions == {"affinity": 1, "balanced": 1, "cold": 0}
+
+
+def test_byte_cap_formula_and_its_edge() -> None:
+    policy = CacheAware(byte_load_factor=1.5)
+    assert CacheAware(byte_load_factor=0).byte_cap(LoadTracker(["a"]), 10) is None
+    load = LoadTracker(["a", "b", "c", "d"])
+    load.acquire("a", 3000)
+    assert policy.byte_cap(load, 1000) == 1500.0  # 1.5 * (3000 + 1000) / 4
+    body = orjson.dumps({"messages": [{"role": "user", "content": "long context " * 40}]})
+    req = policy.prepare(RouteRequest(CHAT, body=body))
+    w = len(body)
+    for held, expect_affinity in ((w, True), (w + 1, False)):
+        load = LoadTracker(["a", "b", "c"])
+        load.acquire("a", held)  # byte cap = 1.5 * (held + w) / 3: exactly `held` when held == w
+        policy.commit(req, "a")
+        chosen = policy.choose(req, load)
+        assert (chosen == "a") is expect_affinity, (held, chosen)
+
+
+def test_choose_excludes_failed_holders_and_records_nothing() -> None:
+    policy = CacheAware()
+    load = LoadTracker(["a", "b"])
+    body = orjson.dumps({"messages": [{"role": "user", "content": "x" * 3000}]})
+    req = policy.prepare(RouteRequest(CHAT, body=body))
+    policy.choose(req, load)
+    assert len(policy.index) == 0  # choose decides only
+    policy.commit(req, "a")
+    assert policy.choose(req, load) == "a"
+    assert policy.choose(req, load, frozenset({"a"})) == "b"
+    policy.commit(req, "b")
+    assert policy.index.continuation_holders(req.features) == (("b", "a"), 3)
+    policy.retract(req, "b")
+    assert policy.index.continuation_holders(req.features) == (("a",), 3)
+    policy.retract(req, "a")
+    assert len(policy.index) == 0 and policy.index.continuation_holders(req.features) == ((), 0)
+
+
+def test_prompt_start_literal_offsets() -> None:
+    from router.policies.prefix_index import prompt_start
+
+    assert prompt_start(b'{"note":"a\\"messages","messages":[{"role":"user"}]}') == 22  # escaped key skipped
+    assert prompt_start(b'{"note":"a\\"messages"}') == 0  # only the escaped one: none
+    assert prompt_start(b'{"model":"m","prompt":"p","messages":[]}') == 13  # the earliest key
+    assert prompt_start(b'{"model":"m","input":"i"}') == 13
+    assert prompt_start(b'{"model":"m"}') == 0
+
+
+def test_block_hashes_message_boundaries_and_fixed_blocks() -> None:
+    from router.policies.prefix_index import block_hashes
+
+    chat = b'{"messages":[{"a":1}, \n {"b":2} ],"max_tokens":4}'
+    assert block_hashes(chat, 1024, 1) == [hash((0, chat[1:19])), hash((hash((0, chat[1:19])), chat[19:30]))]
+    h1 = hash((0, chat[1:9]))
+    assert block_hashes(chat, 8, 1)[:3] == [
+        h1,
+        hash((h1, chat[9:17])),
+        hash((hash((h1, chat[9:17])), chat[17:19])),
+    ]
+    assert len(block_hashes(chat, 8, 1)) == 5  # 8 + 8 + 2 up to the first boundary, 8 + 3 to the second
+    assert len(block_hashes(chat, 8, 1, max_blocks=2)) == 2
+    prompt = b'{"model":"m","prompt":"' + b"x" * 50 + b'"}'  # completions: no boundary, fixed blocks
+    a = hash((0, prompt[13:29]))
+    b = hash((a, prompt[29:45]))
+    assert block_hashes(prompt, 16, 13) == [a, b, hash((b, prompt[45:61]))]  # partial last block dropped
+    assert block_hashes(prompt, 16, 13, max_blocks=1) == [a]
+    assert block_hashes(b'{"prompt":"short"}', 64, 1) == []
+
+
+def test_prefix_index_literal_behaviour() -> None:
+    from router.policies.prefix_index import ENTRY_BYTES, PrefixIndex
+
+    assert ENTRY_BYTES == 200  # the measured estimate the byte budget is converted with
+    index = PrefixIndex(max_bytes=800, holders_per_block=2)
+    assert index.max_entries == 4
+    index.record([11, 12, 13], "a")
+    assert index.continuation_holders([11, 12, 13]) == (("a",), 3)  # an exact repeat
+    assert index.continuation_holders([11, 12, 13, 14]) == (("a",), 3)  # continues after a leaf
+    assert index.continuation_holders([11, 12, 99]) == ((), 2)  # diverges: merely shares a prefix
+    assert index.continuation_holders([99]) == ((), 0)
+    index.record([11, 12, 13], "b")
+    index.record([11, 12, 13], "c")
+    assert index.continuation_holders([11, 12, 13]) == (("c", "b"), 3)  # at most 2 holders, newest first
+    index.record([11, 12, 14], "d")  # block 12 now has two continuations
+    assert index.continuation_holders([11, 12]) == (("d", "c"), 2)
+    assert index.continuation_holders([11, 12, 15]) == ((), 2)
+    assert (len(index), index.evictions, index.approx_bytes) == (4, 0, 800)
+    index.record([21], "e")  # the least recently used entry (13) goes
+    assert (len(index), index.evictions) == (4, 1)
+    assert index.continuation_holders([11, 12, 13]) == ((), 2)
+    index.discard([11, 12], "d")
+    assert index.continuation_holders([11, 12]) == (("c",), 2)
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixIndex(max_bytes=199)
+    assert PrefixIndex(max_bytes=200).max_entries == 1
+    with pytest.raises(ValueError, match="holders_per_block"):
+        PrefixIndex(holders_per_block=0)
+
+
+async def test_in_flight_counts_request_and_bytes_until_it_ends(raw_backends, routers) -> None:
+    hang = await raw_backends(lambda head, body: None)
+    r = routers([hang.url + "/v1"], backend_timeout_s=5)
+    task = asyncio.create_task(post(r.base_url() + CHAT, b"x" * 1000))
+    for _ in range(100):
+        if hang.requests:
+            break
+        await asyncio.sleep(0.02)
+    assert r.in_flight() == {hang.url: 1}
+    assert r.backends.load.bytes_in_flight(hang.url) == 1000
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.wait_for(hang.closed.wait(), 2)
+    await asyncio.sleep(0.05)
+    assert r.in_flight() == {hang.url: 0} and r.backends.load.bytes_in_flight(hang.url) == 0
+
+
+async def test_retry_is_counted_and_both_counts_released(engines, routers) -> None:
+    (bad,) = await engines(1, mode="status", status=503)
+    (good,) = await engines(1)
+    r = routers([bad.api_url, good.api_url])
+    status, _ = await post(r.base_url() + CHAT, b"y" * 300)
+    assert status == 200
+    assert r.in_flight() == {bad.url: 0, good.url: 0}
+    assert r.backends.load.total_bytes_in_flight == 0
+    assert await metric_samples(r, "rl_router_retries") == {(): 1.0}
+    assert await metric_samples(r, "rl_router_policy_decisions") == {(("policy", "round_robin"),): 2.0}
+    errors = await metric_samples(r, "rl_router_errors")
+    assert errors == {(("kind", "status"),): 1.0}
+
+
+def test_cache_aware_options_defaults_and_edges_are_literal() -> None:
+    p = CacheAware()
+    assert (p.block_bytes, p.load_factor, p.load_slack, p.byte_load_factor, p.max_blocks) == (
+        1024,
+        1.25,
+        3,
+        1.5,
+        8192,
+    )
+    assert (p.index.max_bytes, p.index.holders_per_block) == (64 * 1024 * 1024, 4)
+    edge = CacheAware(
+        block_bytes=16, load_factor=1.0, load_slack=1, byte_load_factor=1.0, max_prompt_bytes=100
+    )
+    assert (edge.block_bytes, edge.max_blocks) == (16, 6)
+    assert CacheAware(byte_load_factor=0).byte_load_factor == 0
+    for bad, field_name in (
+        ({"block_bytes": 15}, "block_bytes"),
+        ({"load_factor": 0.99}, "load_factor"),
+        ({"load_slack": 0}, "load_slack"),
+        ({"byte_load_factor": 0.99}, "byte_load_factor"),
+    ):
+        with pytest.raises(ValueError, match=field_name):
+            CacheAware(**bad)  # type: ignore[arg-type]
+    assert p.stats() == {
+        "index_entries": 0.0,
+        "index_bytes": 0.0,
+        "index_evictions": 0.0,
+        "decisions_affinity": 0.0,
+        "decisions_balanced": 0.0,
+        "decisions_cold": 0.0,
+    }
+
+
+def test_cache_aware_cold_and_balanced_decisions_are_counted() -> None:
+    policy = CacheAware(block_bytes=64)
+    load = LoadTracker(["a", "b"])
+    assert policy.choose(RouteRequest(CHAT, body=b""), load) in ("a", "b")  # nothing to hash: cold
+    body = orjson.dumps({"messages": [{"role": "user", "content": "z" * 300}]})
+    req = policy.prepare(RouteRequest(CHAT, body=body))
+    policy.choose(req, load)  # never seen: cold
+    policy.commit(req, "a")
+    for _ in range(8):
+        load.acquire("a")  # cap = ceil(1.25 * 9 / 2) + 3 = 9 > 8: still under
+    assert policy.choose(req, load) == "a"
+    load.acquire("a")  # 9 in flight, cap = ceil(1.25 * 10 / 2) + 3 = 10 > 9: under
+    assert policy.choose(req, load) == "a"
+    for _ in range(3):
+        load.acquire("a")  # 12 in flight, cap = ceil(1.25 * 13 / 2) + 3 = 12: not under
+    assert policy.choose(req, load) == "b"
+    assert policy.decisions == {"affinity": 2, "balanced": 1, "cold": 2}
+    stats = policy.stats()
+    assert (stats["decisions_affinity"], stats["decisions_balanced"], stats["decisions_cold"]) == (
+        2.0,
+        1.0,
+        2.0,
+    )
+    assert (stats["index_entries"], stats["index_bytes"]) == (
+        float(len(policy.index)),
+        200.0 * len(policy.index),
+    )
+    with pytest.raises(NoBackendAvailable):
+        policy.choose(req, LoadTracker([]))
+
+
+def test_message_boundaries_only_between_message_objects() -> None:
+    from router.policies.prefix_index import PrefixIndex, _boundaries, block_hashes
+
+    assert _boundaries(b'{"messages":[{"a":{"b":1}},{"c":2}]}', 1) == [25, 33]  # nested: the outer "}"
+    assert _boundaries(b'{"messages":[{"a":1},"x"]}', 1) == []  # "}," then no "{": not a boundary
+    assert _boundaries(b'{"messages":[{"a":1}, ', 1) == []  # truncated after the comma
+    assert _boundaries(b'{"messages":[{"a":1}  ', 1) == []  # truncated after the brace
+    body = b'{"prompt":"' + b"y" * 40 + b'"}'
+    assert block_hashes(body, 16) == block_hashes(body, 16, 0)  # start defaults to the first byte
+    assert len(block_hashes(body, 16)) == 3
+    assert PrefixIndex().max_bytes == 67108864 and PrefixIndex().holders_per_block == 4
+    one = PrefixIndex(holders_per_block=1)
+    one.record([5], "a")
+    one.record([5], "b")
+    assert one.continuation_holders([5]) == (("b",), 1)
+
+
+def test_prefix_index_record_and_discard_edges() -> None:
+    from router.policies.prefix_index import PrefixIndex
+
+    index = PrefixIndex(holders_per_block=3)
+    index.record([11, 12, 13], "a")
+    index.record([11, 12, 13, 16], "a")  # the same backend's next turn: 13 stops being a leaf
+    assert index.continuation_holders([11, 12, 13, 17]) == ((), 3)
+    assert index.continuation_holders([11, 12, 13, 16, 18]) == (("a",), 4)
+    index.record([31], "a")
+    index.record([31], "b")
+    index.record([31], "a")
+    assert index.continuation_holders([31]) == (("a", "b"), 1)  # most recent first
+    index.record([31], "c")
+    index.discard([31], "a")  # not the newest holder
+    assert index.continuation_holders([31, 32]) == (("c", "b"), 1)  # still a leaf, continued
+    index.discard([999], "a")  # unknown block: nothing to do
+    index.discard([31], "zzz")
+    assert index.continuation_holders([31]) == (("c", "b"), 1)
+    lru = PrefixIndex(max_bytes=600)  # 3 entries
+    lru.record([1], "a")
+    lru.record([2], "a")
+    lru.record([1], "a")  # refreshes 1 (the fast path)
+    lru.record([3], "a")
+    lru.record([4], "a")  # evicts the least recently used: 2
+    assert lru.continuation_holders([1]) == (("a",), 1)
+    assert lru.continuation_holders([2]) == ((), 0)
+    assert lru.evictions == 1
+
+
+def test_cache_aware_single_backend_and_prepared_requests() -> None:
+    policy = CacheAware()
+    one = LoadTracker(["a"])
+    one.acquire("a", 100)
+    assert policy.byte_cap(one, 50) == 225.0  # 1.5 * (100 + 50) / 1
+    assert policy.byte_cap(LoadTracker([]), 10) == 15.0  # an empty fleet divides by one, not zero
+    assert policy.load_cap(one) == 6  # ceil(1.25 * 2 / 1) + 3
+    body = orjson.dumps({"messages": [{"role": "user", "content": "q" * 2000}]})
+    prepared = policy.prepare(RouteRequest(CHAT, body=body))
+    assert policy.prepare(prepared) is prepared  # features are computed once
+    assert policy.choose(prepared, one) == "a"
+
+
+class ExplodingPolicy(RoundRobin):
+    def choose(self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()) -> str:
+        raise RuntimeError("a bug in a policy")
+
+
+async def test_an_escaping_error_is_counted_as_the_500_sent(engines, routers) -> None:
+    (e,) = await engines(1)
+    r = routers([e.api_url], policy=ExplodingPolicy())
+    status, _ = await post(r.base_url() + CHAT, {})
+    assert status == 500
+    assert await metric_samples(r, "rl_router_requests") == {(("route", CHAT), ("status", "500")): 1.0}
+
+
+async def test_success_is_recorded_and_timed_for_every_response_shape(engines, raw_backends, routers) -> None:
+    big = b"b" * 300_000  # above the small-response size: streamed, with its length
+    plain = await raw_backends(lambda head, body: b"HTTP/1.1 200 OK\r\nContent-Length: 300000\r\n\r\n" + big)
+    (e,) = await engines(1)
+    r = routers([plain.url + "/v1", e.api_url])
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base_url() + CHAT, data=b"{}") as resp:
+            assert resp.status == 200 and resp.headers["Content-Length"] == "300000"
+            assert await resp.read() == big
+        async with s.post(r.base_url() + CHAT, data=b'{"stream": true}') as resp:
+            e.release_stream.set()
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert r.drain_backend_outcomes() == {plain.url: (1, 0), e.url: (1, 0)}
+    latency = await metric_samples(
+        r, "rl_router_request_duration_seconds", "rl_router_request_duration_seconds_count"
+    )
+    assert latency == {(("route", CHAT),): 2.0}
+
+
+async def test_plain_body_broken_midway_is_cut_and_counted(raw_backends, routers) -> None:
+    short = b"HTTP/1.1 200 OK\r\nContent-Length: 400000\r\n\r\n" + b"c" * 1000
+    backend = await raw_backends(lambda head, body: [short, b""])
+    r = routers([backend.url + "/v1"])
+
+    async def cut_request() -> None:
+        async with aiohttp.ClientSession() as s, s.post(r.base_url() + CHAT, data=b"{}") as resp:
+            assert resp.status == 200  # the status line was sent before the body broke
+            await resp.read()
+
+    async def close_backend_after_headers() -> None:
+        for _ in range(100):
+            if backend.requests:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        assert backend.server is not None
+        backend.server.close()
+        for task in asyncio.all_tasks():
+            if task.get_coro().__qualname__.startswith("RawBackend._serve"):  # type: ignore[union-attr]
+                task.cancel()
+
+    closer = asyncio.create_task(close_backend_after_headers())
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await asyncio.wait_for(cut_request(), 10)
+    await closer
+    assert await metric_samples(r, "rl_router_errors") == {(("kind", "stream_broken"),): 1.0}
+    assert r.drain_backend_outcomes() == {backend.url: (0, 1)}
+
+
+async def test_a_huge_5xx_body_is_quoted_only_in_part(raw_backends, routers) -> None:
+    page = b"E" * 1_000_000
+    backend = await raw_backends(
+        lambda head, body: b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 1000000\r\n\r\n" + page
+    )
+    r = routers([backend.url + "/v1"], limits=HttpLimits(max_error_body_bytes=100))
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 500
+    message = orjson.loads(body)["error"]["message"]
+    assert message == f"backend failed: backend {backend.url} answered 503: " + "E" * 100
+
+
+async def test_unasked_101_and_garbage_are_failed_attempts(raw_backends, routers) -> None:
+    upgrade = await raw_backends(
+        lambda head, body: b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+    )
+    garbage = await raw_backends(lambda head, body: b"\x00\x01 this is not HTTP\r\n\r\n")
+    r = routers([upgrade.url + "/v1", garbage.url + "/v1"])
+    status, body = await post(r.base_url() + CHAT, {})
+    assert status == 500 and orjson.loads(body)["error"]["type"] == "backend_reset"
+    assert (len(upgrade.requests), len(garbage.requests)) == (1, 1)
+    assert await metric_samples(r, "rl_router_errors") == {(("kind", "reset"),): 2.0}
+
+
+def test_forwarding_and_limit_defaults_are_literal() -> None:
+    from router.forwarding import ForwardingConfig
+    from router.limits import DEFAULT_HTTP_LIMITS, effective_connection_cap
+
+    config = ForwardingConfig(backend_timeout_s=1.0, connect_timeout_s=1.0, no_healthy_backend_status=409)
+    assert (config.max_attempts, config.retry_on_timeout, config.health_managed) == (2, True, False)
+    assert DEFAULT_HTTP_LIMITS == HttpLimits(10.0, 75.0, 8192, 65536, 4096)
+    assert effective_connection_cap(DEFAULT_HTTP_LIMITS, 20000) == 8192
+    assert effective_connection_cap(DEFAULT_HTTP_LIMITS, 1024) == 384  # (1024 - 256) // 2
+    assert effective_connection_cap(DEFAULT_HTTP_LIMITS, 100) == 1
+    for bad in ({"head_timeout_s": 0}, {"keepalive_timeout_s": -1}, {"max_client_connections": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            HttpLimits(**bad)  # type: ignore[arg-type]
+
+
+async def test_upstream_connections_are_kept_alive_and_reused(raw_backends, routers) -> None:
+    backend = await raw_backends(lambda head, body: ok_json())
+    r = routers([backend.url + "/v1"])
+    for _ in range(3):
+        assert (await post(r.base_url() + CHAT, {}))[0] == 200
+    assert (len(backend.requests), backend.connections) == (3, 1)
