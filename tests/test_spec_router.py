@@ -77,3 +77,17 @@ def test_router_settings_survive_the_snapshot(tmp_path: Path) -> None:
     assert again.router == spec.router
     assert again.router.port_range == (21000, 21099)
     assert again.router.policy_options == {"load_factor": 1.5}
+
+
+def test_http_limits_are_router_settings_a_job_may_set(tmp_path: Path) -> None:
+    spec = load_resolved(_spec(tmp_path, "http: {head_timeout_s: 5, max_client_connections: 20000}\n"))
+    config = RouterConfig.from_settings(spec.router, host="127.0.0.1", port=20001)
+    assert (config.http.head_timeout_s, config.http.max_client_connections) == (5, 20000)
+    assert config.http.keepalive_timeout_s == 75.0  # the rest keep their defaults
+    snapshot = tmp_path / "spec.resolved.yaml"
+    snapshot.write_text(spec.to_yaml())
+    assert load_snapshot(snapshot).router.http == spec.router.http
+    with pytest.raises(SpecError, match=r"router\.http: unknown HTTP limit 'head_timeout'; known: "):
+        load_resolved(_spec(tmp_path, "http: {head_timeout: 5}\n"))
+    with pytest.raises(SpecError, match=r"router\.http: HttpLimits\.head_timeout_s must be > 0, got 0"):
+        load_resolved(_spec(tmp_path, "http: {head_timeout_s: 0}\n"))
