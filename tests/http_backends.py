@@ -8,7 +8,9 @@ handle (hang, reset, mid-stream break).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import orjson
@@ -99,3 +101,25 @@ def dead_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}/v1"
+
+
+@contextlib.asynccontextmanager
+async def engine_factory(
+    cls: type[FakeEngine] = FakeEngine, default_n: int = 1
+) -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]:
+    """``make(n, **fields)`` starts ``n`` engines named e0, e1, ... (unique across calls); every engine
+    started is released and stopped on exit. The body of each test file's ``engines`` fixture."""
+    started: list[FakeEngine] = []
+
+    async def make(n: int = default_n, **kwargs: object) -> list[FakeEngine]:
+        out = [await cls(name=f"e{len(started) + i}", **kwargs).start() for i in range(n)]  # type: ignore[arg-type]
+        started.extend(out)
+        return out
+
+    try:
+        yield make
+    finally:
+        for e in started:
+            e.release_stream.set()
+            await e.stop()
+

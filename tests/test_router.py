@@ -8,7 +8,7 @@ import hashlib
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -18,24 +18,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from router import GenerationRouter, RouterBindError
 from router.config import RouterConfig
 from router.status import CLIENT_RETRIED_STATUSES
-from tests.http_backends import FakeEngine, dead_url
+from tests.http_backends import FakeEngine, dead_url, engine_factory
 
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture
-async def engines() -> AsyncIterator[Callable[..., object]]:
-    started: list[FakeEngine] = []
-
-    async def make(n: int = 2, **kwargs: object) -> list[FakeEngine]:
-        out = [await FakeEngine(name=f"e{i}", **kwargs).start() for i in range(n)]  # type: ignore[arg-type]
-        started.extend(out)
-        return out
-
-    yield make
-    for e in started:
-        e.release_stream.set()
-        await e.stop()
+async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]:
+    async with engine_factory(FakeEngine, 2) as make:
+        yield make
 
 
 @pytest.fixture

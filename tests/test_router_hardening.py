@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -35,7 +35,7 @@ from router.cli import router_command
 from router.config import RouterConfig, RouterSettings, describe_errors
 from router.policies import LoadTracker, RoundRobin
 from router.probing import HealthProber
-from tests.http_backends import FakeEngine
+from tests.http_backends import FakeEngine, engine_factory
 
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,18 +59,9 @@ class CountingEngine(FakeEngine):
 
 
 @pytest.fixture
-async def engines() -> AsyncIterator[Callable[..., object]]:
-    started: list[FakeEngine] = []
-
-    async def make(n: int = 1, **kwargs: object) -> list[CountingEngine]:
-        out = [await CountingEngine(name=f"e{i}", **kwargs).start() for i in range(n)]  # type: ignore[arg-type]
-        started.extend(out)
-        return out
-
-    yield make
-    for e in started:
-        e.release_stream.set()
-        await e.stop()
+async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]:
+    async with engine_factory(CountingEngine, 1) as make:
+        yield make
 
 
 @pytest.fixture

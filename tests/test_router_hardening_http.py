@@ -32,7 +32,7 @@ from router.policies import (
     RoundRobin,
     RouteRequest,
 )
-from tests.http_backends import FakeEngine, dead_url
+from tests.http_backends import FakeEngine, dead_url, engine_factory
 
 CHAT = "/v1/chat/completions"
 
@@ -124,17 +124,8 @@ async def raw_backends() -> AsyncIterator[Callable[..., Awaitable[RawBackend]]]:
 
 @pytest.fixture
 async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]:
-    started: list[FakeEngine] = []
-
-    async def make(n: int = 1, **kwargs: object) -> list[FakeEngine]:
-        out = [await FakeEngine(name=f"e{len(started) + i}", **kwargs).start() for i in range(n)]  # type: ignore[arg-type]
-        started.extend(out)
-        return out
-
-    yield make
-    for e in started:
-        e.release_stream.set()
-        await e.stop()
+    async with engine_factory(FakeEngine, 1) as make:
+        yield make
 
 
 @pytest.fixture
