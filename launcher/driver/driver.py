@@ -480,7 +480,7 @@ class Driver:
         self.state.event(
             "router_serving", f"router serving {url}/v1", router_url=url, policy=r.policy, gateway=r.kind
         )
-        label = r.policy if r.kind == "builtin" else f"{r.kind}: {r.policy}"
+        label = r.policy if r.kind == "builtin" else f"{r.kind}: {self.gateway.view().detail}"
         self._say(f"router serving {url}/v1 ({label}, {len(api_urls)} engines)")
         return url
 

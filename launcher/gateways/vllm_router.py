@@ -34,6 +34,25 @@ _START_TIMEOUT_S = 120.0
 _READY_TIMEOUT_S = 30.0
 
 
+def _metrics_port(port_range: tuple[int, int], taken: int) -> int:
+    """A port for vllm-router's Prometheus listener on 127.0.0.1, from the router's range (not the
+    ephemeral range: a restart must find it free again) and not the router's own port, which is reserved
+    but not yet bound."""
+    import socket
+
+    lo, hi = port_range
+    for port in range(hi, lo - 1, -1):  # from the top: the driver reserves from an offset upward
+        if port == taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise GatewayError(f"router.port_range {lo}-{hi}: no free port left for vllm-router's metrics")
+
+
 class VllmRouterGateway(Gateway):
     kind = "vllm-router"
 
@@ -55,7 +74,7 @@ class VllmRouterGateway(Gateway):
         else:
             url = self._start_managed()
         self._url = url
-        self.registrar = Registrar(VllmRouterAdmin(url), say=self.context.say)
+        self.registrar = Registrar(VllmRouterAdmin(url), say=self.context.say, note=self._note)
         try:
             self.registrar.register_all(engine_urls, timeout_s=_START_TIMEOUT_S)
         except Exception as exc:
@@ -63,11 +82,13 @@ class VllmRouterGateway(Gateway):
         self._wait_ready(url)
         return url
 
+    def _note(self, action: str, url: str) -> None:
+        self.context.job.log_event("gateway_member", f"vllm-router: {url} {action}", action=action, url=url)
+
     def _start_managed(self) -> str:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from launcher.driver.driver import reserve_port
         from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME
         from launcher.gateways.vllm_router_process import remote_vllm_router_actor
 
@@ -77,7 +98,7 @@ class VllmRouterGateway(Gateway):
             command = router_command(
                 host=ctx.host,
                 port=ctx.port,
-                metrics_port=reserve_port("127.0.0.1", ctx.spec.router.port_range),
+                metrics_port=_metrics_port(ctx.spec.router.port_range, ctx.port),
                 policy=self.section.policy,
                 options=self.section.options,
             )

@@ -109,9 +109,16 @@ class Registrar:
     sharing an external router) are never touched.
     """
 
-    def __init__(self, admin: VllmRouterAdmin, say: Callable[[str], None] = lambda m: None) -> None:
+    def __init__(
+        self,
+        admin: VllmRouterAdmin,
+        say: Callable[[str], None] = lambda m: None,
+        note: Callable[[str, str], None] = lambda action, url: None,
+    ) -> None:
         self.admin = admin
         self.say = say
+        self.note = note
+        """``note(action, url)`` once a worker is ``registered`` or ``deregistered`` (the job's events)."""
         self.ours: set[str] = set()
         """Every engine URL this job asked the router to route to (what ``stop`` deregisters)."""
         self._lock = threading.Lock()
@@ -130,10 +137,12 @@ class Registrar:
         for url in sorted(stale):
             self.admin.remove(url)
             self.say(f"vllm-router: {url} deregistered (not serving)")
+            self.note("deregistered", url)
 
     def _register(self, url: str) -> None:
         try:
             self.admin.add(url)
+            self.note("registered", url)
         except (OSError, AdminError) as exc:
             self.say(f"vllm-router: registering {url} failed, retried next tick: {exc}")
         finally:

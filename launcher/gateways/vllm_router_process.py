@@ -114,10 +114,13 @@ class VllmRouterProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def log_tail(self, n: int = 2000) -> str:
+    def log_tail(self) -> str:
+        """The last line of its log that says what went wrong (one line), and where the log is."""
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
-        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        lines = self.log_path.read_bytes()[-20000:].decode(errors="replace").splitlines()
+        errors = [x.strip() for x in lines if "error" in x.lower()] or [x.strip() for x in lines if x.strip()]
+        return f"{errors[-1] if errors else '(empty log)'} (log: {self.log_path})"
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop supervising and end the process (TERM, then KILL); idempotent."""
