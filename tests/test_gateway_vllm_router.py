@@ -303,6 +303,45 @@ def test_local_job_managed_router_killed_actor_is_back_on_the_same_url(
     assert job_processes(job) == []
 
 
+@pytest.mark.ray
+def test_example_job_registers_into_an_external_router_and_leaves_it_running(
+    router: VllmRouterProcess, tmp_path: Path
+) -> None:
+    """examples/local-vllm-router.yaml switched to external mode: the job's engines serve through a
+    vllm-router it does not own; at the end they are gone from it, another job's worker stays, and the
+    router keeps running."""
+    from launcher.bench.arms import sim_fleet
+    from tests.test_fleet_local import job_processes
+
+    with sim_fleet(1, {"speed": 20, "model_name": "sim-8b"}) as foreign:  # another job's, same model
+        router.admin.add(foreign[0])
+        _run_example_external(router, foreign[0], tmp_path, job_processes)
+
+
+def _run_example_external(
+    router: VllmRouterProcess, foreign: str, tmp_path: Path, job_processes: Callable[[Path], list[str]]
+) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "local-vllm-router.yaml"
+    overrides = [f"job_root={tmp_path / 'jobs'}", "router.mode=external", f"router.url={router.url}"]
+    overrides.append("router.vllm_router=null")  # an external router's policy is its owner's
+    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
+    proc = subprocess.run(
+        [rl_launch, "submit", str(example), *(x for o in overrides for x in ("--set", o))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "prefix hit" in proc.stdout  # the replay table
+    (job,) = list((tmp_path / "jobs").iterdir())
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
+    serving = next(e for e in JobDir(job).read_events() if e["phase"] == "router_serving")
+    assert serving["router_url"] == router.url and serving["gateway"] == "vllm-router"
+    assert router.admin.live() and router.admin.worker_urls() == {foreign}
+    assert job_processes(job) == []
+
+
 @pytest.mark.slurm
 def test_slurm_engine_killed_leaves_vllm_router_and_its_successor_joins(
     tmp_path: Path, slurm: None, vllm_router_bin: str

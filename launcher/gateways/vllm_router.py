@@ -129,6 +129,11 @@ class VllmRouterGateway(Gateway):
                 )
             time.sleep(0.2)
 
+    @property
+    def policy_label(self) -> str:
+        """What ``rl-launch status`` shows as the policy: vllm-router's, not our router's default."""
+        return self.section.policy if self.mode == "managed" else "external (its owner's policy)"
+
     # -- the run ----------------------------------------------------------------------------------------
     def base_url(self) -> str:
         return self._url
@@ -164,6 +169,8 @@ class VllmRouterGateway(Gateway):
 
     # -- stop -------------------------------------------------------------------------------------------
     def stop(self) -> None:
+        if self.registrar is not None and self.mode == "managed":
+            self.registrar.close()  # the router goes away with the actor: nothing to deregister
         if self.registrar is not None and self.mode == "external":
             failed = self.registrar.deregister_ours()
             if failed:

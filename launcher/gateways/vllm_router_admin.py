@@ -24,7 +24,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from launcher.gateways.vllm_router_command import root_url
@@ -122,8 +122,8 @@ class Registrar:
         self.ours: set[str] = set()
         """Every engine URL this job asked the router to route to (what ``stop`` deregisters)."""
         self._lock = threading.Lock()
-        self._pending: dict[str, Future[None]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="vllm-router-register")
+        self._pending: set[str] = set()
+        self._closed = False
 
     def converge(self, urls: Iterable[str]) -> None:
         desired = {root_url(u) for u in urls}
@@ -132,8 +132,13 @@ class Registrar:
             self.ours |= desired
             stale = (current & self.ours) - desired
             missing = desired - current - set(self._pending)
-            for url in missing:
-                self._pending[url] = self._pool.submit(self._register, url)
+            for url in missing if not self._closed else ():
+                # Daemon threads, one per engine being registered (deduplicated): a POST still waiting
+                # on an engine must never hold up the driver's exit.
+                self._pending.add(url)
+                threading.Thread(
+                    target=self._register, args=(url,), name="vllm-router-register", daemon=True
+                ).start()
         for url in sorted(stale):
             self.admin.remove(url)
             self.say(f"vllm-router: {url} deregistered (not serving)")
@@ -142,27 +147,37 @@ class Registrar:
     def _register(self, url: str) -> None:
         try:
             self.admin.add(url)
+            with self._lock:
+                closed = self._closed
+            if closed:  # the job ended while this POST waited: leave no worker of ours behind
+                self.admin.remove(url)
+                return
             self.note("registered", url)
         except (OSError, AdminError) as exc:
             self.say(f"vllm-router: registering {url} failed, retried next tick: {exc}")
         finally:
             with self._lock:
-                self._pending.pop(url, None)
+                self._pending.discard(url)
 
     def register_all(self, urls: Sequence[str], timeout_s: float) -> None:
         """Register ``urls`` now and wait for every one (the gateway's start); raises on the first failure."""
-        futures = [self._pool.submit(self.admin.add, u, timeout_s) for u in urls]
         with self._lock:
             self.ours |= {root_url(u) for u in urls}
-        for f in futures:
-            f.result(timeout=timeout_s + 5)
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
+            for f in [pool.submit(self.admin.add, u, timeout_s) for u in urls]:
+                f.result()
+
+    def close(self) -> None:
+        """No new registrations from now on (a pending one is undone when it completes)."""
+        with self._lock:
+            self._closed = True
 
     def deregister_ours(self) -> list[str]:
         """Remove every engine this job registered (a shared router keeps serving its other workers);
         returns the failures."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
         failed = []
         with self._lock:
+            self._closed = True
             ours = sorted(self.ours)
         for url in ours:
             try:
