@@ -342,16 +342,31 @@ def _run_example_external(
     assert job_processes(job) == []
 
 
+def _assert_job_gone(job: Path) -> None:
+    """This job (not the whole shared cluster's queue) left Slurm, and none of its processes is left on
+    any node (each carries RL_LAUNCH_JOB_DIR; the login node sees every node's processes)."""
+    from tests.test_fleet_local import job_processes
+    from tests.test_launcher_slurm import job_id_of
+
+    queued = subprocess.run(
+        ["squeue", "-h", "-j", job_id_of(job)], capture_output=True, text=True, timeout=10
+    )
+    assert not queued.stdout.strip(), queued.stdout
+    _until(lambda: job_processes(job) == [], timeout_s=20, what=f"no process of {job} left")
+
+
 @pytest.mark.slurm
-def test_slurm_engine_killed_leaves_vllm_router_and_its_successor_joins(
-    tmp_path: Path, slurm: None, vllm_router_bin: str
+@pytest.mark.parametrize("mode", ["kill", "wedge"])
+def test_slurm_failed_engine_leaves_vllm_router_and_its_successor_joins(
+    tmp_path: Path, slurm: None, vllm_router_bin: str, mode: str
 ) -> None:
+    """round_robin, so the victim carries its share of the turns when it fails (with cache_aware,
+    vllm-router may send all traffic to another engine and the fault would hit nothing; the replay's
+    per-engine counts cannot show it, since a dead victim's metrics are gone)."""
     from tests.test_fleet_local import TRAINER
     from tests.test_launcher_slurm import (
         job_dir_of,
-        squeue_empty,
         submit,
-        wait_no_leftovers,
         write_spec,
     )
 
@@ -359,9 +374,9 @@ def test_slurm_engine_killed_leaves_vllm_router_and_its_successor_joins(
     trainer.write_text(TRAINER)
     spec = write_spec(
         tmp_path,
-        "vrouter-kill",
-        f"{sys.executable} {trainer} kill",
-        router={"kind": "vllm-router", "vllm_router": {"policy": "cache_aware"}},
+        f"vrouter-{mode}",
+        f"{sys.executable} {trainer} {mode}",
+        router={"kind": "vllm-router", "vllm_router": {"policy": "round_robin"}},
     )
     proc = submit(spec, "--follow")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -370,13 +385,12 @@ def test_slurm_engine_killed_leaves_vllm_router_and_its_successor_joins(
     victim = json.loads((job / "victim.json").read_text())
     out_s, in_s, successor = _member_times(job, victim)
     print(
-        f"\nslurm vllm-router, engine killed: out of vllm-router {out_s:.1f}s, successor {successor} "
-        f"registered {in_s:.1f}s after the kill; sessions lost {replay['errors']}"
+        f"\nslurm vllm-router, engine {mode}: out of vllm-router {out_s:.1f}s, successor {successor} "
+        f"registered {in_s:.1f}s after the fault; sessions lost {replay['errors']}"
     )
     assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
     assert out_s < 10
-    assert squeue_empty()
-    assert wait_no_leftovers() == []
+    _assert_job_gone(job)
 
 
 @pytest.mark.slurm
@@ -385,9 +399,7 @@ def test_slurm_managed_vllm_router_process_killed_is_back_on_the_same_url(
 ) -> None:
     from tests.test_launcher_slurm import (
         job_dir_of,
-        squeue_empty,
         submit,
-        wait_no_leftovers,
         write_spec,
     )
 
@@ -412,5 +424,4 @@ def test_slurm_managed_vllm_router_process_killed_is_back_on_the_same_url(
     assert back["down_s"] < 10
     assert any(e["phase"] == "router_restarted" for e in events)
     assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
-    assert squeue_empty()
-    assert wait_no_leftovers() == []
+    _assert_job_gone(job)
