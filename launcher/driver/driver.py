@@ -477,10 +477,11 @@ class Driver:
         except GatewayError as exc:
             raise JobFailed(str(exc)) from None
         self._mark("router_start_s", t)
+        policy = getattr(self.gateway, "policy_label", r.policy)  # a front with its own policies says which
         self.state.event(
-            "router_serving", f"router serving {url}/v1", router_url=url, policy=r.policy, gateway=r.kind
+            "router_serving", f"router serving {url}/v1", router_url=url, policy=policy, gateway=r.kind
         )
-        label = r.policy if r.kind == "builtin" else f"{r.kind}: {r.policy}"
+        label = r.policy if r.kind == "builtin" else f"{r.kind}: {self.gateway.view().detail}"
         self._say(f"router serving {url}/v1 ({label}, {len(api_urls)} engines)")
         return url
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,9 +88,45 @@ def _sim_issues(sim: Mapping[str, Any]) -> list[Issue]:
     return issues
 
 
+def _router_issues(spec: JobSpec) -> list[Issue]:
+    """``router.mode``/``url``/``vllm_router`` belong to ``kind: vllm-router``; our router's own settings
+    (``policy``, timeouts...) do not apply to it and are refused rather than silently ignored."""
+    from launcher.gateways.vllm_router_command import check_section
+    from router.config import RouterSettings
+
+    r = spec.router
+    if r.kind == "builtin":
+        return [
+            Issue(f"router.{f}", "only for router.kind: vllm-router; remove it")
+            for f in ("mode", "url", "vllm_router")
+            if getattr(r, f) is not None
+        ]
+    issues = [
+        Issue(f"router.{f}", f"configures the builtin router, not {r.kind}; remove it"
+              + (" (set router.vllm_router.policy)" if f.startswith("policy") else ""))
+        for f in sorted(r.model_fields_set & set(RouterSettings.model_fields))
+    ]
+    if r.mode == "external":
+        if not r.url:
+            issues.append(Issue("router.url", "required with router.mode: external: the running "
+                                "vllm-router's base URL, e.g. http://router-host:30000"))
+        elif not re.fullmatch(r"https?://[^/\s]+/?", r.url):
+            issues.append(Issue("router.url", f"{r.url!r} is not a base URL; give http://HOST:PORT "
+                                "(no path: the engines and Gym's /v1 are added by rl-launch)"))
+        if r.vllm_router is not None:
+            issues.append(Issue("router.vllm_router", "an external vllm-router's policy and options are "
+                                "its owner's; remove it (or use router.mode: managed)"))
+    else:
+        if r.url is not None:
+            issues.append(Issue("router.url", "only for router.mode: external (a managed vllm-router "
+                                "listens on the port rl-launch reserves); remove it"))
+        issues += [Issue(path, message) for path, message in check_section(r.vllm_router)]
+    return issues
+
+
 def semantic_issues(spec: JobSpec) -> list[Issue]:
     """Rules across fields. Each issue names the field to change, so the fix is obvious."""
-    issues: list[Issue] = []
+    issues: list[Issue] = _router_issues(spec)
     gen = spec.generation
     footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
 
@@ -230,6 +267,11 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
             env=gen.env,
             resources=gen_res,
         ),
-        router=ResolvedRouter(**spec.router.model_dump()),
+        router=ResolvedRouter(
+            **{
+                **spec.router.model_dump(),
+                **({"mode": spec.router.mode or "managed"} if spec.router.kind == "vllm-router" else {}),
+            }
+        ),
         gym=ResolvedGym(overlay=spec.gym.overlay, model_name=spec.gym.model_name or served),
     )

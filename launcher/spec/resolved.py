@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict
 
+from launcher.gateways.vllm_router_command import VllmRouterSection
 from launcher.spec.schema import Container
 from router.config import RouterSettings
 
@@ -87,8 +88,12 @@ class ResolvedRouter(RouterSettings):
     # Not strict: a snapshot is YAML, where the port range comes back as a list.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
-    kind: Literal["builtin"]
+    kind: Literal["builtin", "vllm-router"]
     port_range: tuple[int, int]
+    mode: Literal["managed", "external"] | None = None
+    """``managed`` or ``external`` for vllm-router; ``None`` for the builtin router."""
+    url: str | None = None
+    vllm_router: VllmRouterSection | None = None
 
 
 class ResolvedGym(_Resolved):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from launcher.gateways.vllm_router_command import VllmRouterSection
 from launcher.slurm.options import check_sbatch_option, parse_sbatch_option
 from launcher.slurm.time import format_time, parse_time
 from launcher.spec.errors import Issue, SpecError
@@ -319,8 +320,16 @@ class RouterSection(RouterSettings):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
 
-    kind: Literal["builtin"] = Field(default="builtin", description="the front in front of the fleet")
+    kind: Literal["builtin", "vllm-router"] = Field(
+        default="builtin", description="the front in front of the fleet"
+    )
     port_range: tuple[int, int] = DEFAULT_ROUTER_PORT_RANGE
+    # vllm-router (rules across these fields: ``resolution._router_issues``)
+    mode: Literal["managed", "external"] | None = Field(
+        default=None, description="vllm-router: start it (managed) or attach to a running one"
+    )
+    url: str | None = Field(default=None, description="external vllm-router's base URL (no /v1)")
+    vllm_router: VllmRouterSection | None = None
 
     @field_validator("port_range", mode="before")
     @classmethod
