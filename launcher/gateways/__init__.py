@@ -10,6 +10,7 @@ from launcher.gateways.base import Gateway, GatewayContext, GatewayError, Gatewa
 # when a job asks for that kind.
 GATEWAY_KINDS: dict[str, tuple[str, str]] = {
     "builtin": ("launcher.gateways.builtin", "BuiltinRouterGateway"),
+    "dynamo": ("launcher.gateways.dynamo", "DynamoGateway"),
 }
 
 

@@ -87,13 +87,54 @@ def _sim_issues(sim: Mapping[str, Any]) -> list[Issue]:
     return issues
 
 
+def _dynamo_issues(spec: JobSpec) -> list[Issue]:
+    """Dynamo workers register with a Dynamo frontend only, and that frontend routes to nothing else."""
+    gen, kind = spec.generation, spec.router.kind
+    dynamo_engine = gen.engine.startswith("dynamo-")
+    if kind == "dynamo" and not dynamo_engine:
+        return [
+            Issue(
+                "generation.engine",
+                f"is {gen.engine!r} but router.kind is 'dynamo', which routes only to Dynamo workers: use "
+                "dynamo-vllm (GPUs) or dynamo-mocker (CPU), or another router.kind",
+            )
+        ]
+    if dynamo_engine and kind != "dynamo":
+        return [
+            Issue(
+                "router.kind",
+                f"is {kind!r} but generation.engine is {gen.engine!r}, whose workers only a Dynamo "
+                "frontend can reach: set router.kind: dynamo",
+            )
+        ]
+    if dynamo_engine and not gen.model:
+        what = "a local Hugging Face directory with a tokenizer (the mocker downloads nothing)"
+        if gen.engine == "dynamo-vllm":
+            what = "the Hugging Face id or local path of the model to serve"
+        return [Issue("generation.model", f"required when generation.engine is {gen.engine!r}: {what}")]
+    return []
+
+
 def semantic_issues(spec: JobSpec) -> list[Issue]:
     """Rules across fields. Each issue names the field to change, so the fix is obvious."""
     issues: list[Issue] = []
     gen = spec.generation
     footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
 
-    if gen.engine == "vllm":
+    issues.extend(_dynamo_issues(spec))
+    if gen.engine == "dynamo-vllm" or gen.engine == "dynamo-mocker":
+        if gen.sim:
+            issues.append(
+                Issue("generation.sim", "simulator options need generation.engine: sim; remove them")
+            )
+        if gen.engine == "dynamo-mocker" and gen.vllm_args:
+            issues.append(
+                Issue(
+                    "generation.vllm_args",
+                    "not used by the mocker; put mocker flags in router.dynamo.worker_args",
+                )
+            )
+    elif gen.engine == "vllm":
         if not gen.model:
             issues.append(
                 Issue(
@@ -136,6 +177,14 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
         )
     gen_res = _role_resources(spec, gen.slurm)
     gpus, gpus_field = gen_res.gpus_per_node, _gpus_field(spec)
+    if gen.engine == "dynamo-vllm" and gpus == 0:
+        issues.append(
+            Issue(
+                gpus_field,
+                "is 0 but generation.engine is 'dynamo-vllm', whose vLLM is the CUDA build: set the GPUs "
+                "per node, or use engine: dynamo-mocker for simulated Dynamo workers on CPUs",
+            )
+        )
     if gen.engine == "vllm" and gpus == 0 and not gen.allow_cpu:
         issues.append(
             Issue(
@@ -154,7 +203,7 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
                 "use nodes with more GPUs",
             )
         )
-    elif gen.engine == "vllm" and gpus > 0 and gen.engines_per_node is not None:
+    elif gen.engine in ("vllm", "dynamo-vllm") and gpus > 0 and gen.engines_per_node is not None:
         need = gen.engines_per_node * footprint
         if need > gpus:
             issues.append(

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from launcher.spec.schema import Container
+from launcher.spec.schema import Container, DynamoOptions
 from router.config import RouterSettings
 
 
@@ -58,7 +58,7 @@ class ResolvedTraining(_Resolved):
 
 class ResolvedGeneration(_Resolved):
     nodes: int
-    engine: Literal["vllm", "sim"]
+    engine: Literal["vllm", "sim", "dynamo-vllm", "dynamo-mocker"]
     model: str | None
     served_model_name: str
     """What clients (Gym) send as ``model``: ``served_model_name`` or ``model``, ``sim`` for a sim engine
@@ -87,8 +87,9 @@ class ResolvedRouter(RouterSettings):
     # Not strict: a snapshot is YAML, where the port range comes back as a list.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
-    kind: Literal["builtin"]
+    kind: Literal["builtin", "dynamo"]
     port_range: tuple[int, int]
+    dynamo: DynamoOptions
 
 
 class ResolvedGym(_Resolved):
