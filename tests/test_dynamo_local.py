@@ -49,11 +49,19 @@ TRAINER = textwrap.dedent(
                                "--retry-attempts", "3", "--json", os.path.join(job, "replay.json")])
     time.sleep(1.5)
     victim = listing()[0]
-    port = victim["url"].rsplit(":", 1)[1]
-    ss = subprocess.run(["ss", "-H", "-tlnp", f"sport = :{port}"], capture_output=True, text=True).stdout
-    pid = int(re.search(r"pid=(\\d+)", ss).group(1))
-    t_kill = time.time()
-    os.killpg(pid, signal.SIGKILL)
+    if sys.argv[1:] == ["external"]:  # on Slurm the worker is on another node: the test kills it
+        json.dump(victim, open(os.path.join(job, "kill_me.json"), "w"))
+        killed = os.path.join(job, "killed.json")
+        deadline = time.time() + 60
+        while not os.path.exists(killed) and time.time() < deadline:
+            time.sleep(0.1)
+        t_kill = json.load(open(killed))["t"]
+    else:
+        port = victim["url"].rsplit(":", 1)[1]
+        ss = subprocess.run(["ss", "-H", "-tlnp", f"sport = :{port}"], capture_output=True, text=True).stdout
+        pid = int(re.search(r"pid=(\\d+)", ss).group(1))
+        t_kill = time.time()
+        os.killpg(pid, signal.SIGKILL)
     rejoined = None
     deadline = time.time() + 120
     while time.time() < deadline:
