@@ -75,6 +75,7 @@ TRAINER = textwrap.dedent(
             break
         time.sleep(0.2)
     code = replay.wait()
+    time.sleep(6)  # the controller writes the frontend's view every 5 ticks: let it see the rejoined worker
     json.dump({"first": first, "before": before, "after": instances(), "victim": victim["url"],
                "new_url": listing()[0]["url"], "recovery_s": rejoined},
               open(os.path.join(job, "dynamo_trainer.json"), "w"))
@@ -133,6 +134,10 @@ def test_dynamo_fleet_serves_recovers_a_killed_worker_and_leaves_nothing(
     assert any(e["phase"] == "engine_restarted" for e in events)
     state = json.loads((job / "state.json").read_text())
     assert state["gateway"]["kind"] == "dynamo"
+    # The frontend's instances lined up with our engines (the last view before the teardown).
+    listing = json.loads((job / "engines" / "node-0.urls.json").read_text())
+    engine_urls = {e["url"] for e in listing["engines"]}
+    assert {m["url"] for m in state["gateway"]["members"]} == engine_urls, state["gateway"]
     timings = json.loads((job / "result.json").read_text())["timings"]
     bring_up = timings["ray_start_s"] + timings["engine_start_s"] + timings["router_start_s"]
     print(

@@ -33,6 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from launcher.engines.dynamo import DynamoPlanes, dynamo_python
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
 
 _GENERATE = "generate"
+_PER_WORKER_ENDPOINT = "worker_kv_query_source_"
 
 
 def _free_port(host: str) -> int:
@@ -303,11 +305,13 @@ class DynamoGateway(Gateway):
 
     def view(self) -> GatewayView:
         try:
-            instances = worker_instances(_get_json(f"{self._url}/health"))
+            health = _get_json(f"{self._url}/health")
+            instances = worker_instances(health)
         except (OSError, ValueError, urllib.error.URLError) as exc:
             return GatewayView(self.kind, self._url, False, detail=f"frontend unreachable: {exc}")
+        engine_of = self._engines_by_instance(health)
         members = tuple(
-            GatewayMember(f"dyn://{iid}", True, f"worker instance at {addr}")
+            GatewayMember(engine_of.get(iid, f"dyn://{iid}"), True, f"worker instance {iid} at {addr}")
             for iid, addr in sorted(instances.items())
         )
         detail = (
@@ -315,6 +319,34 @@ class DynamoGateway(Gateway):
             f"discovery, {len(self._serving)} engine(s) serving by our probes"
         )
         return GatewayView(self.kind, self._url, True, members, detail)
+
+    def _engines_by_instance(self, health: dict[str, Any]) -> dict[str, str]:
+        """``{instance_id: engine URL}`` for the serving engines, so the dashboard can line the
+        frontend's instances up with our engines. A worker's own ``/health`` names its per-worker
+        endpoint (``worker_kv_query_source_<id>``), which the frontend lists under the worker's
+        instance id; a worker without one stays ``dyn://<instance id>`` in the view."""
+        by_endpoint = {
+            str(i.get("endpoint")): str(i.get("instance_id"))
+            for i in health.get("instances") or []
+            if str(i.get("endpoint", "")).startswith(_PER_WORKER_ENDPOINT)
+        }
+
+        def endpoints(url: str) -> tuple[str, list[str]]:
+            try:
+                return url, list((_get_json(f"{url}/health", 1.0) or {}).get("endpoints") or {})
+            except (OSError, ValueError, AttributeError, urllib.error.URLError):
+                return url, []
+
+        out: dict[str, str] = {}
+        urls = [u.removesuffix("/v1") for u in self._serving]
+        if not urls:
+            return out
+        with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+            for url, names in pool.map(endpoints, urls):
+                for name in names:
+                    if name in by_endpoint:
+                        out[by_endpoint[name]] = url
+        return out
 
     def stop(self) -> None:
         with self._lock:
