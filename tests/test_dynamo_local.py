@@ -93,7 +93,7 @@ def have_runtime() -> None:
         pytest.skip(f"{', '.join(missing)} not on PATH (apt-get install etcd-server nats-server iproute2)")
 
 
-@pytest.mark.parametrize("discovery", ["etcd"])
+@pytest.mark.parametrize("discovery", ["etcd", "file"])
 def test_dynamo_fleet_serves_recovers_a_killed_worker_and_leaves_nothing(
     tmp_path: Path, tiny_model_dir: Path, discovery: str
 ) -> None:

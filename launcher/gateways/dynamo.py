@@ -209,7 +209,12 @@ class DynamoGateway(Gateway):
                 )
             time.sleep(0.2)
         self.context.say(f"Dynamo runtime up: etcd {host}:{client}, NATS {host}:{nats} (JetStream)")
-        return {"ETCD_ENDPOINTS": f"http://{host}:{client}", "NATS_SERVER": f"nats://{host}:{nats}"}
+        return {
+            "ETCD_ENDPOINTS": f"http://{host}:{client}",
+            "NATS_SERVER": f"nats://{host}:{nats}",
+            # How long a dead worker stays in the frontend's instance list (its etcd lease).
+            "ETCD_LEASE_TTL": str(self.options.lease_ttl_s),
+        }
 
     def _dead_runtime(self) -> str | None:
         for proc in [*self.runtime, *([self.frontend] if self.frontend else [])]:

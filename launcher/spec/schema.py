@@ -330,6 +330,7 @@ class DynamoOptions(_Section):
     worker_args: list[str] = Field(default_factory=list)
     """Appended to every ``dynamo.vllm`` / ``dynamo.mocker`` command line (e.g. ``--speedup-ratio 10``)."""
     ready_timeout_s: float = Field(default=300.0, gt=0)
+    lease_ttl_s: int = Field(default=5, ge=1, description="etcd lease of a worker's registration")
 
     @field_validator("frontend_args", "worker_args", mode="before")
     @classmethod
