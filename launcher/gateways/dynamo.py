@@ -159,6 +159,7 @@ class DynamoGateway(Gateway):
             kv = self.data_dir / "kv"
             kv.mkdir(exist_ok=True)
             env["DYN_FILE_KV"] = str(kv)
+            ctx.job.log_event("gateway_runtime", f"Dynamo file discovery in {kv}")
         else:
             env.update(self._start_etcd_nats(host))
         self.planes = DynamoPlanes(opts.discovery, opts.request_plane, env)
@@ -208,7 +209,9 @@ class DynamoGateway(Gateway):
                     f"{etcd.log}, {nats_proc.log}"
                 )
             time.sleep(0.2)
-        self.context.say(f"Dynamo runtime up: etcd {host}:{client}, NATS {host}:{nats} (JetStream)")
+        up = f"Dynamo runtime up: etcd {host}:{client}, NATS {host}:{nats} (JetStream)"
+        self.context.say(up)
+        self.context.job.log_event("gateway_runtime", up)  # `submit --follow` and `status` show events
         return {
             "ETCD_ENDPOINTS": f"http://{host}:{client}",
             "NATS_SERVER": f"nats://{host}:{nats}",
