@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,73 @@ def test_dynamo_fleet_serves_recovers_a_killed_worker_and_leaves_nothing(
     assert lost == 0, replay
     assert not (job / "dynamo").exists(), "the runtime's data directory was left behind"
     assert job_processes(job) == []
+
+
+@pytest.mark.parametrize("how", ["frontend_killed", "etcd_killed", "sigterm"])
+def test_dynamo_job_ends_loudly_and_leaves_nothing(tmp_path: Path, tiny_model_dir: Path, how: str) -> None:
+    """A dead frontend or runtime fails the job with the reason (every request would fail otherwise); a
+    SIGTERM (scancel, rl-launch cancel) cancels it; either way nothing of the job is left."""
+    have_runtime()
+    spec = {
+        "name": "dynamo-stop",
+        "cluster": "local",
+        "job_root": str(tmp_path / "jobs"),
+        "training": {"command": "sleep 300"},
+        "generation": {
+            "engine": "dynamo-mocker",
+            "engines_per_node": 1,
+            "model": str(tiny_model_dir),
+            "served_model_name": "tiny",
+        },
+        "router": {"kind": "dynamo"},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
+    out = (tmp_path / "submit.log").open("w")  # a file, not a pipe nobody reads until the end
+    proc = subprocess.Popen([rl_launch, "submit", str(path)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            jobs = list((tmp_path / "jobs").glob("*/state.json"))
+            state = json.loads(jobs[0].read_text()) if jobs else {}
+            if state.get("phase") == "training":
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, state
+            time.sleep(0.2)
+        job = jobs[0].parent
+        t = time.monotonic()
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            name = "frontend" if how == "frontend_killed" else "etcd"
+            log = "dynamo-frontend.log" if name == "frontend" else "dynamo-etcd.log"
+            os.killpg(_process_of(job, log), signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+    result = json.loads((job / "result.json").read_text())
+    if how == "sigterm":
+        assert result["outcome"] == "cancelled", result
+    else:
+        assert result["outcome"] == "failed" and result["exit_code"] == 1, result
+        what = "frontend" if how == "frontend_killed" else "etcd"
+        assert f"Dynamo {what} exited" in result["reason"], result["reason"]
+        assert time.monotonic() - t < 60
+    assert result["torn_down"] is True
+    assert not (job / "dynamo").exists()
+    assert job_processes(job) == []
+
+
+def _process_of(job: Path, log_name: str) -> int:
+    """The process group leader the driver started with its output in ``logs/<log_name>``."""
+    log = str(job / "logs" / log_name)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/1") == log and os.getpgid(int(pid)) == int(pid):
+                return int(pid)
+        except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
+            continue
+    raise AssertionError(f"no process writes {log}")
