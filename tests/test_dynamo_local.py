@@ -45,6 +45,8 @@ TRAINER = textwrap.dedent(
     req = urllib.request.Request(url + "/v1/completions", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
     first = json.load(urllib.request.urlopen(req, timeout=10))
+    reset = subprocess.run(["rl-launch", "fleet", "reset-cache", job, "--json"],
+                           capture_output=True, text=True)
     before = instances()
     replay = subprocess.Popen(["rl-launch", "bench", "replay", "--url", os.environ["RL_POLICY_BASE_URL"],
                                "--workload", "longtail", "--scale", "0.05", "--seed", "3",
@@ -78,7 +80,8 @@ TRAINER = textwrap.dedent(
         time.sleep(0.2)
     code = replay.wait()
     time.sleep(6)  # the controller writes the frontend's view every 5 ticks: let it see the rejoined worker
-    json.dump({"first": first, "before": before, "after": instances(), "victim": victim["url"],
+    json.dump({"reset_rc": reset.returncode, "reset": reset.stdout,
+               "first": first, "before": before, "after": instances(), "victim": victim["url"],
                "new_url": listing()[0]["url"], "recovery_s": rejoined},
               open(os.path.join(job, "dynamo_trainer.json"), "w"))
     sys.exit(code)
@@ -127,6 +130,12 @@ def test_dynamo_fleet_serves_recovers_a_killed_worker_and_leaves_nothing(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = json.loads((job / "dynamo_trainer.json").read_text())
     assert seen["first"]["usage"]["completion_tokens"] == 4
+    # The mocker has no cache-invalidation route (dynamo.vllm workers serve /engine/flush_cache): the reset
+    # must say so per worker and fail, never report a flush that did not happen.
+    reset = json.loads(seen["reset"])
+    assert seen["reset_rc"] == 1 and not reset["ok"] and len(reset["engines"]) == 2, seen["reset"]
+    assert all(e["status"] == 404 for e in reset["engines"]), reset
+    assert json.loads((job / "cache_reset.json").read_text())["ok"] is False
     assert len(seen["before"]) == 2 and len(seen["after"]) == 2
     assert seen["recovery_s"] is not None, "the killed worker never rejoined the frontend"
     assert seen["new_url"] != seen["victim"]  # restarted in place on a new status port
