@@ -28,6 +28,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Cancel a job, queued or running: scancel (the driver tears everything down on SIGTERM), or SIGTERM "
         "to a local job's driver.",
     ),
+    "fleet": (
+        "launcher.cli_fleet",
+        "fleet_group",
+        "Fleet-wide operations on a running job (cache invalidation).",
+    ),
     "list": (
         "launcher.cli_jobs",
         "list_command",

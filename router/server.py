@@ -187,6 +187,8 @@ class GenerationRouter:
             self._session,
             worker_health_timeout_s=self.config.worker_health_timeout_s,
             max_pending=self.config.max_pending_registrations,
+            # What the engines expect: their own key if one is configured, else the clients' (forwarded).
+            backend_api_key=self.config.secret("backend_api_key") or self._api_key,
         )
         admin.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", _not_found)

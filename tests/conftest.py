@@ -56,7 +56,7 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 # instead of turning green.
 # ============================================================================================
 
-REQUIRED_MARKERS = ("slurm", "vllm", "ray", "shellcheck")
+REQUIRED_MARKERS = ("slurm", "vllm", "ray", "shellcheck", "dynamo")
 
 
 @pytest.hookimpl(hookwrapper=True)

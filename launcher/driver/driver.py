@@ -207,6 +207,9 @@ class Driver:
         self.end_time: float | None = None
         self.stop_at: float | None = None
         self.gateway: Gateway | None = None
+        self.engine_runtime: dict[str, Any] = {}
+        """What the engines need of the gateway's runtime (Dynamo: discovery and planes); see
+        ``Gateway.prepare_engines``."""
         self.controller: FleetController | None = None
         self.status_server: StatusServer | None = None
         self.training: subprocess.Popen[bytes] | None = None
@@ -240,6 +243,7 @@ class Driver:
                 if self.end_time is not None:
                     self.stop_at = self.end_time - stop_margin_s(self.end_time - time.time())
             self._start_ray()
+            self._make_gateway()
             api_urls = self._start_engines()
             self._start_router(api_urls)
             gen = self.spec.generation
@@ -393,6 +397,9 @@ class Driver:
             api_key_file=str(self.job.api_key_file),
             vllm_python=os.environ.get("RL_LAUNCH_VLLM_PYTHON"),
             node_index=index,
+            dynamo=dict(self.engine_runtime),
+            dynamo_python=os.environ.get("RL_LAUNCH_DYNAMO_PYTHON"),
+            dynamo_worker_args=list(self.spec.router.dynamo.worker_args),
         )
 
     def _launch_host(self, index: int) -> Step:
@@ -456,9 +463,10 @@ class Driver:
         self._say(f"engines ready: {len(urls)} in {self.timings['engine_start_s']} s")
         return urls
 
-    def _start_router(self, api_urls: list[str]) -> str:
+    def _make_gateway(self) -> None:
         """The front in front of the fleet (``router.kind``; see ``launcher.gateways``), on a port
-        reserved once from the spec's range, so a restarted front rebinds the same URL."""
+        reserved once from the spec's range, so a restarted front rebinds the same URL. Made before the
+        engines because some kinds run what the engines register with (Dynamo's runtime)."""
         t = time.monotonic()
         r = self.spec.router
         host = node_address(socket.gethostname(), self.local)
@@ -473,6 +481,17 @@ class Driver:
         )
         try:
             self.gateway = make_gateway(r.kind, context)
+            self.engine_runtime = self.gateway.prepare_engines()
+        except GatewayError as exc:
+            raise JobFailed(str(exc)) from None
+        if self.engine_runtime:
+            self._mark("gateway_runtime_start_s", t)
+
+    def _start_router(self, api_urls: list[str]) -> str:
+        t = time.monotonic()
+        r = self.spec.router
+        assert self.gateway is not None
+        try:
             url = self.gateway.start(api_urls)
         except GatewayError as exc:
             raise JobFailed(str(exc)) from None
@@ -481,7 +500,9 @@ class Driver:
         self.state.event(
             "router_serving", f"router serving {url}/v1", router_url=url, policy=policy, gateway=r.kind
         )
-        label = r.policy if r.kind == "builtin" else f"{r.kind}: {self.gateway.view().detail}"
+        label = {"builtin": r.policy, "dynamo": f"dynamo: --router-mode {r.dynamo.router_mode}"}.get(
+            r.kind, f"{r.kind}: {self.gateway.view().detail}"
+        )
         self._say(f"router serving {url}/v1 ({label}, {len(api_urls)} engines)")
         return url
 
@@ -555,6 +576,10 @@ class Driver:
                     # No engine can serve and none is coming back: fail now, instead of leaving the
                     # trainer to retry against an empty fleet until the allocation's time limit.
                     raise JobFailed(self.controller.fatal) from None
+                failure = self.gateway.failed() if self.gateway is not None else None
+                if failure:
+                    # A launcher-owned front (Dynamo's frontend, etcd, NATS) died: every request fails.
+                    raise JobFailed(f"the {self.spec.router.kind} gateway failed: {failure}") from None
                 if self.stop_at is not None and time.time() >= self.stop_at:
                     # The warning signal may never reach this process (with --signal=B:USR2 it goes to
                     # the batch shell, which must pass it on); the end time alone is reason enough.
@@ -579,7 +604,8 @@ class Driver:
         t = time.monotonic()
         self.hosts.close()
         parts: list[tuple[str, Any]] = [("training", self._stop_training)]
-        if not hurry:
+        if not hurry or self.spec.router.kind != "builtin":
+            # Hurried, the builtin router actor goes with the Ray head; other fronts are our processes.
             parts.append(("router", self._stop_router))
         if self.controller is not None:
             parts.append(("fleet-controller", self.controller.stop))

@@ -11,6 +11,7 @@ from launcher.gateways.base import Gateway, GatewayContext, GatewayError, Gatewa
 GATEWAY_KINDS: dict[str, tuple[str, str]] = {
     "builtin": ("launcher.gateways.builtin", "BuiltinRouterGateway"),
     "vllm-router": ("launcher.gateways.vllm_router", "VllmRouterGateway"),
+    "dynamo": ("launcher.gateways.dynamo", "DynamoGateway"),
 }
 
 

@@ -91,6 +91,16 @@ class Gateway(ABC):
         """Start (or attach to) the front with these engines serving; return its base URL (no ``/v1``)
         once it answers. Raises ``GatewayError`` naming what failed."""
 
+    def prepare_engines(self) -> dict[str, Any]:
+        """Start what the engines need before they start (Dynamo's discovery and event runtime) and
+        return what the engine hosts must know of it (kind-specific, JSON-able); ``{}``: nothing."""
+        return {}
+
+    def failed(self) -> str | None:
+        """Why the front can no longer serve (a launcher-owned process died), else ``None``; the driver
+        fails the job with this reason instead of leaving the trainer on a dead URL."""
+        return None
+
     @abstractmethod
     def base_url(self) -> str:
         """The stable URL for the life of the run (clients use ``base_url() + "/v1"``)."""

@@ -89,23 +89,35 @@ def _sim_issues(sim: Mapping[str, Any]) -> list[Issue]:
 
 
 def _router_issues(spec: JobSpec) -> list[Issue]:
-    """``router.mode``/``url``/``vllm_router`` belong to ``kind: vllm-router``; our router's own settings
-    (``policy``, timeouts...) do not apply to it and are refused rather than silently ignored."""
+    """Each kind's own fields belong to that kind (``mode``/``url``/``vllm_router``: vllm-router;
+    ``dynamo``: dynamo); our router's own settings (``policy``, timeouts...) do not apply to another
+    front and are refused rather than silently ignored."""
     from launcher.gateways.vllm_router_command import check_section
     from router.config import RouterSettings
 
     r = spec.router
-    if r.kind == "builtin":
-        return [
+    issues: list[Issue] = []
+    if r.kind != "vllm-router":
+        issues += [
             Issue(f"router.{f}", "only for router.kind: vllm-router; remove it")
             for f in ("mode", "url", "vllm_router")
             if getattr(r, f) is not None
         ]
-    issues = [
-        Issue(f"router.{f}", f"configures the builtin router, not {r.kind}; remove it"
-              + (" (set router.vllm_router.policy)" if f.startswith("policy") else ""))
+    if r.kind != "dynamo" and "dynamo" in r.model_fields_set:
+        issues.append(Issue("router.dynamo", "only for router.kind: dynamo; remove it"))
+    if r.kind == "builtin":
+        return issues
+    hint = {"vllm-router": " (set router.vllm_router.policy)", "dynamo": " (set router.dynamo.router_mode)"}
+    issues += [
+        Issue(
+            f"router.{f}",
+            f"configures the builtin router, not {r.kind}; remove it"
+            + (hint.get(r.kind, "") if f.startswith("policy") else ""),
+        )
         for f in sorted(r.model_fields_set & set(RouterSettings.model_fields))
     ]
+    if r.kind != "vllm-router":
+        return issues
     if r.mode == "external":
         if not r.url:
             issues.append(Issue("router.url", "required with router.mode: external: the running "
@@ -124,13 +136,54 @@ def _router_issues(spec: JobSpec) -> list[Issue]:
     return issues
 
 
+def _dynamo_issues(spec: JobSpec) -> list[Issue]:
+    """Dynamo workers register with a Dynamo frontend only, and that frontend routes to nothing else."""
+    gen, kind = spec.generation, spec.router.kind
+    dynamo_engine = gen.engine.startswith("dynamo-")
+    if kind == "dynamo" and not dynamo_engine:
+        return [
+            Issue(
+                "generation.engine",
+                f"is {gen.engine!r} but router.kind is 'dynamo', which routes only to Dynamo workers: use "
+                "dynamo-vllm (GPUs) or dynamo-mocker (CPU), or another router.kind",
+            )
+        ]
+    if dynamo_engine and kind != "dynamo":
+        return [
+            Issue(
+                "router.kind",
+                f"is {kind!r} but generation.engine is {gen.engine!r}, whose workers only a Dynamo "
+                "frontend can reach: set router.kind: dynamo",
+            )
+        ]
+    if dynamo_engine and not gen.model:
+        what = "a local Hugging Face directory with a tokenizer (the mocker downloads nothing)"
+        if gen.engine == "dynamo-vllm":
+            what = "the Hugging Face id or local path of the model to serve"
+        return [Issue("generation.model", f"required when generation.engine is {gen.engine!r}: {what}")]
+    return []
+
+
 def semantic_issues(spec: JobSpec) -> list[Issue]:
     """Rules across fields. Each issue names the field to change, so the fix is obvious."""
     issues: list[Issue] = _router_issues(spec)
     gen = spec.generation
     footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
 
-    if gen.engine == "vllm":
+    issues.extend(_dynamo_issues(spec))
+    if gen.engine == "dynamo-vllm" or gen.engine == "dynamo-mocker":
+        if gen.sim:
+            issues.append(
+                Issue("generation.sim", "simulator options need generation.engine: sim; remove them")
+            )
+        if gen.engine == "dynamo-mocker" and gen.vllm_args:
+            issues.append(
+                Issue(
+                    "generation.vllm_args",
+                    "not used by the mocker; put mocker flags in router.dynamo.worker_args",
+                )
+            )
+    elif gen.engine == "vllm":
         if not gen.model:
             issues.append(
                 Issue(
@@ -173,6 +226,14 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
         )
     gen_res = _role_resources(spec, gen.slurm)
     gpus, gpus_field = gen_res.gpus_per_node, _gpus_field(spec)
+    if gen.engine == "dynamo-vllm" and gpus == 0:
+        issues.append(
+            Issue(
+                gpus_field,
+                "is 0 but generation.engine is 'dynamo-vllm', whose vLLM is the CUDA build: set the GPUs "
+                "per node, or use engine: dynamo-mocker for simulated Dynamo workers on CPUs",
+            )
+        )
     if gen.engine == "vllm" and gpus == 0 and not gen.allow_cpu:
         issues.append(
             Issue(
@@ -191,7 +252,7 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
                 "use nodes with more GPUs",
             )
         )
-    elif gen.engine == "vllm" and gpus > 0 and gen.engines_per_node is not None:
+    elif gen.engine in ("vllm", "dynamo-vllm") and gpus > 0 and gen.engines_per_node is not None:
         need = gen.engines_per_node * footprint
         if need > gpus:
             issues.append(

@@ -604,6 +604,7 @@ class StatusCollector:
             "result": result,
             "router": router,
             "gateway": _gateway_view(state.get("gateway"), engines),
+            "cache_reset": jd.read_cache_reset() if jd is not None else None,
             "engines": engines,
             "engine_source": source,
             "fleet": {k: v for k, v in fleet_extra.items() if k != "engines"} if fleet_extra else None,

@@ -145,6 +145,26 @@ def _router_line(snap: dict[str, Any]) -> Text:
     return t
 
 
+def _cache_reset_line(reset: dict[str, Any]) -> Text:
+    """When the fleet's prefix caches were last flushed (``rl-launch fleet reset-cache``) and whether
+    every engine complied: a trainer that skipped it after a weight update shows as an old time here."""
+    import time as _time
+
+    engines = reset.get("engines") or []
+    ok = sum(1 for e in engines if e.get("ok"))
+    t = Text()
+    t.append("cache reset ", style="dim")
+    at = float(reset.get("at") or 0)
+    t.append(_time.strftime("%H:%M:%S", _time.localtime(at)), style="bold")
+    t.append(f" ({_time.time() - at:.0f} s ago)  ", style="dim")
+    style = "green" if reset.get("ok") else "bold red"
+    t.append(f"{ok}/{len(engines)} engines flushed", style=style)
+    dropped = reset.get("router_entries_dropped")
+    if dropped is not None:
+        t.append(f", router index cleared ({dropped} entries)", style="dim")
+    return t
+
+
 def _gateway_line(snap: dict[str, Any]) -> Text:
     """The front's own view (``router.kind``), next to the controller's engine states below."""
     g = snap.get("gateway") or {}
@@ -379,6 +399,8 @@ def render_snapshot(
         parts.append(_router_line(snap))
     if snap.get("gateway"):
         parts.append(_gateway_line(snap))
+    if snap.get("cache_reset"):
+        parts.append(_cache_reset_line(snap["cache_reset"]))
     if snap.get("engines"):
         parts.append(_summary(snap))
         parts.append(_engine_table(snap, max_rows, width))

@@ -137,6 +137,7 @@ class SimServer:
         app.router.add_post("/sim/fault", self._post_fault)
         app.router.add_get("/sim/fault", self._get_fault)
         app.router.add_get("/sim/stats", self._get_stats)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         # handler_cancellation: a client that hangs up cancels its handler, whose ``finally`` aborts the
         # request and frees its KV, as vLLM aborts on disconnect (else timed-out clients fill the cache).
         self._runner = web.AppRunner(
@@ -249,7 +250,7 @@ class SimServer:
     @web.middleware
     async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
         path = request.path
-        if path.startswith("/sim/"):
+        if path.startswith("/sim/") or path == "/reset_prefix_cache":
             if self._api_key and not self._authorized(request):
                 return _json({"error": "Unauthorized"}, 401)
             return await handler(request)
@@ -414,6 +415,12 @@ class SimServer:
 
     async def _get_fault(self, request: web.Request) -> web.Response:
         return _json({"fault": self._fault.to_dict()})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /reset_prefix_cache`` (dev mode): the fleet-wide cache invalidation after a weight
+        update must reach simulated engines too, or a test of it proves nothing."""
+        dropped = self.scheduler.pool.drop_cached()
+        return _json({"status": "ok", "dropped_blocks": dropped})
 
     async def _get_stats(self, request: web.Request) -> web.Response:
         return _json(self.stats_snapshot())

@@ -1,0 +1,91 @@
+"""``rl-launch fleet ...``: operations on a running job's whole fleet.
+
+``reset-cache JOB`` flushes every engine's prefix cache after a weight update (see
+``router.cache_reset``): through our router's admin route (``router.kind: builtin``, which also clears
+the router's prefix index), or straight to each Dynamo worker's ``/engine/flush_cache`` (``router.kind:
+dynamo``; Dynamo's KV router drops the blocks as the workers' removal events arrive). The report is
+recorded in the job directory, where ``rl-launch status`` shows when it last ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import click
+
+from launcher.cli_jobs import _ROOT, resolve_job
+from launcher.jobdir import JobDir
+from router.cache_reset import DYNAMO_RESET_PATH, CacheResetReport, reset_engines
+
+
+@click.group("fleet")
+def fleet_group() -> None:
+    """Fleet-wide operations on a running job (cache invalidation)."""
+
+
+def _via_router(jd: JobDir, router_url: str, timeout_s: float) -> CacheResetReport:
+    req = urllib.request.Request(
+        router_url + "/fleet/reset_prefix_cache",
+        data=b"",
+        method="POST",
+        headers={"Authorization": f"Bearer {jd.read_admin_token()}"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        if exc.code != 500:
+            raise click.ClickException(f"router {router_url} answered {exc.code}: {body[:300]!r}") from None
+    except OSError as exc:
+        raise click.ClickException(f"router {router_url} unreachable: {exc}") from None
+    return CacheResetReport.from_json(json.loads(body))
+
+
+def _via_dynamo_workers(jd: JobDir, timeout_s: float) -> CacheResetReport:
+    urls = [e.url for e in jd.engine_entries() if e.url]
+    return CacheResetReport(asyncio.run(reset_engines(urls, DYNAMO_RESET_PATH, None, timeout_s)))
+
+
+@fleet_group.command("reset-cache")
+@click.argument("job", required=False)
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, help="Seconds per engine.")
+@click.option("--json", "as_json", is_flag=True, help="Print the per-engine report as JSON.")
+@_ROOT
+def reset_cache_command(job: str | None, timeout_s: float, as_json: bool, root: Path) -> None:
+    """Flush every engine's prefix cache and the router's prefix index (run it after each weight update);
+    exit 1 when any engine did not comply."""
+    jd = JobDir(resolve_job(job, root))
+    state = jd.read_state()
+    router_url = state.get("router_url")
+    if not router_url or state.get("torn_down"):
+        raise click.ClickException(f"job {jd.path.name} has no serving fleet (state: {state.get('phase')})")
+    kind = jd.read_spec().router.kind
+    t = time.monotonic()
+    if kind == "dynamo":
+        report = _via_dynamo_workers(jd, timeout_s)
+    else:
+        report = _via_router(jd, router_url, timeout_s)
+    jd.write_cache_reset(report.to_json())
+    jd.log_event(
+        "cache_reset",
+        f"prefix caches flushed on {len(report.engines) - len(report.failures())}/{len(report.engines)}",
+        ok=report.ok,
+        took_s=round(time.monotonic() - t, 3),
+    )
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for e in report.engines:
+            click.echo(f"{'ok  ' if e.ok else 'FAIL'} {e.url}  {e.detail if not e.ok else ''}".rstrip())
+        if report.router_entries_dropped is not None:
+            click.echo(f"router prefix index cleared ({report.router_entries_dropped} entries)")
+    if not report.ok:
+        failed = report.failures()
+        why = failed[0].detail if failed else "no engine is serving"
+        raise click.ClickException(f"{len(failed)} of {len(report.engines)} engine(s) did not flush: {why}")
