@@ -364,6 +364,13 @@ class Driver:
             self.ray.start_workers(others, self.steps, groups)
         try:
             self.ray.connect_and_wait(1 + len(others), time.monotonic() + 120)
+        except SystemExit as exc:
+            # For its whole duration ray.init makes SIGTERM ``sys.exit(15)``: a scancel while Ray
+            # connects (seconds on a loaded node) would skip the teardown and leave the Ray head and
+            # the worker steps running. It is our stop signal, and it unwinds like one.
+            if exc.code != signal.SIGTERM:
+                raise
+            raise Terminated(signal.SIGTERM, self._outcome_of(signal.SIGTERM)) from None
         finally:
             self._install_stop_handlers()  # ray.init replaced the SIGTERM handler with Ray's
         self._mark("ray_start_s", t)
