@@ -87,7 +87,8 @@ class ResolvedRouter(RouterSettings):
     # Not strict: a snapshot is YAML, where the port range comes back as a list.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
-    kind: Literal["builtin"]
+    kind: Literal["builtin", "ray-serve"]
+    serve_routing: Literal["policy", "power_of_two"] = "policy"
     port_range: tuple[int, int]
 
 

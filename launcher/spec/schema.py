@@ -319,7 +319,13 @@ class RouterSection(RouterSettings):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
 
-    kind: Literal["builtin"] = Field(default="builtin", description="the front in front of the fleet")
+    kind: Literal["builtin", "ray-serve"] = Field(
+        default="builtin", description="the front in front of the fleet"
+    )
+    serve_routing: Literal["policy", "power_of_two"] = Field(
+        default="policy",
+        description="ray-serve only: route by our policy inside Serve (policy) or by Serve's default",
+    )
     port_range: tuple[int, int] = DEFAULT_ROUTER_PORT_RANGE
 
     @field_validator("port_range", mode="before")
