@@ -42,6 +42,8 @@ HOP_BY_HOP = frozenset(
 )
 NODE_HEADER = "x-rl-launch-node"
 """Response header naming the node the answering engine runs on (placement is observable from outside)."""
+REPLICA_HEADER = "x-rl-launch-replica"
+"""Response header naming the Serve replica that answered (affinity is observable from outside)."""
 
 
 def registry_dir(job_dir: str) -> Path:
@@ -97,6 +99,7 @@ class EngineReplica:
                 "node": self.node,
                 "url": self.url,
                 "pid": os.getpid(),
+                "engine_pid": getattr(self.engine, "pid", None),
                 "log": str(getattr(self.engine, "log_path", "") or ""),
             },
         )
@@ -120,7 +123,7 @@ class EngineReplica:
             method, url, headers=out, data=body, allow_redirects=False
         ) as resp:
             head = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP]
-            head.append((NODE_HEADER, self.node))
+            head += [(NODE_HEADER, self.node), (REPLICA_HEADER, self.replica_id)]
             yield (resp.status, head, self.replica_id, self.node)
             async for chunk in resp.content.iter_any():
                 yield chunk
