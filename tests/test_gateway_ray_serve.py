@@ -245,25 +245,65 @@ def test_streaming_concurrency_affinity_and_status_contract(tmp_path: Path) -> N
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_no_running_engine_replica_is_answered_409_not_serves_503(tmp_path: Path) -> None:
+def test_no_running_engine_replica_is_answered_409_and_its_engine_is_reaped(tmp_path: Path) -> None:
+    """Engines that never become healthy: no replica is RUNNING, so the ingress answers 409 at once
+    (Serve would queue the request, then answer 503/408); after ``serve.shutdown`` force-kills the
+    replicas stuck in their constructors, the reaper stops their engines."""
+    import dataclasses
+
     from ray import serve
 
     from launcher.engines.ports import free_port
-    from launcher.gateways.ray_serve.bench_arm import local_plan, local_ray
+    from launcher.gateways.ray_serve.bench_arm import local_ray
     from launcher.gateways.ray_serve.gateway import APP_NAME, build_app, start_serve
 
-    plan = local_plan(0, "cache_aware", {}, str(tmp_path), startup_timeout_s=30)
+    marker = tmp_path / "never-ready.sh"  # stands in for vLLM's python: runs, never serves /health
+    marker.write_text(f"#!/bin/sh\nexec sleep {_sleep_arg()}\n")
+    marker.chmod(0o755)
+    from launcher.gateways.ray_serve.bench_arm import local_plan
+
+    base = local_plan(2, "cache_aware", {}, str(tmp_path), startup_timeout_s=200)
+    plan = dataclasses.replace(base, engine={**base.engine, "kind": "vllm", "vllm_python": str(marker)})
     port = free_port("127.0.0.1")
     with local_ray():
         start_serve("127.0.0.1", port)
         try:
-            serve.run(build_app(plan), name=APP_NAME, route_prefix="/", blocking=False)
+            serve._run(build_app(plan), name=APP_NAME, route_prefix="/", _blocking=False)
             url = f"http://127.0.0.1:{port}"
-            status, _, body = _post(url + "/v1/chat/completions", _chat("anyone?"))
+            deadline = time.monotonic() + 60
+            while True:  # the ingress is up once Serve answers anything but its own 404/503
+                status, _, body = _post(url + "/v1/chat/completions", _chat("anyone?"))
+                if status not in (404, 503) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
             assert status == 409, (status, body)
             assert b"no healthy engine replica" in body
+            assert _post(url + "/health", {})[0] == 409
+            assert _sleepers(marker), "the stand-in engines never started"
         finally:
             serve.shutdown()
+    deadline = time.monotonic() + 20
+    while _sleepers(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _sleepers(marker) == [], "an engine outlived its replica"
+
+
+def _sleep_arg() -> str:
+    return f"300.{os.getpid()}"  # unique to this test run: other engineers' processes never match
+
+
+def _sleepers(marker: Path) -> list[int]:
+    """Processes started from the stand-in engine script (``sleep 300.<pid>`` after its exec)."""
+    want = b"sleep\x00" + _sleep_arg().encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmd.startswith(want):
+            found.append(int(pid))
+    return found
 
 
 @pytest.mark.ray

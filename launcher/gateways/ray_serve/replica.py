@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -88,7 +91,19 @@ class EngineReplica:
         cfg = EngineHostConfig(**fields)
         # A stable number per replica for its log name (engine-node<n>-<i>.log in the job directory).
         self.engine = build_engine(cfg, zlib.crc32(self.replica_id.encode()) % 100_000, [])
-        self.engine.start_and_wait()
+        self.engine.start()
+        pid = getattr(self.engine, "pid", None)
+        if pid is not None:  # started in its own session: the engine's pid is its group id
+            self.reaper = subprocess.Popen(
+                [sys.executable, "-m", "launcher.gateways.ray_serve.reaper", str(os.getpid()), str(pid)],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:
+            self.engine.wait_ready(time.monotonic() + cfg.startup_timeout_s)
+        except BaseException:
+            self.engine.stop()
+            raise
         self.url = self.engine.url if not getattr(self.engine, "urls", None) else self.engine.urls[0]
         self._http: aiohttp.ClientSession | None = None
         self.record = registry_dir(cfg.job_dir) / f"{self.replica_id}.json"
