@@ -362,6 +362,7 @@ class Driver:
     def _start_ray(self) -> None:
         t = time.monotonic()
         head_ip = node_address(socket.gethostname(), self.local)
+        os.environ.update(gateway_class(self.spec.router.kind).ray_env)  # before Ray reads it
         others = [n for n in [*self.training_nodes, *self.generation_nodes] if n != self.training_nodes[0]]
         others = list(dict.fromkeys(others)) if not self.local else []
         self.ray = RayCluster(

@@ -84,6 +84,9 @@ class Gateway(ABC):
     threads; an implementation must be safe for that (the kinds here hold no state a race could tear)."""
 
     kind: ClassVar[str]
+    ray_env: ClassVar[dict[str, str]] = {}
+    """Environment the Ray cluster is started with for this kind (read by Ray's own processes at start,
+    e.g. Serve's controller's proxy health-check period)."""
     owns_engines: ClassVar[bool] = False
     """True when the front starts, health-checks and replaces the engines itself (ray-serve): the driver
     then starts no engine hosts and no fleet controller, and ``view`` is the fleet view status shows."""

@@ -18,6 +18,7 @@ from typing import Any
 from launcher.gateways.ray_serve.gateway import (
     APP_NAME,
     POWER_OF_TWO,
+    SERVE_RAY_ENV,
     build_app,
     engine_replicas,
     start_serve,
@@ -62,6 +63,8 @@ def local_ray() -> Iterator[None]:
         yield
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    for key, value in SERVE_RAY_ENV.items():
+        os.environ.setdefault(key, value)
     # address="local": a new Ray of our own, never another process's cluster found on this machine.
     ray.init(
         address="local", include_dashboard=False, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=False

@@ -35,6 +35,12 @@ from launcher.gateways.ray_serve.replica import EngineReplica, registry_dir
 from launcher.jobdir import EngineEntry, EngineListing
 
 APP_NAME = "rl-launch"
+# Serve's controller declares its HTTP proxy dead after 3 failed health checks 10 s apart: a killed
+# proxy left the URL refusing connections for ~30 s. Every 2 s (1 s timeout) it is back within ~10 s.
+SERVE_RAY_ENV = {
+    "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "2",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "2",
+}
 POWER_OF_TWO = "power_of_two"
 _CALL_TIMEOUT_S = 10.0
 
@@ -209,6 +215,7 @@ def wait_healthy(url: str, timeout_s: float) -> None:
 class RayServeGateway(Gateway):
     kind = "ray-serve"
     owns_engines: ClassVar[bool] = True
+    ray_env: ClassVar[dict[str, str]] = SERVE_RAY_ENV
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
