@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -540,3 +541,29 @@ def test_slurm_engine_killed_or_wedged_is_replaced_and_proxy_comes_back(tmp_path
     assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"] > 0, replay
     assert squeue_empty()
     assert wait_no_leftovers() == []
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_local_ray_serve_example_submits_and_replays(tmp_path: Path) -> None:
+    """``examples/local-ray-serve.yaml`` as a user runs it: exit 0, the replay table, replay.json in the
+    job directory, the gateway's own view and its engines in the job directory for ``rl-launch status``."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "local-ray-serve.yaml"
+    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
+    proc = subprocess.run(
+        [rl_launch, "submit", str(example), "--set", f"job_root={tmp_path / 'jobs'}"],
+        capture_output=True,
+        text=True,
+        timeout=360,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rollout replay" in proc.stdout and "errors" in proc.stdout
+    (job,) = list((tmp_path / "jobs").iterdir())
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"] > 0
+    state = json.loads((job / "state.json").read_text())
+    assert state["gateway"]["kind"] == "ray-serve" and len(state["gateway"]["members"]) == 4
+    listed = json.loads((job / "engines" / "node-0.urls.json").read_text())["engines"]
+    assert sorted(e["url"] for e in listed) == sorted(m["url"] for m in state["gateway"]["members"])
+    assert "ray-serve: 4 replica(s), at most 4 per node, max_ongoing_requests 128" in proc.stderr

@@ -531,7 +531,8 @@ class Driver:
             "router_serving", f"router serving {url}/v1", router_url=url, policy=r.policy, gateway=r.kind
         )
         label = r.policy if r.kind == "builtin" else f"{r.kind}: {r.policy}"
-        self._say(f"router serving {url}/v1 ({label}, {len(api_urls)} engines)")
+        engines = "engines of its own" if self.gateway.owns_engines else f"{len(api_urls)} engines"
+        self._say(f"router serving {url}/v1 ({label}, {engines})")
         return url
 
     def _start_status_endpoint(self) -> None:
