@@ -90,6 +90,8 @@ def test_spec_names_the_kinds(tmp_path: Path) -> None:
 
     with pytest.raises(SpecError, match="ray-serve"):
         _spec(tmp_path, {"engine": "sim"}, {"kind": "nginx"})
+    with pytest.raises(SpecError, match=r"serve_routing.*ray-serve only"):
+        _spec(tmp_path, {"engine": "sim"}, {"kind": "builtin", "serve_routing": "power_of_two"})
 
 
 # -- a local Ray with one Serve application -----------------------------------------------------------

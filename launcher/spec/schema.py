@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
 from launcher.slurm.options import check_sbatch_option, parse_sbatch_option
 from launcher.slurm.time import format_time, parse_time
@@ -327,6 +327,13 @@ class RouterSection(RouterSettings):
         description="ray-serve only: route by our policy inside Serve (policy) or by Serve's default",
     )
     port_range: tuple[int, int] = DEFAULT_ROUTER_PORT_RANGE
+
+    @field_validator("serve_routing")
+    @classmethod
+    def _serve_routing(cls, v: str, info: ValidationInfo) -> str:
+        if v != "policy" and info.data.get("kind") != "ray-serve":
+            raise ValueError("applies to router.kind: ray-serve only; remove it or set kind: ray-serve")
+        return v
 
     @field_validator("port_range", mode="before")
     @classmethod
