@@ -360,8 +360,11 @@ def test_killed_and_wedged_engines_are_replaced_with_no_session_lost(tmp_path: P
 @pytest.mark.ray
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
-def test_one_real_vllm_cpu_replica(tmp_path: Path, vllm_python: str, tiny_model_dir: Path) -> None:
-    """The replica builds vLLM's command with the engine hosts' code; on CPU no Ray executor flag."""
+def test_one_real_vllm_cpu_replica_among_simulated_ones(
+    tmp_path: Path, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """Replica rank 0 runs real vLLM (the command the engine hosts build; on CPU no Ray executor flag),
+    ranks 1-2 the simulator under the same served name: both kinds answer, streamed, through one app."""
     import dataclasses
 
     from launcher.engines.ports import free_port
@@ -369,30 +372,38 @@ def test_one_real_vllm_cpu_replica(tmp_path: Path, vllm_python: str, tiny_model_
 
     job_dir = str(tmp_path / "job")
     os.makedirs(job_dir)
-    base = local_plan(1, "cache_aware", {}, job_dir, startup_timeout_s=400)
-    engine = {
-        **base.engine,
+    base = local_plan(3, "least_outstanding", {"speed": 5}, job_dir, startup_timeout_s=400)
+    vllm = {
         "kind": "vllm",
         "model": str(tiny_model_dir),
-        "served_name": "tiny",
         "vllm_python": vllm_python,
         "extra_args": ["--max-model-len", "512", "--max-num-seqs", "8"],
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
     }
     plan = dataclasses.replace(
         base,
-        engine=engine,
-        max_ongoing_requests=ONGOING_PER_SEQ * 8,
+        engine={**base.engine, "served_name": "tiny", "model": "tiny"},
+        engine_overrides={0: vllm},
         executor_args=executor_args("cpu", 1, 1),
     )
     with local_ray(), serve_app(plan, free_port("127.0.0.1")) as url:
-        body = {**_chat("hello", max_tokens=5, stream=True), "model": "tiny"}
-        status, headers, data = _post(url + "/v1/chat/completions", body, timeout=120)
-        assert status == 200 and headers["content-type"].startswith("text/event-stream"), data
-        assert data.rstrip().endswith(b"data: [DONE]")
-        (record,) = _replicas(job_dir)
-        log = Path(record["log"]).read_text()
-        assert "--distributed-executor-backend" not in log.split("\n", 1)[0]
+        records = {r["replica"]: r for r in _replicas(job_dir)}
+        assert len(records) == 3
+        kinds = {rid: r["kind"] for rid, r in records.items()}
+        assert sorted(kinds.values()) == ["sim", "sim", "vllm"], kinds
+        answered: set[str] = set()
+        for i in range(30):
+            body = {**_chat(f"hello {i}", max_tokens=5, stream=True), "model": "tiny"}
+            status, headers, data = _post(url + "/v1/chat/completions", body, timeout=120)
+            assert status == 200 and headers["content-type"].startswith("text/event-stream"), data
+            assert data.rstrip().endswith(b"data: [DONE]")
+            answered.add(kinds[headers["x-rl-launch-replica"]])
+            if answered == {"vllm", "sim"}:
+                break
+        assert answered == {"vllm", "sim"}, answered
+        vllm_log = next(Path(r["log"]) for rid, r in records.items() if kinds[rid] == "vllm").read_text()
+        command = next(line for line in vllm_log.splitlines() if "starting vLLM" in line)
+        assert "--distributed-executor-backend" not in command, command
 
 
 # -- the local Slurm cluster ------------------------------------------------------------------------

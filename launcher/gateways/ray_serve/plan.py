@@ -28,6 +28,9 @@ class ServePlan:
     engine: dict[str, Any]
     """``EngineHostConfig`` fields (``launcher.engines.host``): the replica builds its engine with the same
     ``build_engine`` the engine hosts use, so a vLLM replica runs the very command a host would."""
+    engine_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Engine fields replaced for the replica of that Serve rank (kept by its replacement): a mixed
+    fleet, e.g. one real vLLM engine among simulated ones in CI, or a canary."""
     executor_args: list[str] = field(default_factory=list)
     local: bool = True
     """Engines bind loopback (local mode, the bench) or the node's own address (a cluster)."""

@@ -75,9 +75,11 @@ class EngineReplica:
         from launcher.engines.host import EngineHostConfig, build_engine
 
         self.plan = ServePlan(**plan)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
         self.node = socket.gethostname()
-        fields = dict(self.plan.engine)
+        rank = context.rank.rank if context.rank is not None else -1
+        fields = {**self.plan.engine, **self.plan.engine_overrides.get(rank, {})}
         fields["host"] = engine_host_address(self.plan.local)
         if fields.get("kind") == "vllm":
             fields["extra_args"] = [*self.plan.executor_args, *fields.get("extra_args", [])]
@@ -115,6 +117,7 @@ class EngineReplica:
                 "url": self.url,
                 "pid": os.getpid(),
                 "engine_pid": getattr(self.engine, "pid", None),
+                "kind": cfg.kind,
                 "log": str(getattr(self.engine, "log_path", "") or ""),
             },
         )
