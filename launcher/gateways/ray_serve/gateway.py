@@ -177,21 +177,6 @@ def engine_replicas(job_dir: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: (r["node"], r["url"]))
 
 
-def proxy_instances() -> set[str]:
-    """Serve's HTTP proxy actors by Ray actor id: changes when a proxy is restarted."""
-    import ray
-
-    names = set()
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        name = actor["name"] if isinstance(actor, dict) else str(actor)
-        if name.startswith("SERVE_PROXY_ACTOR"):
-            try:
-                names.add(ray.get_actor(name, namespace="serve")._actor_id.hex())
-            except Exception:
-                continue
-    return names
-
-
 def wait_healthy(url: str, timeout_s: float) -> None:
     """Until the ingress answers /health 200 (every engine replica started), or ``GatewayError``."""
     import urllib.error
@@ -259,9 +244,6 @@ class RayServeGateway(Gateway):
 
     def set_serving(self, urls: Sequence[str]) -> None:
         """Serve's controller owns the serving set (it replaces failed replicas); nothing to push."""
-
-    def instance(self) -> str | None:
-        return ",".join(sorted(proxy_instances())) or None
 
     def view(self) -> GatewayView:
         try:
