@@ -345,13 +345,32 @@ def test_killed_and_wedged_engines_are_replaced_with_no_session_lost(tmp_path: P
             assert time.monotonic() - t < 60, "Serve's proxy did not come back on the same URL"
             time.sleep(0.2)
         proxy_s = time.monotonic() - t
+        # the ingress replica killed: Serve starts another behind the same proxy and URL
+        ingress = next(
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::rl-launch#ingress#")
+        )
+        t = time.monotonic()
+        ray.kill(ray.get_actor(ingress, namespace="serve"), no_restart=True)
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() - t < 60, "the ingress did not come back behind the same URL"
+            time.sleep(0.2)
+        ingress_s = time.monotonic() - t
         replay.join(300)
         row = results[0].row
         failed = [(x.id, x.error) for x in results[0].result.sessions if not x.ok]
         print(
             f"\nray-serve local faults: killed engine replaced in {killed_s:.1f}s, "
             f"wedged in {wedged_s:.1f}s, "
-            f"proxy back on the same URL in {proxy_s:.1f}s; sessions {row['sessions']}, lost {row['errors']}"
+            f"proxy back on the same URL in {proxy_s:.1f}s, ingress in {ingress_s:.1f}s; "
+            f"sessions {row['sessions']}, lost {row['errors']}"
         )
         assert row["errors"] == 0 and row["sessions_ok"] == row["sessions"] > 0, failed
         assert proxy_s < 20

@@ -139,6 +139,9 @@ def build_app(plan: ServePlan, app_name: str = APP_NAME) -> Any:
         max_ongoing_requests=100_000,
         max_queued_requests=-1,
         ray_actor_options={"num_cpus": 0},
+        # a dead ingress replica is noticed and replaced within a few seconds, not Serve's 10 s period
+        health_check_period_s=plan.health_check_period_s,
+        health_check_timeout_s=plan.health_check_timeout_s,
     )
     return ingress.bind(engines, plan.to_json(), app_name)
 
