@@ -31,6 +31,7 @@ DIRECT = "direct"
 # process in front of sim engines; a Serve deployment whose replicas start their own engines).
 FRONT_ARMS: dict[str, str] = {
     "vllm-router": "launcher.bench.front_vllm_router:vllm_router_arm",
+    "ray-serve": "launcher.gateways.ray_serve.bench_arm:ray_serve_arm",
 }
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from launcher.jobdir import JobDir
+    from launcher.jobdir import EngineListing, JobDir
     from launcher.spec import ResolvedSpec
 
 
@@ -75,6 +75,8 @@ class GatewayContext:
     admin_token: str
     """The front's admin surface (``/workers``): the driver and the fleet controller only."""
     say: Callable[[str], None] = field(default=lambda message: None)
+    generation_nodes: tuple[str, ...] = ()
+    """Hostnames of the generation nodes (where a gateway that owns its engines places them)."""
 
 
 class Gateway(ABC):
@@ -82,6 +84,12 @@ class Gateway(ABC):
     threads; an implementation must be safe for that (the kinds here hold no state a race could tear)."""
 
     kind: ClassVar[str]
+    ray_env: ClassVar[dict[str, str]] = {}
+    """Environment the Ray cluster is started with for this kind (read by Ray's own processes at start,
+    e.g. Serve's controller's proxy health-check period)."""
+    owns_engines: ClassVar[bool] = False
+    """True when the front starts, health-checks and replaces the engines itself (ray-serve): the driver
+    then starts no engine hosts and no fleet controller, and ``view`` is the fleet view status shows."""
 
     def __init__(self, context: GatewayContext) -> None:
         self.context = context
@@ -121,6 +129,11 @@ class Gateway(ABC):
     @abstractmethod
     def view(self) -> GatewayView:
         """The front's own view of the fleet (``rl-launch status`` shows it next to the controller's)."""
+
+    def engine_listings(self) -> list[EngineListing]:
+        """The engines a front that owns them runs, one listing per node, for the dashboard (the
+        driver writes them where engine hosts would); ``[]`` for fronts that do not own engines."""
+        return []
 
     @abstractmethod
     def stop(self) -> None:

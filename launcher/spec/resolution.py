@@ -105,7 +105,7 @@ def _router_issues(spec: JobSpec) -> list[Issue]:
         ]
     if r.kind != "dynamo" and "dynamo" in r.model_fields_set:
         issues.append(Issue("router.dynamo", "only for router.kind: dynamo; remove it"))
-    if r.kind == "builtin":
+    if r.kind in ("builtin", "ray-serve"):  # ray-serve routes with our policy and keeps our contract
         return issues
     hint = {"vllm-router": " (set router.vllm_router.policy)", "dynamo": " (set router.dynamo.router_mode)"}
     issues += [

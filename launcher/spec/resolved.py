@@ -88,7 +88,8 @@ class ResolvedRouter(RouterSettings):
     # Not strict: a snapshot is YAML, where the port range comes back as a list.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
-    kind: Literal["builtin", "vllm-router", "dynamo"]
+    kind: Literal["builtin", "vllm-router", "dynamo", "ray-serve"]
+    serve_routing: Literal["policy", "power_of_two"] = "policy"
     port_range: tuple[int, int]
     mode: Literal["managed", "external"] | None = None
     """``managed`` or ``external`` for vllm-router; ``None`` for the other kinds."""

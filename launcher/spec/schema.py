@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
 from launcher.gateways.vllm_router_command import VllmRouterSection
 from launcher.slurm.options import check_sbatch_option, parse_sbatch_option
@@ -347,8 +347,12 @@ class RouterSection(RouterSettings):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
 
-    kind: Literal["builtin", "vllm-router", "dynamo"] = Field(
+    kind: Literal["builtin", "vllm-router", "dynamo", "ray-serve"] = Field(
         default="builtin", description="the front in front of the fleet"
+    )
+    serve_routing: Literal["policy", "power_of_two"] = Field(
+        default="policy",
+        description="ray-serve only: route by our policy inside Serve (policy) or by Serve's default",
     )
     port_range: tuple[int, int] = DEFAULT_ROUTER_PORT_RANGE
     # vllm-router (rules across these fields: ``resolution._router_issues``)
@@ -359,6 +363,13 @@ class RouterSection(RouterSettings):
     vllm_router: VllmRouterSection | None = None
     # dynamo (rules: ``resolution._dynamo_issues``)
     dynamo: DynamoOptions = Field(default_factory=DynamoOptions)
+
+    @field_validator("serve_routing")
+    @classmethod
+    def _serve_routing(cls, v: str, info: ValidationInfo) -> str:
+        if v != "policy" and info.data.get("kind") != "ray-serve":
+            raise ValueError("applies to router.kind: ray-serve only; remove it or set kind: ray-serve")
+        return v
 
     @field_validator("port_range", mode="before")
     @classmethod
