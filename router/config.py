@@ -131,6 +131,12 @@ class RouterSettings(BaseModel):
     max_request_bytes: int = Field(
         default=DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest request body accepted (413 above)"
     )
+    pause_max_held: int = Field(
+        default=10_000, ge=0, description="generation requests held during a fleet pause (refused above)"
+    )
+    pause_max_wait_s: float = Field(
+        default=600.0, gt=0, description="longest a request is held during a fleet pause before refusal"
+    )
 
     @field_validator("policy")
     @classmethod

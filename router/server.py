@@ -33,8 +33,10 @@ from router.admin import AdminApi
 from router.auth import auth_middleware
 from router.backends import BackendSet, canonical_backend_url
 from router.config import RouterConfig, is_loopback_host
+from router.fleet_api import FleetApi
 from router.forwarding import Forwarder, ForwardingConfig
 from router.metrics import RouterMetrics
+from router.pause_gate import PauseGate
 from router.policies import LoadTracker, Policy, make_policy
 from router.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
 from router.status import error_body
@@ -115,7 +117,8 @@ class GenerationRouter:
         self.host = config.host
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
-        self.metrics = RouterMetrics(self.backends, self.policy.name)
+        self.gate = PauseGate(config.pause_max_held, config.pause_max_wait_s)
+        self.metrics = RouterMetrics(self.backends, self.policy.name, self.gate)
         self.forwarder = Forwarder(
             self.backends,
             self.policy,
@@ -129,7 +132,9 @@ class GenerationRouter:
                 health_managed=config.health_managed,
                 backend_api_key=config.secret("backend_api_key"),
             ),
+            self.gate,
         )
+        self.fleet = FleetApi(self.backends, self.gate, config.secret("backend_api_key"))
         self._api_key = config.secret("api_key")
         self._admin_token = config.admin_secret
         self._max_request_bytes = config.max_request_bytes
@@ -183,6 +188,7 @@ class GenerationRouter:
             backend_api_key=self.config.secret("backend_api_key"),
         )
         admin.add_routes(app)
+        self.fleet.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", _not_found)
         return app
 
