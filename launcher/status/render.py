@@ -18,6 +18,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from launcher.status.refit import refit_line
+
 BLOCKS = "▁▂▃▄▅▆▇█"
 
 STATE_STYLES = {
@@ -401,6 +403,10 @@ def render_snapshot(
         parts.append(_gateway_line(snap))
     if snap.get("cache_reset"):
         parts.append(_cache_reset_line(snap["cache_reset"]))
+    refit = snap.get("refit") or {}
+    refit_text = refit_line(refit.get("pause"), refit.get("step"))
+    if refit_text is not None and refit_text.plain:
+        parts.append(refit_text)
     if snap.get("engines"):
         parts.append(_summary(snap))
         parts.append(_engine_table(snap, max_rows, width))
