@@ -323,6 +323,22 @@ class GenerationRouter:
     def in_flight(self) -> dict[str, int]:
         return self._call(self.backends.load.snapshot)
 
+    def current_weight_version(self) -> str | None:
+        """The fleet's weight version as last stamped through ``/fleet/weight_version`` (None: never)."""
+        return self.fleet.current_version
+
+    def restore_weight_version(self, version: str) -> None:
+        """Seed the version after a restart of this router (the fleet controller remembers it), so a
+        restarted router does not admit stale engines; engines are not called."""
+        def seed() -> None:
+            if self.fleet.current_version is None:
+                self.fleet.current_version = version
+
+        self._call(seed)
+
+    def stale_backends(self) -> dict[str, str]:
+        return dict(self._call(lambda: self.backends.stale))
+
 
 async def _not_found(request: web.Request) -> web.Response:
     return web.Response(

@@ -15,9 +15,13 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from launcher.driver.fleet_controller import FleetController
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.server import SimServer
+from launcher.fleet import EngineState, HealthPolicy
 from launcher.fleet_client import FleetClient, FleetOpError, flatten
+from launcher.gateways.base import Gateway, GatewayView
+from launcher.jobdir import EngineEntry, EngineListing, JobDir, StateWriter
 from router import GenerationRouter
 from router.config import RouterConfig
 from router.engine_counters import delta, parse_counters
@@ -281,3 +285,77 @@ async def test_client_refit_cycle_and_loud_failure(sims, router_over) -> None:
     assert not rep.ok and [e.ok for e in rep.engines].count(True) == 1
     with pytest.raises(RuntimeError, match="HTTP 401"):
         await in_thread(FleetClient(r.base_url(), "wrong").stale_engines)
+
+
+# -- the fleet controller follows the same rule ----------------------------------------------------------
+class RouterGateway(Gateway):
+    """The builtin kind's contract over a real in-process router (the builtin kind itself needs Ray)."""
+
+    kind = "builtin"
+    guards_weight_version = True
+
+    def __init__(self, router: GenerationRouter) -> None:
+        self.router = router
+
+    def start(self, engine_urls: Any) -> str:
+        return self.router.base_url()
+
+    def base_url(self) -> str:
+        return self.router.base_url()
+
+    def set_serving(self, urls: Any) -> None:
+        self.router.set_serving_backends(urls)
+
+    def weight_version(self) -> str | None:
+        return self.router.current_weight_version()
+
+    def restore_weight_version(self, version: str) -> None:
+        self.router.restore_weight_version(version)
+
+    def view(self) -> GatewayView:
+        return GatewayView(self.kind, self.base_url(), True)
+
+    def stop(self) -> None:
+        pass
+
+
+async def test_controller_keeps_restarted_engine_stale_until_stamped(sims, router_over, tmp_path) -> None:
+    engines = await sims(3)
+    e0, e1, replacement = (e.url for e in engines)
+    job = JobDir(tmp_path / "job").create()
+    job.write_listing(
+        EngineListing(
+            node="n0",
+            node_index=0,
+            engines=[EngineEntry(index=i, url=u, node="n0", node_index=0) for i, u in enumerate((e0, e1))],
+        )
+    )
+    router = router_over([e0, e1])
+    controller = FleetController(job, StateWriter(job), RouterGateway(router), 1, HealthPolicy())
+    url = router.base_url()
+    assert (await admin(url, "POST", "/fleet/weight_version", {"version": "v1"}))[0] == 200
+    await in_thread(controller.tick)
+    assert controller.fleet.current_version == "v1"
+    # Engine 1 dies and comes back on the checkpoint's version (the replacement sim says "default").
+    controller.fleet.mark_dead("node0-1", "process exited")
+    await in_thread(controller.tick)
+    assert controller.fleet.state("node0-1") is EngineState.RESTARTING
+    controller.fleet.restarted("node0-1", replacement)
+    for _ in range(3):
+        await in_thread(controller.tick)
+    assert controller.fleet.state("node0-1") is EngineState.STALE
+    await asyncio.sleep(0.2)  # the router's own version check of the pushed member
+    _, stale = await admin(url, "GET", "/fleet/stale")
+    assert list(stale["stale"]) == [replacement] and router.serving_backends() == [e0]
+    fleet_state = job.read_state()["fleet"]
+    assert {e["id"]: e["state"] for e in fleet_state["engines"]}["node0-1"] == "STALE"
+    # The trainer refits it and stamps it through the front: both the router and the controller agree.
+    status, _ = await admin(url, "POST", "/fleet/weight_version", {"version": "v1", "engines": [replacement]})
+    assert status == 200 and sorted(router.serving_backends()) == sorted([e0, replacement])
+    await in_thread(controller.tick)
+    assert controller.fleet.state("node0-1") is EngineState.HEALTHY
+    # A router that restarted and forgot the version is re-seeded by the controller.
+    router.fleet.current_version = None
+    await in_thread(controller.tick)
+    assert router.current_weight_version() == "v1"
+    controller.stop()

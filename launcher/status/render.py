@@ -30,6 +30,7 @@ STATE_STYLES = {
     "RETIRED": "red",
     "RESTARTING": "bold cyan",
     "RECOVERING": "cyan",
+    "STALE": "bold magenta",
     "STOPPED": "dim",
 }
 
@@ -41,7 +42,7 @@ CONDITION_STYLES = {
 }
 
 # Worst first: when the terminal cannot hold every row, these are the rows that must stay on screen.
-_SEVERITY = {"DEAD": 0, "SUSPECT": 1, "RESTARTING": 2, "RECOVERING": 3, "RETIRED": 4}
+_SEVERITY = {"DEAD": 0, "SUSPECT": 1, "STALE": 2, "RESTARTING": 3, "RECOVERING": 4, "RETIRED": 5}
 
 
 def sparkline(values: Sequence[float], width: int = 60) -> str:
