@@ -23,6 +23,10 @@ from .kv import Block, BlockPool
 from .stats import EngineStats
 from .tokens import chain_hashes
 
+ABORT_REASON = "abort"
+"""vLLM's finish reason for a request aborted through the RL routes: the client gets a 200 answer with
+the tokens generated so far, not an error (unlike a crash, which the simulator answers with 500)."""
+
 
 class ReqState(enum.IntEnum):
     WAITING = 0
@@ -159,6 +163,7 @@ class Scheduler:
         self.gen_paused = True
         if mode == "abort":
             for r in [*self.running, *self.waiting]:
+                r.finish_reason = ABORT_REASON
                 self._finish(r, ReqState.ABORTED)
             self.running = []
             self.waiting.clear()
@@ -183,6 +188,8 @@ class Scheduler:
         live = self.in_flight
         targets = list(live.values()) if not ids else [live[i] for i in ids if i in live]
         for r in targets:
+            if r.state in (ReqState.WAITING, ReqState.RUNNING):
+                r.finish_reason = ABORT_REASON
             self.abort(r)
         return len(targets)
 

@@ -46,7 +46,7 @@ from .protocol import (
     usage_chunk,
 )
 from .rl import SimRl
-from .scheduler import ReqState, Scheduler, SimRequest
+from .scheduler import ABORT_REASON, ReqState, Scheduler, SimRequest
 from .stats import EngineStats
 from .tokens import decode
 
@@ -329,6 +329,19 @@ class SimServer:
             if params.stream:
                 return await self._stream(request, req, params, out)
             await req.done
+            if req.state == ReqState.ABORTED and req.finish_reason == ABORT_REASON:
+                aborted = PlannedOutput(out.tokens, out.text, ABORT_REASON)
+                return _json(
+                    full_response(
+                        params,
+                        req.rid,
+                        int(time.time()),
+                        self.config.model_name,
+                        aborted,
+                        req.n_gen,
+                        req.cached_tokens,
+                    )
+                )
             if req.state != ReqState.FINISHED:
                 return web.Response(
                     body=error_body(500, "request aborted", "InternalServerError"),
@@ -372,6 +385,10 @@ class SimServer:
                     continue
                 if req.state == ReqState.FINISHED:
                     break
+                if req.state == ReqState.ABORTED and req.finish_reason == ABORT_REASON:
+                    aborted = PlannedOutput(out.tokens, out.text, ABORT_REASON)
+                    await resp.write(stream_chunk(params, req.rid, created, model, aborted, sent, sent, True))
+                    break  # aborted through the RL routes: ends like vLLM's, finish_reason "abort"
                 if req.state == ReqState.ABORTED:
                     return resp  # engine stopped or killed: the stream ends without [DONE]
                 await req.progress.wait()
