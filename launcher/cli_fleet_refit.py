@@ -131,7 +131,8 @@ def register(group: click.Group) -> None:
         """Abort in-flight requests on every engine (all, or the given ids)."""
         jd, client = _client(job, root, timeout_s, "abort")
         report = _run(jd, "abort", lambda: client.abort(list(ids), check=False), as_json)
-        _done(report, as_json, f"{report.result.get('aborted', 0)} request(s) aborted")
+        n = report.result.get("aborted")
+        _done(report, as_json, f"{n} request(s) aborted" if n is not None else f"abort sent for {list(ids)}")
 
     @group.command("version")
     @click.argument("job", required=False)

@@ -169,8 +169,12 @@ class FleetApi:
         report = await self._fan(
             "abort", self._all_engines(), "POST", "/abort_requests", json_body={"request_ids": ids}
         )
+        per_engine = {a.url: int(a.body.get("aborted", 0)) for a in report.engines if a.ok and a.body}
         report.result = {
-            "aborted": sum(int(a.body.get("aborted", 0)) for a in report.engines if a.ok and a.body),
+            # Abort-all counts what each engine actually held; an abort by ids is acknowledged per id by
+            # every engine (vLLM does not say which engine held it), so no fleet sum is claimed then.
+            "aborted": sum(per_engine.values()) if not ids else None,
+            "per_engine": per_engine,
             "request_ids": ids,
         }
         return _answer(report)

@@ -213,7 +213,8 @@ async def test_abort_reaches_client_as_engine_answered_without_retry(sims, route
     task = asyncio.create_task(send(url, chat(max_tokens=2000), {"X-Request-Id": "rid-7"}))
     await asyncio.sleep(0.2)
     status, rep = await admin(url, "POST", "/fleet/abort", {"request_ids": ["chatcmpl-rid-7"]})
-    assert status == 200 and rep["result"]["aborted"] == 2  # each engine acknowledges the id it was given
+    assert status == 200 and rep["result"]["aborted"] is None  # by id: every engine acknowledges it
+    assert sorted(rep["result"]["per_engine"].values()) == [1, 1]
     st, body = await task
     # As vLLM answers it: 200, finish_reason "abort", the tokens generated so far; relayed as is.
     assert st == 200 and body["choices"][0]["finish_reason"] == "abort", body
@@ -378,3 +379,52 @@ async def test_controller_keeps_restarted_engine_stale_until_stamped(sims, route
     await in_thread(controller.tick)
     assert router.current_weight_version() == "v1"
     controller.stop()
+
+
+# -- rl-launch fleet ... JOB ----------------------------------------------------------------------------
+async def test_fleet_cli_drives_the_window_and_refuses_other_kinds(sims, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from launcher.cli_fleet import fleet_group
+    from launcher.spec import load_resolved
+
+    engines = await sims(2)
+    job = JobDir(tmp_path / "jobs" / "j1").create()
+    job.new_admin_token()
+    token = job.read_admin_token()
+    router = GenerationRouter(
+        RouterConfig(host="127.0.0.1", port=0, admin_token=token, probe_interval_s=0),
+        [e.url for e in engines],
+    )
+    router.serve_in_background()
+    try:
+        job.write_spec(load_resolved("examples/local.yaml"))
+        StateWriter(job).update(router_url=router.base_url(), phase="running")
+        root = ["--root", str(tmp_path / "jobs")]
+
+        def cli(*args: str) -> Any:
+            return CliRunner().invoke(fleet_group, [*args, "j1", *root], catch_exceptions=False)
+
+        for args, expect_out in (
+            (("pause", "--mode", "keep"), "fleet paused (keep)"),
+            (("is-paused",), "engines paused: 2/2"),
+            (("resume",), "fleet resumed"),
+            (("version", "--set", "v9"), "fleet version: 'v9'"),
+            (("version",), "'v9'"),
+            (("checksum",), "1 checksum group(s)"),
+            (("abort",), "0 request(s) aborted"),
+            (("step", "--begin"), "step 1 begun"),
+            (("step",), '"generation_tokens"'),
+        ):
+            result = await in_thread(cli, *args)
+            assert result.exit_code == 0 and expect_out in result.output, (args, result.output)
+        events = [e["phase"] for e in job.read_events()]
+        assert {"fleet_pause", "fleet_resume", "fleet_version", "fleet_checksum"} <= set(events)
+        await engines[1].stop()
+        result = await in_thread(cli, "pause")
+        assert result.exit_code == 1 and "did not comply" in result.output and "FAIL" in result.output
+        job.write_spec(load_resolved("examples/local-dynamo.yaml"))
+        result = await in_thread(cli, "resume")
+        assert result.exit_code == 1 and "router.kind 'dynamo'" in result.output
+    finally:
+        router.stop()
