@@ -164,9 +164,11 @@ class FleetClient:
     def refit(self, version: str, mode: str = "keep", reset_cache: bool = True) -> Iterator[FleetOpReport]:
         """Pause; (the body updates the weights); flush caches, stamp ``version``, resume. The fleet is
         resumed even when the body raises, so a failed update never leaves rollouts hanging."""
-        report = self.pause(mode)
         done = False
         try:
+            # Inside the try: a pause that failed on some engine has still closed the router's gate and
+            # paused the others, so the fleet must be resumed either way.
+            report = self.pause(mode)
             yield report
             if reset_cache:
                 self.reset_prefix_cache()

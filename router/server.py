@@ -134,7 +134,7 @@ class GenerationRouter:
             ),
             self.gate,
         )
-        self.fleet = FleetApi(self.backends, self.gate, config.secret("backend_api_key"))
+        self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
         self._api_key = config.secret("api_key")
         self._admin_token = config.admin_secret
         self._max_request_bytes = config.max_request_bytes
@@ -185,12 +185,18 @@ class GenerationRouter:
             self._session,
             worker_health_timeout_s=self.config.worker_health_timeout_s,
             max_pending=self.config.max_pending_registrations,
-            backend_api_key=self.config.secret("backend_api_key"),
+            backend_api_key=self._engine_key(),
         )
         admin.add_routes(app)
         self.fleet.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", _not_found)
         return app
+
+    def _engine_key(self) -> str | None:
+        """The key the router's own engine calls (fleet operations) present: the backend key, else the
+        clients' key, which is what the engines expect when no separate one is set (the proxied
+        requests carry it through). Without it a job's engines answer the fleet routes 401."""
+        return self.config.secret("backend_api_key") or self.config.secret("api_key")
 
     def _session(self) -> aiohttp.ClientSession:
         """A plain aiohttp session for the router's own health checks (admin API, prober): not on the

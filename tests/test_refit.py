@@ -301,6 +301,7 @@ async def test_client_refit_cycle_and_loud_failure(sims, router_over) -> None:
     await engines[1].stop()  # one engine gone: every operation now fails loudly, naming it
     with pytest.raises(FleetOpError, match=engines[1].url.split("//")[1]):
         await in_thread(client.pause, "keep")
+    assert r.gate.paused  # the router holds; the trainer must resume (refit() does, see below)
     rep = await in_thread(client.resume, check=False)
     assert not rep.ok and [e.ok for e in rep.engines].count(True) == 1
     with pytest.raises(RuntimeError, match="HTTP 401"):
@@ -428,3 +429,32 @@ async def test_fleet_cli_drives_the_window_and_refuses_other_kinds(sims, tmp_pat
         assert result.exit_code == 1 and "router.kind 'dynamo'" in result.output
     finally:
         router.stop()
+
+
+async def test_refit_resumes_even_when_the_pause_failed(sims, router_over) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    client = FleetClient(r.base_url(), TOKEN)
+    await engines[1].stop()
+
+    def failing_refit() -> None:
+        with client.refit("v3"):
+            raise AssertionError("the body must not run when the pause failed")
+
+    with pytest.raises(FleetOpError, match="pause failed"):
+        await in_thread(failing_refit)
+    assert not r.gate.paused and not engines[0].scheduler.gen_paused  # nothing left holding requests
+
+
+async def test_fleet_routes_present_the_engines_key(router_over) -> None:
+    """Under the launcher engines take the clients' API key; the router's own engine calls carry it."""
+    s = SimServer(SimConfig(speed=20.0), api_key="engine-key-1")
+    await s.start()
+    try:
+        r = router_over([s.url], api_key="engine-key-1")
+        status, rep = await admin(r.base_url(), "POST", "/fleet/pause?mode=keep")
+        assert status == 200, rep
+        assert (await admin(r.base_url(), "POST", "/fleet/resume"))[0] == 200
+        assert (await admin(r.base_url(), "POST", "/fleet/reset_prefix_cache"))[0] == 200
+    finally:
+        await s.stop()
