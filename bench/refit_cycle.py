@@ -9,20 +9,26 @@ at most --clients concurrent requests, each at most 60 s.
     .venv/bin/python bench/refit_cycle.py --engines 4 --cycles 5 --hold 0.5
     .venv/bin/python bench/refit_cycle.py --engine-url http://127.0.0.1:8001 ...   # real engines
 
-With --engine-url the engines are real (vLLM with VLLM_SERVER_DEV_MODE=1) and only the router is started.
+With --engine-url the engines are real (vLLM with VLLM_SERVER_DEV_MODE=1) and only the router is started;
+with --vllm-model DIR the bench starts --engines real vLLM CPU engines itself (python from
+$RL_LAUNCH_VLLM_PYTHON; e.g. the tests' tiny model) and stops them at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import tempfile
 import time
 
 import aiohttp
 
+from launcher.engines.base import EngineSpec
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.server import SimServer
+from launcher.engines.vllm import VllmEngine
 from launcher.fleet_client import FleetClient
 from router import GenerationRouter
 from router.config import RouterConfig
@@ -80,9 +86,33 @@ async def main() -> None:
     p.add_argument("--cycles", type=int, default=5)
     p.add_argument("--hold", type=float, default=0.5)
     p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--vllm-model", default=None, help="start --engines real vLLM CPU engines on this model")
     args = p.parse_args()
     sims: list[SimServer] = []
-    if not args.engine_url:
+    real: list[VllmEngine] = []
+    if args.vllm_model:
+        logs = tempfile.mkdtemp(prefix="refit-cycle-")
+        cpus = sorted(os.sched_getaffinity(0))
+        for i in range(args.engines):
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
+            spec = EngineSpec(
+                model=args.vllm_model,
+                served_name=args.model,
+                extra_args=["--max-model-len", "4096"],
+                env=env,
+                log_path=f"{logs}/engine{i}.log",
+                startup_timeout_s=900,
+            )
+            real.append(VllmEngine(spec, python=os.environ["RL_LAUNCH_VLLM_PYTHON"]))
+        t0 = time.monotonic()
+        for e in real:
+            e.start()
+        for e in real:
+            e.wait_ready(t0 + 900)
+        print(f"{len(real)} vLLM engines ready in {time.monotonic() - t0:.0f} s (logs {logs})")
+        args.engine_url = [e.url for e in real]
+    elif not args.engine_url:
         for i in range(args.engines):
             s = SimServer(SimConfig(speed=20.0, model_name=args.model), index=i)
             await s.start()

@@ -458,3 +458,26 @@ async def test_fleet_routes_present_the_engines_key(router_over) -> None:
         assert (await admin(r.base_url(), "POST", "/fleet/reset_prefix_cache"))[0] == 200
     finally:
         await s.stop()
+
+
+async def test_status_shows_pause_held_and_current_step(sims, router_over) -> None:
+    from launcher.status.refit import fetch_step, pause_view, refit_line
+
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    client = FleetClient(url, TOKEN)
+    await in_thread(client.begin_step)
+    assert (await send(url, chat(max_tokens=6)))[0] == 200
+    await admin(url, "POST", "/fleet/pause?mode=keep")
+    held = asyncio.create_task(send(url, chat()))
+    await asyncio.sleep(0.3)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics") as m:
+            pause = pause_view(await m.text())
+        step = await fetch_step(s, url, TOKEN, 5.0)
+    assert pause is not None and pause["paused"] == 1 and pause["held"] == 1 and pause["longest_wait_s"] > 0.2
+    line = refit_line(pause, step).plain
+    assert "fleet PAUSED 1 held" in line and "step 1" in line and "gen 6 tok" in line, line
+    await admin(url, "POST", "/fleet/resume")
+    assert (await held)[0] == 200
