@@ -231,6 +231,12 @@ class FleetApi:
             json_body={"new_version": version},
             check=expect("new_version", version),
         )
+        if not any(a.ok for a in report.engines):
+            # No engine took it (e.g. none runs in dev mode): holding every engine out would take the
+            # whole fleet down for a configuration error; nothing changes and the 500 says why.
+            report.error = f"no engine accepted version {version!r}; the fleet's version is unchanged"
+            report.result = {"current": self.current_version, "stale": self.backends.stale}
+            return _answer(report)
         if engines is None:
             self.current_version = version
         for a in report.engines:

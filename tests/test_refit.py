@@ -481,3 +481,14 @@ async def test_status_shows_pause_held_and_current_step(sims, router_over) -> No
     assert "fleet PAUSED 1 held" in line and "step 1" in line and "gen 6 tok" in line, line
     await admin(url, "POST", "/fleet/resume")
     assert (await held)[0] == 200
+
+
+async def test_a_stamp_no_engine_accepts_changes_nothing(sims, router_over) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    for e in engines:
+        await e.stop()  # stands for engines without dev mode: nobody can be stamped
+    status, rep = await admin(r.base_url(), "POST", "/fleet/weight_version", {"version": "v1"})
+    assert status == 500 and "unchanged" in rep["error"]
+    assert r.current_weight_version() is None and r.fleet.backends.stale == {}
+    assert sorted(r.serving_backends()) == sorted(e.url for e in engines)  # not taken down by it
