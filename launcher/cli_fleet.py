@@ -25,7 +25,8 @@ from router.cache_reset import DYNAMO_RESET_PATH, CacheResetReport, reset_engine
 
 @click.group("fleet")
 def fleet_group() -> None:
-    """Fleet-wide operations on a running job (the refit window and cache invalidation)."""
+    """Fleet-wide operations on a running job: pause/resume, abort, weight versions, checksums, step
+    metrics, cache invalidation."""
 
 
 def _via_router(jd: JobDir, router_url: str, timeout_s: float) -> CacheResetReport:
