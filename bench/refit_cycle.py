@@ -90,34 +90,57 @@ async def main() -> None:
     args = p.parse_args()
     sims: list[SimServer] = []
     real: list[VllmEngine] = []
-    if args.vllm_model:
-        logs = tempfile.mkdtemp(prefix="refit-cycle-")
-        cpus = sorted(os.sched_getaffinity(0))
-        for i in range(args.engines):
-            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
-            spec = EngineSpec(
-                model=args.vllm_model,
-                served_name=args.model,
-                extra_args=["--max-model-len", "4096"],
-                env=env,
-                log_path=f"{logs}/engine{i}.log",
-                startup_timeout_s=900,
-            )
-            real.append(VllmEngine(spec, python=os.environ["RL_LAUNCH_VLLM_PYTHON"]))
-        t0 = time.monotonic()
+    try:  # every engine this bench started is stopped however it ends
+        if args.vllm_model:
+            real = start_vllm(args.vllm_model, args.model, args.engines)
+            urls = [e.url for e in real]
+        elif args.engine_url:
+            urls = args.engine_url
+        else:
+            for i in range(args.engines):
+                s = SimServer(SimConfig(speed=20.0, model_name=args.model), index=i)
+                await s.start()
+                sims.append(s)
+            urls = [s.url for s in sims]
+        await measure(urls, args, "simulated" if sims else "real")
+    finally:
+        for s in sims:
+            await s.stop()
         for e in real:
+            e.stop()
+
+
+def start_vllm(model_dir: str, name: str, n: int) -> list[VllmEngine]:
+    logs = tempfile.mkdtemp(prefix="refit-cycle-")
+    cpus = sorted(os.sched_getaffinity(0))
+    engines = []
+    for i in range(n):
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
+        spec = EngineSpec(
+            model=model_dir,
+            served_name=name,
+            extra_args=["--max-model-len", "4096"],
+            env=env,
+            log_path=f"{logs}/engine{i}.log",
+            startup_timeout_s=900,
+        )
+        engines.append(VllmEngine(spec, python=os.environ["RL_LAUNCH_VLLM_PYTHON"]))
+    t0 = time.monotonic()
+    try:
+        for e in engines:
             e.start()
-        for e in real:
+        for e in engines:
             e.wait_ready(t0 + 900)
-        print(f"{len(real)} vLLM engines ready in {time.monotonic() - t0:.0f} s (logs {logs})")
-        args.engine_url = [e.url for e in real]
-    elif not args.engine_url:
-        for i in range(args.engines):
-            s = SimServer(SimConfig(speed=20.0, model_name=args.model), index=i)
-            await s.start()
-            sims.append(s)
-    urls = args.engine_url or [s.url for s in sims]
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    print(f"{n} vLLM engines ready in {time.monotonic() - t0:.0f} s (logs {logs})")
+    return engines
+
+
+async def measure(urls: list[str], args: argparse.Namespace, kind: str) -> None:
     router = GenerationRouter(
         RouterConfig(host="127.0.0.1", port=0, admin_token=TOKEN, policy="round_robin", probe_interval_s=0),
         urls,
@@ -126,15 +149,15 @@ async def main() -> None:
     stop = asyncio.Event()
     counts: dict[str, int] = {}
     load_task = asyncio.create_task(load(router.base_url(), args.model, args.clients, stop, counts))
-    client = FleetClient(router.base_url(), TOKEN)
-    result = await asyncio.to_thread(cycles, client, args.cycles, args.hold)
-    stop.set()
-    await asyncio.wait_for(load_task, 120)
-    router.stop()
-    for s in sims:
-        await s.stop()
+    try:
+        client = FleetClient(router.base_url(), TOKEN)
+        result = await asyncio.to_thread(cycles, client, args.cycles, args.hold)
+    finally:
+        stop.set()
+        await asyncio.wait_for(load_task, 120)
+        router.stop()
     print(
-        f"{len(urls)} engines ({'real' if args.engine_url else 'simulated'}), {args.clients} clients, "
+        f"{len(urls)} engines ({kind}), {args.clients} clients, "
         f"hold {args.hold:g} s, {args.cycles} cycles; answers by status: {counts}"
     )
     for k in ("pause_s", "reset_and_stamp_s", "resume_s", "cycle_s", "overhead_s", "held", "longest_wait_s"):
