@@ -492,3 +492,18 @@ async def test_a_stamp_no_engine_accepts_changes_nothing(sims, router_over) -> N
     assert status == 500 and "unchanged" in rep["error"]
     assert r.current_weight_version() is None and r.fleet.backends.stale == {}
     assert sorted(r.serving_backends()) == sorted(e.url for e in engines)  # not taken down by it
+
+
+async def test_pause_wait_mode_returns_once_in_flight_requests_finished(sims, router_over) -> None:
+    engines = await sims(1)
+    r = router_over([engines[0].url])
+    url = r.base_url()
+    inflight = asyncio.create_task(send(url, chat(max_tokens=300)))
+    await asyncio.sleep(0.1)
+    assert sum(engines[0].stats.success.values()) == 0
+    status, _ = await admin(url, "POST", "/fleet/pause?mode=wait")
+    # The pause answered only after the engine completed the request in flight.
+    assert status == 200 and sum(engines[0].stats.success.values()) == 1
+    st, body = await inflight
+    assert st == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert (await admin(url, "POST", "/fleet/resume"))[0] == 200
