@@ -498,8 +498,8 @@ async def test_pause_wait_mode_returns_once_in_flight_requests_finished(sims, ro
     engines = await sims(1)
     r = router_over([engines[0].url])
     url = r.base_url()
-    inflight = asyncio.create_task(send(url, chat(max_tokens=300)))
-    await asyncio.sleep(0.1)
+    inflight = asyncio.create_task(send(url, chat(max_tokens=3000)))
+    await asyncio.sleep(0.05)
     assert sum(engines[0].stats.success.values()) == 0
     status, _ = await admin(url, "POST", "/fleet/pause?mode=wait")
     # The pause answered only after the engine completed the request in flight.
