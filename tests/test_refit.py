@@ -492,6 +492,8 @@ async def test_a_stamp_no_engine_accepts_changes_nothing(sims, router_over) -> N
     assert status == 500 and "unchanged" in rep["error"]
     assert r.current_weight_version() is None and r.fleet.backends.stale == {}
     assert sorted(r.serving_backends()) == sorted(e.url for e in engines)  # not taken down by it
+    status, rep = await admin(r.base_url(), "POST", "/fleet/reset_prefix_cache")  # the shared fan-out
+    assert status == 500 and not rep["ok"] and all("Error" in e["detail"] for e in rep["engines"]), rep
 
 
 async def test_pause_wait_mode_returns_once_in_flight_requests_finished(sims, router_over) -> None:
