@@ -31,7 +31,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "fleet": (
         "launcher.cli_fleet",
         "fleet_group",
-        "Fleet-wide operations on a running job (cache invalidation).",
+        "Fleet-wide operations on a running job: pause/resume, abort, weight versions, checksums, step "
+        "metrics, cache invalidation.",
     ),
     "list": (
         "launcher.cli_jobs",

@@ -25,7 +25,8 @@ from router.cache_reset import DYNAMO_RESET_PATH, CacheResetReport, reset_engine
 
 @click.group("fleet")
 def fleet_group() -> None:
-    """Fleet-wide operations on a running job (cache invalidation)."""
+    """Fleet-wide operations on a running job: pause/resume, abort, weight versions, checksums, step
+    metrics, cache invalidation."""
 
 
 def _via_router(jd: JobDir, router_url: str, timeout_s: float) -> CacheResetReport:
@@ -89,3 +90,9 @@ def reset_cache_command(job: str | None, timeout_s: float, as_json: bool, root: 
         failed = report.failures()
         why = failed[0].detail if failed else "no engine is serving"
         raise click.ClickException(f"{len(failed)} of {len(report.engines)} engine(s) did not flush: {why}")
+
+
+# The refit window (pause, resume, abort, versions, checksums, steps): its own module, same group.
+from launcher.cli_fleet_refit import register as _register_refit  # noqa: E402
+
+_register_refit(fleet_group)

@@ -10,13 +10,13 @@ with it, ``rl-launch fleet reset-cache`` prints it and the job directory records
 
 from __future__ import annotations
 
-import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import aiohttp
+from router.fleet_ops import fan_out
 
 VLLM_RESET_PATH = "/reset_prefix_cache"
 """vLLM (served with ``VLLM_SERVER_DEV_MODE=1``) and the simulator."""
@@ -69,19 +69,15 @@ def _hint(status: int, path: str) -> str:
 async def reset_engines(
     urls: Sequence[str], path: str, api_key: str | None = None, timeout_s: float = 30.0
 ) -> list[EngineReset]:
-    """POST ``path`` on every engine at once; an error, a timeout or a non-2xx answer is a failure."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    """POST ``path`` on every engine at once; an error, a timeout or a non-2xx answer is a failure.
+    Sent through ``router.fleet_ops.fan_out``, the one fan-out every fleet operation uses."""
+    answers = await fan_out(
+        urls, "POST", path, api_key=api_key, timeout_s=timeout_s, hint=lambda status: _hint(status, path)
+    )
+    return [
+        EngineReset(a.url, a.ok, a.status, _said(a.body) if a.ok else a.detail) for a in answers
+    ]
 
-    async def one(session: aiohttp.ClientSession, url: str) -> EngineReset:
-        try:
-            async with session.post(url + path, headers=headers, allow_redirects=False) as resp:
-                text = (await resp.text())[:300]
-                ok = 200 <= resp.status < 300 and '"error"' not in text
-                detail = text if ok else f"HTTP {resp.status}{_hint(resp.status, path)}: {text}"
-                return EngineReset(url, ok, resp.status, detail)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return EngineReset(url, False, None, f"{type(exc).__name__}: {exc}")
 
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        return list(await asyncio.gather(*(one(session, u) for u in urls)))
+def _said(body: object) -> str:
+    return json.dumps(body)[:300] if body is not None else ""

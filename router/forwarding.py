@@ -42,6 +42,7 @@ from multidict import CIMultiDict
 from router.backends import BackendSet
 from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.metrics import RouterMetrics
+from router.pause_gate import PauseGate
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -74,6 +75,8 @@ JSON = "application/json"
 # out of rotation at once. A 5xx is not among them: one poisoned request answered 500 by every engine
 # would otherwise eject the whole fleet; it is reported to the health controller as a failure instead.
 _TRANSPORT_FAILURES = frozenset({"connect", "reset", "timeout", "headers_too_large", "stream_broken"})
+# Held while the fleet is paused (generation); /tokenize and /v1/models do not reach the engine core.
+HELD_DURING_PAUSE = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 @dataclass
@@ -112,7 +115,9 @@ class Forwarder:
         policy: Policy,
         metrics: RouterMetrics,
         config: ForwardingConfig,
+        gate: PauseGate | None = None,
     ) -> None:
+        self.gate = gate if gate is not None else PauseGate()
         self.backends = backends
         self.policy = policy
         self.metrics = metrics
@@ -167,6 +172,20 @@ class Forwarder:
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read() if request.body_exists else b""
+        if self.gate.paused and request.path in HELD_DURING_PAUSE:  # the one check when not paused
+            if not await self.gate.hold():
+                self.metrics.errors.labels("pause_bound").inc()
+                status = self.config.no_healthy_backend_status
+                g = self.gate
+                return json_response(
+                    status,
+                    error_body(
+                        f"fleet paused for a weight update; request not held (at most {g.max_held} held, "
+                        f"each at most {g.max_wait_s:g} s)",
+                        "no_healthy_backend",
+                        status,
+                    ),
+                )
         route_request = RouteRequest(path=request.path, body=body, headers=request.headers)
         if len(body) > LARGE_BODY_BYTES:
             route_request = await asyncio.get_running_loop().run_in_executor(

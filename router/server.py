@@ -34,9 +34,11 @@ from router.auth import auth_middleware
 from router.backends import BackendSet, canonical_backend_url
 from router.config import RouterConfig, is_loopback_host
 from router.connections import ConnectionGate, GuardedSockSite
+from router.fleet_api import FleetApi
 from router.forwarding import Forwarder, ForwardingConfig
 from router.limits import HttpLimits, effective_connection_cap, raise_open_file_limit
 from router.metrics import RouterMetrics
+from router.pause_gate import PauseGate
 from router.policies import LoadTracker, Policy, make_policy
 from router.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
 from router.status import error_body
@@ -120,7 +122,8 @@ class GenerationRouter:
         self.host = config.host
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
-        self.metrics = RouterMetrics(self.backends, self.policy.name)
+        self.gate = PauseGate(config.pause_max_held, config.pause_max_wait_s)
+        self.metrics = RouterMetrics(self.backends, self.policy.name, self.gate)
         self.forwarder = Forwarder(
             self.backends,
             self.policy,
@@ -134,7 +137,9 @@ class GenerationRouter:
                 health_managed=config.health_managed,
                 backend_api_key=config.secret("backend_api_key"),
             ),
+            self.gate,
         )
+        self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
         self._api_key = config.secret("api_key")
         self._admin_token = config.admin_secret
         self._max_request_bytes = config.max_request_bytes
@@ -187,12 +192,18 @@ class GenerationRouter:
             self._session,
             worker_health_timeout_s=self.config.worker_health_timeout_s,
             max_pending=self.config.max_pending_registrations,
-            # What the engines expect: their own key if one is configured, else the clients' (forwarded).
-            backend_api_key=self.config.secret("backend_api_key") or self._api_key,
+            backend_api_key=self._engine_key(),
         )
         admin.add_routes(app)
+        self.fleet.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", _not_found)
         return app
+
+    def _engine_key(self) -> str | None:
+        """The key the router's own engine calls (fleet operations) present: the backend key, else the
+        clients' key, which is what the engines expect when no separate one is set (the proxied
+        requests carry it through). Without it a job's engines answer the fleet routes 401."""
+        return self.config.secret("backend_api_key") or self.config.secret("api_key")
 
     def _session(self) -> aiohttp.ClientSession:
         """A plain aiohttp session for the router's own health checks (admin API, prober): not on the
@@ -348,6 +359,22 @@ class GenerationRouter:
 
     def in_flight(self) -> dict[str, int]:
         return self._call(self.backends.load.snapshot)
+
+    def current_weight_version(self) -> str | None:
+        """The fleet's weight version as last stamped through ``/fleet/weight_version`` (None: never)."""
+        return self.fleet.current_version
+
+    def restore_weight_version(self, version: str) -> None:
+        """Seed the version after a restart of this router (the fleet controller remembers it), so a
+        restarted router does not admit stale engines; engines are not called."""
+        def seed() -> None:
+            if self.fleet.current_version is None:
+                self.fleet.current_version = version
+
+        self._call(seed)
+
+    def stale_backends(self) -> dict[str, str]:
+        return dict(self._call(lambda: self.backends.stale))
 
 
 async def _not_found(request: web.Request) -> web.Response:

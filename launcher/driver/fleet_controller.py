@@ -26,6 +26,7 @@ the job with that reason instead of hanging. ``stop`` writes the final snapshot:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -38,6 +39,16 @@ from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy,
 from launcher.gateways import Gateway
 from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
 from router.backends import canonical_backend_url
+
+
+def read_weight_version(url: str, timeout_s: float) -> str | None:
+    """The engine's ``GET /weight_info`` version (vLLM dev mode, the simulator); None on any failure."""
+    try:
+        with urllib.request.urlopen(url + "/weight_info", timeout=timeout_s) as resp:
+            version = json.loads(resp.read()).get("weight_version")
+            return str(version) if version is not None else None
+    except Exception:
+        return None
 
 
 def probe(url: str, timeout_s: float) -> ProbeResult:
@@ -88,6 +99,7 @@ class FleetController:
         self.gateway = gateway
         self.view_every = view_every
         self._ticks = 0
+        self._version: str | None = None
         self.hosts = hosts
         self.tick_s = tick_s
         self.probe_timeout_s = probe_timeout_s
@@ -175,9 +187,13 @@ class FleetController:
             outcomes = self.gateway.drain_outcomes()
         except Exception:  # the gateway is restarting: probes alone this tick
             outcomes = {}
-        result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes))
+        versions = self._weight_versions()
+        result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes, versions=versions))
+        push = list(result.serving_urls)
+        if self.gateway.guards_weight_version:
+            push += result.stale_urls  # held out by the front itself, listed for the trainer
         try:
-            self.gateway.set_serving(result.serving_urls)
+            self.gateway.set_serving(push)
             instance = self.gateway.instance()
             if self._gateway_instance is not None and instance != self._gateway_instance:
                 self.job.log_event(
@@ -212,6 +228,24 @@ class FleetController:
             self.state.update(fleet=self.fleet.snapshot())
         if result.fatal and self.fatal is None:
             self.fatal = result.fatal
+
+    def _weight_versions(self) -> dict[str, str]:
+        """The fleet's version from the front (re-seeded into a front that restarted and forgot it), and
+        the versions of the engines the state machine asks about (RECOVERING and STALE ones only)."""
+        try:
+            version = self.gateway.weight_version()
+            if version is None and self._version is not None and self.gateway.guards_weight_version:
+                self.gateway.restore_weight_version(self._version)
+                version = self._version
+        except Exception:  # the gateway is restarting: keep the last known version
+            version = self._version
+        self._version = version
+        self.fleet.set_current_version(version)
+        targets = list(self.fleet.version_targets().values())
+        if not targets:
+            return {}
+        got = self._pool.map(lambda u: read_weight_version(u, self.probe_timeout_s), targets)
+        return {u: v for u, v in zip(targets, got, strict=True) if v is not None}
 
     def _engines_of(self, node_index: int) -> list[str]:
         return [eid for eid, (n, _) in self.where.items() if n == node_index]

@@ -90,6 +90,10 @@ class Gateway(ABC):
     owns_engines: ClassVar[bool] = False
     """True when the front starts, health-checks and replaces the engines itself (ray-serve): the driver
     then starts no engine hosts and no fleet controller, and ``view`` is the fleet view status shows."""
+    guards_weight_version: ClassVar[bool] = False
+    """True when the front itself holds out engines on another weight version (the builtin router's
+    ``/fleet`` API): the controller then also hands it the STALE engines, so the trainer can list and
+    stamp them through the front. Otherwise STALE engines are simply never pushed."""
 
     def __init__(self, context: GatewayContext) -> None:
         self.context = context
@@ -121,6 +125,15 @@ class Gateway(ABC):
         """``{url: (successes, failures)}`` since the last drain, where the kind reports them; ``{}``
         otherwise (the controller then judges on its own probes alone)."""
         return {}
+
+    def weight_version(self) -> str | None:
+        """The fleet's current weight version as the front knows it (the trainer stamps through it);
+        ``None``: nothing stamped yet, or a kind without fleet versions (then no engine is STALE)."""
+        return None
+
+    def restore_weight_version(self, version: str) -> None:
+        """Tell a front that restarted and forgot it the fleet's version (no-op for kinds without one)."""
+        return None
 
     def instance(self) -> str | None:
         """An identity of the front's process that changes when it restarts (``None``: unknown)."""

@@ -18,6 +18,7 @@ _CALL_TIMEOUT_S = 5.0
 
 class BuiltinRouterGateway(Gateway):
     kind = "builtin"
+    guards_weight_version = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -68,6 +69,13 @@ class BuiltinRouterGateway(Gateway):
 
     def drain_outcomes(self) -> dict[str, tuple[int, int]]:
         return dict(self._get(self.actor.drain_backend_outcomes.remote()))
+
+    def weight_version(self) -> str | None:
+        version = self._get(self.actor.current_weight_version.remote())
+        return str(version) if version is not None else None
+
+    def restore_weight_version(self, version: str) -> None:
+        self._get(self.actor.restore_weight_version.remote(version))
 
     def instance(self) -> str | None:
         return str(self._get(self.actor.pid.remote()))

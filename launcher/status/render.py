@@ -18,6 +18,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from launcher.status.refit import refit_line
+
 BLOCKS = "▁▂▃▄▅▆▇█"
 
 STATE_STYLES = {
@@ -28,6 +30,7 @@ STATE_STYLES = {
     "RETIRED": "red",
     "RESTARTING": "bold cyan",
     "RECOVERING": "cyan",
+    "STALE": "bold magenta",
     "STOPPED": "dim",
 }
 
@@ -39,7 +42,7 @@ CONDITION_STYLES = {
 }
 
 # Worst first: when the terminal cannot hold every row, these are the rows that must stay on screen.
-_SEVERITY = {"DEAD": 0, "SUSPECT": 1, "RESTARTING": 2, "RECOVERING": 3, "RETIRED": 4}
+_SEVERITY = {"DEAD": 0, "SUSPECT": 1, "STALE": 2, "RESTARTING": 3, "RECOVERING": 4, "RETIRED": 5}
 
 
 def sparkline(values: Sequence[float], width: int = 60) -> str:
@@ -401,6 +404,10 @@ def render_snapshot(
         parts.append(_gateway_line(snap))
     if snap.get("cache_reset"):
         parts.append(_cache_reset_line(snap["cache_reset"]))
+    refit = snap.get("refit") or {}
+    refit_text = refit_line(refit.get("pause"), refit.get("step"))
+    if refit_text is not None and refit_text.plain:
+        parts.append(refit_text)
     if snap.get("engines"):
         parts.append(_summary(snap))
         parts.append(_engine_table(snap, max_rows, width))
