@@ -50,6 +50,10 @@ class PolicyRequestRouter(RequestRouter):
         self.load = LoadTracker()
         self._members: tuple[str, ...] = ()
         self._weights: dict[str, tuple[str, int]] = {}
+        # The prepared request of each pending one, until Serve says which replica got it: the policy
+        # learns affinity from the dispatch (``Policy.commit``), not from its own choice, which Serve may
+        # not follow (the replica it named can be full).
+        self._prepared: dict[str, RouteRequest] = {}
 
     def _sync(self, ids: list[str]) -> None:
         members = tuple(sorted(ids))
@@ -68,10 +72,15 @@ class PolicyRequestRouter(RequestRouter):
         request, exclude = route_request(pending_request)
         chosen: str | None = None
         if request is not None:
+            prepared = self.policy.prepare(request)
             try:
-                chosen = self.policy.choose(self.policy.prepare(request), self.load, exclude)
+                chosen = self.policy.choose(prepared, self.load, exclude)
             except NoBackendAvailable:
                 chosen = None
+            if pending_request is not None:
+                if len(self._prepared) > _ROUTED_MAX:
+                    self._prepared.clear()
+                self._prepared[pending_request.metadata.internal_request_id] = prepared
         rest = sorted(
             (r for rid, r in by_id.items() if rid != chosen and rid not in exclude),
             key=lambda r: self.load.in_flight(r.replica_id.unique_id),
@@ -93,6 +102,9 @@ class PolicyRequestRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         rid = replica_id.unique_id
+        prepared = self._prepared.pop(pending_request.metadata.internal_request_id, None)
+        if prepared is not None:
+            self.policy.commit(prepared, rid)
         weight = len(pending_request.args[4]) if len(pending_request.args) >= 5 else 0
         self.load.acquire(rid, weight)
         self._weights[pending_request.metadata.internal_request_id] = (rid, weight)
