@@ -2,9 +2,12 @@
 
 ``reset-cache JOB`` flushes every engine's prefix cache after a weight update (see
 ``router.cache_reset``): through our router's admin route (``router.kind: builtin``, which also clears
-the router's prefix index), or straight to each Dynamo worker's ``/engine/flush_cache`` (``router.kind:
-dynamo``; Dynamo's KV router drops the blocks as the workers' removal events arrive). The report is
-recorded in the job directory, where ``rl-launch status`` shows when it last ran.
+the router's prefix index), straight to each Dynamo worker's ``/engine/flush_cache`` (``router.kind:
+dynamo``; Dynamo's KV router drops the blocks as the workers' removal events arrive), or straight to each
+engine's ``/reset_prefix_cache`` behind a front that has no such route (``vllm-router``, ``ray-serve``:
+the engines are the job's own, listed in its job directory; those fronts' own routing state is theirs
+to age out). The report is recorded in the job directory, where ``rl-launch status`` shows when it last
+ran.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import click
 
 from launcher.cli_jobs import _ROOT, resolve_job
 from launcher.jobdir import JobDir
-from router.cache_reset import DYNAMO_RESET_PATH, CacheResetReport, reset_engines
+from router.cache_reset import DYNAMO_RESET_PATH, VLLM_RESET_PATH, CacheResetReport, reset_engines
 
 
 @click.group("fleet")
@@ -48,9 +51,10 @@ def _via_router(jd: JobDir, router_url: str, timeout_s: float) -> CacheResetRepo
     return CacheResetReport.from_json(json.loads(body))
 
 
-def _via_dynamo_workers(jd: JobDir, timeout_s: float) -> CacheResetReport:
+def _via_engines(jd: JobDir, path: str, api_key: str | None, timeout_s: float) -> CacheResetReport:
+    """Every engine the job directory lists, at once (no front in between)."""
     urls = [e.url for e in jd.engine_entries() if e.url]
-    return CacheResetReport(asyncio.run(reset_engines(urls, DYNAMO_RESET_PATH, None, timeout_s)))
+    return CacheResetReport(asyncio.run(reset_engines(urls, path, api_key, timeout_s)))
 
 
 @fleet_group.command("reset-cache")
@@ -69,9 +73,11 @@ def reset_cache_command(job: str | None, timeout_s: float, as_json: bool, root: 
     kind = jd.read_spec().router.kind
     t = time.monotonic()
     if kind == "dynamo":
-        report = _via_dynamo_workers(jd, timeout_s)
-    else:
+        report = _via_engines(jd, DYNAMO_RESET_PATH, None, timeout_s)
+    elif kind == "builtin":
         report = _via_router(jd, router_url, timeout_s)
+    else:  # a front without a fleet route: the job's engines take the job's API key
+        report = _via_engines(jd, VLLM_RESET_PATH, jd.read_api_key(), timeout_s)
     jd.write_cache_reset(report.to_json())
     jd.log_event(
         "cache_reset",

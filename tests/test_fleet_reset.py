@@ -126,9 +126,13 @@ async def test_real_vllm_prefix_cache_is_reset_through_the_router(
 
 
 @pytest.mark.ray
-def test_cli_resets_a_running_local_job_and_status_shows_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["builtin", "vllm-router"])
+def test_cli_resets_a_running_local_job_and_status_shows_it(tmp_path: Path, kind: str) -> None:
+    """Through our router's fleet route (builtin), or straight at the job's engines behind a front that
+    has none (vllm-router)."""
     spec = {
         "name": "reset",
+        "router": {"kind": kind},
         "cluster": "local",
         "job_root": str(tmp_path / "jobs"),
         "training": {
