@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
 
 _CALL_TIMEOUT_S = 5.0
@@ -90,14 +91,5 @@ class BuiltinRouterGateway(Gateway):
     def stop(self) -> None:
         if self.actor is None:
             return
-        import ray
-
-        try:
-            ray.get(self.actor.stop.remote(), timeout=10)
-        except Exception:  # the actor may be gone already; it is killed below either way
-            pass
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception:
-            pass
+        stop_restartable_actor(self.actor)
         self.actor = None

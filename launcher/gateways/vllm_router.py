@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
 from launcher.gateways.vllm_router_admin import AdminError, Registrar, VllmRouterAdmin
 from launcher.gateways.vllm_router_command import VllmRouterSection, root_url, router_command
@@ -177,14 +178,5 @@ class VllmRouterGateway(Gateway):
                 self.context.say(f"vllm-router: could not deregister {len(failed)}: {'; '.join(failed)}")
         if self.actor is None:
             return
-        import ray
-
-        try:
-            ray.get(self.actor.stop.remote(), timeout=10)
-        except Exception:  # the actor may be gone already; it is killed below either way
-            pass
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception:
-            pass
+        stop_restartable_actor(self.actor)
         self.actor = None
