@@ -98,3 +98,23 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 # END test isolation
+
+
+# ============================================================================================
+# BEGIN environment hygiene: a test (or code it calls in-process) that leaves Ray's loopback switch
+# in os.environ makes every later sbatch job's Ray workers refuse to join a multi-node cluster, which
+# shows up as a distant, baffling failure. Fail the test that leaked it instead.
+# ============================================================================================
+
+_GUARDED_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_ray_env():  # type: ignore[no-untyped-def]
+    before = {key: os.environ.get(key) for key in _GUARDED_ENV}
+    yield
+    after = {key: os.environ.get(key) for key in _GUARDED_ENV}
+    assert after == before, f"the test left {after} in os.environ (was {before}): restore it"
+
+
+# END environment hygiene

@@ -62,17 +62,31 @@ def local_ray() -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    for key, value in SERVE_RAY_ENV.items():
+    # For this Ray only: left in the process's environment, the loopback setting would reach later
+    # sbatch jobs and make their Ray workers refuse to join a multi-node cluster.
+    # (ray.init itself leaves RAY_AUTH_MODE behind, which a later job's Ray would inherit too.)
+    wanted = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **SERVE_RAY_ENV}
+    saved = {key: os.environ.get(key) for key in (*wanted, "RAY_AUTH_MODE")}
+    for key, value in wanted.items():
         os.environ.setdefault(key, value)
-    # address="local": a new Ray of our own, never another process's cluster found on this machine.
-    ray.init(
-        address="local", include_dashboard=False, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=False
-    )
     try:
-        yield
+        # address="local": a new Ray of our own, never another process's cluster found on this machine.
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            num_cpus=max(2, os.cpu_count() or 2),
+            log_to_driver=False,
+        )
+        try:
+            yield
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextlib.contextmanager
