@@ -1,4 +1,8 @@
-"""The router as a Ray actor (real local Ray): a killed actor is restarted and rebinds the same URL."""
+"""The router as a Ray actor (real local Ray): a killed actor is restarted and rebinds the same URL.
+
+Named to run first among the tests that start Ray inside the pytest process: after a Ray Serve app ran
+in-process (tests/test_gateway_ray_serve.py), a later in-process ray.init's first actor was cancelled
+before it started; reproduced with the two files in that order, not in this one."""
 
 from __future__ import annotations
 
