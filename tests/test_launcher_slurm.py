@@ -429,6 +429,7 @@ def test_killed_engine_host_step_is_reported_and_restarted(tmp_path: Path) -> No
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(720)  # above the submit's own 600 s, so that a slow job still shows its logs
 def test_one_real_vllm_cpu_engine(tmp_path: Path, vllm_python: str, tiny_model_dir: Path) -> None:
     trainer = tmp_path / "trainer.py"
     trainer.write_text(
@@ -463,9 +464,16 @@ def test_one_real_vllm_cpu_engine(tmp_path: Path, vllm_python: str, tiny_model_d
     }
     spec = write_spec(tmp_path, "e2e-vllm", f"{sys.executable} {trainer}", generation=env_generation)
     env = dict(os.environ, RL_LAUNCH_VLLM_PYTHON=vllm_python)
-    proc = subprocess.run(
-        [RL_LAUNCH, "submit", str(spec), "--follow"], capture_output=True, text=True, timeout=600, env=env
-    )
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [RL_LAUNCH, "submit", str(spec), "--follow"], capture_output=True, text=True, timeout=600, env=env
+        )
+    except subprocess.TimeoutExpired as exc:
+        files = sorted((tmp_path / "jobs").rglob("*.log"))
+        logs = "".join(f"\n== {f}\n{f.read_text(errors='replace')[-4000:]}" for f in files)
+        raise AssertionError(f"submit --follow still running after {exc.timeout} s:{logs}") from exc
+    print(f"\nslurm job with one real vLLM CPU engine: {time.monotonic() - t0:.0f} s")
     job = job_dir_of(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr + (job / "driver.log").read_text(errors="replace")
     assert (job / "vllm-ok.json").exists()

@@ -182,17 +182,20 @@ def test_abort_all_and_by_id_reach_client_as_engine_answered(fleet: Any) -> None
     url = router.base_url()
     retries_before = router.metrics.retries._value.get()
     results: dict[int, Any] = {}
-    threads = [_in_thread(results, 0, url, 3500, "abort me by id", headers={"X-Request-Id": "refit-abort-1"})]
-    threads.append(_in_thread(results, 1, url, 3500, "abort me with all"))
-    # Early: on a quiet machine the tiny model writes 3,500 tokens in under two seconds, and an abort
-    # sent at 1.5 s arrived after the request had finished ("length"), as happened in one CI-like run.
+    # Each abort goes 0.3 s after its own request starts: on a quiet machine the tiny model writes 3,500
+    # tokens in about two seconds, and a request started beside the first one had already finished
+    # ("length") by the time the abort-by-id round trip was over, in one CI run.
+    first = _in_thread(results, 0, url, 3500, "abort me by id", headers={"X-Request-Id": "refit-abort-1"})
     time.sleep(0.3)
-    assert not results, "the long requests finished before the abort"
+    assert not results, "the long request finished before the abort"
     by_id = client.abort(["chatcmpl-refit-abort-1"])
-    threads[0].join(60)
-    assert 0 in results and 1 not in results, results
+    first.join(60)
+    assert 0 in results, results
+    second = _in_thread(results, 1, url, 3500, "abort me with all")
+    time.sleep(0.3)
+    assert 1 not in results, "the long request finished before the abort"
     rest = client.abort()
-    threads[1].join(60)
+    second.join(60)
     assert 1 in results
     for status, body, took, _ in results.values():
         assert took < 60

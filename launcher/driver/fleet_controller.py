@@ -127,6 +127,9 @@ class FleetController:
         self._gateway_instance: str | None = None
 
     def start(self) -> FleetController:
+        # The front's identity now, not at the first tick: a front that restarts before the first tick
+        # completes (a fault early in training, a slow tick) must still be reported as restarted.
+        self._gateway_instance = self._current_instance()
         self._thread = threading.Thread(target=self._loop, name="fleet-health", daemon=True)
         self._thread.start()
         return self
@@ -168,6 +171,12 @@ class FleetController:
         snap["final"] = True
         return snap
 
+    def _current_instance(self) -> str | None:
+        try:
+            return self.gateway.instance()
+        except Exception:  # the front is restarting: no identity this tick
+            return None
+
     def _loop(self) -> None:
         while not self._stop.wait(self.tick_s):
             try:
@@ -192,17 +201,22 @@ class FleetController:
         push = list(result.serving_urls)
         if self.gateway.guards_weight_version:
             push += result.stale_urls  # held out by the front itself, listed for the trainer
+        timed_out = False
         try:
             self.gateway.set_serving(push)
-            instance = self.gateway.instance()
+        except Exception as exc:
+            timed_out = isinstance(exc, TimeoutError)  # a Ray actor mid-restart: asking again waits again
+            self.job.log_event("router_unreachable", f"could not push the serving set: {exc!r}")
+        # Apart from the push: a push refused while the front was down must not hide that it came back
+        # as a new process (the next push then succeeds against the new one with nothing to compare).
+        instance = None if timed_out else self._current_instance()
+        if instance is not None:
             if self._gateway_instance is not None and instance != self._gateway_instance:
                 self.job.log_event(
                     "router_restarted",
                     f"{self.gateway.kind} gateway restarted ({self._gateway_instance} -> {instance})",
                 )
             self._gateway_instance = instance
-        except Exception as exc:
-            self.job.log_event("router_unreachable", f"could not push the serving set: {exc!r}")
         self._ticks += 1
         if self._ticks % self.view_every == 1 or self.view_every == 1:
             # The front's own view, beside ours in `rl-launch status` (every few ticks: for an external
