@@ -1,9 +1,10 @@
 """``rl-launch fleet pause|resume|is-paused|abort|version|checksum|step JOB``: the refit window by hand.
 
-The same operations a trainer drives through ``launcher.fleet_client`` (each through the builtin
-router's ``/fleet/*`` routes, which fan out to every engine), for an operator or a shell-scripted
-trainer. Each prints one line per engine and exits 1 when any engine did not comply. Other fronts
-(``router.kind`` other than builtin) have no such routes: the command says so and what they do offer.
+The same operations a trainer drives through ``launcher.fleet_client`` (each through the ``/fleet/*``
+routes, which fan out to every engine: the builtin router's own, or the driver's fleet endpoint beside
+vllm-router), for an operator or a shell-scripted trainer. Each prints one line per engine and exits 1
+when any engine did not comply. Fronts with no such routes (Dynamo, Ray Serve: their engines do not serve
+vLLM's dev routes) are refused with what they do offer.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def _client(job: str | None, root: Path, timeout_s: float, op: str) -> tuple[Job
     state = jd.read_state()
     if not state.get("router_url") or state.get("torn_down"):
         raise click.ClickException(f"job {jd.path.name} has no serving fleet (state: {state.get('phase')})")
-    kind = jd.read_spec().router.kind
-    if kind != "builtin":
+    if not state.get("fleet_url"):
+        kind = jd.read_spec().router.kind
         raise click.ClickException(
             f"fleet {op}: job {jd.path.name} runs router.kind {kind!r}, which has no fleet-wide {op} "
-            "(only the builtin router fans the refit window out to every engine); "
+            "(the builtin router and vllm-router fan the refit window out to every engine); "
             "`rl-launch fleet reset-cache` works for it"
         )
     try:

@@ -18,8 +18,10 @@ router's URL plus the admin token, and drives the whole fleet with one call per 
 Every call fans out to every engine behind the router (``router.fleet_api``) and raises ``FleetOpError``
 (carrying the per-engine ``FleetOpReport``) when any engine did not comply, so a half-paused or
 half-stamped fleet never passes silently; ``check=False`` returns the report instead.
-Only the builtin router serves these routes (``router.kind: builtin``); ``from_job_dir`` refuses
-other fronts with the reason.
+The builtin router serves these routes itself; for ``router.kind: vllm-router`` the driver serves them
+beside it (``launcher.gateways.fleet_endpoint``: same routes, but the engines, not the front, hold the
+requests that arrive during a pause). ``from_job_dir`` finds the right URL in the job state
+(``fleet_url``) and refuses fronts without these routes (Dynamo, Ray Serve) with the reason.
 """
 
 from __future__ import annotations
@@ -61,14 +63,14 @@ class FleetClient:
 
         jd = JobDir(Path(path).expanduser())
         state = jd.read_state()
-        url = state.get("router_url")
-        if not url or state.get("torn_down"):
+        if not state.get("router_url") or state.get("torn_down"):
             raise ValueError(f"job directory {jd.path}: no serving router (phase: {state.get('phase')})")
-        kind = jd.read_spec().router.kind
-        if kind != "builtin":
+        url = state.get("fleet_url")
+        if not url:
+            kind = jd.read_spec().router.kind
             raise ValueError(
-                f"job directory {jd.path}: router.kind is {kind!r}; the fleet client drives the builtin "
-                "router's /fleet routes only (rl-launch fleet says what other fronts support)"
+                f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (the builtin router "
+                "and vllm-router have them; rl-launch fleet reset-cache works for every front)"
             )
         return cls(url, jd.read_admin_token(), timeout_s)
 

@@ -67,8 +67,12 @@ class FleetApi:
         gate: PauseGate,
         backend_api_key: str | None = None,
         engine_timeout_s: float = 120.0,
+        holds_requests: bool = True,
     ) -> None:
+        """``holds_requests``: False where no request passes through this process (the driver's fleet
+        endpoint beside vllm-router): the engines then hold new requests during a pause, not the gate."""
         self.backends = backends
+        self.holds_requests = holds_requests
         self.gate = gate
         self.backend_api_key = backend_api_key
         self.engine_timeout_s = engine_timeout_s
@@ -123,7 +127,7 @@ class FleetApi:
             return _bad(f"mode={mode!r}: choose one of {', '.join(PAUSE_MODES)}")
         self.gate.close(mode)
         report = await self._fan("pause", self._all_engines(), "POST", "/pause", params={"mode": mode})
-        report.result = {"mode": mode, "router_holding": True}
+        report.result = {"mode": mode, "router_holding": self.holds_requests}
         log.info("fleet pause (%s): ok=%s in %.3f s", mode, report.ok, report.took_s)
         return _answer(report)
 

@@ -212,6 +212,11 @@ def test_external_gateway_registers_replaces_and_leaves_the_router_running(
     view = gw.view()
     assert view.reachable and {(m.url, m.healthy) for m in view.members} == {(e, True) for e in engines[:2]}
     assert gw.drain_outcomes() == {} and gw.instance() is None
+    # the refit window beside it (the driver's fleet endpoint), with the admin token
+    from launcher.fleet_client import FleetClient
+
+    fleet = FleetClient(gw.fleet_url() or "", "t")
+    assert fleet.weight_version().result["engines"] == {e: "default" for e in engines[:2]}
 
     body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     req = urllib.request.Request(
@@ -425,3 +430,87 @@ def test_slurm_managed_vllm_router_process_killed_is_back_on_the_same_url(
     assert any(e["phase"] == "router_restarted" for e in events)
     assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
     _assert_job_gone(job)
+
+
+REFIT_TRAINER = textwrap.dedent(
+    """\
+    import glob, json, os, threading, time, urllib.request
+    from launcher.fleet_client import FleetClient
+    job, key = os.environ["RL_JOB_DIR"], os.environ["RL_POLICY_API_KEY"]
+    base, router = os.environ["RL_POLICY_BASE_URL"], os.environ["RL_ROUTER_URL"]
+    def post(url, body, headers=None):
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+            "Content-Type": "application/json", "Authorization": "Bearer " + key, **(headers or {})})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+    def registered():
+        workers = json.load(urllib.request.urlopen(router + "/workers", timeout=10))["workers"]
+        return sorted(w["url"].rstrip("/") for w in workers)
+    answered = {}
+    def chat(i):
+        body = {"model": os.environ["RL_POLICY_MODEL_NAME"], "max_tokens": 8,
+                "messages": [{"role": "user", "content": f"rollout {i}"}]}
+        answered[i] = (post(base + "/chat/completions", body), time.time())
+    fleet = FleetClient.from_job_dir(job)
+    out = {"fleet_url": fleet.url}
+    fleet.begin_step()
+    out["pause"] = fleet.pause("keep").result
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    time.sleep(1.0)
+    out["answered_while_paused"] = len(answered)
+    fleet.reset_prefix_cache()
+    fleet.set_weight_version("step-1")
+    resumed_at = time.time()
+    fleet.resume()
+    [t.join(60) for t in threads]
+    out["statuses"] = sorted(s for s, _ in answered.values())
+    out["all_after_resume"] = all(t >= resumed_at for _, t in answered.values())
+    out["step_generation_tokens"] = fleet.step_metrics()["fleet"]["generation_tokens"]
+    engines = [e for f in sorted(glob.glob(os.path.join(job, "engines", "node-*.urls.json")))
+               for e in json.load(open(f))["engines"]]
+    victim = engines[0]["url"]
+    post(victim + "/sim/fault", {"mode": "kill"})
+    deadline, stale = time.time() + 90, {}
+    while time.time() < deadline and not stale:
+        stale = {u: w for u, w in fleet.stale_engines().items() if "not verified" not in w}
+        time.sleep(0.3)
+    out["stale"] = stale
+    time.sleep(2.5)  # two more fleet ticks: a stale engine must stay out of vllm-router
+    out["registered_while_stale"] = registered()
+    fleet.set_weight_version("step-1", engines=list(stale))
+    deadline = time.time() + 20
+    while time.time() < deadline and not set(stale) <= set(registered()):
+        time.sleep(0.3)
+    out["registered_after_stamp"] = registered()
+    out["versions"] = fleet.weight_version().result
+    json.dump(out, open(os.path.join(job, "refit.json"), "w"))
+    """
+)
+
+
+@pytest.mark.ray
+def test_local_job_refit_window_beside_vllm_router(tmp_path: Path, vllm_router_bin: str) -> None:
+    """The trainer's refit loop on a vllm-router job, through the driver's fleet endpoint: a pause holds
+    rollouts on the engines until resume, the stamp moves the fleet's version, and an engine restarted on
+    the checkpoint's version stays out of vllm-router (STALE) until it is stamped."""
+    from tests.test_fleet_local import job_processes
+
+    proc, job = _local_job(tmp_path, "refit", REFIT_TRAINER)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((job / "refit.json").read_text())
+    state = JobDir(job).read_state()
+    assert out["fleet_url"] == state["fleet_url"] != state["router_url"]
+    assert out["pause"] == {"mode": "keep", "router_holding": False}
+    assert out["answered_while_paused"] == 0 and out["statuses"] == [200] * 4 and out["all_after_resume"]
+    assert out["step_generation_tokens"] >= 4 * 8
+    (successor,) = out["stale"]
+    assert "'default'" in out["stale"][successor]  # restarted on the checkpoint's version
+    assert successor not in out["registered_while_stale"] and len(out["registered_while_stale"]) == 2
+    assert successor in out["registered_after_stamp"] and len(out["registered_after_stamp"]) == 3
+    assert set(out["versions"]["engines"].values()) == {"step-1"} and out["versions"]["current"] == "step-1"
+    fleet_states = {e["id"]: e["state"] for e in state.get("fleet", {}).get("engines", [])}
+    assert set(fleet_states.values()) == {"STOPPED"}
+    events = [e["phase"] for e in JobDir(job).read_events()]
+    assert "finished" in events
+    assert job_processes(job) == []

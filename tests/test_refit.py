@@ -400,7 +400,7 @@ async def test_fleet_cli_drives_the_window_and_refuses_other_kinds(sims, tmp_pat
     router.serve_in_background()
     try:
         job.write_spec(load_resolved("examples/local.yaml"))
-        StateWriter(job).update(router_url=router.base_url(), phase="running")
+        StateWriter(job).update(router_url=router.base_url(), fleet_url=router.base_url(), phase="running")
         root = ["--root", str(tmp_path / "jobs")]
 
         def cli(*args: str) -> Any:
@@ -425,6 +425,7 @@ async def test_fleet_cli_drives_the_window_and_refuses_other_kinds(sims, tmp_pat
         result = await in_thread(cli, "pause")
         assert result.exit_code == 1 and "did not comply" in result.output and "FAIL" in result.output
         job.write_spec(load_resolved("examples/local-dynamo.yaml"))
+        StateWriter(job).update(fleet_url=None)  # a front without /fleet routes records none
         result = await in_thread(cli, "resume")
         assert result.exit_code == 1 and "router.kind 'dynamo'" in result.output
     finally:
@@ -509,3 +510,40 @@ async def test_pause_wait_mode_returns_once_in_flight_requests_finished(sims, ro
     st, body = await inflight
     assert st == 200 and body["choices"][0]["finish_reason"] == "length"
     assert (await admin(url, "POST", "/fleet/resume"))[0] == 200
+
+
+# -- the driver's fleet endpoint, beside a front without /fleet routes (vllm-router) ------------------
+async def test_fleet_endpoint_drives_the_engines_and_holds_stale_ones_out(sims) -> None:
+    from launcher.gateways.fleet_endpoint import FleetEndpoint
+
+    engines = await sims(3)
+    e0, e1, replacement = (e.url for e in engines)
+    endpoint = await in_thread(lambda: FleetEndpoint("127.0.0.1", 0, TOKEN, None).start())
+    try:
+        assert await in_thread(endpoint.serving, [e0, e1]) == [e0, e1]  # nothing stamped: all serve
+        client = FleetClient(endpoint.url, TOKEN)
+        pause = await in_thread(client.pause, "keep")
+        assert pause.result == {"mode": "keep", "router_holding": False}  # the engines hold, not a gate
+        assert engines[0].scheduler.gen_paused and engines[1].scheduler.gen_paused
+        held = asyncio.create_task(send(e0, chat()))  # through the front, it reaches a paused engine
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        await in_thread(client.reset_prefix_cache)
+        assert (await in_thread(client.set_weight_version, "v1")).result["current"] == "v1"
+        await in_thread(client.resume)
+        assert (await asyncio.wait_for(held, 10))[0] == 200
+        assert endpoint.weight_version == "v1"
+        # Engine 1 restarted on the checkpoint's version: held out of what the front may route to.
+        assert await in_thread(endpoint.serving, [e0, replacement]) == [e0]
+        deadline = time.monotonic() + 5
+        while "weight version not verified yet" in (stale := await in_thread(client.stale_engines)).values():
+            assert time.monotonic() < deadline, stale
+            await asyncio.sleep(0.05)
+        assert list(stale) == [replacement] and "'default'" in stale[replacement]
+        assert await in_thread(endpoint.serving, [e0, replacement]) == [e0]  # still out on the next push
+        await in_thread(client.set_weight_version, "v1", [replacement])
+        assert await in_thread(endpoint.serving, [e0, replacement]) == [e0, replacement]
+        async with aiohttp.ClientSession() as s, s.post(endpoint.url + "/fleet/pause") as r:
+            assert r.status == 401  # never open: the admin token guards every route
+    finally:
+        await in_thread(endpoint.stop)

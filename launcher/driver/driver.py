@@ -536,6 +536,7 @@ class Driver:
             admin_token=self.job.read_admin_token(),
             say=self._say,
             generation_nodes=tuple(self.generation_nodes) if not self.local else (),
+            reserve_port=lambda: reserve_port(host, r.port_range),
         )
         try:
             self.gateway = make_gateway(r.kind, context)
@@ -554,6 +555,9 @@ class Driver:
         except GatewayError as exc:
             raise JobFailed(str(exc)) from None
         self._mark("router_start_s", t)
+        fleet_url = self.gateway.fleet_url()
+        if fleet_url:
+            self.state.update(fleet_url=fleet_url)
         policy = getattr(self.gateway, "policy_label", r.policy)  # a front with its own policies says which
         self.state.event(
             "router_serving", f"router serving {url}/v1", router_url=url, policy=policy, gateway=r.kind

@@ -41,10 +41,14 @@ from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
 from router.backends import canonical_backend_url
 
 
-def read_weight_version(url: str, timeout_s: float) -> str | None:
-    """The engine's ``GET /weight_info`` version (vLLM dev mode, the simulator); None on any failure."""
+def read_weight_version(url: str, timeout_s: float, api_key: str | None = None) -> str | None:
+    """The engine's ``GET /weight_info`` version (vLLM dev mode, the simulator); None on any failure.
+    ``api_key``: the job's engines take it on every route but ``/health`` (without it a restarted engine's
+    version is never known, and it waits in RECOVERING instead of being judged STALE or current)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url + "/weight_info", timeout=timeout_s) as resp:
+        req = urllib.request.Request(url + "/weight_info", headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             version = json.loads(resp.read()).get("weight_version")
             return str(version) if version is not None else None
     except Exception:
@@ -100,6 +104,10 @@ class FleetController:
         self.view_every = view_every
         self._ticks = 0
         self._version: str | None = None
+        try:
+            self._engine_key: str | None = job.read_api_key()
+        except OSError:  # a job without one (tests): engines without a key
+            self._engine_key = None
         self.hosts = hosts
         self.tick_s = tick_s
         self.probe_timeout_s = probe_timeout_s
@@ -258,7 +266,8 @@ class FleetController:
         targets = list(self.fleet.version_targets().values())
         if not targets:
             return {}
-        got = self._pool.map(lambda u: read_weight_version(u, self.probe_timeout_s), targets)
+        key = self._engine_key
+        got = self._pool.map(lambda u: read_weight_version(u, self.probe_timeout_s, key), targets)
         return {u: v for u, v in zip(targets, got, strict=True) if v is not None}
 
     def _engines_of(self, node_index: int) -> list[str]:

@@ -77,6 +77,9 @@ class GatewayContext:
     say: Callable[[str], None] = field(default=lambda message: None)
     generation_nodes: tuple[str, ...] = ()
     """Hostnames of the generation nodes (where a gateway that owns its engines places them)."""
+    reserve_port: Callable[[], int] | None = None
+    """Another free port from the spec's range on ``host``, for a listener of the launcher's own beside
+    the front (the fleet endpoint); call it only once the front is bound, or it may return ``port``."""
 
 
 class Gateway(ABC):
@@ -133,6 +136,12 @@ class Gateway(ABC):
 
     def restore_weight_version(self, version: str) -> None:
         """Tell a front that restarted and forgot it the fleet's version (no-op for kinds without one)."""
+        return None
+
+    def fleet_url(self) -> str | None:
+        """Where the ``/fleet/*`` routes of the refit window are served for this front (the admin token
+        guards them), ``None`` when the kind has none; ``launcher.fleet_client`` and ``rl-launch fleet``
+        use it (the driver records it in the job state)."""
         return None
 
     def instance(self) -> str | None:

@@ -14,6 +14,10 @@ Both converge the router's worker set from its own ``GET /workers`` on every fle
 vllm-router reports no per-backend request outcomes the way our router does, so ``drain_outcomes`` is
 ``{}`` and the fleet controller judges engines on its own probes alone.
 
+vllm-router has no refit window (pause, weight versions, per-step metrics): the driver serves the builtin
+router's ``/fleet/*`` routes beside it (``fleet_endpoint``), and only the engines that endpoint serves (not
+held out as stale) are registered, so the weight-version rule is the builtin router's.
+
 vllm-router 0.1.17 has no authentication of its own for clients or for ``/workers``; the client's
 ``Authorization`` header is passed through to the engines, which check the job's API key. The managed
 router listens on the driver node's address only (loopback in local mode), and no secret is ever put on
@@ -27,6 +31,7 @@ from typing import Any
 
 from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
+from launcher.gateways.fleet_endpoint import FleetEndpoint
 from launcher.gateways.vllm_router_admin import AdminError, Registrar, VllmRouterAdmin
 from launcher.gateways.vllm_router_command import VllmRouterSection, root_url, router_command
 
@@ -56,6 +61,7 @@ def _metrics_port(port_range: tuple[int, int], taken: int) -> int:
 
 class VllmRouterGateway(Gateway):
     kind = "vllm-router"
+    guards_weight_version = True  # the fleet endpoint holds stale engines out of the registration
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -65,6 +71,7 @@ class VllmRouterGateway(Gateway):
         self.actor: Any = None
         self._url = ""
         self.registrar: Registrar | None = None
+        self.fleet: FleetEndpoint | None = None
 
     # -- start ------------------------------------------------------------------------------------------
     def start(self, engine_urls: Sequence[str]) -> str:
@@ -75,13 +82,29 @@ class VllmRouterGateway(Gateway):
         else:
             url = self._start_managed()
         self._url = url
+        self._start_fleet_endpoint()
+        assert self.fleet is not None
         self.registrar = Registrar(VllmRouterAdmin(url), say=self.context.say, note=self._note)
         try:
-            self.registrar.register_all(engine_urls, timeout_s=_START_TIMEOUT_S)
+            self.registrar.register_all(self.fleet.serving(engine_urls), timeout_s=_START_TIMEOUT_S)
         except Exception as exc:
             raise GatewayError(f"vllm-router at {url} refused the engines: {exc}") from exc
         self._wait_ready(url)
         return url
+
+    def _start_fleet_endpoint(self) -> None:
+        ctx = self.context
+        port = ctx.reserve_port() if ctx.reserve_port is not None else 0  # 0: the OS's choice
+        try:
+            self.fleet = FleetEndpoint(ctx.host, port, ctx.admin_token, ctx.api_key).start()
+        except Exception as exc:
+            raise GatewayError(f"vllm-router: the fleet endpoint did not start on {ctx.host}: {exc}") from exc
+
+    def fleet_url(self) -> str | None:
+        return self.fleet.url if self.fleet is not None else None
+
+    def weight_version(self) -> str | None:
+        return self.fleet.weight_version if self.fleet is not None else None
 
     def _note(self, action: str, url: str) -> None:
         self.context.job.log_event("gateway_member", f"vllm-router: {url} {action}", action=action, url=url)
@@ -140,8 +163,8 @@ class VllmRouterGateway(Gateway):
         return self._url
 
     def set_serving(self, urls: Sequence[str]) -> None:
-        assert self.registrar is not None, "start() first"
-        self.registrar.converge(urls)
+        assert self.registrar is not None and self.fleet is not None, "start() first"
+        self.registrar.converge(self.fleet.serving(urls))
 
     def instance(self) -> str | None:
         if self.actor is None:  # external: its owner's restarts show as an empty GET /workers instead
@@ -170,6 +193,8 @@ class VllmRouterGateway(Gateway):
 
     # -- stop -------------------------------------------------------------------------------------------
     def stop(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
         if self.registrar is not None and self.mode == "managed":
             self.registrar.close()  # the router goes away with the actor: nothing to deregister
         if self.registrar is not None and self.mode == "external":
