@@ -58,6 +58,9 @@ class GenerationRouterActor:
     def stale_backends(self) -> dict[str, str]:
         return self._router.stale_backends()
 
+    def restore_pause(self, mode: str = "keep") -> bool:
+        return self._router.restore_pause(mode)
+
     def pid(self) -> int:
         return os.getpid()
 

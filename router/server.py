@@ -376,6 +376,18 @@ class GenerationRouter:
     def stale_backends(self) -> dict[str, str]:
         return dict(self._call(lambda: self.backends.stale))
 
+    def restore_pause(self, mode: str = "keep") -> bool:
+        """Hold new requests again after a restart of this router in the middle of a pause (the fleet
+        controller found the engines paused); engines are not called. True if the gate was open."""
+
+        def close() -> bool:
+            if self.gate.paused:
+                return False
+            self.gate.close(mode)
+            return True
+
+        return bool(self._call(close))
+
 
 async def _not_found(request: web.Request) -> web.Response:
     return web.Response(

@@ -333,6 +333,15 @@ class RouterGateway(Gateway):
     def restore_weight_version(self, version: str) -> None:
         self.router.restore_weight_version(version)
 
+    identity = "1"
+    """Its process identity; a test changes it to stand for a restart."""
+
+    def instance(self) -> str | None:
+        return self.identity
+
+    def restore_pause(self) -> bool:
+        return self.router.restore_pause("keep")
+
     def view(self) -> GatewayView:
         return GatewayView(self.kind, self.base_url(), True)
 
@@ -379,6 +388,45 @@ async def test_controller_keeps_restarted_engine_stale_until_stamped(sims, route
     router.fleet.current_version = None
     await in_thread(controller.tick)
     assert router.current_weight_version() == "v1"
+    controller.stop()
+
+
+async def test_controller_restores_the_pause_in_a_router_that_restarted_mid_pause(
+    sims, router_over, tmp_path
+) -> None:
+    engines = await sims(2)
+    urls = [e.url for e in engines]
+    job = JobDir(tmp_path / "job").create()
+    job.write_listing(
+        EngineListing(
+            node="n0",
+            node_index=0,
+            engines=[EngineEntry(index=i, url=u, node="n0", node_index=0) for i, u in enumerate(urls)],
+        )
+    )
+    router = router_over(urls)
+    gateway = RouterGateway(router)
+    controller = FleetController(job, StateWriter(job), gateway, 1, HealthPolicy())
+    url = router.base_url()
+    await in_thread(controller.tick)  # takes the router's identity
+    assert (await admin(url, "POST", "/fleet/pause?mode=keep"))[0] == 200
+    # The router process restarts mid-pause: it comes back with an open gate and another identity.
+    router.gate.open()
+    gateway.identity = "2"
+    await in_thread(controller.tick)
+    assert router.gate.paused
+    phases = [e["phase"] for e in job.read_events()]
+    assert "router_restarted" in phases and "router_pause_restored" in phases
+    held = asyncio.create_task(send(url, chat()))
+    await asyncio.sleep(0.3)
+    assert not held.done()  # held by the router again, not queued unbounded on the paused engines
+    status, rep = await admin(url, "POST", "/fleet/resume")
+    assert status == 200 and rep["result"]["released"] == 1
+    assert (await asyncio.wait_for(held, 10))[0] == 200
+    # A restart while nothing is paused leaves the gate open.
+    gateway.identity = "3"
+    await in_thread(controller.tick)
+    assert not router.gate.paused
     controller.stop()
 
 

@@ -30,7 +30,7 @@ import json
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,6 +51,17 @@ def read_weight_version(url: str, timeout_s: float, api_key: str | None = None) 
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             version = json.loads(resp.read()).get("weight_version")
             return str(version) if version is not None else None
+    except Exception:
+        return None
+
+
+def read_paused(url: str, timeout_s: float, api_key: str | None = None) -> bool | None:
+    """The engine's ``GET /is_paused`` (vLLM dev mode, the simulator); None on any failure."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        req = urllib.request.Request(url + "/is_paused", headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return bool(json.loads(resp.read()).get("is_paused"))
     except Exception:
         return None
 
@@ -179,6 +190,24 @@ class FleetController:
         snap["final"] = True
         return snap
 
+    def _restore_pause(self, serving: Sequence[str]) -> None:
+        """A front that restarted in the middle of a refit pause comes back open: requests would pile up
+        on the paused engines without the router's bounds, and the trainer's resume would release nothing
+        it counts. If any serving engine is paused, close the restarted front's gate again."""
+        key = self._engine_key
+        answers = self._pool.map(lambda u: read_paused(u, 2.0, key), serving)
+        paused = [u for u, p in zip(serving, answers, strict=True) if p]
+        if not paused:
+            return
+        try:
+            if self.gateway.restore_pause():
+                self.job.log_event(
+                    "router_pause_restored",
+                    f"{len(paused)}/{len(serving)} engines paused: the restarted front holds requests again",
+                )
+        except Exception as exc:
+            self.job.log_event("router_unreachable", f"could not restore the pause: {exc!r}")
+
     def _current_instance(self) -> str | None:
         try:
             return self.gateway.instance()
@@ -224,6 +253,7 @@ class FleetController:
                     "router_restarted",
                     f"{self.gateway.kind} gateway restarted ({self._gateway_instance} -> {instance})",
                 )
+                self._restore_pause(result.serving_urls)
             self._gateway_instance = instance
         self._ticks += 1
         if self._ticks % self.view_every == 1 or self.view_every == 1:

@@ -138,6 +138,11 @@ class Gateway(ABC):
         """Tell a front that restarted and forgot it the fleet's version (no-op for kinds without one)."""
         return None
 
+    def restore_pause(self) -> bool:
+        """Hold requests again in a front that restarted while the engines were paused (kinds whose front
+        holds requests during a pause); True if it was not holding. No-op (False) for other kinds."""
+        return False
+
     def fleet_url(self) -> str | None:
         """Where the ``/fleet/*`` routes of the refit window are served for this front (the admin token
         guards them), ``None`` when the kind has none; ``launcher.fleet_client`` and ``rl-launch fleet``

@@ -78,6 +78,9 @@ class BuiltinRouterGateway(Gateway):
     def restore_weight_version(self, version: str) -> None:
         self._get(self.actor.restore_weight_version.remote(version))
 
+    def restore_pause(self) -> bool:
+        return bool(self._get(self.actor.restore_pause.remote("keep")))
+
     def fleet_url(self) -> str | None:
         return self._url or None
 
