@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from launcher.jobdir import JobDir
 
 pytestmark = pytest.mark.ray
 
@@ -184,3 +187,28 @@ def test_every_engine_dead_without_budget_fails_the_job(tmp_path: Path) -> None:
     assert took < 200
     assert [e["to_state"] for e in fleet_events(job, "node0-0")][-1] == "RETIRED"
     assert job_processes(job) == []
+
+
+@pytest.mark.parametrize("example", ["local.yaml", "local-vllm-router.yaml"])
+def test_example_shows_the_refit_window_mid_step(tmp_path: Path, example: str) -> None:
+    """``RL_REFIT_AT=0.5 rl-launch submit examples/<example>``: the replay pauses the fleet halfway, holds,
+    stamps a version and resumes through the trainer's client, and every session still completes."""
+    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [rl_launch, "submit", str(root / "examples" / example), "--set", f"job_root={tmp_path / 'jobs'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, RL_REFIT_AT="0.5"),
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    refit = re.search(r"mid-step refit on (\d+) engines after \d+ sessions: .*\(cycle ([\d.]+) s", out)
+    assert refit and int(refit.group(1)) == 4, out[-3000:]
+    (job,) = list((tmp_path / "jobs").iterdir())
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
+    stamped = [e for e in JobDir(job).read_events() if e["phase"] == "finished"]
+    assert stamped and stamped[0]["exit_code"] == 0
+    print(f"\n{example}: mid-step refit cycle {float(refit.group(2)):.3f} s on 4 engines")

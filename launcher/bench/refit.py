@@ -90,6 +90,7 @@ class MidStepRefit:
                 "held_released": resumed.result.get("released"),
                 "held_longest_wait_s": resumed.result.get("held_longest_wait_s"),
                 "version": self.version,
+                "router_holding": paused.result.get("router_holding", True),
             }
             r = self.result
             self.say(
@@ -97,7 +98,11 @@ class MidStepRefit:
                 f"pause {r['pause_s']:.3f} s, hold {self.hold_s:g} s, "
                 f"cache reset + stamp + resume {r['cache_reset_stamp_resume_s']:.3f} s "
                 f"(cycle {r['pause_to_resume_s']:.3f} s, {r['overhead_s']:.3f} s beyond the hold); "
-                f"{r['held_released']} requests held, longest wait {r['held_longest_wait_s']:.3f} s"
+                + (
+                    f"{r['held_released']} requests held, longest wait {r['held_longest_wait_s']:.3f} s"
+                    if r["router_holding"]
+                    else "requests sent meanwhile were held by the engines (the front cannot hold them)"
+                )
             )
         except Exception as exc:  # reported with the replay's results; the replay itself goes on
             self.result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
