@@ -39,10 +39,10 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.backends import BackendSet
 from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.metrics import RouterMetrics
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
+from router.routing import RoutingState
 from router.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
@@ -70,10 +70,6 @@ SMALL_RESPONSE_BYTES = 256 * 1024
 # Bodies above this size are digested by the policy in a worker thread, off the event loop.
 LARGE_BODY_BYTES = 256 * 1024
 JSON = "application/json"
-# Failures of the backend's transport (not of one answer): with ``health_managed`` they take the backend
-# out of rotation at once. A 5xx is not among them: one poisoned request answered 500 by every engine
-# would otherwise eject the whole fleet; it is reported to the health controller as a failure instead.
-_TRANSPORT_FAILURES = frozenset({"connect", "reset", "timeout", "headers_too_large", "stream_broken"})
 
 
 @dataclass
@@ -108,12 +104,15 @@ class Forwarder:
 
     def __init__(
         self,
-        backends: BackendSet,
+        routing: RoutingState,
         policy: Policy,
         metrics: RouterMetrics,
         config: ForwardingConfig,
     ) -> None:
-        self.backends = backends
+        """``routing``: where decisions and counts live (this process, or the router's parent process for
+        a worker); ``policy``: used here only to ``prepare`` a request's features (the hashing is the
+        expensive part and stays in the process that parsed the request)."""
+        self.routing = routing
         self.policy = policy
         self.metrics = metrics
         self.config = config
@@ -167,7 +166,7 @@ class Forwarder:
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read() if request.body_exists else b""
-        route_request = RouteRequest(path=request.path, body=body, headers=request.headers)
+        route_request = RouteRequest(request.path, body, request.headers)
         if len(body) > LARGE_BODY_BYTES:
             route_request = await asyncio.get_running_loop().run_in_executor(
                 None, self.policy.prepare, route_request
@@ -180,11 +179,12 @@ class Forwarder:
             headers.append(self._auth)
         path_qs = request.rel_url.raw_path_qs
 
+        routing = self.routing
         tried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(self.config.max_attempts):
             try:
-                url = self.policy.choose(route_request, self.backends.load, frozenset(tried))
+                url = await routing.dispatch(route_request, frozenset(tried))
             except NoBackendAvailable as exc:
                 if last is not None:
                     break  # nowhere else to retry: report the backend failure, not an empty fleet
@@ -193,17 +193,14 @@ class Forwarder:
                 return json_response(
                     status, error_body(f"no healthy backend: {exc}", "no_healthy_backend", status)
                 )
-            self.metrics.decisions += 1
             if attempt:
                 self.metrics.retries.inc()
             tried.add(url)
-            self.policy.commit(route_request, url)
             try:
                 return await self._attempt(request, route_request, url, path_qs, headers, body)
             except UpstreamError as failure:
                 last = failure
-                self.policy.retract(route_request, url)
-                self._on_failure(url, failure.kind)
+                self._on_failure(route_request, url, failure.kind)
                 if failure.kind == "timeout" and not self.config.retry_on_timeout:
                     break
         assert last is not None
@@ -212,13 +209,9 @@ class Forwarder:
             error_body(f"backend failed: {last}", f"backend_{last.kind}", BACKEND_FAILURE_STATUS),
         )
 
-    def _on_failure(self, url: str, kind: str) -> None:
+    def _on_failure(self, route_request: RouteRequest, url: str, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()
-        self.backends.record(url, ok=False)
-        if self.config.health_managed and kind in _TRANSPORT_FAILURES:
-            # The controller owns re-admission; taking the backend out now stops the next requests from
-            # landing on it before the controller's next tick.
-            self.backends.remove(url)
+        self.routing.failed(route_request, url, kind)
 
     async def _attempt(
         self,
@@ -234,11 +227,9 @@ class Forwarder:
         A cancellation (the client went away) aborts the upstream connection through ``release`` and
         frees the slot in the ``finally`` blocks; it is not an ``UpstreamError``, so nothing retries it.
         """
-        load = self.backends.load
-        # Weighted by the body's size: a multi-turn request resends its whole context, so the bytes in
-        # flight per backend approximate the KV each engine holds (cache_aware bounds on it).
-        weight = len(body)
-        load.acquire(url, weight)
+        # ``dispatch`` counted the request in flight, weighted by the body's size: a multi-turn request
+        # resends its whole context, so the bytes in flight per backend approximate the KV each engine
+        # holds (cache_aware bounds on it).
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             try:
@@ -246,7 +237,7 @@ class Forwarder:
             finally:
                 upstream.release()
         finally:
-            load.release(url, weight)
+            self.routing.release(url, len(body))
 
     async def _relay(
         self, request: web.Request, route_request: RouteRequest, url: str, upstream: UpstreamResponse
@@ -263,7 +254,7 @@ class Forwarder:
         if length is not None and length <= SMALL_RESPONSE_BYTES and not is_sse:
             payload = await upstream.read()  # an UpstreamError here is still retryable: nothing sent
             # The backend has answered in full: counted before the client write, which may fail.
-            self.backends.record(url, True)
+            self.routing.succeeded(url)
             response = web.Response(status=upstream.status, headers=resp_headers, body=payload)
             try:
                 await response.prepare(request)
@@ -285,8 +276,7 @@ class Forwarder:
                 except StopAsyncIteration:
                     break
                 except UpstreamError as exc:
-                    self.policy.retract(route_request, url)
-                    await self._broken_stream(request, response, url, is_sse, exc)
+                    await self._broken_stream(request, response, route_request, url, is_sse, exc)
                     return response
                 await response.write(chunk)
             await response.write_eof()
@@ -294,7 +284,7 @@ class Forwarder:
             # The client went away (ClientConnectionResetError is one): not the backend's fault.
             self.metrics.errors.labels("client_gone").inc()
             return response
-        self.backends.record(url, True)
+        self.routing.succeeded(url)
         return response
 
     async def _status_failure(self, url: str, upstream: UpstreamResponse) -> UpstreamError:
@@ -306,10 +296,16 @@ class Forwarder:
         return UpstreamError("status", f"backend {url} answered {upstream.status}: {text}", started=True)
 
     async def _broken_stream(
-        self, request: web.Request, response: web.StreamResponse, url: str, is_sse: bool, exc: UpstreamError
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        route_request: RouteRequest,
+        url: str,
+        is_sse: bool,
+        exc: UpstreamError,
     ) -> None:
         kind = "timeout" if exc.kind == "timeout" else "stream_broken"
-        self._on_failure(url, kind)
+        self._on_failure(route_request, url, kind)
         if is_sse:
             await response.write(sse_error_event(f"backend {url} failed mid-stream: {exc}", kind))
             await response.write_eof()

@@ -39,6 +39,7 @@ from router.limits import HttpLimits, effective_connection_cap, raise_open_file_
 from router.metrics import RouterMetrics
 from router.policies import LoadTracker, Policy, make_policy
 from router.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
+from router.routing import LocalRouting
 from router.status import error_body
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,9 @@ class GenerationRouter:
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
         self.metrics = RouterMetrics(self.backends, self.policy.name)
+        self.routing = LocalRouting(self.backends, self.policy, self.metrics, config.health_managed)
         self.forwarder = Forwarder(
-            self.backends,
+            self.routing,
             self.policy,
             self.metrics,
             ForwardingConfig(
