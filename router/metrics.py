@@ -113,6 +113,12 @@ class WorkerStats(Protocol):
 
     def snapshots(self) -> dict[int, Snapshot]: ...
 
+    def serving(self) -> int: ...
+
+    def retired(self) -> list[Snapshot]:
+        """Last counts of workers that died (kept in the sums)."""
+        ...
+
     async def refresh(self) -> None: ...
 
 
@@ -122,7 +128,7 @@ class _WorkersCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snapshots = self._workers.snapshots()
-        yield from merge_snapshots(list(snapshots.values()))
+        yield from merge_snapshots([*snapshots.values(), *self._workers.retired()])
         per_worker = GaugeMetricFamily(
             "rl_router_worker_requests", "Requests answered by each worker process", labels=["worker"]
         )
@@ -137,7 +143,7 @@ class _WorkersCollector(Collector):
             per_worker.add_metric([str(index)], total)
         yield per_worker
         alive = GaugeMetricFamily("rl_router_workers", "Worker processes serving the port")
-        alive.add_metric([], len(snapshots))
+        alive.add_metric([], self._workers.serving())
         yield alive
         restarts = CounterMetricFamily("rl_router_worker_restarts", "Worker processes replaced after dying")
         restarts.add_metric([], self._workers.restarts)

@@ -82,6 +82,7 @@ class WorkerFleet:
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
         self._snapshots: dict[int, Snapshot] = {}
+        self._retired: list[Snapshot] = []
 
     def attach(self, routing: LocalRouting) -> None:
         self._service = DecisionService(routing)
@@ -155,7 +156,11 @@ class WorkerFleet:
                     return
                 if proc is not None and proc.poll() is not None:
                     self.restarts += 1
-                    self._snapshots.pop(index, None)
+                    # Its counts stay in the sums: requests it answered were answered, and a counter
+                    # must not go down.
+                    last = self._snapshots.pop(index, None)
+                    if last is not None:
+                        self._retired.append(last)
                     log.warning(
                         "router worker %d (pid %d) exited with %s; starting a replacement",
                         index,
@@ -193,6 +198,13 @@ class WorkerFleet:
     def snapshots(self) -> dict[int, Snapshot]:
         return dict(self._snapshots)
 
+    def serving(self) -> int:
+        """Worker processes connected to the routing state and accepting on the port."""
+        return 0 if self._service is None else len(self._service.ready_channels())
+
+    def retired(self) -> list[Snapshot]:
+        return list(self._retired)
+
     async def refresh(self) -> None:
         if self._service is None:
             return
@@ -200,8 +212,6 @@ class WorkerFleet:
         answers = await asyncio.gather(*(c.ask_stats(STATS_TIMEOUT_S) for c in channels))
         for channel, answer in zip(channels, answers, strict=True):
             if answer is not None:
-                # A worker that died keeps its last counts until replaced: requests it answered were
-                # answered, and a counter must not go down.
                 self._snapshots[channel.index] = orjson.loads(answer)
 
 
