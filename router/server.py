@@ -145,6 +145,7 @@ class GenerationRouter:
                 retry_on_timeout=config.retry_on_timeout,
                 health_managed=config.health_managed,
                 backend_api_key=config.secret("backend_api_key"),
+                max_request_bytes=config.max_request_bytes,
             ),
         )
         self._api_key = config.secret("api_key")

@@ -277,6 +277,7 @@ async def serve_worker(
             retry_on_timeout=config.retry_on_timeout,
             health_managed=config.health_managed,
             backend_api_key=config.secret("backend_api_key"),
+            max_request_bytes=config.max_request_bytes,
         ),
     )
     forwarder.use_limits(config.http)
