@@ -119,6 +119,9 @@ class GenerationRouter:
         if not isinstance(config, RouterConfig):
             raise TypeError(f"GenerationRouter takes a RouterConfig, got {type(config).__name__}")
         self.config = config
+        if policy is not None and config.workers > 1:
+            # Worker processes build their own policy object from the config to hash prompts with.
+            raise ValueError("a policy object can only be injected into a one-process router (workers=1)")
         configured = tuple(dict.fromkeys(canonical_backend_url(u) for u in backend_urls))
         self.policy: Policy = policy or make_policy(config.policy, **config.policy_options)
         self.host = config.host
