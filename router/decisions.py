@@ -111,7 +111,10 @@ class _Framed(asyncio.Protocol):
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        out, self._out = self._out, []
+        out = self._out
+        if not out:
+            return
+        self._out = []
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.write(b"".join(out) if len(out) > 1 else out[0])
@@ -289,7 +292,11 @@ class RemoteRouting(_Framed):
         # A cancelled wait leaves the entry: its answer is then released at once (see on_frame).
 
     def release(self, url: str, weight: int) -> None:
+        # Written at once, not at the end of the loop turn: the forwarder releases before the client
+        # gets the end of its answer, and this frame must be on its way before the client's next turn
+        # can reach the routing state through another worker (see forwarding._Slot).
         self.send(frame(RELEASE, _RELEASE.pack(weight) + url.encode()))
+        self._flush()
 
     def succeeded(self, url: str) -> None:
         self.send(frame(SUCCEEDED, url.encode()))
