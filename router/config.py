@@ -140,6 +140,13 @@ class RouterSettings(BaseModel):
         default=300.0, gt=0, description="total time one backend attempt may take before it counts as failed"
     )
     connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP connect timeout toward a backend")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_WORKERS,
+        description="HTTP worker processes sharing the port, with one routing state in the router process "
+        "(1: everything in one process; `rl-launch router` defaults to the cores it may use, at most 8)",
+    )
     max_attempts: int = Field(default=2, ge=1, description="attempts per request on distinct backends")
     retry_on_timeout: bool = Field(default=True, description="retry an attempt that timed out elsewhere")
     no_healthy_backend_status: int = Field(
@@ -225,13 +232,6 @@ class RouterConfig(RouterSettings):
     )
     max_pending_registrations: int = Field(
         default=64, ge=1, description="distinct worker URLs POST /workers may be waiting on at once"
-    )
-    workers: int = Field(
-        default=1,
-        ge=1,
-        le=MAX_WORKERS,
-        description="HTTP worker processes sharing the port, with one routing state in the parent "
-        "(1: everything in this process)",
     )
     insecure_admin: bool = Field(
         default=False,
