@@ -221,6 +221,7 @@ class GenerationRouter:
         else:
             # The parent of worker processes serves the same application (admin API, metrics) on a
             # private Unix socket the workers relay to; the public socket is accepted on by the workers.
+            self.workers.open()
             self._runner = web.AppRunner(self._build_app(), **runner_kwargs(limits))
             await self._runner.setup()
             await web.UnixSite(self._runner, self.workers.admin_path).start()
@@ -282,6 +283,10 @@ class GenerationRouter:
             loop.run_until_complete(self._start())
         except BaseException as exc:  # reported to serve_in_background's caller
             self._startup_error = exc
+            try:  # nothing half-started stays behind (worker processes, sessions)
+                loop.run_until_complete(self._shutdown())
+            except Exception:
+                log.exception("cleaning up after a failed router start")
             self._serving.set()
             loop.close()
             return

@@ -70,9 +70,10 @@ class WorkerFleet:
         self.config = config
         self.count = config.workers
         self.restarts = 0
-        self._dir = tempfile.mkdtemp(prefix="rl-router-")  # 0700: only this user reaches the sockets
-        self.decisions_path = os.path.join(self._dir, "decisions.sock")
-        self.admin_path = os.path.join(self._dir, "admin.sock")
+        # Made by ``open`` when serving starts, so a router that fails to bind leaves nothing behind.
+        self._dir: str | None = None
+        self.decisions_path = ""
+        self.admin_path = ""
         # One seed for every worker of this router, replacements included (see module doc).
         self._hash_seed = str(random.SystemRandom().randrange(1, 2**32 - 1))
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * self.count
@@ -91,6 +92,13 @@ class WorkerFleet:
         self._socket = sock
 
     # -- lifecycle (on the parent's loop) ---------------------------------------------------------------
+    def open(self) -> None:
+        """The private directory of the two Unix sockets (0700: only this user reaches them)."""
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="rl-router-")
+            self.decisions_path = os.path.join(self._dir, "decisions.sock")
+            self.admin_path = os.path.join(self._dir, "admin.sock")
+
     async def start(self) -> None:
         assert self._service is not None and self._socket is not None
         loop = asyncio.get_running_loop()
@@ -189,7 +197,8 @@ class WorkerFleet:
                 proc.wait()
         if self._server is not None:
             self._server.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def pids(self) -> list[int]:
         return [p.pid if p is not None and p.poll() is None else 0 for p in self._procs]

@@ -275,3 +275,17 @@ def test_parent_stop_ends_every_worker(routers) -> None:
     pids = r.worker_pids()
     r.stop()
     assert all(_dead(p) for p in pids)
+
+
+def test_workers_that_do_not_start_leave_nothing_behind(monkeypatch) -> None:
+    from router.workers import WorkerFleet
+
+    monkeypatch.setattr(WorkerFleet, "start_timeout_s", 0.001)
+    r = GenerationRouter(RouterConfig(host="127.0.0.1", port=0, workers=2, probe_interval_s=0))
+    fleet = r.workers
+    assert fleet is not None
+    with pytest.raises(RuntimeError, match="of 2 router worker processes started"):
+        r.serve_in_background()
+    procs = [p for p in fleet._procs if p is not None]
+    assert len(procs) == 2 and all(p.poll() is not None for p in procs)
+    assert fleet._dir is not None and not os.path.exists(fleet._dir)
