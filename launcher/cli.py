@@ -28,6 +28,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Cancel a job, queued or running: scancel (the driver tears everything down on SIGTERM), or SIGTERM "
         "to a local job's driver.",
     ),
+    "fleet": (
+        "launcher.cli_fleet",
+        "fleet_group",
+        "Fleet-wide operations on a running job: pause/resume, abort, weight versions, checksums, step "
+        "metrics, cache invalidation.",
+    ),
     "list": (
         "launcher.cli_jobs",
         "list_command",

@@ -12,7 +12,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 import yaml
@@ -68,15 +68,24 @@ def summarize(resolved: ResolvedSpec) -> list[str]:
     else:
         what = "sim"
     command = train.command if len(train.command) <= 70 else train.command[:67] + "..."
-    lo, hi = resolved.router.port_range
     return [
         f"  name: {resolved.name}",
         f"  {where}",
         f"  training: {train.nodes} node(s): {command}",
         f"  generation: {gen.nodes} node(s) x {gen.engines_per_node} engine(s) = {gen.num_engines} {what}, "
         f"served as {gen.served_model_name!r}",
-        f"  router: {resolved.router.policy}, port in {lo}-{hi}",
+        f"  router: {_router_line(resolved.router)}",
     ]
+
+
+def _router_line(r: Any) -> str:
+    lo, hi = r.port_range
+    if r.kind == "vllm-router" and r.mode == "external":
+        return f"vllm-router (external) at {r.url}"
+    if r.kind == "vllm-router":
+        policy = r.vllm_router.policy if r.vllm_router else "cache_aware"
+        return f"vllm-router (managed), policy {policy}, port in {lo}-{hi}"
+    return f"{r.policy}, port in {lo}-{hi}"
 
 
 @click.command("validate")

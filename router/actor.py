@@ -52,6 +52,15 @@ class GenerationRouterActor:
     def in_flight(self) -> dict[str, int]:
         return self._router.in_flight()
 
+    def current_weight_version(self) -> str | None:
+        return self._router.current_weight_version()
+
+    def restore_weight_version(self, version: str) -> None:
+        self._router.restore_weight_version(version)
+
+    def stale_backends(self) -> dict[str, str]:
+        return self._router.stale_backends()
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -26,6 +26,7 @@ import orjson
 from aiohttp import web
 
 from router.backends import BackendSet, canonical_backend_url
+from router.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
 from router.metrics import RouterMetrics
 
 ADD_WORKER_FAILED = "ADD_WORKER_FAILED"
@@ -50,7 +51,9 @@ class AdminApi:
         worker_health_interval_s: float = 0.5,
         max_pending: int = 64,
         disconnect_poll_s: float = 0.2,
+        backend_api_key: str | None = None,
     ) -> None:
+        self.backend_api_key = backend_api_key
         self.backends = backends
         self.metrics = metrics
         self.policy_name = policy_name
@@ -69,6 +72,7 @@ class AdminApi:
         app.router.add_get("/workers", self.list_workers)
         app.router.add_post("/workers", self.add_worker)
         app.router.add_delete("/workers/{url:.+}", self.delete_worker)
+        app.router.add_post("/fleet/reset_prefix_cache", self.reset_prefix_cache)
 
     async def health(self, request: web.Request) -> web.Response:
         return _json(200, {"status": "ok"})
@@ -171,6 +175,18 @@ class AdminApi:
             if remaining <= 0:
                 return False
             await asyncio.sleep(min(self.worker_health_interval_s, remaining))
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """Flush every serving engine's prefix cache and the policy's prefix index (admin token).
+
+        200 when every engine complied, 500 with the per-engine report when any did not (or none serves):
+        a trainer must not go on believing the fleet was flushed. The index is cleared either way: after
+        a weight update its holders point at caches that are, or should be, gone."""
+        report = CacheResetReport(
+            await reset_engines(list(self.backends.serving), VLLM_RESET_PATH, self.backend_api_key)
+        )
+        report.router_entries_dropped = self.backends.policy.reset_cache_state()
+        return _json(200 if report.ok else 500, report.to_json())
 
     async def delete_worker(self, request: web.Request) -> web.Response:
         try:

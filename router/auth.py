@@ -49,7 +49,7 @@ def auth_middleware(
         path = request.path
         if path in OPEN_PATHS:
             return await handler(request)
-        if path == "/workers" or path.startswith("/workers/"):
+        if path == "/workers" or path.startswith(("/workers/", "/fleet/")):
             if admin_token is not None and not _matches(_bearer(request), admin_token):
                 return web.Response(
                     status=401,

@@ -61,6 +61,12 @@ class BackendSet:
         self.totals: dict[str, list[int]] = {}
         self._members: tuple[str, ...] = ()
         self._ejected: set[str] = set()
+        # Members kept out of rotation because their weights are not the fleet's current version (see
+        # router.fleet_api): unlike ejection, a pushed set does not clear it, since the controller
+        # cannot know an engine's weight version.
+        self._stale: dict[str, str] = {}
+        # Called with each URL that becomes a member; True holds it out as stale until verified.
+        self.admission: Callable[[str], bool] | None = None
         # Called with (url, ok) on every recorded outcome, on the recording thread (the router's loop):
         # the prober counts proxied attempts as evidence between its probes.
         self.outcome_listener: Callable[[str, bool], None] | None = None
@@ -78,8 +84,37 @@ class BackendSet:
     def ejected(self) -> frozenset[str]:
         return frozenset(self._ejected)
 
+    @property
+    def stale(self) -> dict[str, str]:
+        """``{url: why}`` for members held out until they serve the current weight version."""
+        return dict(self._stale)
+
+    def hold_out_stale(self, url: str, why: str) -> bool:
+        """Keep a member out of rotation until ``clear_stale``; False if it is not a member."""
+        if url not in self._members:
+            return False
+        self._stale[url] = why
+        self._sync()
+        return True
+
+    def clear_stale(self, url: str) -> bool:
+        if self._stale.pop(url, None) is None:
+            return False
+        self._sync()
+        return True
+
+    def _admit(self, new: Iterable[str]) -> None:
+        check = self.admission
+        if check is None:
+            return
+        for url in new:
+            if check(url):
+                self._stale.setdefault(url, "weight version not verified yet")
+
     def _sync(self) -> None:
-        serving = tuple(u for u in self._members if u not in self._ejected)
+        for url in [u for u in self._stale if u not in self._members]:
+            del self._stale[url]
+        serving = tuple(u for u in self._members if u not in self._ejected and u not in self._stale)
         if serving != self.load.backends:
             self.load.set_backends(serving)
             self.policy.on_backends_changed(serving)
@@ -87,8 +122,10 @@ class BackendSet:
     def replace(self, urls: Iterable[str]) -> tuple[str, ...]:
         """Make ``urls`` the members, serving at once (a pushed set is the controller's verdict)."""
         canonical = tuple(dict.fromkeys(canonical_backend_url(u) for u in urls))
+        before = set(self._members)
         self._members = canonical
         self._ejected.clear()
+        self._admit(u for u in canonical if u not in before)
         self._sync()
         return canonical
 
@@ -97,6 +134,7 @@ class BackendSet:
         if key in self._members:
             return False
         self._members = (*self._members, key)
+        self._admit((key,))
         self._sync()
         return True
 

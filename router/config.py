@@ -160,6 +160,12 @@ class RouterSettings(BaseModel):
         description="HTTP resource limits: head_timeout_s, keepalive_timeout_s, max_client_connections, "
         "max_backend_header_bytes, max_error_body_bytes (see router.limits)",
     )
+    pause_max_held: int = Field(
+        default=10_000, ge=0, description="generation requests held during a fleet pause (refused above)"
+    )
+    pause_max_wait_s: float = Field(
+        default=600.0, gt=0, description="longest a request is held during a fleet pause before refusal"
+    )
 
     @field_validator("policy")
     @classmethod

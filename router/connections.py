@@ -61,13 +61,16 @@ class GuardedRequestHandler(RequestHandler):
         self._arm_head_deadline()
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and not self._request_in_progress and not self._messages:
-            self._arm_head_deadline()  # first bytes of the next head on a kept-alive connection
         before = self._request_count
         super().data_received(data)
-        if self._request_count != before and self._head_timer is not None:
-            self._head_timer.cancel()  # a complete head was parsed
-            self._head_timer = None
+        if self._request_count != before:
+            if self._head_timer is not None:
+                self._head_timer.cancel()  # a complete head was parsed
+                self._head_timer = None
+        elif self._head_timer is None and not self._request_in_progress and not self._messages:
+            # A head begun and not finished on a kept-alive connection. Armed only now, so the common
+            # case (a whole head in one read) costs no timer at all.
+            self._arm_head_deadline()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:

@@ -41,6 +41,7 @@ from multidict import CIMultiDict
 
 from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.metrics import RouterMetrics
+from router.pause_gate import PauseGate
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.routing import RoutingState
 from router.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
@@ -70,6 +71,8 @@ SMALL_RESPONSE_BYTES = 256 * 1024
 # Bodies above this size are digested by the policy in a worker thread, off the event loop.
 LARGE_BODY_BYTES = 256 * 1024
 JSON = "application/json"
+# Held while the fleet is paused (generation); /tokenize and /v1/models do not reach the engine core.
+HELD_DURING_PAUSE = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 @dataclass
@@ -149,10 +152,12 @@ class Forwarder:
         policy: Policy,
         metrics: RouterMetrics,
         config: ForwardingConfig,
+        gate: PauseGate | None = None,
     ) -> None:
         """``routing``: where decisions and counts live (this process, or the router's parent process for
         a worker); ``policy``: used here only to ``prepare`` a request's features (the hashing is the
         expensive part and stays in the process that parsed the request)."""
+        self.gate = gate if gate is not None else PauseGate()
         self.routing = routing
         self.policy = policy
         self.metrics = metrics
@@ -208,6 +213,20 @@ class Forwarder:
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request, self.max_request_bytes) if request.body_exists else b""
+        if self.gate.paused and request.path in HELD_DURING_PAUSE:  # the one check when not paused
+            if not await self.gate.hold():
+                self.metrics.errors.labels("pause_bound").inc()
+                status = self.config.no_healthy_backend_status
+                g = self.gate
+                return json_response(
+                    status,
+                    error_body(
+                        f"fleet paused for a weight update; request not held (at most {g.max_held} held, "
+                        f"each at most {g.max_wait_s:g} s)",
+                        "no_healthy_backend",
+                        status,
+                    ),
+                )
         route_request = RouteRequest(request.path, body, request.headers)
         if len(body) > LARGE_BODY_BYTES:
             route_request = await asyncio.get_running_loop().run_in_executor(

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router.backends import BackendSet
+from router.pause_gate import PauseGate
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -150,13 +151,58 @@ class _WorkersCollector(Collector):
         yield restarts
 
 
+class _PauseCollector(Collector):
+    """The fleet pause as the router sees it: read at scrape time, nothing on the request path."""
+
+    def __init__(self, gate: PauseGate, backends: BackendSet) -> None:
+        self._gate = gate
+        self._backends = backends
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._gate.stats()
+        gauges = (
+            ("rl_router_fleet_paused", "1 while the fleet is paused for a weight update", float(s.paused)),
+            ("rl_router_held_requests", "Generation requests held until resume", s.held),
+            ("rl_router_held_longest_wait_seconds", "Longest wait among requests held now", s.longest_wait_s),
+            (
+                "rl_router_last_pause_max_wait_seconds",
+                "Longest wait of a held request in the last completed pause",
+                s.last_max_wait_s,
+            ),
+            ("rl_router_last_pause_seconds", "Duration of the last completed pause", s.last_pause_s),
+            (
+                "rl_router_stale_backends",
+                "Engines held out until refit to the current version",
+                len(self._backends.stale),
+            ),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        for name, doc, value in (
+            ("rl_router_held", "Requests held during pauses", s.held_total),
+            ("rl_router_held_refused", "Requests refused past the pause bounds", s.refused_total),
+            ("rl_router_pauses", "Fleet pauses", s.pauses_total),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+
+
 class RouterMetrics:
     """``backends``: the routing state's view (None in a worker process, whose parent reports it).
+    ``gate``: the fleet pause gate, reported where the routing state lives (the parent of worker
+    processes holds the one gate, so its numbers appear once in the aggregated metrics).
     ``workers``: in the parent of worker processes, the source of their per-request counts, which are
     then reported summed (one router, one set of numbers) instead of this process's own."""
 
     def __init__(
-        self, backends: BackendSet | None, policy_name: str, workers: WorkerStats | None = None
+        self,
+        backends: BackendSet | None,
+        policy_name: str,
+        gate: PauseGate | None = None,
+        workers: WorkerStats | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._workers = workers
@@ -178,6 +224,8 @@ class RouterMetrics:
         self.decisions = 0
         if backends is not None:
             self.registry.register(_FleetCollector(backends, lambda: policy_name, lambda: self.decisions))
+            if gate is not None:
+                self.registry.register(_PauseCollector(gate, backends))
         if workers is not None:
             self.registry.register(_WorkersCollector(workers))
         self.own_registry = r

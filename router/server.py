@@ -34,9 +34,11 @@ from router.auth import auth_middleware
 from router.backends import BackendSet, canonical_backend_url
 from router.config import RouterConfig, is_loopback_host
 from router.connections import ConnectionGate, GuardedSockSite
+from router.fleet_api import FleetApi
 from router.forwarding import Forwarder, ForwardingConfig
 from router.limits import HttpLimits, effective_connection_cap, raise_open_file_limit
 from router.metrics import RouterMetrics
+from router.pause_gate import PauseGate
 from router.policies import LoadTracker, Policy, make_policy
 from router.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
 from router.routing import LocalRouting
@@ -127,12 +129,13 @@ class GenerationRouter:
         self.host = config.host
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
+        self.gate = PauseGate(config.pause_max_held, config.pause_max_wait_s)
         self.workers: WorkerFleet | None = None
         if config.workers > 1:
             from router.workers import WorkerFleet  # the worker module imports this one
 
             self.workers = WorkerFleet(config)
-        self.metrics = RouterMetrics(self.backends, self.policy.name, workers=self.workers)
+        self.metrics = RouterMetrics(self.backends, self.policy.name, self.gate, workers=self.workers)
         self.routing = LocalRouting(self.backends, self.policy, self.metrics, config.health_managed)
         if self.workers is not None:
             self.workers.attach(self.routing)
@@ -150,7 +153,9 @@ class GenerationRouter:
                 backend_api_key=config.secret("backend_api_key"),
                 max_request_bytes=config.max_request_bytes,
             ),
+            self.gate,
         )
+        self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
         self._api_key = config.secret("api_key")
         self._admin_token = config.admin_secret
         self._max_request_bytes = config.max_request_bytes
@@ -200,9 +205,17 @@ class GenerationRouter:
             self._session,
             worker_health_timeout_s=self.config.worker_health_timeout_s,
             max_pending=self.config.max_pending_registrations,
+            backend_api_key=self._engine_key(),
         )
         admin.add_routes(app)
+        self.fleet.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", _not_found)
+
+    def _engine_key(self) -> str | None:
+        """The key the router's own engine calls (fleet operations) present: the backend key, else the
+        clients' key, which is what the engines expect when no separate one is set (the proxied
+        requests carry it through). Without it a job's engines answer the fleet routes 401."""
+        return self.config.secret("backend_api_key") or self.config.secret("api_key")
 
     def _session(self) -> aiohttp.ClientSession:
         """A plain aiohttp session for the router's own health checks (admin API, prober): not on the
@@ -357,6 +370,23 @@ class GenerationRouter:
         """Process ids of the worker processes serving the port, by worker index (empty with one)."""
         workers = self.workers
         return [] if workers is None else self._call(workers.pids)
+
+
+    def current_weight_version(self) -> str | None:
+        """The fleet's weight version as last stamped through ``/fleet/weight_version`` (None: never)."""
+        return self.fleet.current_version
+
+    def restore_weight_version(self, version: str) -> None:
+        """Seed the version after a restart of this router (the fleet controller remembers it), so a
+        restarted router does not admit stale engines; engines are not called."""
+        def seed() -> None:
+            if self.fleet.current_version is None:
+                self.fleet.current_version = version
+
+        self._call(seed)
+
+    def stale_backends(self) -> dict[str, str]:
+        return dict(self._call(lambda: self.backends.stale))
 
 
 def runner_kwargs(limits: HttpLimits) -> dict[str, Any]:

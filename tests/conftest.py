@@ -56,7 +56,7 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 # instead of turning green.
 # ============================================================================================
 
-REQUIRED_MARKERS = ("slurm", "vllm", "ray", "shellcheck")
+REQUIRED_MARKERS = ("slurm", "vllm", "ray", "shellcheck", "dynamo")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -98,3 +98,90 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 # END test isolation
+
+
+# ============================================================================================
+# BEGIN environment hygiene: a test (or code it calls in-process) that leaves Ray's loopback switch
+# in os.environ makes every later sbatch job's Ray workers refuse to join a multi-node cluster, which
+# shows up as a distant, baffling failure. Fail the test that leaked it instead.
+# ============================================================================================
+
+_GUARDED_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_ray_env():  # type: ignore[no-untyped-def]
+    before = {key: os.environ.get(key) for key in _GUARDED_ENV}
+    yield
+    after = {key: os.environ.get(key) for key in _GUARDED_ENV}
+    assert after == before, f"the test left {after} in os.environ (was {before}): restore it"
+
+
+# END environment hygiene
+
+
+# ============================================================================================
+# BEGIN Slurm queue hygiene: a Slurm test that fails or times out mid-job leaves its job holding the
+# cluster's few nodes for its whole time limit; every later Slurm test then waits behind it and fails
+# too (one CI run: one slow vLLM job, eight failures after it). After each test marked `slurm`, cancel
+# what is still queued and wait until the queue is empty. The tests themselves assert that their own
+# job left the queue, so this hides no leak: it only stops one failure from becoming many.
+# ============================================================================================
+
+
+def _slurm_queue() -> list[str]:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.stdout.split("\n") if out.returncode == 0 and out.stdout.strip() else []
+
+
+@pytest.fixture(autouse=True)
+def _slurm_queue_cleared(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if request.node.get_closest_marker("slurm") is None or not (left := _slurm_queue()):
+        return
+    import subprocess
+    import time
+    import warnings
+
+    warnings.warn(f"cancelling jobs a Slurm test left queued: {[x for x in left if x]}", stacklevel=1)
+    subprocess.run(["scancel", "--full", *(x.split()[0] for x in left if x)], timeout=30, check=False)
+    deadline = time.monotonic() + 90
+    while _slurm_queue() and time.monotonic() < deadline:
+        time.sleep(1)
+    # What such a job leaves behind on the nodes (a process that outlived its step) would fail the next
+    # test's leftover check as well: end it too, after the queue is empty.
+    for pid in _node_namespace_processes():
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+_NODE_OWN = {"sh", "unshare", "slurmd", "slurmstepd"}  # the nodes' own processes and Slurm's
+
+
+def _node_namespace_processes() -> list[int]:
+    """Processes in the local cluster's node namespaces (``RL_SLURM_NODE_NETNS``) other than the nodes'
+    own."""
+    names = os.environ.get("RL_SLURM_NODE_NETNS", "").split()
+    inodes = {os.stat(f"/run/netns/{n}").st_ino for n in names if os.path.exists(f"/run/netns/{n}")}
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}/ns/net").st_ino not in inodes:
+                continue
+            if Path(f"/proc/{pid}/comm").read_text().strip() not in _NODE_OWN:
+                found.append(int(pid))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+# END Slurm queue hygiene

@@ -419,6 +419,7 @@ def test_snapshot_is_json_serialisable_and_complete() -> None:
         "RESTARTING": 0,
         "RECOVERING": 1,
         "RETIRED": 0,
+        "STALE": 0,
         "engines": 3,
         "serving": 1,
     }
@@ -457,3 +458,74 @@ def test_construction_is_checked() -> None:
 def test_policy_is_validated(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         HealthPolicy(**bad)  # type: ignore[arg-type]
+
+
+# -- STALE: one weight version for the whole fleet ------------------------------------------------------
+ST = EngineState.STALE
+
+
+def versioned_tick(fleet: FleetHealth, clock: Clock, versions: dict[str, str]) -> TickResult:
+    clock.t += 1.0
+    probes: dict[str, ProbeResult | bool] = {u: True for u in fleet.probe_targets().values()}
+    return fleet.observe(TickInput(probes=probes, versions=versions))
+
+
+def restart_e0(fleet: FleetHealth, clock: Clock, new_url: str = "http://10.0.0.1:9100") -> None:
+    kill(fleet, clock, "e0")
+    fleet.restarted("e0", new_url + "/v1")
+
+
+def test_no_version_rule_before_the_first_stamp() -> None:
+    fleet, clock = make(2)
+    assert fleet.version_targets() == {}
+    restart_e0(fleet, clock)
+    versioned_tick(fleet, clock, {"http://10.0.0.1:9100": "default"})
+    r = versioned_tick(fleet, clock, {"http://10.0.0.1:9100": "default"})
+    assert fleet.state("e0") is H and "http://10.0.0.1:9100" in r.serving_urls
+
+
+def test_restarted_engine_on_an_old_version_is_stale_until_stamped() -> None:
+    fleet, clock = make(2)
+    fleet.set_current_version("step-7")
+    restart_e0(fleet, clock)
+    new = "http://10.0.0.1:9100"
+    assert fleet.version_targets() == {"e0": new}
+    versioned_tick(fleet, clock, {new: "default"})
+    r = versioned_tick(fleet, clock, {new: "default"})  # readmission due, but the wrong version
+    assert transitions(r) == [("e0", "RECOVERING", "STALE")] and r.stale_urls == [new]
+    assert new not in r.serving_urls and "'default'" in r.events[0]["reason"]
+    assert r.events[0]["level"] == "warning" and r.fatal is None
+    assert fleet.probe_targets()["e0"] == new  # still probed
+    r = versioned_tick(fleet, clock, {new: "default"})
+    assert fleet.state("e0") is ST and r.events == []
+    r = versioned_tick(fleet, clock, {})  # no answer about its version: no evidence, stays out
+    assert fleet.state("e0") is ST
+    r = versioned_tick(fleet, clock, {new: "step-7"})  # the trainer refit and stamped it
+    assert transitions(r) == [("e0", "STALE", "HEALTHY")] and new in r.serving_urls and r.stale_urls == []
+    assert fleet.snapshot()["totals"]["STALE"] == 0
+
+
+def test_recovering_without_version_evidence_waits_not_readmitted() -> None:
+    fleet, clock = make(2)
+    fleet.set_current_version("v2")
+    restart_e0(fleet, clock)
+    for _ in range(4):
+        r = versioned_tick(fleet, clock, {})
+    assert fleet.state("e0") is RC and "http://10.0.0.1:9100" not in r.serving_urls
+    r = versioned_tick(fleet, clock, {"http://10.0.0.1:9100": "v2"})
+    assert transitions(r) == [("e0", "RECOVERING", "HEALTHY")]
+
+
+def test_serving_engine_reporting_another_version_goes_stale_and_stale_can_die() -> None:
+    fleet, clock = make(3)
+    fleet.set_current_version("v2")
+    r = versioned_tick(fleet, clock, {url(1): "v1", url(0): "v2"})
+    assert transitions(r) == [("e1", "HEALTHY", "STALE")] and url(1) not in r.serving_urls
+    for _ in range(3):
+        clock.t += 1.0
+        r = fleet.observe(TickInput(probes={url(1): FAIL, url(0): True, url(2): True}))
+    assert ("e1", "STALE", "DEAD") in transitions(r) and r.to_restart == ["e1"]
+    fleet2, clock2 = make(1)
+    fleet2.set_current_version("v2")
+    versioned_tick(fleet2, clock2, {url(0): "v1"})
+    assert fleet2.state("e0") is ST and fleet2.mark_dead("e0", "process exited")

@@ -48,6 +48,7 @@ class RawBackend:
     answer: Callable[[bytes, bytes], bytes | list[bytes] | None]
     requests: list[tuple[bytes, bytes]] = field(default_factory=list)
     connections: int = 0
+    close_after: bool = False  # close the connection after each answer
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     server: asyncio.Server | None = None
     port: int = 0
@@ -76,6 +77,8 @@ class RawBackend:
                         await asyncio.sleep(0.2)
                     writer.write(part)
                     await writer.drain()
+                if self.close_after:
+                    break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -112,8 +115,10 @@ def headers_of(head: bytes) -> dict[bytes, bytes]:
 async def raw_backends() -> AsyncIterator[Callable[..., Awaitable[RawBackend]]]:
     made: list[RawBackend] = []
 
-    async def make(answer: Callable[[bytes, bytes], bytes | list[bytes] | None]) -> RawBackend:
-        b = await RawBackend(answer).start()
+    async def make(
+        answer: Callable[[bytes, bytes], bytes | list[bytes] | None], close_after: bool = False
+    ) -> RawBackend:
+        b = await RawBackend(answer, close_after=close_after).start()
         made.append(b)
         return b
 
@@ -408,7 +413,7 @@ async def test_two_failed_attempts_answer_500_with_the_backends_error(engines, r
             assert len(e.requests) == 1  # once each: one retry, never two on one backend
 
 
-@pytest.mark.parametrize("code", [400, 401, 404, 408, 413, 422, 429])
+@pytest.mark.parametrize("code", [400, 401, 404, 408, 413, 422, 429, 499])
 async def test_4xx_passes_through_unchanged_and_is_not_retried(engines, routers, code: int) -> None:
     (a,) = await engines(1, mode="status", status=code)
     (b,) = await engines(1)
@@ -819,6 +824,11 @@ async def test_success_is_recorded_and_timed_for_every_response_shape(engines, r
         r, "rl_router_request_duration_seconds", "rl_router_request_duration_seconds_count"
     )
     assert latency == {(("route", CHAT),): 2.0}
+    total = await metric_samples(
+        r, "rl_router_request_duration_seconds", "rl_router_request_duration_seconds_sum"
+    )
+    assert 0 < total[(("route", CHAT),)] < 30
+    assert await metric_samples(r, "rl_router_requests") == {(("route", CHAT), ("status", "200")): 2.0}
 
 
 async def test_plain_body_broken_midway_is_cut_and_counted(raw_backends, routers) -> None:
@@ -896,3 +906,53 @@ async def test_upstream_connections_are_kept_alive_and_reused(raw_backends, rout
     for _ in range(3):
         assert (await post(r.base_url() + CHAT, {}))[0] == 200
     assert (len(backend.requests), backend.connections) == (3, 1)
+
+
+@pytest.mark.parametrize(("length", "retried"), [(262144, True), (262145, False)])
+async def test_a_short_answer_broken_before_relaying_is_retried(
+    raw_backends, engines, routers, length: int, retried: bool
+) -> None:
+    # up to 256 KiB with a known length is read whole before the client sees anything: still retryable
+    partial = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % length + b"p" * 100
+    bad = await raw_backends(lambda head, body: partial, close_after=True)
+    (good,) = await engines(1)
+    r = routers([bad.url + "/v1", good.api_url])
+    if retried:
+        status, body = await post(r.base_url() + CHAT, {})
+        assert status == 200 and orjson.loads(body)["backend"] == good.name
+    else:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await post(r.base_url() + CHAT, {})
+        assert good.requests == []
+    assert r.drain_backend_outcomes()[bad.url] == (0, 1)
+
+
+async def test_a_stream_broken_midway_drops_its_affinity(engines, routers) -> None:
+    import json
+
+    (e,) = await engines(1, mode="break_stream")
+    policy = CacheAware(block_bytes=64)
+    r = routers([e.api_url], policy=policy)
+    body = json.dumps({"messages": [{"role": "user", "content": "s" * 300}], "stream": True}).encode()
+    async with aiohttp.ClientSession() as s, s.post(r.base_url() + CHAT, data=body) as resp:
+        assert resp.status == 200
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        e.release_stream.set()
+        assert (await asyncio.wait_for(resp.content.read(), 5)).startswith(b"event: error")
+    features = policy.prepare(RouteRequest(CHAT, body=body)).features
+    assert policy.index.continuation_holders(features) == ((), 0)
+    assert await metric_samples(r, "rl_router_requests") == {(("route", CHAT), ("status", "200")): 1.0}
+    assert await metric_samples(r, "rl_router_errors") == {(("kind", "stream_broken"),): 1.0}
+
+
+async def test_stopping_the_router_closes_its_upstream_connections(raw_backends) -> None:
+    backend = await raw_backends(lambda head, body: ok_json())
+    r = GenerationRouter(RouterConfig(port=0, probe_interval_s=0), [backend.url + "/v1"])
+    r.serve_in_background()
+    try:
+        assert (await post(r.base_url() + CHAT, {}))[0] == 200
+        await asyncio.sleep(0.1)
+        assert not backend.closed.is_set()  # kept alive for the next request
+    finally:
+        r.stop()
+    await asyncio.wait_for(backend.closed.wait(), 3)

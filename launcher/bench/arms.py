@@ -29,7 +29,10 @@ DIRECT = "direct"
 # ``(n_engines, option, sim_options, sim_process)`` that starts that front with a fresh cold simulated
 # fleet behind it and yields ``(client_url, engine_urls)``; each front's module owns how (a vllm-router
 # process in front of sim engines; a Serve deployment whose replicas start their own engines).
-FRONT_ARMS: dict[str, str] = {}
+FRONT_ARMS: dict[str, str] = {
+    "vllm-router": "launcher.bench.front_vllm_router:vllm_router_arm",
+    "ray-serve": "launcher.gateways.ray_serve.bench_arm:ray_serve_arm",
+}
 
 
 def router_policies() -> tuple[str, ...]:

@@ -229,6 +229,22 @@ def trace_command(
         f"[default: $RL_JOB_DIR/bench inside a job, else {DEFAULT_RESULTS_DIR}]."
     ),
 )
+@click.option(
+    "--refit-at",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=None,
+    help="With --url inside a job: once this fraction of sessions ended, pause the fleet (keep), hold "
+    "--refit-hold seconds, reset caches, stamp a version and resume (the refit window mid-step).",
+)
+@click.option("--refit-hold", type=click.FloatRange(min=0), default=1.0, show_default=True)
+@click.option(
+    "--job-dir",
+    "refit_job_dir",
+    envvar="RL_JOB_DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The job whose router --refit-at drives (env RL_JOB_DIR, set inside a job).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def replay_command(
     workload: str,
@@ -261,6 +277,9 @@ def replay_command(
     csv_path: Path | None,
     png_path: Path | None,
     results_dir: Path | None,
+    refit_at: float | None,
+    refit_hold: float,
+    refit_job_dir: Path | None,
     quiet: bool,
 ) -> None:
     """Replay a rollout step and report wall clock, time to 50/90/100%, prefix hits and load spread.
@@ -317,6 +336,18 @@ def replay_command(
     progress, on_arm_start, on_session_end = _progress(console, len(trace.sessions), quiet)
     if url and not engine_urls:
         engine_urls = tuple(job_engine_urls())
+    refit = None
+    if refit_at is not None:
+        if not url or refit_job_dir is None:
+            raise click.UsageError("--refit-at drives a running job's router: give --url and --job-dir")
+        from launcher.bench.refit import MidStepRefit
+
+        refit = MidStepRefit(refit_job_dir, len(trace.sessions), refit_at, refit_hold, console.print)
+        on_session_end = refit.wrap(on_session_end)
+        try:
+            refit.start()
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(f"--refit-at: {exc}") from None
     try:
         outcomes = _run_arms(
             trace,
@@ -337,6 +368,8 @@ def replay_command(
         )
     except (ValueError, RuntimeError, OSError) as exc:  # bad option, fleet or router failed to start
         raise click.ClickException(str(exc)) from exc
+    finally:
+        refit_result = refit.finish() if refit is not None else None
     run_config: dict[str, Any] = {
         "mode": "url" if url else ("engines" if engine_urls else "sim"),
         "url": url,
@@ -357,6 +390,7 @@ def replay_command(
             "max_wall_s": max_wall,
         },
         "trace_file": str(trace_file) if trace_file else None,
+        "refit": refit_result,
     }
     rows = _write_outputs(
         trace,
@@ -369,6 +403,9 @@ def replay_command(
         png_path,
         console,
     )
+    if refit_result is not None and not refit_result.get("ok"):
+        console.print(f"[red]the mid-step refit failed:[/] {refit_result.get('error')}")
+        sys.exit(1)
     if any(r["sessions_ok"] == 0 for r in rows):
         console.print("[red]an arm completed no session at all[/] (see errors; is the URL right?)")
         sys.exit(1)

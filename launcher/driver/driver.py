@@ -55,7 +55,7 @@ from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host import EngineHostConfig
 from launcher.engines.sim.cli import options_to_flags
 from launcher.fleet import HealthPolicy
-from launcher.gateways import Gateway, GatewayContext, GatewayError, make_gateway
+from launcher.gateways import Gateway, GatewayContext, GatewayError, gateway_class, make_gateway
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks
 from launcher.slurm.request import container_srun_args
 from launcher.spec import ResolvedSpec
@@ -159,6 +159,42 @@ class EngineHostSteps:
             return [self.steps[i] for i in sorted(self.steps)]
 
 
+class GatewayFleetWatcher:
+    """For a gateway that owns its engines: every ``period_s`` its own view and its engines (as
+    listings) go to the job directory, where ``rl-launch status`` reads them; the last view is kept,
+    marked stopped, when the job ends."""
+
+    def __init__(self, job: JobDir, state: StateWriter, gateway: Gateway, period_s: float = 2.0) -> None:
+        self.job, self.state, self.gateway, self.period_s = job, state, gateway, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gateway-fleet-watcher", daemon=True)
+
+    def start(self) -> GatewayFleetWatcher:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as exc:  # a view that fails this tick is retried on the next
+                view = {"kind": self.gateway.kind, "reachable": False, "detail": repr(exc)}
+                self.state.update(gateway=view)
+            self._stop.wait(self.period_s)
+
+    def tick(self) -> None:
+        self.state.update(gateway=self.gateway.view().to_json())
+        for listing in self.gateway.engine_listings():
+            self.job.write_listing(listing)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        last = dict(self.state.snapshot().get("gateway") or {})
+        if last:
+            self.state.update(gateway={**last, "reachable": False, "detail": "stopped"})
+
+
 def node_address(node: str, local: bool) -> str:
     """The address other nodes reach ``node`` at (local mode: loopback only)."""
     if local:
@@ -207,7 +243,10 @@ class Driver:
         self.end_time: float | None = None
         self.stop_at: float | None = None
         self.gateway: Gateway | None = None
-        self.controller: FleetController | None = None
+        self.engine_runtime: dict[str, Any] = {}
+        """What the engines need of the gateway's runtime (Dynamo: discovery and planes); see
+        ``Gateway.prepare_engines``."""
+        self.controller: FleetController | GatewayFleetWatcher | None = None
         self.status_server: StatusServer | None = None
         self.training: subprocess.Popen[bytes] | None = None
         self.t0 = time.monotonic()
@@ -240,21 +279,7 @@ class Driver:
                 if self.end_time is not None:
                     self.stop_at = self.end_time - stop_margin_s(self.end_time - time.time())
             self._start_ray()
-            api_urls = self._start_engines()
-            self._start_router(api_urls)
-            gen = self.spec.generation
-            self.controller = FleetController(
-                self.job,
-                self.state,
-                self.gateway,
-                len(self.generation_nodes),
-                HealthPolicy(
-                    restarts_per_engine=gen.restarts_per_engine, restarts_per_run=gen.restarts_per_run
-                ),
-                hosts=self.hosts,
-                restart_timeout_s=gen.startup_timeout_s + 30,
-                say=self._say,
-            ).start()
+            self._start_fleet()
             self._start_status_endpoint()
             env = self._wire_gym(self.state.snapshot()["router_url"])
             code = self._run_training(env)
@@ -340,6 +365,7 @@ class Driver:
     def _start_ray(self) -> None:
         t = time.monotonic()
         head_ip = node_address(socket.gethostname(), self.local)
+        os.environ.update(gateway_class(self.spec.router.kind).ray_env)  # before Ray reads it
         others = [n for n in [*self.training_nodes, *self.generation_nodes] if n != self.training_nodes[0]]
         others = list(dict.fromkeys(others)) if not self.local else []
         self.ray = RayCluster(
@@ -360,6 +386,13 @@ class Driver:
             self.ray.start_workers(others, self.steps, groups)
         try:
             self.ray.connect_and_wait(1 + len(others), time.monotonic() + 120)
+        except SystemExit as exc:
+            # For its whole duration ray.init makes SIGTERM ``sys.exit(15)``: a scancel while Ray
+            # connects (seconds on a loaded node) would skip the teardown and leave the Ray head and
+            # the worker steps running. It is our stop signal, and it unwinds like one.
+            if exc.code != signal.SIGTERM:
+                raise
+            raise Terminated(signal.SIGTERM, self._outcome_of(signal.SIGTERM)) from None
         finally:
             self._install_stop_handlers()  # ray.init replaced the SIGTERM handler with Ray's
         self._mark("ray_start_s", t)
@@ -393,6 +426,9 @@ class Driver:
             api_key_file=str(self.job.api_key_file),
             vllm_python=os.environ.get("RL_LAUNCH_VLLM_PYTHON"),
             node_index=index,
+            dynamo=dict(self.engine_runtime),
+            dynamo_python=os.environ.get("RL_LAUNCH_DYNAMO_PYTHON"),
+            dynamo_worker_args=list(self.spec.router.dynamo.worker_args),
         )
 
     def _launch_host(self, index: int) -> Step:
@@ -456,9 +492,38 @@ class Driver:
         self._say(f"engines ready: {len(urls)} in {self.timings['engine_start_s']} s")
         return urls
 
-    def _start_router(self, api_urls: list[str]) -> str:
+    def _start_fleet(self) -> None:
+        """Engine hosts on the generation nodes, the gateway in front, our fleet controller; or, for a
+        gateway that owns its engines (``Gateway.owns_engines``, e.g. ray-serve), the gateway alone: it
+        starts, checks and replaces its engines itself, so no engine hosts and no fleet controller (whose
+        engine restarts do not apply); a watcher copies its view and engines to the job directory."""
+        self._make_gateway()
+        assert self.gateway is not None
+        if self.gateway.owns_engines:
+            self._start_router([])
+            assert self.gateway is not None
+            self.controller = GatewayFleetWatcher(self.job, self.state, self.gateway).start()
+            return
+        api_urls = self._start_engines()
+        self._start_router(api_urls)
+        gen = self.spec.generation
+        self.controller = FleetController(
+            self.job,
+            self.state,
+            self.gateway,
+            len(self.generation_nodes),
+            HealthPolicy(
+                restarts_per_engine=gen.restarts_per_engine, restarts_per_run=gen.restarts_per_run
+            ),
+            hosts=self.hosts,
+            restart_timeout_s=gen.startup_timeout_s + 30,
+            say=self._say,
+        ).start()
+
+    def _make_gateway(self) -> None:
         """The front in front of the fleet (``router.kind``; see ``launcher.gateways``), on a port
-        reserved once from the spec's range, so a restarted front rebinds the same URL."""
+        reserved once from the spec's range, so a restarted front rebinds the same URL. Made before the
+        engines because some kinds run what the engines register with (Dynamo's runtime)."""
         t = time.monotonic()
         r = self.spec.router
         host = node_address(socket.gethostname(), self.local)
@@ -470,18 +535,36 @@ class Driver:
             api_key=self.job.read_api_key(),
             admin_token=self.job.read_admin_token(),
             say=self._say,
+            generation_nodes=tuple(self.generation_nodes) if not self.local else (),
         )
         try:
             self.gateway = make_gateway(r.kind, context)
+            self.engine_runtime = self.gateway.prepare_engines()
+        except GatewayError as exc:
+            raise JobFailed(str(exc)) from None
+        if self.engine_runtime:
+            self._mark("gateway_runtime_start_s", t)
+
+    def _start_router(self, api_urls: list[str]) -> str:
+        t = time.monotonic()
+        r = self.spec.router
+        assert self.gateway is not None
+        try:
             url = self.gateway.start(api_urls)
         except GatewayError as exc:
             raise JobFailed(str(exc)) from None
         self._mark("router_start_s", t)
+        policy = getattr(self.gateway, "policy_label", r.policy)  # a front with its own policies says which
         self.state.event(
-            "router_serving", f"router serving {url}/v1", router_url=url, policy=r.policy, gateway=r.kind
+            "router_serving", f"router serving {url}/v1", router_url=url, policy=policy, gateway=r.kind
         )
-        label = r.policy if r.kind == "builtin" else f"{r.kind}: {r.policy}"
-        self._say(f"router serving {url}/v1 ({label}, {len(api_urls)} engines)")
+        label = {
+            "builtin": r.policy,
+            "ray-serve": f"ray-serve: {r.policy}",
+            "dynamo": f"dynamo: --router-mode {r.dynamo.router_mode}",
+        }.get(r.kind, f"{r.kind}: {self.gateway.view().detail}")
+        engines = "engines of its own" if self.gateway.owns_engines else f"{len(api_urls)} engines"
+        self._say(f"router serving {url}/v1 ({label}, {engines})")
         return url
 
     def _start_status_endpoint(self) -> None:
@@ -550,10 +633,14 @@ class Driver:
                 code = self.training.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
-                if self.controller is not None and self.controller.fatal:
+                if isinstance(self.controller, FleetController) and self.controller.fatal:
                     # No engine can serve and none is coming back: fail now, instead of leaving the
                     # trainer to retry against an empty fleet until the allocation's time limit.
                     raise JobFailed(self.controller.fatal) from None
+                failure = self.gateway.failed() if self.gateway is not None else None
+                if failure:
+                    # A launcher-owned front (Dynamo's frontend, etcd, NATS) died: every request fails.
+                    raise JobFailed(f"the {self.spec.router.kind} gateway failed: {failure}") from None
                 if self.stop_at is not None and time.time() >= self.stop_at:
                     # The warning signal may never reach this process (with --signal=B:USR2 it goes to
                     # the batch shell, which must pass it on); the end time alone is reason enough.
@@ -578,7 +665,8 @@ class Driver:
         t = time.monotonic()
         self.hosts.close()
         parts: list[tuple[str, Any]] = [("training", self._stop_training)]
-        if not hurry:
+        if not hurry or self.spec.router.kind != "builtin":
+            # Hurried, the builtin router actor goes with the Ray head; other fronts are our processes.
             parts.append(("router", self._stop_router))
         if self.controller is not None:
             parts.append(("fleet-controller", self.controller.stop))

@@ -26,6 +26,7 @@ the job with that reason instead of hanging. ``stop`` writes the final snapshot:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -38,6 +39,16 @@ from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy,
 from launcher.gateways import Gateway
 from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
 from router.backends import canonical_backend_url
+
+
+def read_weight_version(url: str, timeout_s: float) -> str | None:
+    """The engine's ``GET /weight_info`` version (vLLM dev mode, the simulator); None on any failure."""
+    try:
+        with urllib.request.urlopen(url + "/weight_info", timeout=timeout_s) as resp:
+            version = json.loads(resp.read()).get("weight_version")
+            return str(version) if version is not None else None
+    except Exception:
+        return None
 
 
 def probe(url: str, timeout_s: float) -> ProbeResult:
@@ -88,6 +99,7 @@ class FleetController:
         self.gateway = gateway
         self.view_every = view_every
         self._ticks = 0
+        self._version: str | None = None
         self.hosts = hosts
         self.tick_s = tick_s
         self.probe_timeout_s = probe_timeout_s
@@ -115,6 +127,9 @@ class FleetController:
         self._gateway_instance: str | None = None
 
     def start(self) -> FleetController:
+        # The front's identity now, not at the first tick: a front that restarts before the first tick
+        # completes (a fault early in training, a slow tick) must still be reported as restarted.
+        self._gateway_instance = self._current_instance()
         self._thread = threading.Thread(target=self._loop, name="fleet-health", daemon=True)
         self._thread.start()
         return self
@@ -156,6 +171,12 @@ class FleetController:
         snap["final"] = True
         return snap
 
+    def _current_instance(self) -> str | None:
+        try:
+            return self.gateway.instance()
+        except Exception:  # the front is restarting: no identity this tick
+            return None
+
     def _loop(self) -> None:
         while not self._stop.wait(self.tick_s):
             try:
@@ -175,18 +196,27 @@ class FleetController:
             outcomes = self.gateway.drain_outcomes()
         except Exception:  # the gateway is restarting: probes alone this tick
             outcomes = {}
-        result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes))
+        versions = self._weight_versions()
+        result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes, versions=versions))
+        push = list(result.serving_urls)
+        if self.gateway.guards_weight_version:
+            push += result.stale_urls  # held out by the front itself, listed for the trainer
+        timed_out = False
         try:
-            self.gateway.set_serving(result.serving_urls)
-            instance = self.gateway.instance()
+            self.gateway.set_serving(push)
+        except Exception as exc:
+            timed_out = isinstance(exc, TimeoutError)  # a Ray actor mid-restart: asking again waits again
+            self.job.log_event("router_unreachable", f"could not push the serving set: {exc!r}")
+        # Apart from the push: a push refused while the front was down must not hide that it came back
+        # as a new process (the next push then succeeds against the new one with nothing to compare).
+        instance = None if timed_out else self._current_instance()
+        if instance is not None:
             if self._gateway_instance is not None and instance != self._gateway_instance:
                 self.job.log_event(
                     "router_restarted",
                     f"{self.gateway.kind} gateway restarted ({self._gateway_instance} -> {instance})",
                 )
             self._gateway_instance = instance
-        except Exception as exc:
-            self.job.log_event("router_unreachable", f"could not push the serving set: {exc!r}")
         self._ticks += 1
         if self._ticks % self.view_every == 1 or self.view_every == 1:
             # The front's own view, beside ours in `rl-launch status` (every few ticks: for an external
@@ -212,6 +242,24 @@ class FleetController:
             self.state.update(fleet=self.fleet.snapshot())
         if result.fatal and self.fatal is None:
             self.fatal = result.fatal
+
+    def _weight_versions(self) -> dict[str, str]:
+        """The fleet's version from the front (re-seeded into a front that restarted and forgot it), and
+        the versions of the engines the state machine asks about (RECOVERING and STALE ones only)."""
+        try:
+            version = self.gateway.weight_version()
+            if version is None and self._version is not None and self.gateway.guards_weight_version:
+                self.gateway.restore_weight_version(self._version)
+                version = self._version
+        except Exception:  # the gateway is restarting: keep the last known version
+            version = self._version
+        self._version = version
+        self.fleet.set_current_version(version)
+        targets = list(self.fleet.version_targets().values())
+        if not targets:
+            return {}
+        got = self._pool.map(lambda u: read_weight_version(u, self.probe_timeout_s), targets)
+        return {u: v for u, v in zip(targets, got, strict=True) if v is not None}
 
     def _engines_of(self, node_index: int) -> list[str]:
         return [eid for eid, (n, _) in self.where.items() if n == node_index]

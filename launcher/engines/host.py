@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from launcher.engines.base import Engine, EngineSpec, EngineStartError
 from launcher.jobdir import EngineEntry, EngineListing, JobDir, write_json_atomic
@@ -35,7 +36,7 @@ from launcher.jobdir import EngineEntry, EngineListing, JobDir, write_json_atomi
 
 @dataclass
 class EngineHostConfig:
-    kind: str  # "vllm" | "sim"
+    kind: str  # "vllm" | "sim" | "dynamo-vllm" | "dynamo-mocker"
     count: int
     host: str
     model: str
@@ -52,6 +53,10 @@ class EngineHostConfig:
     api_key_file: str | None = None
     vllm_python: str | None = None
     node_index: int = 0
+    dynamo: dict[str, Any] = field(default_factory=dict)
+    """Dynamo workers: ``DynamoPlanes`` as a dict (discovery, request plane, runtime env)."""
+    dynamo_python: str | None = None
+    dynamo_worker_args: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: str | Path) -> EngineHostConfig:
@@ -100,8 +105,10 @@ def build_engine(cfg: EngineHostConfig, index: int, gpus: list[str]) -> Engine:
         )
         # One process per simulated engine, like vLLM, so one engine can die and be restarted alone.
         return SimEngine(spec, engines=1)
+    if cfg.kind in ("dynamo-vllm", "dynamo-mocker"):
+        return build_dynamo_worker(cfg, gpus, api_key, log_path)
     if cfg.kind != "vllm":
-        raise ValueError(f"unknown engine kind {cfg.kind!r} (vllm or sim)")
+        raise ValueError(f"unknown engine kind {cfg.kind!r} (vllm, sim, dynamo-vllm or dynamo-mocker)")
     from launcher.engines.vllm import VllmEngine
 
     env = dict(cfg.env)
@@ -125,12 +132,41 @@ def build_engine(cfg: EngineHostConfig, index: int, gpus: list[str]) -> Engine:
     return VllmEngine(spec, python=cfg.vllm_python)
 
 
+def build_dynamo_worker(cfg: EngineHostConfig, gpus: list[str], api_key: str | None, log_path: str) -> Engine:
+    """One Dynamo worker (one TP x PP group, on this node's GPUs) registering with the job's runtime."""
+    from launcher.engines.dynamo import DynamoPlanes, DynamoWorker, dynamo_python
+
+    env = dict(cfg.env)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    spec = EngineSpec(
+        model=cfg.model,
+        served_name=cfg.served_name,
+        host=cfg.host,
+        api_key=api_key,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        extra_args=list(cfg.extra_args) if cfg.kind == "dynamo-vllm" else [],
+        env=env,
+        log_path=log_path,
+        startup_timeout_s=cfg.startup_timeout_s,
+    )
+    return DynamoWorker(
+        spec,
+        cfg.kind,  # type: ignore[arg-type]
+        DynamoPlanes(**cfg.dynamo),
+        python=dynamo_python(cfg.dynamo_python),
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        pipeline_parallel_size=cfg.pipeline_parallel_size,
+        worker_args=cfg.dynamo_worker_args,
+    )
+
+
 def gpu_groups(cfg: EngineHostConfig) -> list[list[str]]:
     gpus = cfg.gpus
     if gpus is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         gpus = [g for g in visible.split(",") if g]
-    if cfg.kind == "sim":
+    if cfg.kind in ("sim", "dynamo-mocker"):
         return [[] for _ in range(cfg.count)]
     return split_gpus(gpus, cfg.count, cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
 

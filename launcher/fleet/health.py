@@ -34,6 +34,12 @@ RECOVERING     no       The replacement is up on its new URL but not readmitted 
                         (the router sends it nothing, and anything the router reports for that URL
                         belongs to a previous owner of the port).
 RETIRED        no       Terminal: a restart budget is spent. The run continues with fewer engines.
+STALE          no       Up and answering, but serving another weight version than the fleet's current
+                        one (``set_current_version``): a restarted engine comes back with the
+                        checkpoint's weights while the rest serve newer ones, and rollouts from it would
+                        silently come from a stale policy. Kept out until its reported version
+                        (``TickInput.versions``, the engine's ``/weight_info``) is the current one, i.e.
+                        until the trainer refit and stamped it. Still probed, and may die like any other.
 =============  =======  ==================================================================================
 
 Transitions (thresholds are ``HealthPolicy`` fields; defaults in brackets)
@@ -57,7 +63,12 @@ DEAD                        RETIRED      next ``observe()``, when either budget 
                                          ``TickResult.retired`` (the driver stops what is left of it)
 RESTARTING                  RECOVERING   ``restarted(id, new_url)``: the replacement is ready on ``new_url``
 RESTARTING                  DEAD         ``restart_failed(id, reason)``
-RECOVERING                  HEALTHY      ``recovered_after`` [2] consecutive passing probes: readmitted
+RECOVERING                  HEALTHY      ``recovered_after`` [2] consecutive passing probes: readmitted (with
+                                         a current version set: only when it reports that version)
+RECOVERING                  STALE        readmission due, but it reports another version than the current one
+HEALTHY/SUSPECT             STALE        it reports another version than the current one
+STALE                       HEALTHY      it reports the current version (refit and stamped by the trainer)
+STALE                       DEAD         ``dead_after`` [3] failing probes, or ``mark_dead``
 RECOVERING                  DEAD         ``dead_after`` [3] failing probes since the restart, or
                                          ``recovery_timeout_s`` [300] without readmission
 ==========================  ===========  =====================================================================
@@ -104,12 +115,15 @@ class EngineState(StrEnum):
     RESTARTING = "RESTARTING"
     RECOVERING = "RECOVERING"
     RETIRED = "RETIRED"
+    STALE = "STALE"
 
 
 #: States whose engine is in the router's serving set (SUSPECT subject to the probe hold-out).
 SERVING_STATES = frozenset({EngineState.HEALTHY, EngineState.SUSPECT})
 #: States from which an engine may still serve again: while any engine is in one, the run is not lost.
-PENDING_STATES = frozenset({EngineState.DEAD, EngineState.RESTARTING, EngineState.RECOVERING})
+PENDING_STATES = frozenset(
+    {EngineState.DEAD, EngineState.RESTARTING, EngineState.RECOVERING, EngineState.STALE}
+)
 
 
 class Verdict(StrEnum):
@@ -233,6 +247,7 @@ _LEVELS = {
     EngineState.DEAD: "warning",
     EngineState.RESTARTING: "warning",
     EngineState.RETIRED: "error",
+    EngineState.STALE: "warning",
 }
 
 
@@ -267,6 +282,8 @@ class TickInput:
 
     probes: Mapping[str, ProbeResult | bool] = field(default_factory=dict)
     outcomes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    versions: Mapping[str, str] = field(default_factory=dict)
+    """Weight versions the engines reported (``GET /weight_info``); an engine absent: no evidence."""
 
 
 @dataclass
@@ -283,6 +300,8 @@ class TickResult:
     retired: list[str]
     events: list[FleetEvent]
     fatal: str | None
+    stale_urls: list[str] = field(default_factory=list)
+    """STALE engines: up, awaiting a refit (a front that guards versions itself may be told them)."""
 
 
 class FleetHealth:
@@ -313,6 +332,7 @@ class FleetHealth:
         self._check_unique_urls()
         self.run_budget = self.policy.run_budget(len(self._engines))
         self.run_restarts = 0
+        self.current_version: str | None = None
         self._pending: list[FleetEvent] = []
         self._recent: deque[FleetEvent] = deque(maxlen=self.RECENT_EVENTS)
 
@@ -329,13 +349,28 @@ class FleetHealth:
 
     def probe_targets(self) -> dict[str, str]:
         """``{engine id: url}`` the driver should probe this tick (``url + "/health"``)."""
-        probed = (*SERVING_STATES, EngineState.RECOVERING)
+        probed = (*SERVING_STATES, EngineState.RECOVERING, EngineState.STALE)
         with self._lock:
             return {r.id: r.url for r in self._engines.values() if r.state in probed}
 
     def serving_urls(self) -> list[str]:
         with self._lock:
             return self._serving()
+
+    def version_targets(self) -> dict[str, str]:
+        """``{engine id: url}`` whose weight version the driver should read this tick (none before a
+        current version is set): the engines about to be readmitted and the stale ones."""
+        with self._lock:
+            if self.current_version is None:
+                return {}
+            wanted = (EngineState.RECOVERING, EngineState.STALE)
+            return {r.id: r.url for r in self._engines.values() if r.state in wanted}
+
+    def set_current_version(self, version: str | None) -> None:
+        """The fleet's weight version (the trainer's last stamp, as the front reports it); ``None``:
+        no version rule (before the first stamp every engine serves the checkpoint)."""
+        with self._lock:
+            self.current_version = version
 
     # -- the tick ------------------------------------------------------------------------------------
     def observe(self, tick: TickInput) -> TickResult:
@@ -345,13 +380,20 @@ class FleetHealth:
             now = self._clock()
             probes = _by_url_probes(tick.probes)
             outcomes = _by_url_outcomes(tick.outcomes)
+            versions = {canonical_backend_url(u): v for u, v in tick.versions.items()}
             for rec in self._engines.values():
+                version = versions.get(rec.url)
                 if rec.state in SERVING_STATES:
                     window = outcomes.get(rec.url, (0, 0))
                     rec.last_window = window
                     self._judge_serving(rec, judge_tick(probes.get(rec.url), window, self.policy), now)
+                    if rec.state in SERVING_STATES and self._off_version(version):
+                        self._move(rec, EngineState.STALE, self._stale_reason(version), now)
                 elif rec.state is EngineState.RECOVERING:
-                    self._judge_recovering(rec, judge_tick(probes.get(rec.url), None, self.policy), now)
+                    evidence = judge_tick(probes.get(rec.url), None, self.policy)
+                    self._judge_recovering(rec, evidence, version, now)
+                elif rec.state is EngineState.STALE:
+                    self._judge_stale(rec, judge_tick(probes.get(rec.url), None, self.policy), version, now)
             to_restart: list[str] = []
             retired: list[str] = []
             for rec in self._engines.values():
@@ -361,7 +403,8 @@ class FleetHealth:
                     else:
                         retired.append(rec.id)
             events, self._pending = self._pending, []
-            return TickResult(self._serving(), to_restart, retired, events, self._fatal())
+            stale = [r.url for r in self._engines.values() if r.state is EngineState.STALE]
+            return TickResult(self._serving(), to_restart, retired, events, self._fatal(), stale)
 
     # -- the driver's reports ------------------------------------------------------------------------
     def restarted(self, engine_id: str, new_url: str) -> None:
@@ -405,7 +448,7 @@ class FleetHealth:
         RECOVERING: an exit while RESTARTING belongs to ``restart_failed``."""
         with self._lock:
             rec = self._get(engine_id)
-            if rec.state not in (*SERVING_STATES, EngineState.RECOVERING):
+            if rec.state not in (*SERVING_STATES, EngineState.RECOVERING, EngineState.STALE):
                 return False
             self._move(rec, EngineState.DEAD, reason, self._clock())
             return True
@@ -444,6 +487,7 @@ class FleetHealth:
             return {
                 "time": self._clock(),
                 "fatal": self._fatal(),
+                "current_version": self.current_version,
                 "engines": engines,
                 "totals": totals,
                 "budget": {
@@ -535,10 +579,30 @@ class FleetHealth:
                     now,
                 )
 
-    def _judge_recovering(self, rec: EngineRecord, evidence: Evidence, now: float) -> None:
+    def _off_version(self, version: str | None) -> bool:
+        return self.current_version is not None and version is not None and version != self.current_version
+
+    def _stale_reason(self, version: str | None) -> str:
+        return f"serves weight version {version!r}, the fleet is on {self.current_version!r}: awaiting refit"
+
+    def _judge_stale(self, rec: EngineRecord, evidence: Evidence, version: str | None, now: float) -> None:
+        self._count(rec, evidence)
+        if evidence.verdict is Verdict.FAIL and rec.strikes >= self.policy.dead_after:
+            self._move(rec, EngineState.DEAD, f"stale engine failed {rec.strikes} health checks", now)
+        elif self.current_version is None or version == self.current_version:
+            self._reset_counters(rec)
+            self._move(rec, EngineState.HEALTHY, f"refit: serves the current version {version!r}", now)
+
+    def _judge_recovering(
+        self, rec: EngineRecord, evidence: Evidence, version: str | None, now: float
+    ) -> None:
         p = self.policy
         self._count(rec, evidence)
         if evidence.verdict is Verdict.PASS and rec.consecutive_successes >= p.recovered_after:
+            if self.current_version is not None and version != self.current_version:
+                if version is not None:  # unknown yet: wait (recovery_timeout_s still bounds it)
+                    self._move(rec, EngineState.STALE, self._stale_reason(version), now)
+                return
             rec.strikes = 0
             self._move(
                 rec,

@@ -10,17 +10,24 @@ from launcher.gateways.base import Gateway, GatewayContext, GatewayError, Gatewa
 # when a job asks for that kind.
 GATEWAY_KINDS: dict[str, tuple[str, str]] = {
     "builtin": ("launcher.gateways.builtin", "BuiltinRouterGateway"),
+    "vllm-router": ("launcher.gateways.vllm_router", "VllmRouterGateway"),
+    "dynamo": ("launcher.gateways.dynamo", "DynamoGateway"),
+    "ray-serve": ("launcher.gateways.ray_serve", "RayServeGateway"),
 }
 
 
-def make_gateway(kind: str, context: GatewayContext) -> Gateway:
+def gateway_class(kind: str) -> type[Gateway]:
     try:
         module, name = GATEWAY_KINDS[kind]
     except KeyError:
         known = ", ".join(GATEWAY_KINDS)
         raise GatewayError(f"unknown router.kind {kind!r}; choose one of: {known}") from None
-    cls = getattr(importlib.import_module(module), name)
-    gateway = cls(context)
+    cls: type[Gateway] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def make_gateway(kind: str, context: GatewayContext) -> Gateway:
+    gateway = gateway_class(kind)(context)
     assert isinstance(gateway, Gateway)
     return gateway
 
@@ -32,5 +39,6 @@ __all__ = [
     "GatewayError",
     "GatewayMember",
     "GatewayView",
+    "gateway_class",
     "make_gateway",
 ]

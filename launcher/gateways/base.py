@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from launcher.jobdir import JobDir
+    from launcher.jobdir import EngineListing, JobDir
     from launcher.spec import ResolvedSpec
 
 
@@ -75,6 +75,8 @@ class GatewayContext:
     admin_token: str
     """The front's admin surface (``/workers``): the driver and the fleet controller only."""
     say: Callable[[str], None] = field(default=lambda message: None)
+    generation_nodes: tuple[str, ...] = ()
+    """Hostnames of the generation nodes (where a gateway that owns its engines places them)."""
 
 
 class Gateway(ABC):
@@ -82,6 +84,16 @@ class Gateway(ABC):
     threads; an implementation must be safe for that (the kinds here hold no state a race could tear)."""
 
     kind: ClassVar[str]
+    ray_env: ClassVar[dict[str, str]] = {}
+    """Environment the Ray cluster is started with for this kind (read by Ray's own processes at start,
+    e.g. Serve's controller's proxy health-check period)."""
+    owns_engines: ClassVar[bool] = False
+    """True when the front starts, health-checks and replaces the engines itself (ray-serve): the driver
+    then starts no engine hosts and no fleet controller, and ``view`` is the fleet view status shows."""
+    guards_weight_version: ClassVar[bool] = False
+    """True when the front itself holds out engines on another weight version (the builtin router's
+    ``/fleet`` API): the controller then also hands it the STALE engines, so the trainer can list and
+    stamp them through the front. Otherwise STALE engines are simply never pushed."""
 
     def __init__(self, context: GatewayContext) -> None:
         self.context = context
@@ -90,6 +102,16 @@ class Gateway(ABC):
     def start(self, engine_urls: Sequence[str]) -> str:
         """Start (or attach to) the front with these engines serving; return its base URL (no ``/v1``)
         once it answers. Raises ``GatewayError`` naming what failed."""
+
+    def prepare_engines(self) -> dict[str, Any]:
+        """Start what the engines need before they start (Dynamo's discovery and event runtime) and
+        return what the engine hosts must know of it (kind-specific, JSON-able); ``{}``: nothing."""
+        return {}
+
+    def failed(self) -> str | None:
+        """Why the front can no longer serve (a launcher-owned process died), else ``None``; the driver
+        fails the job with this reason instead of leaving the trainer on a dead URL."""
+        return None
 
     @abstractmethod
     def base_url(self) -> str:
@@ -104,6 +126,15 @@ class Gateway(ABC):
         otherwise (the controller then judges on its own probes alone)."""
         return {}
 
+    def weight_version(self) -> str | None:
+        """The fleet's current weight version as the front knows it (the trainer stamps through it);
+        ``None``: nothing stamped yet, or a kind without fleet versions (then no engine is STALE)."""
+        return None
+
+    def restore_weight_version(self, version: str) -> None:
+        """Tell a front that restarted and forgot it the fleet's version (no-op for kinds without one)."""
+        return None
+
     def instance(self) -> str | None:
         """An identity of the front's process that changes when it restarts (``None``: unknown)."""
         return None
@@ -111,6 +142,11 @@ class Gateway(ABC):
     @abstractmethod
     def view(self) -> GatewayView:
         """The front's own view of the fleet (``rl-launch status`` shows it next to the controller's)."""
+
+    def engine_listings(self) -> list[EngineListing]:
+        """The engines a front that owns them runs, one listing per node, for the dashboard (the
+        driver writes them where engine hosts would); ``[]`` for fronts that do not own engines."""
+        return []
 
     @abstractmethod
     def stop(self) -> None:

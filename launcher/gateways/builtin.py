@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
 
 _CALL_TIMEOUT_S = 5.0
@@ -18,6 +19,7 @@ _CALL_TIMEOUT_S = 5.0
 
 class BuiltinRouterGateway(Gateway):
     kind = "builtin"
+    guards_weight_version = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -69,6 +71,13 @@ class BuiltinRouterGateway(Gateway):
     def drain_outcomes(self) -> dict[str, tuple[int, int]]:
         return dict(self._get(self.actor.drain_backend_outcomes.remote()))
 
+    def weight_version(self) -> str | None:
+        version = self._get(self.actor.current_weight_version.remote())
+        return str(version) if version is not None else None
+
+    def restore_weight_version(self, version: str) -> None:
+        self._get(self.actor.restore_weight_version.remote(version))
+
     def instance(self) -> str | None:
         return str(self._get(self.actor.pid.remote()))
 
@@ -82,14 +91,5 @@ class BuiltinRouterGateway(Gateway):
     def stop(self) -> None:
         if self.actor is None:
             return
-        import ray
-
-        try:
-            ray.get(self.actor.stop.remote(), timeout=10)
-        except Exception:  # the actor may be gone already; it is killed below either way
-            pass
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception:
-            pass
+        stop_restartable_actor(self.actor)
         self.actor = None

@@ -99,6 +99,11 @@ class JobDir:
     def admin_token_file(self) -> Path:
         return self.path / "secrets" / "admin_token"
 
+    @property
+    def cache_reset_file(self) -> Path:
+        """The last fleet-wide cache reset (``router.cache_reset.CacheResetReport``), for the dashboard."""
+        return self.path / "cache_reset.json"
+
     def host_config_file(self, node_index: int) -> Path:
         return self.engines / f"node-{node_index}.json"
 
@@ -254,6 +259,15 @@ class JobDir:
 
     def write_result(self, result: JobResult) -> None:
         write_json_atomic(self.result_file, result.to_dict())
+
+    def read_cache_reset(self) -> dict[str, Any] | None:
+        data = read_json(self.cache_reset_file)
+        return data if isinstance(data, dict) else None
+
+    def write_cache_reset(self, report: dict[str, Any]) -> None:
+        """Written by ``rl-launch fleet reset-cache`` (not the driver: a file of its own, so it never
+        races the driver's writes of ``state.json``)."""
+        write_json_atomic(self.cache_reset_file, report)
 
     def read_submitted(self) -> SubmittedJob | None:
         data = read_json(self.submitted_file)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,13 +88,102 @@ def _sim_issues(sim: Mapping[str, Any]) -> list[Issue]:
     return issues
 
 
+def _router_issues(spec: JobSpec) -> list[Issue]:
+    """Each kind's own fields belong to that kind (``mode``/``url``/``vllm_router``: vllm-router;
+    ``dynamo``: dynamo); our router's own settings (``policy``, timeouts...) do not apply to another
+    front and are refused rather than silently ignored."""
+    from launcher.gateways.vllm_router_command import check_section
+    from router.config import RouterSettings
+
+    r = spec.router
+    issues: list[Issue] = []
+    if r.kind != "vllm-router":
+        issues += [
+            Issue(f"router.{f}", "only for router.kind: vllm-router; remove it")
+            for f in ("mode", "url", "vllm_router")
+            if getattr(r, f) is not None
+        ]
+    if r.kind != "dynamo" and "dynamo" in r.model_fields_set:
+        issues.append(Issue("router.dynamo", "only for router.kind: dynamo; remove it"))
+    if r.kind in ("builtin", "ray-serve"):  # ray-serve routes with our policy and keeps our contract
+        return issues
+    hint = {"vllm-router": " (set router.vllm_router.policy)", "dynamo": " (set router.dynamo.router_mode)"}
+    issues += [
+        Issue(
+            f"router.{f}",
+            f"configures the builtin router, not {r.kind}; remove it"
+            + (hint.get(r.kind, "") if f.startswith("policy") else ""),
+        )
+        for f in sorted(r.model_fields_set & set(RouterSettings.model_fields))
+    ]
+    if r.kind != "vllm-router":
+        return issues
+    if r.mode == "external":
+        if not r.url:
+            issues.append(Issue("router.url", "required with router.mode: external: the running "
+                                "vllm-router's base URL, e.g. http://router-host:30000"))
+        elif not re.fullmatch(r"https?://[^/\s]+/?", r.url):
+            issues.append(Issue("router.url", f"{r.url!r} is not a base URL; give http://HOST:PORT "
+                                "(no path: the engines and Gym's /v1 are added by rl-launch)"))
+        if r.vllm_router is not None:
+            issues.append(Issue("router.vllm_router", "an external vllm-router's policy and options are "
+                                "its owner's; remove it (or use router.mode: managed)"))
+    else:
+        if r.url is not None:
+            issues.append(Issue("router.url", "only for router.mode: external (a managed vllm-router "
+                                "listens on the port rl-launch reserves); remove it"))
+        issues += [Issue(path, message) for path, message in check_section(r.vllm_router)]
+    return issues
+
+
+def _dynamo_issues(spec: JobSpec) -> list[Issue]:
+    """Dynamo workers register with a Dynamo frontend only, and that frontend routes to nothing else."""
+    gen, kind = spec.generation, spec.router.kind
+    dynamo_engine = gen.engine.startswith("dynamo-")
+    if kind == "dynamo" and not dynamo_engine:
+        return [
+            Issue(
+                "generation.engine",
+                f"is {gen.engine!r} but router.kind is 'dynamo', which routes only to Dynamo workers: use "
+                "dynamo-vllm (GPUs) or dynamo-mocker (CPU), or another router.kind",
+            )
+        ]
+    if dynamo_engine and kind != "dynamo":
+        return [
+            Issue(
+                "router.kind",
+                f"is {kind!r} but generation.engine is {gen.engine!r}, whose workers only a Dynamo "
+                "frontend can reach: set router.kind: dynamo",
+            )
+        ]
+    if dynamo_engine and not gen.model:
+        what = "a local Hugging Face directory with a tokenizer (the mocker downloads nothing)"
+        if gen.engine == "dynamo-vllm":
+            what = "the Hugging Face id or local path of the model to serve"
+        return [Issue("generation.model", f"required when generation.engine is {gen.engine!r}: {what}")]
+    return []
+
+
 def semantic_issues(spec: JobSpec) -> list[Issue]:
     """Rules across fields. Each issue names the field to change, so the fix is obvious."""
-    issues: list[Issue] = []
+    issues: list[Issue] = _router_issues(spec)
     gen = spec.generation
     footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
 
-    if gen.engine == "vllm":
+    issues.extend(_dynamo_issues(spec))
+    if gen.engine == "dynamo-vllm" or gen.engine == "dynamo-mocker":
+        if gen.sim:
+            issues.append(
+                Issue("generation.sim", "simulator options need generation.engine: sim; remove them")
+            )
+        if gen.engine == "dynamo-mocker" and gen.vllm_args:
+            issues.append(
+                Issue(
+                    "generation.vllm_args",
+                    "not used by the mocker; put mocker flags in router.dynamo.worker_args",
+                )
+            )
+    elif gen.engine == "vllm":
         if not gen.model:
             issues.append(
                 Issue(
@@ -136,6 +226,14 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
         )
     gen_res = _role_resources(spec, gen.slurm)
     gpus, gpus_field = gen_res.gpus_per_node, _gpus_field(spec)
+    if gen.engine == "dynamo-vllm" and gpus == 0:
+        issues.append(
+            Issue(
+                gpus_field,
+                "is 0 but generation.engine is 'dynamo-vllm', whose vLLM is the CUDA build: set the GPUs "
+                "per node, or use engine: dynamo-mocker for simulated Dynamo workers on CPUs",
+            )
+        )
     if gen.engine == "vllm" and gpus == 0 and not gen.allow_cpu:
         issues.append(
             Issue(
@@ -154,7 +252,7 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
                 "use nodes with more GPUs",
             )
         )
-    elif gen.engine == "vllm" and gpus > 0 and gen.engines_per_node is not None:
+    elif gen.engine in ("vllm", "dynamo-vllm") and gpus > 0 and gen.engines_per_node is not None:
         need = gen.engines_per_node * footprint
         if need > gpus:
             issues.append(
@@ -230,6 +328,11 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
             env=gen.env,
             resources=gen_res,
         ),
-        router=ResolvedRouter(**spec.router.model_dump()),
+        router=ResolvedRouter(
+            **{
+                **spec.router.model_dump(),
+                **({"mode": spec.router.mode or "managed"} if spec.router.kind == "vllm-router" else {}),
+            }
+        ),
         gym=ResolvedGym(overlay=spec.gym.overlay, model_name=spec.gym.model_name or served),
     )

@@ -13,7 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from launcher.spec.schema import Container
+from launcher.gateways.vllm_router_command import VllmRouterSection
+from launcher.spec.schema import Container, DynamoOptions
 from router.config import RouterSettings
 
 
@@ -58,7 +59,7 @@ class ResolvedTraining(_Resolved):
 
 class ResolvedGeneration(_Resolved):
     nodes: int
-    engine: Literal["vllm", "sim"]
+    engine: Literal["vllm", "sim", "dynamo-vllm", "dynamo-mocker"]
     model: str | None
     served_model_name: str
     """What clients (Gym) send as ``model``: ``served_model_name`` or ``model``, ``sim`` for a sim engine
@@ -87,8 +88,14 @@ class ResolvedRouter(RouterSettings):
     # Not strict: a snapshot is YAML, where the port range comes back as a list.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
-    kind: Literal["builtin"]
+    kind: Literal["builtin", "vllm-router", "dynamo", "ray-serve"]
+    serve_routing: Literal["policy", "power_of_two"] = "policy"
     port_range: tuple[int, int]
+    mode: Literal["managed", "external"] | None = None
+    """``managed`` or ``external`` for vllm-router; ``None`` for the other kinds."""
+    url: str | None = None
+    vllm_router: VllmRouterSection | None = None
+    dynamo: DynamoOptions
 
 
 class ResolvedGym(_Resolved):

@@ -12,8 +12,9 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
+from launcher.gateways.vllm_router_command import VllmRouterSection
 from launcher.slurm.options import check_sbatch_option, parse_sbatch_option
 from launcher.slurm.time import format_time, parse_time
 from launcher.spec.errors import Issue, SpecError
@@ -270,7 +271,7 @@ class TrainingSection(_Section):
 
 class GenerationSection(_Section):
     nodes: int = Field(default=1, ge=1)
-    engine: Literal["vllm", "sim"] = "vllm"
+    engine: Literal["vllm", "sim", "dynamo-vllm", "dynamo-mocker"] = "vllm"
     model: str | None = Field(default=None, description="Hugging Face id or path of the model to serve")
     served_model_name: str | None = None
     tensor_parallel_size: int = Field(default=1, ge=1)
@@ -311,6 +312,33 @@ class GenerationSection(_Section):
         return _check_env(v)
 
 
+DYNAMO_ENGINES = ("dynamo-vllm", "dynamo-mocker")
+
+
+class DynamoOptions(_Section):
+    """``router.dynamo``: how the launcher-owned Dynamo fleet runs (used with ``router.kind: dynamo``).
+
+    Why ``etcd`` is the default discovery: it is what a multi-node production fleet uses (NATS carries the
+    KV events then); ``file`` needs only the shared job directory and is the lighter choice for one node."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
+
+    router_mode: Literal["round-robin", "kv", "random", "least-loaded"] = "kv"
+    discovery: Literal["etcd", "file"] = "etcd"
+    request_plane: Literal["tcp", "nats"] = "tcp"
+    migration_limit: int = Field(default=3, ge=0, description="re-routes of a request whose worker died")
+    frontend_args: list[str] = Field(default_factory=list)
+    worker_args: list[str] = Field(default_factory=list)
+    """Appended to every ``dynamo.vllm`` / ``dynamo.mocker`` command line (e.g. ``--speedup-ratio 10``)."""
+    ready_timeout_s: float = Field(default=300.0, gt=0)
+    lease_ttl_s: int = Field(default=5, ge=1, description="etcd lease of a worker's registration")
+
+    @field_validator("frontend_args", "worker_args", mode="before")
+    @classmethod
+    def _args_before(cls, v: Any) -> Any:
+        return _str_args(v)
+
+
 class RouterSection(RouterSettings):
     """The spec's ``router:`` section: which front the fleet sits behind (``kind``, see
     ``launcher.gateways``), ``RouterSettings`` for our own router (validated there, once, with the
@@ -319,8 +347,29 @@ class RouterSection(RouterSettings):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
 
-    kind: Literal["builtin"] = Field(default="builtin", description="the front in front of the fleet")
+    kind: Literal["builtin", "vllm-router", "dynamo", "ray-serve"] = Field(
+        default="builtin", description="the front in front of the fleet"
+    )
+    serve_routing: Literal["policy", "power_of_two"] = Field(
+        default="policy",
+        description="ray-serve only: route by our policy inside Serve (policy) or by Serve's default",
+    )
     port_range: tuple[int, int] = DEFAULT_ROUTER_PORT_RANGE
+    # vllm-router (rules across these fields: ``resolution._router_issues``)
+    mode: Literal["managed", "external"] | None = Field(
+        default=None, description="vllm-router: start it (managed) or attach to a running one"
+    )
+    url: str | None = Field(default=None, description="external vllm-router's base URL (no /v1)")
+    vllm_router: VllmRouterSection | None = None
+    # dynamo (rules: ``resolution._dynamo_issues``)
+    dynamo: DynamoOptions = Field(default_factory=DynamoOptions)
+
+    @field_validator("serve_routing")
+    @classmethod
+    def _serve_routing(cls, v: str, info: ValidationInfo) -> str:
+        if v != "policy" and info.data.get("kind") != "ray-serve":
+            raise ValueError("applies to router.kind: ray-serve only; remove it or set kind: ray-serve")
+        return v
 
     @field_validator("port_range", mode="before")
     @classmethod

@@ -553,6 +553,7 @@ class StatusCollector:
         if done:
             final_rows(engines)
 
+        refit = await self._refit_view(jd, router_url, router_got[0] if scrape else None)
         router = self._router_view(router_url, router_got, scrape)
         prev_router = self._prev_router
         cur_router: RouterSample | None = router.pop("_sample", None)
@@ -604,6 +605,8 @@ class StatusCollector:
             "result": result,
             "router": router,
             "gateway": _gateway_view(state.get("gateway"), engines),
+            "cache_reset": jd.read_cache_reset() if jd is not None else None,
+            "refit": refit,
             "engines": engines,
             "engine_source": source,
             "fleet": {k: v for k, v in fleet_extra.items() if k != "engines"} if fleet_extra else None,
@@ -611,6 +614,22 @@ class StatusCollector:
             "history": [round(x, 3) for x in self.history],
             "events": events,
         }
+
+    async def _refit_view(
+        self, jd: JobDir | None, router_url: str | None, router_metrics: str | None
+    ) -> dict[str, Any] | None:
+        """Pause figures from the router's metrics and the current step's counters (see
+        ``launcher.status.refit``); None when the front is not our router."""
+        from launcher.status.refit import fetch_step, pause_view
+
+        pause = pause_view(router_metrics)
+        if pause is None or jd is None or router_url is None:
+            return None
+        try:
+            token = jd.read_admin_token()
+        except (OSError, ValueError):
+            return {"pause": pause, "step": None}
+        return {"pause": pause, "step": await fetch_step(self._http(), router_url, token, self.timeout_s)}
 
     def _condition(
         self,

@@ -18,6 +18,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from launcher.status.refit import refit_line
+
 BLOCKS = "▁▂▃▄▅▆▇█"
 
 STATE_STYLES = {
@@ -28,6 +30,7 @@ STATE_STYLES = {
     "RETIRED": "red",
     "RESTARTING": "bold cyan",
     "RECOVERING": "cyan",
+    "STALE": "bold magenta",
     "STOPPED": "dim",
 }
 
@@ -39,7 +42,7 @@ CONDITION_STYLES = {
 }
 
 # Worst first: when the terminal cannot hold every row, these are the rows that must stay on screen.
-_SEVERITY = {"DEAD": 0, "SUSPECT": 1, "RESTARTING": 2, "RECOVERING": 3, "RETIRED": 4}
+_SEVERITY = {"DEAD": 0, "SUSPECT": 1, "STALE": 2, "RESTARTING": 3, "RECOVERING": 4, "RETIRED": 5}
 
 
 def sparkline(values: Sequence[float], width: int = 60) -> str:
@@ -142,6 +145,26 @@ def _router_line(snap: dict[str, Any]) -> Text:
         t.append("\nthroughput ", style="dim")
         t.append(line, style="green")
         t.append(f"  max {max(history):.1f} req/s over the last {len(history)} samples", style="dim")
+    return t
+
+
+def _cache_reset_line(reset: dict[str, Any]) -> Text:
+    """When the fleet's prefix caches were last flushed (``rl-launch fleet reset-cache``) and whether
+    every engine complied: a trainer that skipped it after a weight update shows as an old time here."""
+    import time as _time
+
+    engines = reset.get("engines") or []
+    ok = sum(1 for e in engines if e.get("ok"))
+    t = Text()
+    t.append("cache reset ", style="dim")
+    at = float(reset.get("at") or 0)
+    t.append(_time.strftime("%H:%M:%S", _time.localtime(at)), style="bold")
+    t.append(f" ({_time.time() - at:.0f} s ago)  ", style="dim")
+    style = "green" if reset.get("ok") else "bold red"
+    t.append(f"{ok}/{len(engines)} engines flushed", style=style)
+    dropped = reset.get("router_entries_dropped")
+    if dropped is not None:
+        t.append(f", router index cleared ({dropped} entries)", style="dim")
     return t
 
 
@@ -379,6 +402,12 @@ def render_snapshot(
         parts.append(_router_line(snap))
     if snap.get("gateway"):
         parts.append(_gateway_line(snap))
+    if snap.get("cache_reset"):
+        parts.append(_cache_reset_line(snap["cache_reset"]))
+    refit = snap.get("refit") or {}
+    refit_text = refit_line(refit.get("pause"), refit.get("step"))
+    if refit_text is not None and refit_text.plain:
+        parts.append(refit_text)
     if snap.get("engines"):
         parts.append(_summary(snap))
         parts.append(_engine_table(snap, max_rows, width))

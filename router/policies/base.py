@@ -217,6 +217,11 @@ class Policy(ABC):
     def on_backends_changed(self, backends: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Optional: forget state about backends that left the serving set."""
 
+    def reset_cache_state(self) -> int:
+        """Forget what the policy believes about engine caches (after a fleet-wide cache reset); returns
+        how many entries were dropped. Policies without such state have nothing to forget."""
+        return 0
+
     def stats(self) -> dict[str, float]:
         """Optional numbers for /metrics (e.g. index size)."""
         return {}

@@ -168,6 +168,9 @@ class CacheAware(Policy):
                 best, best_busy = url, busy
         return best
 
+    def reset_cache_state(self) -> int:
+        return self.index.clear()
+
     def stats(self) -> dict[str, float]:
         return {
             "index_entries": float(len(self.index)),

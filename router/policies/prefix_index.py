@@ -156,6 +156,13 @@ class PrefixIndex:
             return (), depth
         return last[1:], depth  # type: ignore[return-value]
 
+    def clear(self) -> int:
+        """Forget every block (the engines' caches were flushed: stale holders would pull sessions to an
+        engine that no longer has their prefix). Returns how many entries were dropped."""
+        dropped = len(self._entries)
+        self._entries.clear()
+        return dropped
+
     def record(self, hashes: list[int], backend: str) -> None:
         """Note that ``backend`` received a prompt with these blocks; refreshes their recency."""
         entries = self._entries

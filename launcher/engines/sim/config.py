@@ -87,6 +87,10 @@ class SimConfig:
     seed: int = 0
     """Seeds output text (with the request's own ``seed`` and prompt) and the error-fault dice."""
 
+    weights_tag: str = ""
+    """Stands for the weights the engine loaded: ``/weight_checker`` checksums derive from it and the
+    model name, so engines with different tags disagree as engines from different checkpoints do."""
+
     def scaled(self, seconds: float) -> float:
         """Wall-clock seconds for a modelled duration."""
         return seconds / self.speed

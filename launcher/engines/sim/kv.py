@@ -118,6 +118,18 @@ class BlockPool:
                 else:
                     self._anon_free += 1
 
+    def drop_cached(self) -> int:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``, after a weight update): evictable
+        blocks become blank free ones, blocks requests still hold stay theirs but are no longer findable.
+        Returns how many cache entries were dropped."""
+        dropped = len(self._cached)
+        for block in self._cached.values():
+            block.hash = None
+        self._anon_free += len(self._lru)
+        self._cached.clear()
+        self._lru.clear()
+        return dropped
+
     def reset(self) -> None:
         """Forget everything (a killed engine restarts with an empty cache)."""
         self._anon_free = self.num_blocks

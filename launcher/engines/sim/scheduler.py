@@ -23,6 +23,10 @@ from .kv import Block, BlockPool
 from .stats import EngineStats
 from .tokens import chain_hashes
 
+ABORT_REASON = "abort"
+"""vLLM's finish reason for a request aborted through the RL routes: the client gets a 200 answer with
+the tokens generated so far, not an error (unlike a crash, which the simulator answers with 500)."""
+
 
 class ReqState(enum.IntEnum):
     WAITING = 0
@@ -114,6 +118,13 @@ class Scheduler:
         self._resume.set()
         self._clock = 0.0
         self._task: asyncio.Task[None] | None = None
+        # vLLM's pause for a weight update (``/pause``), apart from the wedge fault above: while
+        # ``gen_paused`` new requests are held (not scheduled); in ``keep`` mode the step loop is frozen too.
+        self.gen_paused = False
+        self._frozen = asyncio.Event()
+        self._frozen.set()
+        self._held: deque[SimRequest] = deque()
+        self.in_flight: dict[str, SimRequest] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -138,11 +149,49 @@ class Scheduler:
 
     def reset(self) -> None:
         """Abort everything and empty the KV cache: what a crashed-and-restarted engine looks like."""
-        for r in [*self.running, *self.waiting]:
+        for r in [*self.running, *self.waiting, *self._held]:
             self._finish(r, ReqState.ABORTED)
         self.running = []
         self.waiting.clear()
+        self._held.clear()
         self.pool.reset()
+
+    # -- vLLM's RL pause (POST /pause, /resume) ----------------------------------------------------
+    async def pause_generation(self, mode: str) -> None:
+        """``abort``: abort every request in flight; ``wait``: let them finish first; ``keep``: freeze
+        them where they are until ``resume_generation``. Requests arriving meanwhile wait."""
+        self.gen_paused = True
+        if mode == "abort":
+            for r in [*self.running, *self.waiting]:
+                r.finish_reason = ABORT_REASON
+                self._finish(r, ReqState.ABORTED)
+            self.running = []
+            self.waiting.clear()
+        elif mode == "wait":
+            pending = [r.done for r in [*self.running, *self.waiting] if not r.done.done()]
+            if pending:
+                await asyncio.wait(pending)
+        elif mode == "keep":
+            self._frozen.clear()
+        else:
+            raise ValueError(f"unknown pause mode {mode!r}")
+
+    def resume_generation(self) -> None:
+        self.gen_paused = False
+        self._frozen.set()
+        while self._held:
+            self.waiting.append(self._held.popleft())
+        self._wake.set()
+
+    def abort_ids(self, ids: list[str] | None) -> int:
+        """Abort the named requests (all in flight when ``ids`` is empty); returns how many."""
+        live = self.in_flight
+        targets = list(live.values()) if not ids else [live[i] for i in ids if i in live]
+        for r in targets:
+            if r.state in (ReqState.WAITING, ReqState.RUNNING):
+                r.finish_reason = ABORT_REASON
+            self.abort(r)
+        return len(targets)
 
     # -- requests --------------------------------------------------------------------------------
     def fits_alone(self, total_tokens: int) -> bool:
@@ -155,6 +204,10 @@ class Scheduler:
         return -(-total_tokens // bs) <= self.pool.num_blocks
 
     def submit(self, req: SimRequest) -> None:
+        self.in_flight[req.rid] = req
+        if self.gen_paused:
+            self._held.append(req)
+            return
         self.waiting.append(req)
         self._wake.set()
 
@@ -163,6 +216,8 @@ class Scheduler:
         if req.state == ReqState.WAITING:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
+            with contextlib.suppress(ValueError):
+                self._held.remove(req)
         elif req.state == ReqState.RUNNING:
             with contextlib.suppress(ValueError):
                 self.running.remove(req)
@@ -177,6 +232,7 @@ class Scheduler:
             self.pool.free(req.blocks)
             req.blocks = []
         req.state = state
+        self.in_flight.pop(req.rid, None)
         req.finished_at = asyncio.get_running_loop().time()
         if state == ReqState.ABORTED:
             self.stats.aborted += 1
@@ -196,6 +252,9 @@ class Scheduler:
         while True:
             if not self._resume.is_set():
                 await self._resume.wait()
+            if not self._frozen.is_set():
+                await self._frozen.wait()
+                continue
             if not self.running and not self.waiting:
                 self._wake.clear()
                 await self._wake.wait()
@@ -213,6 +272,8 @@ class Scheduler:
             await asyncio.sleep(max(self._clock - now, 0.0))
             if not self._resume.is_set():  # wedged mid-step: the step's results never arrive
                 await self._resume.wait()
+            if not self._frozen.is_set():  # paused in keep mode mid-step: results land on resume
+                await self._frozen.wait()
             self.stats.steps += 1
             self.stats.busy_s += dt
             self._commit(plan, loop.time())

@@ -45,7 +45,8 @@ from .protocol import (
     stream_chunk,
     usage_chunk,
 )
-from .scheduler import ReqState, Scheduler, SimRequest
+from .rl import SimRl
+from .scheduler import ABORT_REASON, ReqState, Scheduler, SimRequest
 from .stats import EngineStats
 from .tokens import decode
 
@@ -74,6 +75,21 @@ def _reset_transport(transport: asyncio.BaseTransport | None) -> None:
     transport.abort()  # type: ignore[attr-defined]
 
 
+# vLLM's dev-mode routes: answered even while wedged (a trainer must be able to resume a fleet).
+_DEV_PATHS = frozenset(
+    {
+        "/reset_prefix_cache",
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/abort_requests",
+        "/update_weight_version",
+        "/weight_info",
+        "/weight_checker",
+    }
+)
+
+
 class SimServer:
     """One simulated engine on ``host:port`` (0 = OS-chosen). Start and stop inside an event loop."""
 
@@ -96,6 +112,7 @@ class SimServer:
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.config, self.stats)
         self.metrics = SimMetrics(self.scheduler, self.config.model_name)
+        self.rl = SimRl(self.scheduler, self.config.model_name, self.config.weights_tag)
         self._fault = FaultSpec.parse(fault)
         # Seeded per engine so fleets repeat runs exactly yet engines do not fail in lockstep.
         self._dice = random.Random(self.config.seed * 1_000_003 + index)
@@ -137,6 +154,8 @@ class SimServer:
         app.router.add_post("/sim/fault", self._post_fault)
         app.router.add_get("/sim/fault", self._get_fault)
         app.router.add_get("/sim/stats", self._get_stats)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        self.rl.add_routes(app)
         # handler_cancellation: a client that hangs up cancels its handler, whose ``finally`` aborts the
         # request and frees its KV, as vLLM aborts on disconnect (else timed-out clients fill the cache).
         self._runner = web.AppRunner(
@@ -249,7 +268,7 @@ class SimServer:
     @web.middleware
     async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
         path = request.path
-        if path.startswith("/sim/"):
+        if path.startswith("/sim/") or path in _DEV_PATHS:
             if self._api_key and not self._authorized(request):
                 return _json({"error": "Unauthorized"}, 401)
             return await handler(request)
@@ -293,8 +312,12 @@ class SimServer:
                 content_type=_JSON,
             )
         out = plan_output(params, self.config)
+        # vLLM's external id: the prefix plus X-Request-Id when the client sent one (POST /abort_requests
+        # names requests by it).
+        given = request.headers.get("X-Request-Id")
+        rid = new_id(kind) if not given else ("chatcmpl-" if kind == "chat" else "cmpl-") + given
         req = SimRequest(
-            new_id(kind),
+            rid,
             params.prompt + out.tokens,
             len(params.prompt),
             len(out.tokens),
@@ -306,6 +329,19 @@ class SimServer:
             if params.stream:
                 return await self._stream(request, req, params, out)
             await req.done
+            if req.state == ReqState.ABORTED and req.finish_reason == ABORT_REASON:
+                aborted = PlannedOutput(out.tokens, out.text, ABORT_REASON)
+                return _json(
+                    full_response(
+                        params,
+                        req.rid,
+                        int(time.time()),
+                        self.config.model_name,
+                        aborted,
+                        req.n_gen,
+                        req.cached_tokens,
+                    )
+                )
             if req.state != ReqState.FINISHED:
                 return web.Response(
                     body=error_body(500, "request aborted", "InternalServerError"),
@@ -349,6 +385,10 @@ class SimServer:
                     continue
                 if req.state == ReqState.FINISHED:
                     break
+                if req.state == ReqState.ABORTED and req.finish_reason == ABORT_REASON:
+                    aborted = PlannedOutput(out.tokens, out.text, ABORT_REASON)
+                    await resp.write(stream_chunk(params, req.rid, created, model, aborted, sent, sent, True))
+                    break  # aborted through the RL routes: ends like vLLM's, finish_reason "abort"
                 if req.state == ReqState.ABORTED:
                     return resp  # engine stopped or killed: the stream ends without [DONE]
                 await req.progress.wait()
@@ -414,6 +454,12 @@ class SimServer:
 
     async def _get_fault(self, request: web.Request) -> web.Response:
         return _json({"fault": self._fault.to_dict()})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /reset_prefix_cache`` (dev mode): the fleet-wide cache invalidation after a weight
+        update must reach simulated engines too, or a test of it proves nothing."""
+        dropped = self.scheduler.pool.drop_cached()
+        return _json({"status": "ok", "dropped_blocks": dropped})
 
     async def _get_stats(self, request: web.Request) -> web.Response:
         return _json(self.stats_snapshot())

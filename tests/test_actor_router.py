@@ -1,4 +1,8 @@
-"""The router as a Ray actor (real local Ray): a killed actor is restarted and rebinds the same URL."""
+"""The router as a Ray actor (real local Ray): a killed actor is restarted and rebinds the same URL.
+
+Named to run first among the tests that start Ray inside the pytest process: after a Ray Serve app ran
+in-process (tests/test_gateway_ray_serve.py), a later in-process ray.init's first actor was cancelled
+before it started; reproduced with the two files in that order, not in this one."""
 
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ def test_killed_actor_rebinds_the_same_port(ray_local) -> None:
     assert _get(url + "/health") == 200
     first_pid = ray.get(actor.pid.remote())
     ray.get(actor.set_serving_backends.remote(["http://127.0.0.1:9/v1"]))
+    ray.get(actor.restore_weight_version.remote("v5"))
+    assert ray.get(actor.current_weight_version.remote()) == "v5"
 
     ray.kill(actor, no_restart=False)
     t0 = time.monotonic()
@@ -74,6 +80,11 @@ def test_killed_actor_rebinds_the_same_port(ray_local) -> None:
     assert ray.get(actor.base_url.remote()) == url
     # state is rebuilt from constructor arguments only; the controller pushes the serving set again
     assert ray.get(actor.serving_backends.remote()) == []
+    # ... and the fleet's weight version, which the restarted router forgot (the builtin gateway's calls)
+    assert ray.get(actor.current_weight_version.remote()) is None
+    ray.get(actor.restore_weight_version.remote("v5"))
+    assert ray.get(actor.current_weight_version.remote()) == "v5"
+    assert ray.get(actor.stale_backends.remote()) == {}
     ray.get(actor.stop.remote())
     ray.kill(actor, no_restart=True)
 

@@ -1,0 +1,116 @@
+"""The ingress deployment behind Serve's HTTP proxy: keeps the router's status contract.
+
+Serve's own answers break the contract clients retry on: 408 when a request outlives the proxy's
+timeout, 503 on back-pressure or a replica lost mid-call. Here every call to the engines goes through
+one place that turns those into ours:
+
+* a replica that fails, dies, hangs past ``backend_timeout_s`` or answers 5xx before a byte was sent
+  is retried once on a different replica (``max_attempts``), then answered **500**, never 502/503/504;
+* no running engine replica is answered ``no_healthy_status`` (409 by default) at once, a status
+  clients do not retry, instead of queueing in Serve until a replica comes back;
+* the proxy itself runs with no request timeout and the ingress with no queue limit, so neither sends
+  its own 408/503.
+
+Once the first byte of the body went out the status is fixed: a stream cut later ends the response
+early (the client sees a truncated body, as with our router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from launcher.gateways.ray_serve.plan import ServePlan
+from launcher.gateways.ray_serve.request_router import RETRY_EXCLUDE, ROUTE_KEY, ROUTED
+
+ENGINES_DEPLOYMENT = "engines"
+INGRESS_DEPLOYMENT = "ingress"
+
+
+def _error(status: int, message: str) -> Response:
+    return JSONResponse({"error": {"message": message, "type": "gateway_error", "code": status}}, status)
+
+
+class GatewayIngress:
+    def __init__(self, engines: Any, plan: dict[str, Any], app_name: str) -> None:
+        self.engines = engines
+        self.plan = ServePlan(**plan)
+        self.app_name = app_name
+        self._running = 0
+        self._running_at = 0.0
+
+    async def running_replicas(self) -> int:
+        """Running engine replicas by Serve's controller (cached for a second: one call per request
+        would make the controller the bottleneck)."""
+        now = time.monotonic()
+        if now - self._running_at > 1.0:
+            from ray import serve
+
+            status = await asyncio.to_thread(serve.status)
+            app = status.applications.get(self.app_name)
+            deployment = app.deployments.get(ENGINES_DEPLOYMENT) if app is not None else None
+            self._running = int(deployment.replica_states.get("RUNNING", 0)) if deployment else 0
+            self._running_at = now
+        return self._running
+
+    async def __call__(self, request: Request) -> Response:
+        body = await request.body()
+        if len(body) > self.plan.max_request_bytes:
+            return _error(413, f"request body over {self.plan.max_request_bytes} bytes")
+        path = request.url.path
+        if path == "/health":
+            running = await self.running_replicas()
+            if running:
+                return Response(status_code=200)
+            return _error(self.plan.no_healthy_status, "no healthy engine replica")
+        if await self.running_replicas() == 0:
+            return _error(self.plan.no_healthy_status, "no healthy engine replica")
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers.raw}
+        tried: list[str] = []
+        last = "no attempt made"
+        for _attempt in range(self.plan.max_attempts):
+            key = uuid.uuid4().hex
+            call = self.engines.options(stream=True).forward.remote(
+                request.method,
+                path,
+                request.url.query,
+                headers,
+                body,
+                **{ROUTE_KEY: key, RETRY_EXCLUDE: tuple(tried)},
+            )
+            try:
+                head = await asyncio.wait_for(call.__anext__(), self.plan.backend_timeout_s)
+            except Exception as exc:  # Serve's errors (actor died, back-pressure, timeout): a failed attempt
+                call.cancel()
+                replica = ROUTED.pop(key, None)
+                if replica:
+                    tried.append(replica)
+                last = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            ROUTED.pop(key, None)
+            status, head_headers, replica, _node = head
+            if status >= 500:
+                call.cancel()
+                tried.append(replica)
+                last = f"engine answered {status}"
+                continue
+            return StreamingResponse(
+                _rest(call), status_code=status, headers=dict(head_headers), media_type=None
+            )
+        return _error(
+            500, f"engine request failed after {len(tried) or self.plan.max_attempts} attempt(s): {last}"
+        )
+
+
+async def _rest(call: Any) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in call:
+            yield chunk
+    except Exception:  # the replica died mid-stream: end the body here (the status is already sent)
+        return

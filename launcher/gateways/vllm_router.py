@@ -1,0 +1,182 @@
+"""``router.kind: vllm-router``: the fleet behind vLLM Router (PyPI ``vllm-router`` 0.1.17), managed or
+external.
+
+* ``router.mode: external`` attaches to a vllm-router its owner runs (``router.url``, perhaps shared by
+  several jobs): every engine is registered with ``POST /workers``, a dead engine is deregistered and its
+  restarted successor registered on its new URL, and at the end only this job's engines are removed.
+  The router itself is never stopped.
+* ``router.mode: managed`` (the default) starts ``vllm-router`` on the port reserved from
+  ``router.port_range``, inside a Ray actor restarted in place (``vllm_router_process``), and stops it at
+  teardown.
+
+Both converge the router's worker set from its own ``GET /workers`` on every fleet tick
+(``vllm_router_admin.Registrar``), so a vllm-router that restarted empty is refilled on the next tick.
+vllm-router reports no per-backend request outcomes the way our router does, so ``drain_outcomes`` is
+``{}`` and the fleet controller judges engines on its own probes alone.
+
+vllm-router 0.1.17 has no authentication of its own for clients or for ``/workers``; the client's
+``Authorization`` header is passed through to the engines, which check the job's API key. The managed
+router listens on the driver node's address only (loopback in local mode), and no secret is ever put on
+its command line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from launcher.gateways.actors import stop_restartable_actor
+from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
+from launcher.gateways.vllm_router_admin import AdminError, Registrar, VllmRouterAdmin
+from launcher.gateways.vllm_router_command import VllmRouterSection, root_url, router_command
+
+_CALL_TIMEOUT_S = 5.0
+_START_TIMEOUT_S = 120.0
+_READY_TIMEOUT_S = 30.0
+
+
+def _metrics_port(port_range: tuple[int, int], taken: int) -> int:
+    """A port for vllm-router's Prometheus listener on 127.0.0.1, from the router's range (not the
+    ephemeral range: a restart must find it free again) and not the router's own port, which is reserved
+    but not yet bound."""
+    import socket
+
+    lo, hi = port_range
+    for port in range(hi, lo - 1, -1):  # from the top: the driver reserves from an offset upward
+        if port == taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise GatewayError(f"router.port_range {lo}-{hi}: no free port left for vllm-router's metrics")
+
+
+class VllmRouterGateway(Gateway):
+    kind = "vllm-router"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        r = self.context.spec.router
+        self.mode: str = getattr(r, "mode", None) or "managed"
+        self.section: VllmRouterSection = getattr(r, "vllm_router", None) or VllmRouterSection()
+        self.actor: Any = None
+        self._url = ""
+        self.registrar: Registrar | None = None
+
+    # -- start ------------------------------------------------------------------------------------------
+    def start(self, engine_urls: Sequence[str]) -> str:
+        if self.mode == "external":
+            url = root_url(self.context.spec.router.url or "")
+            if not VllmRouterAdmin(url).live():
+                raise GatewayError(f"router.url {url}: vllm-router does not answer {url}/liveness")
+        else:
+            url = self._start_managed()
+        self._url = url
+        self.registrar = Registrar(VllmRouterAdmin(url), say=self.context.say, note=self._note)
+        try:
+            self.registrar.register_all(engine_urls, timeout_s=_START_TIMEOUT_S)
+        except Exception as exc:
+            raise GatewayError(f"vllm-router at {url} refused the engines: {exc}") from exc
+        self._wait_ready(url)
+        return url
+
+    def _note(self, action: str, url: str) -> None:
+        self.context.job.log_event("gateway_member", f"vllm-router: {url} {action}", action=action, url=url)
+
+    def _start_managed(self) -> str:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME
+        from launcher.gateways.vllm_router_process import remote_vllm_router_actor
+
+        ctx = self.context
+        url = f"http://{ctx.host}:{ctx.port}"
+        try:
+            command = router_command(
+                host=ctx.host,
+                port=ctx.port,
+                metrics_port=_metrics_port(ctx.spec.router.port_range, ctx.port),
+                policy=self.section.policy,
+                options=self.section.options,
+            )
+        except FileNotFoundError as exc:
+            raise GatewayError(f"router.kind vllm-router (managed): {exc}") from None
+        actor_cls = remote_vllm_router_actor(
+            name=ROUTER_ACTOR_NAME,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=False
+            ),
+        )
+        self.actor = actor_cls.remote(command, url, str(ctx.job.logs / "vllm-router.log"))
+        try:
+            ray.get(self.actor.base_url.remote(), timeout=_START_TIMEOUT_S)
+        except Exception as exc:
+            raise GatewayError(f"vllm-router did not start on {ctx.host}:{ctx.port}: {exc}") from exc
+        return url
+
+    def _wait_ready(self, url: str) -> None:
+        import time
+
+        admin = VllmRouterAdmin(url)
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while not admin.ready():
+            if time.monotonic() > deadline:
+                raise GatewayError(
+                    f"vllm-router at {url} has no healthy worker after registering the engines"
+                )
+            time.sleep(0.2)
+
+    @property
+    def policy_label(self) -> str:
+        """What ``rl-launch status`` shows as the policy: vllm-router's, not our router's default."""
+        return self.section.policy if self.mode == "managed" else "external (its owner's policy)"
+
+    # -- the run ----------------------------------------------------------------------------------------
+    def base_url(self) -> str:
+        return self._url
+
+    def set_serving(self, urls: Sequence[str]) -> None:
+        assert self.registrar is not None, "start() first"
+        self.registrar.converge(urls)
+
+    def instance(self) -> str | None:
+        if self.actor is None:  # external: its owner's restarts show as an empty GET /workers instead
+            return None
+        import ray
+
+        return str(ray.get(self.actor.pid.remote(), timeout=_CALL_TIMEOUT_S))
+
+    def view(self) -> GatewayView:
+        admin = VllmRouterAdmin(self._url)
+        label = f"{self.mode}, policy {self.section.policy}" if self.mode == "managed" else "external"
+        try:
+            workers = admin.workers()
+        except (OSError, AdminError) as exc:
+            return GatewayView(self.kind, self._url, False, detail=f"{label}: unreachable: {exc}")
+        ours = self.registrar.ours if self.registrar is not None else set()
+        members = tuple(
+            GatewayMember(
+                root_url(w["url"]),
+                bool(w.get("is_healthy")) if "is_healthy" in w else None,
+                "" if root_url(w["url"]) in ours or self.mode == "managed" else "not this job's",
+            )
+            for w in workers
+        )
+        return GatewayView(self.kind, self._url, True, members, detail=label)
+
+    # -- stop -------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        if self.registrar is not None and self.mode == "managed":
+            self.registrar.close()  # the router goes away with the actor: nothing to deregister
+        if self.registrar is not None and self.mode == "external":
+            failed = self.registrar.deregister_ours()
+            if failed:
+                self.context.say(f"vllm-router: could not deregister {len(failed)}: {'; '.join(failed)}")
+        if self.actor is None:
+            return
+        stop_restartable_actor(self.actor)
+        self.actor = None

@@ -1,0 +1,114 @@
+"""The engines' own counters, read from their ``/metrics``, as snapshots and per-step deltas.
+
+A trainer logs one dict per RL step: how many prompt and generation tokens the fleet processed, how many
+prefix-cache tokens hit, how requests finished, how often the engines preempted. The engines count this
+themselves (vLLM's Prometheus counters, which the simulator mirrors), so the router reads them rather than
+counting on the request path: its own counts would miss requests sent to engines directly and would
+cost every request. A snapshot is ``{engine url: {counter: value}}``; a delta subtracts two snapshots
+engine by engine (an engine that restarted in between, whose counters went down, counts from zero) and
+sums the fleet.
+
+This module owns the counter names of the step dict (``COUNTERS`` and ``finished_<reason>``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+COUNTERS: dict[str, str] = {
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
+    "vllm:num_preemptions": "preemptions",
+    "vllm:spec_decode_num_drafts": "spec_decode_drafts",
+    "vllm:spec_decode_num_draft_tokens": "spec_decode_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "spec_decode_accepted_tokens",
+}
+"""vLLM family name (without ``_total``) -> our key. Speculative-decoding keys appear only when present."""
+REQUESTS_BY_REASON = "vllm:request_success"
+
+Counters = dict[str, float]
+Snapshot = dict[str, Counters]
+
+
+def parse_counters(text: str) -> Counters:
+    """vLLM Prometheus text -> ``{key: value}`` summed over labels (model, engine index)."""
+    out: Counters = {}
+    # By sample name, not family type: parsers disagree on how a ``# TYPE x counter`` line followed by
+    # ``x_total`` samples is grouped.
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            name = sample.name[: -len("_total")]
+            key = COUNTERS.get(name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + sample.value
+            elif name == REQUESTS_BY_REASON:
+                k = f"finished_{sample.labels.get('finished_reason', 'unknown')}"
+                out[k] = out.get(k, 0.0) + sample.value
+    return out
+
+
+async def read_snapshot(urls: Sequence[str], timeout_s: float = 15.0) -> tuple[Snapshot, dict[str, str]]:
+    """Read every engine's counters at once; returns (snapshot, {url: error}) for engines that failed."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    errors: dict[str, str] = {}
+
+    async def one(session: aiohttp.ClientSession, url: str) -> tuple[str, Counters | None]:
+        try:
+            async with session.get(url + "/metrics", allow_redirects=False) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    errors[url] = f"HTTP {resp.status}"
+                    return url, None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            errors[url] = f"{type(exc).__name__}: {exc}"
+            return url, None
+        try:
+            return url, parse_counters(text)
+        except ValueError as exc:
+            errors[url] = f"unparsable /metrics: {exc}"
+            return url, None
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        got = await asyncio.gather(*(one(session, u) for u in urls))
+    return {u: c for u, c in got if c is not None}, errors
+
+
+def fleet_total(snapshot: Snapshot) -> Counters:
+    total: Counters = {}
+    for counters in snapshot.values():
+        for k, v in counters.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def delta(before: Snapshot, after: Snapshot) -> Snapshot:
+    """Per engine ``after - before``; an engine new in ``after`` or whose counter went down (it
+    restarted) counts from zero."""
+    out: Snapshot = {}
+    for url, now in after.items():
+        then = before.get(url, {})
+        out[url] = {k: (v - then.get(k, 0.0)) if v >= then.get(k, 0.0) else v for k, v in now.items()}
+    return out
+
+
+def step_dict(per_engine: Snapshot) -> dict[str, Any]:
+    """``{"fleet": {...}, "engines": {url: {...}}, "prefix_hit_rate": ...}`` with integral counts."""
+    fleet = fleet_total(per_engine)
+    q = fleet.get("prefix_cache_queries", 0.0)
+    return {
+        "fleet": {k: int(v) if float(v).is_integer() else v for k, v in sorted(fleet.items())},
+        "engines": {
+            u: {k: int(v) if float(v).is_integer() else v for k, v in sorted(c.items())}
+            for u, c in per_engine.items()
+        },
+        "prefix_hit_rate": (fleet.get("prefix_cache_hits", 0.0) / q) if q else None,
+    }

@@ -1,0 +1,321 @@
+"""The router's ``/fleet/*`` admin routes: the refit window for the whole fleet through one front.
+
+Between RL steps a trainer pauses every engine, updates weights, flushes caches, stamps a new weight
+version and resumes. Each route fans one engine call out to every engine (``router.fleet_ops``) and
+answers 200 only when every engine complied, else 500 with the per-engine report: a trainer must never
+go on believing the fleet was paused, stamped or resumed when one engine was not.
+
+The router's own part:
+
+* **Pause** closes the ``PauseGate`` *before* pausing the engines (no request slips in between), so new
+  generation requests are held in the router; **resume** resumes the engines first and then releases
+  the held requests in arrival order.
+* **Weight version**: the router remembers the fleet's current version once the trainer stamped one.
+  From then on an engine that joins the serving set (a restarted engine comes back on the checkpoint's
+  weights and version) is held out as *stale* until its ``/weight_info`` shows the current version;
+  ``GET /fleet/stale`` tells the trainer which engines need a refit, and stamping them
+  (``POST /fleet/weight_version`` with ``engines``) readmits them. Before the first stamp nothing is held
+  out (every engine serves the checkpoint).
+* **Step metrics**: ``POST /fleet/step/begin`` snapshots the engines' counters, ``GET /fleet/step``
+  answers the delta since then (``router.engine_counters``).
+
+All routes require the admin token (``router.auth`` guards ``/fleet/``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from router.backends import BackendSet, canonical_backend_url
+from router.engine_counters import Snapshot, delta, read_snapshot, step_dict
+from router.fleet_ops import (
+    PAUSE_MODES,
+    EngineAnswer,
+    FleetOpReport,
+    compare_checksums,
+    expect,
+    fan_out,
+    has,
+)
+from router.pause_gate import PauseGate
+
+log = logging.getLogger(__name__)
+
+
+def _json(status: int, payload: object) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _answer(report: FleetOpReport) -> web.Response:
+    return _json(200 if report.ok else 500, report.to_json())
+
+
+def _bad(message: str) -> web.Response:
+    return _json(400, {"ok": False, "error": message})
+
+
+class FleetApi:
+    def __init__(
+        self,
+        backends: BackendSet,
+        gate: PauseGate,
+        backend_api_key: str | None = None,
+        engine_timeout_s: float = 120.0,
+    ) -> None:
+        self.backends = backends
+        self.gate = gate
+        self.backend_api_key = backend_api_key
+        self.engine_timeout_s = engine_timeout_s
+        self.current_version: str | None = None
+        self._verifying: set[asyncio.Task[None]] = set()
+        self._step: int = 0
+        self._step_started: float = 0.0
+        self._step_snapshot: Snapshot | None = None
+        backends.admission = self._on_new_member
+
+    def add_routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post("/fleet/pause", self.pause)
+        r.add_post("/fleet/resume", self.resume)
+        r.add_get("/fleet/is_paused", self.is_paused)
+        r.add_post("/fleet/abort", self.abort)
+        r.add_get("/fleet/weight_version", self.get_version)
+        r.add_post("/fleet/weight_version", self.set_version)
+        r.add_get("/fleet/stale", self.stale)
+        r.add_post("/fleet/checksum", self.checksum)
+        r.add_get("/fleet/counters", self.counters)
+        r.add_post("/fleet/step/begin", self.step_begin)
+        r.add_get("/fleet/step", self.step)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    async def _fan(self, op: str, urls: list[str], method: str, path: str, **kw: Any) -> FleetOpReport:
+        t0 = time.monotonic()
+        answers = await fan_out(
+            urls, method, path, api_key=self.backend_api_key, timeout_s=self.engine_timeout_s, **kw
+        )
+        return FleetOpReport(op, answers, took_s=round(time.monotonic() - t0, 4))
+
+    def _all_engines(self) -> list[str]:
+        """Serving engines plus those held out as stale (they are paused and resumed like the rest)."""
+        stale = self.backends.stale
+        return [u for u in self.backends.members if u in stale or u in self.backends.serving]
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw:
+            return {}
+        data = orjson.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("body must be a JSON object")
+        return data
+
+    # -- pause / resume -----------------------------------------------------------------------------
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "keep")
+        if mode not in PAUSE_MODES:
+            return _bad(f"mode={mode!r}: choose one of {', '.join(PAUSE_MODES)}")
+        self.gate.close(mode)
+        report = await self._fan("pause", self._all_engines(), "POST", "/pause", params={"mode": mode})
+        report.result = {"mode": mode, "router_holding": True}
+        log.info("fleet pause (%s): ok=%s in %.3f s", mode, report.ok, report.took_s)
+        return _answer(report)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        report = await self._fan("resume", self._all_engines(), "POST", "/resume")
+        held = self.gate.stats()
+        # Released even when an engine failed to resume: holding every request forever is worse, and
+        # the 500 below tells the trainer which engine is still paused.
+        released = self.gate.open()
+        after = self.gate.stats()
+        report.result = {
+            "released": released,
+            "held_longest_wait_s": round(max(held.longest_wait_s, after.last_max_wait_s), 4),
+            "paused_for_s": round(after.last_pause_s, 4),
+        }
+        log.info("fleet resume: ok=%s, %d held requests released", report.ok, released)
+        return _answer(report)
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        report = await self._fan(
+            "is_paused", self._all_engines(), "GET", "/is_paused", check=has("is_paused")
+        )
+        engines = {a.url: bool(a.body.get("is_paused")) for a in report.engines if a.ok}
+        s = self.gate.stats()
+        report.result = {
+            "router_paused": s.paused,
+            "mode": s.mode,
+            "engines_paused": engines,
+            "paused": s.paused and bool(engines) and all(engines.values()),
+            "held": s.held,
+            "longest_wait_s": round(s.longest_wait_s, 4),
+        }
+        return _answer(report)
+
+    async def abort(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            ids = body.get("request_ids") or []
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                raise ValueError("request_ids must be a list of strings")
+        except ValueError as exc:
+            return _bad(str(exc))
+        report = await self._fan(
+            "abort", self._all_engines(), "POST", "/abort_requests", json_body={"request_ids": ids}
+        )
+        per_engine = {a.url: int(a.body.get("aborted", 0)) for a in report.engines if a.ok and a.body}
+        report.result = {
+            # Abort-all counts what each engine actually held; an abort by ids is acknowledged per id by
+            # every engine (vLLM does not say which engine held it), so no fleet sum is claimed then.
+            "aborted": sum(per_engine.values()) if not ids else None,
+            "per_engine": per_engine,
+            "request_ids": ids,
+        }
+        return _answer(report)
+
+    # -- weight version ----------------------------------------------------------------------------
+    async def get_version(self, request: web.Request) -> web.Response:
+        report = await self._fan(
+            "weight_version", self._all_engines(), "GET", "/weight_info", check=has("weight_version")
+        )
+        versions = {a.url: a.body["weight_version"] for a in report.engines if a.ok}
+        report.result = {
+            "current": self.current_version,
+            "engines": versions,
+            "stale": self.backends.stale,
+        }
+        serving = set(self.backends.serving)
+        if self.current_version is not None:
+            off = [u for u, v in versions.items() if u in serving and v != self.current_version]
+            if off:
+                report.error = f"serving engines not on version {self.current_version!r}: {off}"
+        elif len(set(versions.values())) > 1:
+            report.error = f"engines disagree on the weight version: {versions}"
+        return _answer(report)
+
+    async def set_version(self, request: web.Request) -> web.Response:
+        """``{"version": v}`` stamps every serving engine and makes ``v`` the fleet's version;
+        ``{"version": v, "engines": [url...]}`` stamps only those (refit stale engines), readmitting each
+        whose ``/weight_info`` then shows the fleet's current version."""
+        try:
+            body = await self._body(request)
+            version = body.get("version", self.current_version)
+            if not isinstance(version, str) or not version:
+                raise ValueError('body needs "version": a non-empty string')
+            engines = body.get("engines")
+            targets = [canonical_backend_url(u) for u in engines] if engines is not None else None
+        except ValueError as exc:
+            return _bad(str(exc))
+        if targets is not None:
+            unknown = [u for u in targets if u not in self.backends.members]
+            if unknown:
+                return _bad(f"not members of the fleet: {unknown}")
+            if self.current_version is not None and version != self.current_version:
+                return _bad(
+                    f"engines are stamped with the fleet's version ({self.current_version!r}); "
+                    f"stamp the whole fleet to move it to {version!r}"
+                )
+        else:
+            targets = list(self.backends.serving)
+        report = await self._fan(
+            "set_weight_version",
+            targets,
+            "POST",
+            "/update_weight_version",
+            json_body={"new_version": version},
+            check=expect("new_version", version),
+        )
+        if not any(a.ok for a in report.engines):
+            # No engine took it (e.g. none runs in dev mode): holding every engine out would take the
+            # whole fleet down for a configuration error; nothing changes and the 500 says why.
+            report.error = f"no engine accepted version {version!r}; the fleet's version is unchanged"
+            report.result = {"current": self.current_version, "stale": self.backends.stale}
+            return _answer(report)
+        if engines is None:
+            self.current_version = version
+        for a in report.engines:
+            if a.ok:
+                self.backends.clear_stale(a.url)
+            else:
+                self.backends.hold_out_stale(a.url, f"stamping version {version!r} failed: {a.detail}")
+        report.result = {"current": self.current_version, "stale": self.backends.stale}
+        log.info("fleet weight version %r: ok=%s", version, report.ok)
+        return _answer(report)
+
+    async def stale(self, request: web.Request) -> web.Response:
+        return _json(200, {"current": self.current_version, "stale": self.backends.stale})
+
+    def _on_new_member(self, url: str) -> bool:
+        """An engine joining after the first stamp is held out until its version is checked."""
+        if self.current_version is None:
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not serving yet or any more: held out, checked when stamped
+            return True
+        task = loop.create_task(self._verify(url))
+        self._verifying.add(task)
+        task.add_done_callback(self._verifying.discard)
+        return True
+
+    async def _verify(self, url: str) -> None:
+        wanted = self.current_version
+        answers: list[EngineAnswer] = await fan_out(
+            [url],
+            "GET",
+            "/weight_info",
+            check=has("weight_version"),
+            api_key=self.backend_api_key,
+            timeout_s=self.engine_timeout_s,
+        )
+        a = answers[0]
+        if url not in self.backends.members:
+            return
+        if a.ok and a.body["weight_version"] == wanted == self.current_version:
+            self.backends.clear_stale(url)
+            log.info("engine %s serves the current weight version %r: admitted", url, wanted)
+        else:
+            got = a.body.get("weight_version") if a.ok else a.detail
+            self.backends.hold_out_stale(url, f"serves version {got!r}, the fleet is on {wanted!r}")
+            log.warning("engine %s is stale (%r, fleet on %r): held out until refit", url, got, wanted)
+
+    # -- checksums -----------------------------------------------------------------------------------
+    async def checksum(self, request: web.Request) -> web.Response:
+        report = await self._fan(
+            "checksum",
+            list(self.backends.serving),
+            "POST",
+            "/weight_checker",
+            json_body={"action": "checksum"},
+            check=has("checksums"),
+        )
+        report.result, report.error = compare_checksums(report.engines)
+        for a in report.engines:
+            a.body = None  # the per-parameter tables are large; the groups say what matters
+        return _answer(report)
+
+    # -- counters and steps ----------------------------------------------------------------------------
+    async def counters(self, request: web.Request) -> web.Response:
+        snap, errors = await read_snapshot(self._all_engines())
+        return _json(200 if not errors else 500, {**step_dict(snap), "errors": errors})
+
+    async def step_begin(self, request: web.Request) -> web.Response:
+        snap, errors = await read_snapshot(self._all_engines())
+        self._step += 1
+        self._step_started = time.time()
+        self._step_snapshot = snap
+        return _json(200 if not errors else 500, {"step": self._step, "errors": errors})
+
+    async def step(self, request: web.Request) -> web.Response:
+        if self._step_snapshot is None:
+            return _json(409, {"ok": False, "error": "no step begun: POST /fleet/step/begin first"})
+        now, errors = await read_snapshot(self._all_engines())
+        out = step_dict(delta(self._step_snapshot, now))
+        out.update(step=self._step, started_at=self._step_started, seconds=time.time() - self._step_started)
+        return _json(200 if not errors else 500, {**out, "errors": errors})

@@ -1,0 +1,233 @@
+"""A Dynamo fleet end to end in local mode (the same driver as on Slurm, without srun): the real etcd and
+NATS from Debian, the real ``dynamo.frontend`` with its KV router and two real ``dynamo.mocker`` workers,
+while a Gym-like client replays multi-turn sessions through the frontend:
+
+* bring-up (runtime, workers, frontend ready with every worker instance and the model), a request through
+  the frontend;
+* a worker killed (SIGKILL to its process group) mid-replay: detected by our probes, restarted in place by
+  its engine host, back in the frontend's instance list through discovery, no session lost (the frontend's
+  ``--migration-limit`` re-routes requests in flight, the client's retries cover the rest);
+* teardown leaves no process of the job and no Dynamo data directory.
+
+The figures (bring-up, recovery, sessions lost) are printed for the report (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_fleet_local import job_processes
+
+pytestmark = [pytest.mark.ray, pytest.mark.dynamo]
+
+TRAINER = textwrap.dedent(
+    """\
+    import json, os, re, signal, subprocess, sys, time, urllib.request
+    job = os.environ["RL_JOB_DIR"]
+    url = os.environ["RL_ROUTER_URL"]
+    def instances():
+        health = json.load(urllib.request.urlopen(url + "/health", timeout=2))
+        return sorted(str(i["instance_id"]) for i in health["instances"] if i["endpoint"] == "generate")
+    def listing():
+        return json.load(open(os.path.join(job, "engines", "node-0.urls.json")))["engines"]
+    body = json.dumps({"model": os.environ["RL_POLICY_MODEL_NAME"], "prompt": [1, 2, 3, 4], "max_tokens": 4})
+    req = urllib.request.Request(url + "/v1/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    first = json.load(urllib.request.urlopen(req, timeout=10))
+    reset = subprocess.run(["rl-launch", "fleet", "reset-cache", job, "--json"],
+                           capture_output=True, text=True)
+    before = instances()
+    replay = subprocess.Popen(["rl-launch", "bench", "replay", "--url", os.environ["RL_POLICY_BASE_URL"],
+                               "--workload", "longtail", "--scale", "0.05", "--seed", "3",
+                               "--retry-attempts", "3", "--json", os.path.join(job, "replay.json")])
+    time.sleep(1.5)
+    victim = listing()[0]
+    if sys.argv[1:] == ["external"]:  # on Slurm the worker is on another node: the test kills it
+        json.dump(victim, open(os.path.join(job, "kill_me.json"), "w"))
+        killed = os.path.join(job, "killed.json")
+        deadline = time.time() + 60
+        while not os.path.exists(killed) and time.time() < deadline:
+            time.sleep(0.1)
+        t_kill = json.load(open(killed))["t"]
+    else:
+        port = victim["url"].rsplit(":", 1)[1]
+        ss = subprocess.run(["ss", "-H", "-tlnp", f"sport = :{port}"], capture_output=True, text=True).stdout
+        pid = int(re.search(r"pid=(\\d+)", ss).group(1))
+        t_kill = time.time()
+        os.killpg(pid, signal.SIGKILL)
+    rejoined = None
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        entry = listing()[0]
+        try:
+            now = instances()
+        except OSError:
+            now = []
+        if entry["generation"] >= 1 and entry["url"] and len(now) == 2 and now != before:
+            rejoined = time.time() - t_kill
+            break
+        time.sleep(0.2)
+    code = replay.wait()
+    time.sleep(6)  # the controller writes the frontend's view every 5 ticks: let it see the rejoined worker
+    json.dump({"reset_rc": reset.returncode, "reset": reset.stdout,
+               "first": first, "before": before, "after": instances(), "victim": victim["url"],
+               "new_url": listing()[0]["url"], "recovery_s": rejoined},
+              open(os.path.join(job, "dynamo_trainer.json"), "w"))
+    sys.exit(code)
+    """
+)
+
+
+def have_runtime() -> None:
+    python = os.environ.get("RL_LAUNCH_DYNAMO_PYTHON")
+    if not python:
+        pytest.skip("RL_LAUNCH_DYNAMO_PYTHON is not set (run .ci/install-dynamo.sh and export its output)")
+    missing = [b for b in ("etcd", "nats-server", "ss") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not on PATH (apt-get install etcd-server nats-server iproute2)")
+
+
+@pytest.mark.parametrize("discovery", ["etcd", "file"])
+def test_dynamo_fleet_serves_recovers_a_killed_worker_and_leaves_nothing(
+    tmp_path: Path, tiny_model_dir: Path, discovery: str
+) -> None:
+    have_runtime()
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    spec = {
+        "name": "dynamo-local",
+        "cluster": "local",
+        "job_root": str(tmp_path / "jobs"),
+        "training": {"command": f"{sys.executable} {trainer}"},
+        "generation": {
+            "engine": "dynamo-mocker",
+            "engines_per_node": 2,
+            "model": str(tiny_model_dir),
+            "served_model_name": "tiny",
+            "startup_timeout_s": 120,
+        },
+        "router": {
+            "kind": "dynamo",
+            "dynamo": {"router_mode": "kv", "discovery": discovery, "worker_args": ["--speedup-ratio", "10"]},
+        },
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
+    proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=400)
+    (job,) = list((tmp_path / "jobs").iterdir())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = json.loads((job / "dynamo_trainer.json").read_text())
+    assert seen["first"]["usage"]["completion_tokens"] == 4
+    # The mocker has no cache-invalidation route (dynamo.vllm workers serve /engine/flush_cache): the reset
+    # must say so per worker and fail, never report a flush that did not happen.
+    reset = json.loads(seen["reset"])
+    assert seen["reset_rc"] == 1 and not reset["ok"] and len(reset["engines"]) == 2, seen["reset"]
+    assert all(e["status"] == 404 for e in reset["engines"]), reset
+    assert json.loads((job / "cache_reset.json").read_text())["ok"] is False
+    assert len(seen["before"]) == 2 and len(seen["after"]) == 2
+    assert seen["recovery_s"] is not None, "the killed worker never rejoined the frontend"
+    assert seen["new_url"] != seen["victim"]  # restarted in place on a new status port
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    lost = replay["sessions"] - replay["sessions_ok"]
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    assert any(e["phase"] == "engine_restarted" for e in events)
+    state = json.loads((job / "state.json").read_text())
+    assert state["gateway"]["kind"] == "dynamo"
+    # The frontend's instances lined up with our engines (the last view before the teardown).
+    listing = json.loads((job / "engines" / "node-0.urls.json").read_text())
+    engine_urls = {e["url"] for e in listing["engines"]}
+    assert {m["url"] for m in state["gateway"]["members"]} == engine_urls, state["gateway"]
+    timings = json.loads((job / "result.json").read_text())["timings"]
+    bring_up = timings["ray_start_s"] + timings["engine_start_s"] + timings["router_start_s"]
+    print(
+        f"\ndynamo ({discovery}): bring-up {bring_up:.1f} s (Ray {timings['ray_start_s']} s, runtime "
+        f"{timings.get('gateway_runtime_start_s')} s, workers {timings['engine_start_s']} s, frontend "
+        f"{timings['router_start_s']} s); worker-kill recovery {seen['recovery_s']:.1f} s; sessions lost "
+        f"{lost}/{replay['sessions']}, failed requests {replay['failed_requests']}, "
+        f"retries {replay['retries']}"
+    )
+    assert lost == 0, replay
+    assert not (job / "dynamo").exists(), "the runtime's data directory was left behind"
+    assert job_processes(job) == []
+
+
+@pytest.mark.parametrize("how", ["frontend_killed", "etcd_killed", "sigterm"])
+def test_dynamo_job_ends_loudly_and_leaves_nothing(tmp_path: Path, tiny_model_dir: Path, how: str) -> None:
+    """A dead frontend or runtime fails the job with the reason (every request would fail otherwise); a
+    SIGTERM (scancel, rl-launch cancel) cancels it; either way nothing of the job is left."""
+    have_runtime()
+    spec = {
+        "name": "dynamo-stop",
+        "cluster": "local",
+        "job_root": str(tmp_path / "jobs"),
+        "training": {"command": "sleep 300"},
+        "generation": {
+            "engine": "dynamo-mocker",
+            "engines_per_node": 1,
+            "model": str(tiny_model_dir),
+            "served_model_name": "tiny",
+        },
+        "router": {"kind": "dynamo"},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
+    out = (tmp_path / "submit.log").open("w")  # a file, not a pipe nobody reads until the end
+    proc = subprocess.Popen([rl_launch, "submit", str(path)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            jobs = list((tmp_path / "jobs").glob("*/state.json"))
+            state = json.loads(jobs[0].read_text()) if jobs else {}
+            if state.get("phase") == "training":
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, state
+            time.sleep(0.2)
+        job = jobs[0].parent
+        t = time.monotonic()
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            name = "frontend" if how == "frontend_killed" else "etcd"
+            log = "dynamo-frontend.log" if name == "frontend" else "dynamo-etcd.log"
+            os.killpg(_process_of(job, log), signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+    result = json.loads((job / "result.json").read_text())
+    if how == "sigterm":
+        assert result["outcome"] == "cancelled", result
+    else:
+        assert result["outcome"] == "failed" and result["exit_code"] == 1, result
+        what = "frontend" if how == "frontend_killed" else "etcd"
+        assert f"Dynamo {what} exited" in result["reason"], result["reason"]
+        assert time.monotonic() - t < 60
+    assert result["torn_down"] is True
+    assert not (job / "dynamo").exists()
+    assert job_processes(job) == []
+
+
+def _process_of(job: Path, log_name: str) -> int:
+    """The process group leader the driver started with its output in ``logs/<log_name>``."""
+    log = str(job / "logs" / log_name)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/1") == log and os.getpgid(int(pid)) == int(pid):
+                return int(pid)
+        except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
+            continue
+    raise AssertionError(f"no process writes {log}")

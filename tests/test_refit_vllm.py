@@ -1,0 +1,296 @@
+"""The refit window against real vLLM CPU engines (``VLLM_SERVER_DEV_MODE=1``) behind the router.
+
+Two engines start once for the module (each start costs ~90 s on a 2-core box) and every test reuses
+them, in file order; the last test replaces one with an engine started from a copy of the tiny model whose
+weights were changed, which is both "an engine restarted with an old version" and "an engine serving
+other weights". Needs ``RL_LAUNCH_VLLM_PYTHON``::
+
+    .venv/bin/pytest tests/test_refit_vllm.py -m vllm -s    # -s prints the pause/resume figures
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher.engines.base import EngineSpec, EngineStartError
+from launcher.engines.vllm import VllmEngine
+from launcher.fleet_client import FleetClient, FleetOpError
+from router import GenerationRouter, RouterConfig
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+TOKEN = "refit-admin-token-5678"
+STARTUP_TIMEOUT_S = 600.0
+
+PERTURB = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+path = sys.argv[1]
+tensors = load_file(path)
+name = next(k for k in sorted(tensors) if k.startswith("lm_head"))
+tensors[name] = (tensors[name].float() + 0.5).to(tensors[name].dtype)
+save_file(tensors, path, metadata={"format": "pt"})
+print(name)
+"""
+
+
+def _engine(python: str, model: Path, log: Path, cpu: int | None) -> VllmEngine:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    spec = EngineSpec(
+        model=str(model),
+        served_name="tiny",
+        port=0,
+        extra_args=["--max-model-len", "4096"],
+        env=env,
+        log_path=str(log),
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+    )
+    return VllmEngine(spec, python=python)
+
+
+def _start(engines: list[VllmEngine]) -> None:
+    t0 = time.monotonic()
+    for e in engines:
+        e.start()
+    for e in engines:
+        try:
+            e.wait_ready(t0 + STARTUP_TIMEOUT_S)
+        except EngineStartError as exc:
+            pytest.fail(f"vLLM engine failed to start:\n{exc}", pytrace=False)
+        print(f"\n[refit vllm] engine {e.url} ready after {(e.ready_at or 0) - (e.started_at or 0):.1f}s")
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Two real engines, a router in front (admin token), and the trainer's client."""
+    logdir = tmp_path_factory.mktemp("refit-vllm")
+    cpus = sorted(os.sched_getaffinity(0))
+    engines = [
+        _engine(vllm_python, tiny_model_dir, logdir / f"engine{i}.log", cpus[i] if len(cpus) >= 2 else None)
+        for i in range(2)
+    ]
+    router: GenerationRouter | None = None
+    state: dict[str, Any] = {"engines": engines, "logdir": logdir, "cpus": cpus}
+    try:
+        _start(engines)
+        config = RouterConfig(
+            host="127.0.0.1", port=0, policy="round_robin", admin_token=TOKEN, backend_timeout_s=300
+        )
+        router = GenerationRouter(config, [e.api_url for e in engines])
+        router.serve_in_background()
+        state.update(router=router, client=FleetClient(router.base_url(), TOKEN))
+        yield state
+    finally:
+        if router is not None:
+            router.stop()
+        for e in state["engines"]:
+            e.stop()
+
+
+def _chat(url: str, max_tokens: int, content: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def _in_thread(results: dict[int, Any], key: int, *args: Any, **kw: Any) -> threading.Thread:
+    def run() -> None:
+        t0 = time.monotonic()
+        results[key] = (*_chat(*args, **kw), time.monotonic() - t0, time.monotonic())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _generation_tokens(engine_url: str) -> float:
+    with urllib.request.urlopen(engine_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+
+
+def test_keep_pause_requests_in_flight_and_held_complete_after_resume(fleet: Any) -> None:
+    client: FleetClient = fleet["client"]
+    url = fleet["router"].base_url()
+    results: dict[int, Any] = {}
+    threads = [_in_thread(results, i, url, 300, f"in flight {i}") for i in range(4)]
+    time.sleep(1.0)
+    in_flight_at_pause = 4 - len(results)
+    t0 = time.perf_counter()
+    pause = client.pause("keep")
+    paused_at = time.monotonic()
+    assert client.is_paused()
+    held = [_in_thread(results, 10 + i, url, 16, f"held {i}") for i in range(3)]
+    time.sleep(2.0)
+    assert not any(k >= 10 for k in results), "a request sent during the pause was not held"
+    t1 = time.perf_counter()
+    resume = client.resume()
+    t2 = time.perf_counter()
+    for t in threads + held:
+        t.join(300)
+    assert sorted(results) == [0, 1, 2, 3, 10, 11, 12]
+    for k, (status, body, _, _) in results.items():
+        assert status == 200, (k, body)
+        assert body["usage"]["completion_tokens"] == (300 if k < 10 else 16), (k, body["choices"][0])
+    # Requests frozen by the pause finished after it; the held ones completed after the resume.
+    frozen_done = [results[i][3] for i in range(4) if results[i][3] > paused_at]
+    assert all(results[k][3] > paused_at + 2.0 for k in (10, 11, 12))
+    assert resume.result["released"] == 3
+    print(
+        f"\n[refit vllm] 2 engines: pause(keep) {pause.took_s * 1000:.0f} ms,"
+        f" resume {(t2 - t1) * 1000:.0f} ms,"
+        f" pause->resume cycle {(t2 - t0) * 1000:.0f} ms (incl. 2 s hold);"
+        f" {in_flight_at_pause} in flight at pause ({len(frozen_done)} finished after it),"
+        f" 3 held, longest wait {resume.result['held_longest_wait_s']:.3f} s"
+    )
+
+
+def test_abort_all_and_by_id_reach_client_as_engine_answered(fleet: Any) -> None:
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    url = router.base_url()
+    retries_before = router.metrics.retries._value.get()
+    results: dict[int, Any] = {}
+    # Each abort goes 0.3 s after its own request starts: on a quiet machine the tiny model writes 3,500
+    # tokens in about two seconds, and a request started beside the first one had already finished
+    # ("length") by the time the abort-by-id round trip was over, in one CI run.
+    first = _in_thread(results, 0, url, 3500, "abort me by id", headers={"X-Request-Id": "refit-abort-1"})
+    time.sleep(0.3)
+    assert not results, "the long request finished before the abort"
+    by_id = client.abort(["chatcmpl-refit-abort-1"])
+    first.join(60)
+    assert 0 in results, results
+    second = _in_thread(results, 1, url, 3500, "abort me with all")
+    time.sleep(0.3)
+    assert 1 not in results, "the long request finished before the abort"
+    rest = client.abort()
+    second.join(60)
+    assert 1 in results
+    for status, body, took, _ in results.values():
+        assert took < 60
+        if status == 200:  # vLLM ends an aborted request with finish_reason "abort"
+            assert body["choices"][0]["finish_reason"] == "abort", body
+            assert body["usage"]["completion_tokens"] < 3500
+        else:
+            assert status < 600 and body is not None
+    assert router.metrics.retries._value.get() == retries_before  # never retried on another engine
+    seen = list(results.values())
+    print(
+        f"\n[refit vllm] abort by id: {by_id.result}, abort all: {rest.result};"
+        f" clients got {[(s, (b or {}).get('choices', [{}])[0].get('finish_reason')) for s, b, *_ in seen]}"
+    )
+
+
+def test_version_checksum_and_cache_reset(fleet: Any) -> None:
+    client: FleetClient = fleet["client"]
+    before = client.weight_version()
+    assert set(before.result["engines"].values()) == {"default"}
+    stamp = client.set_weight_version("step-1")
+    assert stamp.ok and stamp.result["current"] == "step-1"
+    assert set(client.weight_version().result["engines"].values()) == {"step-1"}
+    check = client.checksum()
+    assert check.ok and len(check.result["groups"]) == 1 and check.result["parameters"] > 0
+    reset = client.reset_prefix_cache()
+    assert reset["ok"] and len(reset["engines"]) == 2
+
+
+def test_step_metrics_delta_matches_tokens_sent(fleet: Any) -> None:
+    client: FleetClient = fleet["client"]
+    url = fleet["router"].base_url()
+    client.begin_step()
+    sent = [_chat(url, 7 + i, f"step prompt number {i} " * (i + 1)) for i in range(4)]
+    assert all(s == 200 for s, _ in sent)
+    want_gen = sum(b["usage"]["completion_tokens"] for _, b in sent)
+    want_prompt = sum(b["usage"]["prompt_tokens"] for _, b in sent)
+    deadline = time.monotonic() + 15  # the engines' counters can lag their answers a little
+    while True:
+        step = client.step_metrics()
+        fleet_counts = step["fleet"]
+        if fleet_counts.get("generation_tokens") == want_gen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert fleet_counts["generation_tokens"] == want_gen, step
+    assert fleet_counts["prompt_tokens"] == want_prompt, step
+    assert fleet_counts["finished_length"] == 4, step
+    assert fleet_counts["prefix_cache_queries"] >= want_prompt - 4
+    print(f"\n[refit vllm] step dict: {step['fleet']}")
+
+
+def test_restarted_engine_with_old_version_not_served_until_stamped(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    assert client.weight_version().result["current"] == "step-1"
+    # Replace engine 1 with one started from a copy whose weights differ (a checkpoint of another run).
+    other = fleet["logdir"] / "tiny-other"
+    shutil.copytree(tiny_model_dir, other)
+    weights = next(other.glob("*.safetensors"))
+    out = subprocess.run(
+        [vllm_python, "-c", PERTURB, str(weights)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    old = fleet["engines"][1]
+    old.stop()
+    cpus = fleet["cpus"]
+    new = _engine(
+        vllm_python, other, fleet["logdir"] / "engine1-restarted.log", cpus[1] if len(cpus) >= 2 else None
+    )
+    fleet["engines"][1] = new
+    _start([new])
+    e0 = fleet["engines"][0]
+    router.set_serving_backends([e0.api_url, new.api_url])  # what the fleet controller pushes
+    deadline = time.monotonic() + 10
+    # Held out at once ("not verified yet"), then judged on its /weight_info.
+    while "'default'" not in client.stale_engines().get(new.url, "") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stale = client.stale_engines()
+    assert list(stale) == [new.url] and "'default'" in stale[new.url], stale
+    assert router.serving_backends() == [e0.url]
+    url = router.base_url()
+    before = _generation_tokens(new.url)
+    assert all(_chat(url, 4, f"while stale {i}")[0] == 200 for i in range(4))
+    assert _generation_tokens(new.url) == before, "a stale engine served"
+    # The trainer refits it (here: only stamps it) and it is readmitted ...
+    assert client.set_weight_version("step-1", engines=[new.url]).ok
+    assert client.stale_engines() == {}
+    assert sorted(router.serving_backends()) == sorted([e0.url, new.url])
+    assert all(_chat(url, 4, f"after stamp {i}")[0] == 200 for i in range(4))
+    assert _generation_tokens(new.url) > before
+    # ... but it serves other weights, which the checksum comparison catches.
+    with pytest.raises(FleetOpError, match="different weights") as err:
+        client.checksum()
+    groups = err.value.report.result["groups"]
+    assert len(groups) == 2 and [new.url] in groups.values(), groups
+    print(f"\n[refit vllm] checksum groups after the odd restart: {groups}")
