@@ -15,6 +15,13 @@ them. A 20 KB prompt is ~20 hashes: ~200 bytes each way instead of the prompt.
 The frame: ``<u32 payload length><u8 kind><payload>``; every payload layout is defined here and nowhere
 else (one module owns the shape of what two processes exchange).
 
+The fleet pause: a generation request's DISPATCH carries the ``HOLD`` flag, and while the parent's
+``PauseGate`` is closed the parent delays its answer until resume (one gate for the whole router: its
+``max_held`` and ``max_wait_s`` count every worker's requests together). Past either bound it answers
+``PAUSE_REFUSED`` with the client's message, which the worker's forwarder turns into the same response a
+one-process router gives. A held request whose client goes away is withdrawn (``CANCEL``), so it stops
+counting against ``max_held`` at once, as it would in one process.
+
 A worker that dies leaves requests counted in flight; the parent keeps a ledger per channel and releases
 whatever a closed channel still held, so a crashed worker cannot inflate the load bound for good. A worker
 whose channel closes (the parent died) stops serving and exits: no orphan keeps the port.
@@ -31,6 +38,7 @@ from typing import Any
 
 import orjson
 
+from router.pause_gate import PauseRefused
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.routing import LocalRouting
 
@@ -38,13 +46,19 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IB")
 # kinds: worker -> parent
-HELLO, READY, DISPATCH, RELEASE, FAILED, SUCCEEDED, STATS = 1, 2, 3, 4, 5, 6, 7
+HELLO, READY, DISPATCH, RELEASE, FAILED, SUCCEEDED, STATS, CANCEL = 1, 2, 3, 4, 5, 6, 7, 10
 # kinds: parent -> worker
 CHOSEN, STATS_ASK = 8, 9
+# DISPATCH flags
+HOLD = 1  # a generation request: held while the fleet is paused
+# CHOSEN outcomes
+NO_BACKEND, OK, PAUSE_REFUSED, WITHDRAWN = 0, 1, 2, 3
 
 _HELLO = struct.Struct("<II")  # worker index, pid
-_DISPATCH = struct.Struct("<IqHHi")  # id, body size, n excluded, key bytes, n hashes (-1: none)
-_CHOSEN = struct.Struct("<IB")  # request id, 1 ok (URL follows) / 0 no backend (reason follows)
+# id, body size, n excluded, key bytes, n hashes (-1: none), flags
+_DISPATCH = struct.Struct("<IqHHiB")
+# request id, outcome: OK (the URL follows), NO_BACKEND / PAUSE_REFUSED (the reason follows), WITHDRAWN
+_CHOSEN = struct.Struct("<IB")
 _RELEASE = struct.Struct("<q")  # body size; the URL follows
 _FAILED = struct.Struct("<HHi")  # URL bytes, kind bytes (empty: only forget the affinity), n hashes
 _U16 = struct.Struct("<H")
@@ -134,11 +148,13 @@ class WorkerChannel(_Framed):
         self.ledger: dict[str, list[int]] = {}
         self._stats: dict[int, asyncio.Future[bytes]] = {}
         self._next = 0
+        # request id -> the task holding that request at the pause gate
+        self._held: dict[int, asyncio.Task[None]] = {}
 
     def on_frame(self, kind: int, payload: bytes) -> None:
         routing = self.service.routing
         if kind == DISPATCH:
-            rid, size, n_excl, n_key, n_hashes = _DISPATCH.unpack_from(payload)
+            rid, size, n_excl, n_key, n_hashes, flags = _DISPATCH.unpack_from(payload)
             pos = _DISPATCH.size
             excluded = []
             for _ in range(n_excl):
@@ -151,18 +167,18 @@ class WorkerChannel(_Framed):
             header = self.service.session_header
             headers = {header: key} if key is not None and header is not None else {}
             request = RouteRequest("", b"", headers, hashes, size)
-            try:
-                url = routing.dispatch_now(request, frozenset(excluded))
-            except NoBackendAvailable as exc:
-                self.send(frame(CHOSEN, _CHOSEN.pack(rid, 0) + str(exc).encode()))
+            if flags & HOLD and routing.gate.paused:  # the one check when not paused
+                task = asyncio.get_running_loop().create_task(self._hold(rid, request, frozenset(excluded)))
+                self._held[rid] = task
+                task.add_done_callback(lambda _t, rid=rid: self._held.pop(rid, None))
                 return
-            held = self.ledger.get(url)
-            if held is None:
-                self.ledger[url] = [1, size]
-            else:
-                held[0] += 1
-                held[1] += size
-            self.send(frame(CHOSEN, _CHOSEN.pack(rid, 1) + url.encode()))
+            self._decide(rid, request, frozenset(excluded))
+        elif kind == CANCEL:
+            (rid,) = _U32.unpack_from(payload)
+            task = self._held.pop(rid, None)
+            if task is not None:  # else answered already: the worker gives that answer back
+                task.cancel()
+                self.send(frame(CHOSEN, _CHOSEN.pack(rid, WITHDRAWN)))
         elif kind == RELEASE:
             (size,) = _RELEASE.unpack_from(payload)
             url = payload[_RELEASE.size :].decode()
@@ -201,6 +217,36 @@ class WorkerChannel(_Framed):
             if self.transport is not None:
                 self.transport.close()
 
+    def _decide(self, rid: int, request: RouteRequest, exclude: frozenset[str]) -> None:
+        try:
+            url = self.service.routing.dispatch_now(request, exclude)
+        except NoBackendAvailable as exc:
+            self.send(frame(CHOSEN, _CHOSEN.pack(rid, NO_BACKEND) + str(exc).encode()))
+            return
+        held = self.ledger.get(url)
+        if held is None:
+            self.ledger[url] = [1, request.size]
+        else:
+            held[0] += 1
+            held[1] += request.size
+        self.send(frame(CHOSEN, _CHOSEN.pack(rid, OK) + url.encode()))
+
+    async def _hold(self, rid: int, request: RouteRequest, exclude: frozenset[str]) -> None:
+        """Answer once the fleet resumes (in arrival order across all workers), or refuse past the gate's
+        bounds; cancelled by the worker's CANCEL or when its channel closes."""
+        try:
+            await self.service.routing.gate.pass_through()
+        except PauseRefused as exc:
+            self.send(frame(CHOSEN, _CHOSEN.pack(rid, PAUSE_REFUSED) + str(exc).encode()))
+            return
+        self._decide(rid, request, exclude)
+
+    def cancel_held(self) -> None:
+        """Stop holding this worker's requests (its channel closed, or the router stops)."""
+        for task in list(self._held.values()):
+            task.cancel()
+        self._held.clear()
+
     async def ask_stats(self, timeout_s: float) -> bytes | None:
         """The worker's own metric samples (``router.metrics.per_request_snapshot``), or None."""
         self._next += 1
@@ -215,6 +261,7 @@ class WorkerChannel(_Framed):
             self._stats.pop(self._next, None)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.cancel_held()
         routing = self.service.routing
         for url, (count, size) in self.ledger.items():
             routing.release(url, size)
@@ -254,6 +301,11 @@ class DecisionService:
     def ready_channels(self) -> list[WorkerChannel]:
         return sorted((c for c in self.channels if c.ready), key=lambda c: c.index)
 
+    def close(self) -> None:
+        """Stop holding requests at the pause gate: the router is stopping."""
+        for channel in list(self.channels):
+            channel.cancel_held()
+
 
 # -- the worker's side -------------------------------------------------------------------------------------
 class RemoteRouting(_Framed):
@@ -274,7 +326,7 @@ class RemoteRouting(_Framed):
     def ready(self) -> None:
         self.send(frame(READY))
 
-    async def dispatch(self, request: RouteRequest, exclude: frozenset[str]) -> str:
+    async def dispatch(self, request: RouteRequest, exclude: frozenset[str], hold: bool = False) -> str:
         if self.closed:
             raise NoBackendAvailable("the router's routing state is gone (parent process stopped)")
         self._next = rid = (self._next + 1) & 0xFFFFFFFF
@@ -284,12 +336,21 @@ class RemoteRouting(_Framed):
             value = request.headers.get(self._session_header)
             key = value.encode() if value else b""
         n_hashes, hashes = _pack_hashes(request.features)
-        head = _DISPATCH.pack(rid, request.size, len(exclude), len(key), n_hashes)
+        head = _DISPATCH.pack(rid, request.size, len(exclude), len(key), n_hashes, HOLD if hold else 0)
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending[rid] = (future, request)
         self.send(frame(DISPATCH, head + excluded + key + hashes))
-        return await future
-        # A cancelled wait leaves the entry: its answer is then released at once (see on_frame).
+        if not hold:
+            return await future
+            # A cancelled wait leaves the entry: its answer is then released at once (see on_frame).
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The client went away, perhaps while held at the pause gate: withdraw it there (the parent
+            # answers WITHDRAWN, or has answered already and that answer is given back in on_frame).
+            if rid in self._pending:
+                self.send(frame(CANCEL, _U32.pack(rid)))
+            raise
 
     def release(self, url: str, weight: int) -> None:
         # Written at once, not at the end of the loop turn: the forwarder releases before the client
@@ -320,12 +381,14 @@ class RemoteRouting(_Framed):
             if future.cancelled():
                 # The client went away while the parent decided: the slot it counted is given back and
                 # the affinity it recorded is forgotten (nothing was sent to that backend).
-                if ok:
+                if ok == OK:
                     self.release(text, request.size)
                     self._send_failed(request, text, "")
                 return
-            if ok:
+            if ok == OK:
                 future.set_result(text)
+            elif ok == PAUSE_REFUSED:
+                future.set_exception(PauseRefused(text))
             else:
                 future.set_exception(NoBackendAvailable(text))
         elif kind == STATS_ASK:

@@ -24,6 +24,9 @@ Rules, each preventing a failure seen with real clients and peers:
   request is never retried elsewhere.
 * The policy is told which backend each attempt went to (``Policy.commit``) and which one failed
   (``Policy.retract``), so affinity follows the backend that served, never one that failed.
+* A generation request that arrives while the fleet is paused for a weight update is held by the
+  routing state's ``PauseGate`` before its backend is chosen (``RoutingState.dispatch`` with ``hold``),
+  and answered the no-healthy-backend status past the gate's bounds; other routes are never held.
 * A stream that breaks after its first byte ends with an SSE ``error`` event, not a silent cut that a
   client would take for a complete answer.
 """
@@ -41,7 +44,7 @@ from multidict import CIMultiDict
 
 from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.metrics import RouterMetrics
-from router.pause_gate import PauseGate
+from router.pause_gate import PauseRefused
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.routing import RoutingState
 from router.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
@@ -152,12 +155,10 @@ class Forwarder:
         policy: Policy,
         metrics: RouterMetrics,
         config: ForwardingConfig,
-        gate: PauseGate | None = None,
     ) -> None:
         """``routing``: where decisions and counts live (this process, or the router's parent process for
         a worker); ``policy``: used here only to ``prepare`` a request's features (the hashing is the
         expensive part and stays in the process that parsed the request)."""
-        self.gate = gate if gate is not None else PauseGate()
         self.routing = routing
         self.policy = policy
         self.metrics = metrics
@@ -213,20 +214,6 @@ class Forwarder:
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request, self.max_request_bytes) if request.body_exists else b""
-        if self.gate.paused and request.path in HELD_DURING_PAUSE:  # the one check when not paused
-            if not await self.gate.hold():
-                self.metrics.errors.labels("pause_bound").inc()
-                status = self.config.no_healthy_backend_status
-                g = self.gate
-                return json_response(
-                    status,
-                    error_body(
-                        f"fleet paused for a weight update; request not held (at most {g.max_held} held, "
-                        f"each at most {g.max_wait_s:g} s)",
-                        "no_healthy_backend",
-                        status,
-                    ),
-                )
         route_request = RouteRequest(request.path, body, request.headers)
         if len(body) > LARGE_BODY_BYTES:
             route_request = await asyncio.get_running_loop().run_in_executor(
@@ -241,11 +228,17 @@ class Forwarder:
         path_qs = request.rel_url.raw_path_qs
 
         routing = self.routing
+        # Held by the routing state while the fleet is paused (first attempt only: a retry was admitted).
+        hold = request.path in HELD_DURING_PAUSE
         tried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(self.config.max_attempts):
             try:
-                url = await routing.dispatch(route_request, frozenset(tried))
+                url = await routing.dispatch(route_request, frozenset(tried), hold)
+            except PauseRefused as exc:
+                self.metrics.errors.labels("pause_bound").inc()
+                status = self.config.no_healthy_backend_status
+                return json_response(status, error_body(str(exc), "no_healthy_backend", status))
             except NoBackendAvailable as exc:
                 if last is not None:
                     break  # nowhere else to retry: report the backend failure, not an empty fleet
@@ -254,6 +247,7 @@ class Forwarder:
                 return json_response(
                     status, error_body(f"no healthy backend: {exc}", "no_healthy_backend", status)
                 )
+            hold = False
             if attempt:
                 self.metrics.retries.inc()
             tried.add(url)

@@ -2,7 +2,10 @@
 
 A request asks the state three things: *where to* (``dispatch``: the policy chooses, learns the choice and
 counts the request in flight, in one step so that no other request can decide between the choice and the
-count), *done* (``release``) and *how it went* (``succeeded`` / ``failed``). ``LocalRouting`` answers in
+count), *done* (``release``) and *how it went* (``succeeded`` / ``failed``). A generation request asks
+*where to* with ``hold``: while the fleet is paused for a weight update the state holds it at its
+``PauseGate`` before choosing, so the one gate bounds every request of the router, whichever process
+parsed it, and no request is routed to an engine between the pause and the resume. ``LocalRouting`` answers in
 this process; ``router.decisions.RemoteRouting`` answers from the router's parent process, so that every
 worker process routes with the same prefix index, in-flight and byte counts and serving set: affinity and
 the load bound are then exactly those of one process.
@@ -14,6 +17,7 @@ from typing import Protocol
 
 from router.backends import BackendSet
 from router.metrics import RouterMetrics
+from router.pause_gate import PauseGate
 from router.policies.base import Policy, RouteRequest
 
 # Failures of the backend's transport (not of one answer): with ``health_managed`` they take the backend
@@ -23,9 +27,10 @@ TRANSPORT_FAILURES = frozenset({"connect", "reset", "timeout", "headers_too_larg
 
 
 class RoutingState(Protocol):
-    async def dispatch(self, request: RouteRequest, exclude: frozenset[str]) -> str:
+    async def dispatch(self, request: RouteRequest, exclude: frozenset[str], hold: bool = False) -> str:
         """Choose a backend, record the choice (``Policy.commit``) and count the request in flight with
-        ``request.size`` bytes; raises ``NoBackendAvailable``."""
+        ``request.size`` bytes; raises ``NoBackendAvailable``. ``hold``: wait first while the fleet is
+        paused; raises ``PauseRefused`` past the gate's bounds."""
         ...
 
     def release(self, url: str, weight: int) -> None:
@@ -44,8 +49,14 @@ class LocalRouting:
     """The state in this process: the policy, the serving set and the load counts, all on one loop."""
 
     def __init__(
-        self, backends: BackendSet, policy: Policy, metrics: RouterMetrics, health_managed: bool
+        self,
+        backends: BackendSet,
+        policy: Policy,
+        metrics: RouterMetrics,
+        health_managed: bool,
+        gate: PauseGate | None = None,
     ) -> None:
+        self.gate = gate if gate is not None else PauseGate()
         self.backends = backends
         self.policy = policy
         self.metrics = metrics
@@ -58,7 +69,9 @@ class LocalRouting:
         self.backends.load.acquire(url, request.size)
         return url
 
-    async def dispatch(self, request: RouteRequest, exclude: frozenset[str]) -> str:
+    async def dispatch(self, request: RouteRequest, exclude: frozenset[str], hold: bool = False) -> str:
+        if hold and self.gate.paused:  # the one check when not paused
+            await self.gate.pass_through()
         return self.dispatch_now(request, exclude)
 
     def release(self, url: str, weight: int) -> None:

@@ -136,7 +136,10 @@ class GenerationRouter:
 
             self.workers = WorkerFleet(config)
         self.metrics = RouterMetrics(self.backends, self.policy.name, self.gate, workers=self.workers)
-        self.routing = LocalRouting(self.backends, self.policy, self.metrics, config.health_managed)
+        # The one gate of the router lives in its routing state, which holds requests from every worker.
+        self.routing = LocalRouting(
+            self.backends, self.policy, self.metrics, config.health_managed, self.gate
+        )
         if self.workers is not None:
             self.workers.attach(self.routing)
         self.forwarder = Forwarder(
@@ -153,7 +156,6 @@ class GenerationRouter:
                 backend_api_key=config.secret("backend_api_key"),
                 max_request_bytes=config.max_request_bytes,
             ),
-            self.gate,
         )
         self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
         self._api_key = config.secret("api_key")

@@ -22,6 +22,10 @@ Choices, each against a failure:
 * Any other route (the admin API, ``/metrics``, ``/health``, a 404) is relayed to the parent's application
   on a private Unix socket, so every admin operation (today's ``/workers``, and any added later) acts on the
   one routing state, and authentication is checked by both.
+* The fleet pause holds requests in the parent (``router.decisions``: a generation request's decision
+  waits at the routing state's one ``PauseGate``), and ``/fleet/*`` reaches the parent through the relay
+  below like every admin route, so a pause closes every worker's door at once and the gate's bounds and
+  numbers are the router's, not a worker's.
 * A worker that exits is replaced within ``SUPERVISE_S``; what it held in flight is released by the parent
   when its channel closes. A worker whose channel closes (the parent died) exits: no orphan serves the port.
 """
@@ -195,6 +199,8 @@ class WorkerFleet:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._service is not None:
+            self._service.close()  # requests still held at the pause gate: their workers are gone
         if self._server is not None:
             self._server.close()
         if self._dir is not None:

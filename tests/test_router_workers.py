@@ -10,17 +10,22 @@ they never do), never sleep for a fixed time.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
 
+from launcher.engines.sim.config import SimConfig
+from launcher.engines.sim.server import SimServer
 from router import GenerationRouter, RouterConfig
+from router.limits import HttpLimits
 from tests.http_backends import FakeEngine, dead_url, engine_factory
 
 CHAT = "/v1/chat/completions"
@@ -289,3 +294,210 @@ def test_workers_that_do_not_start_leave_nothing_behind(monkeypatch) -> None:
     procs = [p for p in fleet._procs if p is not None]
     assert len(procs) == 2 and all(p.poll() is not None for p in procs)
     assert fleet._dir is not None and not os.path.exists(fleet._dir)
+
+
+# -- the refit window with workers: one pause gate, held in the parent ----------------------------------
+TOKEN = "admin-key"
+
+
+@pytest.fixture
+async def sims() -> AsyncIterator[Callable[..., Awaitable[list[SimServer]]]]:
+    """Simulated engines with vLLM's RL routes (/pause, /resume, ...), as in tests/test_refit.py."""
+    made: list[SimServer] = []
+
+    async def make(n: int) -> list[SimServer]:
+        out = []
+        for i in range(n):
+            sim = SimServer(SimConfig(speed=20.0), index=i)
+            await sim.start()
+            out.append(sim)
+        made.extend(out)
+        return out
+
+    yield make
+    for sim in made:
+        await sim.stop()
+
+
+def sim_chat(content: str) -> dict[str, Any]:
+    return {"model": "sim", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+async def admin(base: str, method: str, path: str, token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:
+    """One admin call on a connection of its own (so any worker may relay it)."""
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        async with s.request(method, base + path, headers=headers) as r:
+            raw = await r.read()
+            return r.status, (orjson.loads(raw) if raw[:1] == b"{" else {"raw": raw})
+
+
+async def metrics_text(base: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
+async def until_held(base: str, n: int, within_s: float = 15.0) -> None:
+    """Wait (bounded) until the router's one gate holds exactly ``n`` requests."""
+    deadline = time.monotonic() + within_s
+    while (held := (await metrics(base))["rl_router_held_requests"]) != n:
+        assert time.monotonic() < deadline, f"the router holds {held} requests, expected {n}"
+        await asyncio.sleep(0.02)
+
+
+async def test_pause_holds_requests_at_every_worker_and_resume_releases_them(sims, routers) -> None:
+    engines = await sims(2)
+    r = routers([e.url + "/v1" for e in engines], admin_token=TOKEN, policy="round_robin")
+    base = r.base_url()
+    start = per_worker(await metrics(base))
+    cycles = sent = 0
+    # Which worker accepts a fresh connection is the kernel's choice: bounded pause cycles until requests
+    # held by the parent's gate were accepted by both workers.
+    for cycle in range(5):
+        cycles += 1
+        status, rep = await admin(base, "POST", "/fleet/pause?mode=keep")
+        assert status == 200 and rep["ok"], rep
+        assert r.gate.paused and all(e.scheduler.gen_paused for e in engines)
+        tasks = [asyncio.create_task(post(base + CHAT, sim_chat(f"c{cycle} r{i}"))) for i in range(8)]
+        await until_held(base, 8)  # every one counted by the parent's one gate, none reached an engine
+        assert not any(t.done() for t in tasks)
+        status, rep = await admin(base, "POST", "/fleet/resume")
+        assert status == 200 and rep["result"]["released"] == 8, rep
+        for st, body in await asyncio.gather(*tasks):
+            assert st == 200 and body["usage"]["completion_tokens"] == 4, body
+        sent += 8
+        now = per_worker(await metrics(base))
+        if len(now) == 2 and all(now[k] > start.get(k, 0) for k in now):
+            break
+    else:
+        pytest.fail(f"after {sent} held requests on fresh connections one worker had still accepted none")
+    text = await metrics_text(base)
+    # The gate's numbers are the router's: reported once (by the parent), not once per worker.
+    for name in ("rl_router_held_requests ", "rl_router_held_total ", "rl_router_fleet_paused "):
+        assert sum(line.startswith(name) for line in text.splitlines()) == 1, name
+    m = await metrics(base)
+    assert (m["rl_router_held_total"], m["rl_router_pauses_total"]) == (sent, cycles)
+    assert (m["rl_router_held_refused_total"], m["rl_router_fleet_paused"]) == (0, 0)
+    assert sum(r.in_flight().values()) == 0
+
+
+async def test_pause_bounds_refuse_once_for_the_whole_router(sims, routers) -> None:
+    (engine,) = await sims(1)
+    r = routers([engine.url + "/v1"], admin_token=TOKEN, pause_max_held=2, pause_max_wait_s=1.5)
+    base = r.base_url()
+    assert (await admin(base, "POST", "/fleet/pause?mode=keep"))[0] == 200
+    held = [asyncio.create_task(post(base + CHAT, sim_chat(f"held {i}"))) for i in range(2)]
+    await until_held(base, 2)
+    # Over the count bound, whichever worker accepts them: the bound is the router's (2), not 2 per worker.
+    for st, body in await asyncio.gather(*(post(base + CHAT, sim_chat(f"over {i}")) for i in range(4))):
+        assert st == 409 and body["error"]["type"] == "no_healthy_backend", body
+        assert "at most 2 held, each at most 1.5 s" in body["error"]["message"]
+    for st, body in await asyncio.gather(*held):  # over the time bound
+        assert st == 409 and body["error"]["type"] == "no_healthy_backend", body
+    m = await metrics(base)
+    assert m["rl_router_held_refused_total"] == 6  # counted once, by the one gate
+    assert m['rl_router_errors_total{kind="pause_bound"}'] == 6  # each worker counted its own answers
+    assert m["rl_router_held_total"] == 2
+    assert m['rl_router_requests_total{route="/v1/chat/completions",status="409"}'] == 6
+    status, rep = await admin(base, "POST", "/fleet/resume")
+    assert status == 200 and rep["result"]["released"] == 0
+    assert (await post(base + CHAT, sim_chat("after")))[0] == 200
+    assert engine.stats.e2e.count == 1  # only the request after resume reached the engine
+
+
+async def test_a_held_request_whose_client_leaves_is_withdrawn(sims, routers) -> None:
+    (engine,) = await sims(1)
+    r = routers([engine.url + "/v1"], admin_token=TOKEN)
+    base = r.base_url()
+    assert (await admin(base, "POST", "/fleet/pause?mode=keep"))[0] == 200
+    task = asyncio.create_task(post(base + CHAT, sim_chat("leaves")))
+    await until_held(base, 1)
+    task.cancel()  # the client closes its connection while held
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until_held(base, 0)  # no longer counted against max_held, as in one process
+    status, rep = await admin(base, "POST", "/fleet/resume")
+    assert status == 200 and rep["result"]["released"] == 0
+    deadline = time.monotonic() + 10
+    gone = 'rl_router_requests_total{route="/v1/chat/completions",status="499"}'
+    while (await metrics(base)).get(gone) != 1:
+        assert time.monotonic() < deadline, "the withdrawn request was not counted as the client's 499"
+        await asyncio.sleep(0.05)
+    assert sum(r.in_flight().values()) == 0  # it was never routed: nothing counted in flight
+    assert (await post(base + CHAT, sim_chat("after")))[0] == 200
+    assert engine.stats.e2e.count == 1  # the withdrawn request never reached the engine
+
+
+async def test_fleet_routes_through_a_worker_need_the_admin_token(sims, routers) -> None:
+    (engine,) = await sims(1)
+    r = routers([engine.url + "/v1"], api_key="client-key", admin_token=TOKEN)
+    base = r.base_url()
+    for _ in range(4):  # fresh connections: whichever worker relays, the token is required
+        for token in (None, "client-key", "wrong-key"):
+            status, _ = await admin(base, "POST", "/fleet/pause?mode=keep", token)
+            assert status == 401
+            assert (await admin(base, "GET", "/fleet/stale", token))[0] == 401
+    assert not r.gate.paused and not engine.scheduler.gen_paused
+    status, rep = await admin(base, "POST", "/fleet/pause?mode=keep")
+    assert status == 200 and rep["ok"], rep
+    assert r.gate.paused and engine.scheduler.gen_paused  # the parent's gate, and the engine behind it
+    status, rep = await admin(base, "GET", "/fleet/is_paused")
+    assert status == 200 and rep["result"]["router_paused"] and rep["result"]["paused"], rep
+    status, rep = await admin(base, "POST", "/fleet/resume")
+    assert status == 200 and rep["ok"] and not r.gate.paused and not engine.scheduler.gen_paused
+
+
+# -- HTTP limits in the workers: main's code, the single process's answers --------------------------------
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_http_limits_hold_in_every_worker_as_in_one_process(engines, routers, workers: int) -> None:
+    (e,) = await engines(1)
+    limits = HttpLimits(head_timeout_s=0.4, keepalive_timeout_s=1.5)
+    r = routers([e.api_url], workers=workers, max_request_bytes=1024, http=limits)
+    base = r.base_url()
+    # A head begun and never finished: closed at the head deadline, on every connection.
+    conns = []
+    for _ in range(6):
+        reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        conns.append((reader, writer))
+    t0 = time.monotonic()
+    for reader, _ in conns:
+        assert await asyncio.wait_for(reader.read(65536), 5) == b""
+    assert time.monotonic() - t0 < 3
+    for _, writer in conns:
+        writer.close()
+    # A body over max_request_bytes: 413.
+    assert (await post(base + CHAT, b"x" * 4096))[0] == 413
+    # Expect: 100-continue answered by the router, the body then forwarded without it.
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    body = b'{"messages": []}'
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 100 Continue")
+    writer.write(body)
+    assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+    writer.close()
+    assert "Expect" not in e.requests[-1][2]
+    # A gzip body forwarded as sent, never inflated in the router.
+    bomb = gzip.compress(b"0" * 100_000)
+    status, _ = await post(base + CHAT, bomb, headers={"Content-Encoding": "gzip"})
+    assert status == 200
+    forwarded = e.requests[-1][2]
+    assert forwarded["Content-Encoding"] == "gzip" and forwarded["Content-Length"] == str(len(bomb))
+    # An idle kept-alive connection is closed after the keep-alive timeout.
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(reader.read(65536), 5) == b""
+    assert 1.0 < time.monotonic() - t0 < 4
+    writer.close()
+    m = await metrics(base)
+    assert m['rl_router_errors_total{kind="head_timeout"}'] == 6
+    assert m['rl_router_requests_total{route="/v1/chat/completions",status="413"}'] == 1
