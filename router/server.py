@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -329,7 +330,10 @@ class GenerationRouter:
         self._stopped = True
         loop, thread = self._loop, self._thread
         if loop is not None and thread is not None and thread.is_alive():
-            loop.call_soon_threadsafe(loop.stop)
+            # After a failed start the thread closes its loop on its own, and may be between that and
+            # its return: there is then nothing to stop, only a thread to join.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout_s)
         self._socket.close()
 
