@@ -363,7 +363,11 @@ class RemoteRouting(_Framed):
         self.send(frame(SUCCEEDED, url.encode()))
 
     def failed(self, request: RouteRequest, url: str, kind: str) -> None:
+        # Written at once, like a release: a broken answer is cut right after this call, and the failure
+        # must be on its way to the routing state (health counts, ejection, forgotten affinity) before the
+        # client can see the cut and retry through another worker.
         self._send_failed(request, url, kind)
+        self._flush()
 
     def _send_failed(self, request: RouteRequest, url: str, kind: str) -> None:
         u, k = url.encode(), kind.encode()
