@@ -105,3 +105,11 @@ def test_a_job_sets_the_router_worker_processes(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as err:
         load_resolved(path)
     assert str(err.value) == f"{path}:6: router.workers: must be >= 1 (got 0)"
+
+
+def test_router_workers_belong_to_the_builtin_router_only(tmp_path: Path) -> None:
+    path = _spec(tmp_path, "kind: ray-serve\nworkers: 2\n")
+    with pytest.raises(SpecError, match=r"router\.workers: only for router\.kind: builtin") as err:
+        load_resolved(path)
+    assert "\n" not in str(err.value)
+    assert load_resolved(_spec(tmp_path, "kind: ray-serve\n")).router.workers == 1
