@@ -2,13 +2,15 @@
 
 A request asks the state three things: *where to* (``dispatch``: the policy chooses, learns the choice and
 counts the request in flight, in one step so that no other request can decide between the choice and the
-count), *done* (``release``) and *how it went* (``succeeded`` / ``failed``). A generation request asks
-*where to* with ``hold``: while the fleet is paused for a weight update the state holds it at its
-``PauseGate`` before choosing, so the one gate bounds every request of the router, whichever process
-parsed it, and no request is routed to an engine between the pause and the resume. ``LocalRouting`` answers in
+count), *done* (``release``) and *how it went* (``succeeded`` / ``failed``). ``LocalRouting`` answers in
 this process; ``router.decisions.RemoteRouting`` answers from the router's parent process, so that every
 worker process routes with the same prefix index, in-flight and byte counts and serving set: affinity and
 the load bound are then exactly those of one process.
+
+A generation request asks *where to* with ``hold``: while the fleet is paused for a weight update the
+state holds it at its ``PauseGate`` before choosing, so the one gate bounds every request of the router,
+whichever process parsed it, and no generation request is routed to an engine between the pause and the
+resume.
 """
 
 from __future__ import annotations
