@@ -40,6 +40,7 @@ def main() -> None:
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/v1/chat/completions", proxy)
+    app.router.add_post("/v1/completions", proxy)  # the Gym-shaped mode's streamed share
     app.router.add_get("/health", health)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
 

@@ -5,6 +5,9 @@ when Ray restarts a dead actor it rebinds the very same host:port: the URL Gym w
 The arguments are one ``RouterConfig`` (pickled by Ray, secrets included: they travel inside Ray's object
 store, never in argv or a log) and the initial backend URLs. The port must be chosen once by the caller
 (``reserve_port``), never left to ``port=0``: a restarted actor would then come back elsewhere.
+With ``config.workers > 1`` the actor is the parent of the worker processes (router.workers): they
+inherit its socket, and when the actor dies they lose their channel to it and exit, so the restarted
+actor can bind the port again (within ``ACTOR_MIN_BIND_RETRY_S``).
 The serving set is not persisted: the fleet controller pushes the whole set every tick, so a restarted
 router converges on the next tick.
 """
@@ -63,6 +66,10 @@ class GenerationRouterActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def worker_pids(self) -> list[int]:
+        """The router's worker processes (``RouterConfig.workers > 1``); they exit when this actor dies."""
+        return self._router.worker_pids()
 
     def stop(self) -> None:
         self._router.stop()

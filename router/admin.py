@@ -82,6 +82,7 @@ class AdminApi:
         return _json(200 if n else 503, {"ready": n > 0, "serving_backends": n})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        await self.metrics.refresh()
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def list_workers(self, request: web.Request) -> web.Response:

@@ -15,7 +15,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from router.config import SECRET_FIELDS, RouterConfig, describe_errors
+from router.config import SECRET_FIELDS, RouterConfig, default_worker_count, describe_errors
 from router.policies import POLICIES
 from router.secrets import SecretSourceError, resolve_secret
 
@@ -87,6 +87,14 @@ def _secret_options(fn: Any) -> Any:
 @_setting("probe_successes_to_readmit", int, "Consecutive successful probes that re-admit a backend.")
 @_setting("worker_health_timeout_s", float, "How long POST /workers waits for the worker's GET /health.")
 @_setting("max_request_bytes", int, "Largest request body accepted (413 above).")
+@click.option(
+    "--workers",
+    type=int,
+    default=default_worker_count(),
+    show_default="the cores this process may use, at most 8",
+    help="Worker processes sharing the port (parsing, hashing, relaying) with one routing state; "
+    "1 serves everything in one process.",
+)
 @click.option("--session-header", default=None, help="consistent_hash: header carrying the session key.")
 @click.option(
     "--insecure-admin",
@@ -175,9 +183,13 @@ def _serve(config: RouterConfig, backends: tuple[str, ...]) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    router.serve_in_background()
+    try:
+        router.serve_in_background()
+    except RuntimeError as exc:  # e.g. worker processes that could not start; nothing is left running
+        raise click.ClickException(str(exc)) from None
     probing = f"probing /health every {config.probe_interval_s:g} s" if config.probing else "no probing"
-    what = f"policy {config.policy}, {len(backends)} backend(s), {probing}"
+    workers = f"{config.workers} worker processes" if config.workers > 1 else "one process"
+    what = f"policy {config.policy}, {len(backends)} backend(s), {probing}, {workers}"
     click.echo(f"router serving {router.base_url()}/v1 ({what})", err=True)
     try:
         while not stop.wait(0.5):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import ipaddress
+import os
 import typing
 from typing import Any
 
@@ -46,6 +47,20 @@ from router.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, validate_no_healthy
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 SECRET_FIELDS = ("api_key", "admin_token", "backend_api_key")
+# Worker processes beyond this cost more in the shared decision service than they add in parsing and
+# relaying: every decision crosses one process (see router/decisions.py).
+MAX_WORKERS = 64
+DEFAULT_WORKERS_CAP = 8
+
+
+def default_worker_count() -> int:
+    """The cores this process may run on (its CPU affinity, which Slurm and taskset narrow; not the
+    machine's count), capped at ``DEFAULT_WORKERS_CAP``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, DEFAULT_WORKERS_CAP))
 
 
 def is_loopback_host(host: str) -> bool:
@@ -125,6 +140,13 @@ class RouterSettings(BaseModel):
         default=300.0, gt=0, description="total time one backend attempt may take before it counts as failed"
     )
     connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP connect timeout toward a backend")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_WORKERS,
+        description="HTTP worker processes sharing the port, with one routing state in the router process "
+        "(1: everything in one process; `rl-launch router` defaults to the cores it may use, at most 8)",
+    )
     max_attempts: int = Field(default=2, ge=1, description="attempts per request on distinct backends")
     retry_on_timeout: bool = Field(default=True, description="retry an attempt that timed out elsewhere")
     no_healthy_backend_status: int = Field(

@@ -24,6 +24,9 @@ Rules, each preventing a failure seen with real clients and peers:
   request is never retried elsewhere.
 * The policy is told which backend each attempt went to (``Policy.commit``) and which one failed
   (``Policy.retract``), so affinity follows the backend that served, never one that failed.
+* A generation request that arrives while the fleet is paused for a weight update is held by the
+  routing state's ``PauseGate`` before its backend is chosen (``RoutingState.dispatch`` with ``hold``),
+  and answered the no-healthy-backend status past the gate's bounds; other routes are never held.
 * A stream that breaks after its first byte ends with an SSE ``error`` event, not a silent cut that a
   client would take for a complete answer.
 """
@@ -39,11 +42,11 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.backends import BackendSet
 from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.metrics import RouterMetrics
-from router.pause_gate import PauseGate
+from router.pause_gate import PauseRefused
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
+from router.routing import RoutingState
 from router.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
@@ -71,10 +74,6 @@ SMALL_RESPONSE_BYTES = 256 * 1024
 # Bodies above this size are digested by the policy in a worker thread, off the event loop.
 LARGE_BODY_BYTES = 256 * 1024
 JSON = "application/json"
-# Failures of the backend's transport (not of one answer): with ``health_managed`` they take the backend
-# out of rotation at once. A 5xx is not among them: one poisoned request answered 500 by every engine
-# would otherwise eject the whole fleet; it is reported to the health controller as a failure instead.
-_TRANSPORT_FAILURES = frozenset({"connect", "reset", "timeout", "headers_too_large", "stream_broken"})
 # Held while the fleet is paused (generation); /tokenize and /v1/models do not reach the engine core.
 HELD_DURING_PAUSE = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
@@ -88,6 +87,7 @@ class ForwardingConfig:
     retry_on_timeout: bool = True
     health_managed: bool = False
     backend_api_key: str | None = None
+    max_request_bytes: int = 64 * 1024 * 1024
 
 
 def filter_raw_headers(
@@ -102,8 +102,48 @@ def filter_raw_headers(
     return [(n, v) for n, v in raw if (low := n.lower()) not in drop and low not in extra]
 
 
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, copied at most once (not at all when it arrived in one chunk): aiohttp's
+    ``Request.read`` copies every body twice (into a bytearray, then into bytes), which for Gym's
+    ~40 KB conversations is two needless copies per request. Same limit and 413 as ``read``."""
+    payload = request.content
+    if limit and hasattr(payload, "set_read_chunk_size"):
+        payload.set_read_chunk_size(limit)
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await payload.readany():
+        size += len(chunk)
+        if limit and size > limit:
+            raise web.HTTPRequestEntityTooLarge(limit, size)
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 def json_response(status: int, body: bytes) -> web.Response:
     return web.Response(status=status, body=body, content_type=JSON)
+
+
+class _Slot:
+    """One attempt's in-flight count, released once: as soon as the backend has answered in full and
+    before the end of the answer reaches the client, or when the attempt ends otherwise.
+
+    Why before the client: a Gym session sends its next turn the moment it has this answer. With
+    worker processes that turn may be parsed by another worker, whose decision could reach the routing
+    state before this worker's release, and would then see the session's engine one request (and one
+    whole context of bytes) busier than it is: measured on the replay bench, that moved enough turns
+    off their engine to cost 1-2.5 points of prefix-cache hits."""
+
+    __slots__ = ("_routing", "_url", "_weight")
+
+    def __init__(self, routing: RoutingState, url: str, weight: int) -> None:
+        self._routing: RoutingState | None = routing
+        self._url = url
+        self._weight = weight
+
+    def release(self) -> None:
+        routing, self._routing = self._routing, None
+        if routing is not None:
+            routing.release(self._url, self._weight)
 
 
 class Forwarder:
@@ -111,17 +151,19 @@ class Forwarder:
 
     def __init__(
         self,
-        backends: BackendSet,
+        routing: RoutingState,
         policy: Policy,
         metrics: RouterMetrics,
         config: ForwardingConfig,
-        gate: PauseGate | None = None,
     ) -> None:
-        self.gate = gate if gate is not None else PauseGate()
-        self.backends = backends
+        """``routing``: where decisions and counts live (this process, or the router's parent process for
+        a worker); ``policy``: used here only to ``prepare`` a request's features (the hashing is the
+        expensive part and stays in the process that parsed the request)."""
+        self.routing = routing
         self.policy = policy
         self.metrics = metrics
         self.config = config
+        self.max_request_bytes = config.max_request_bytes
         # No cap on connections: a fleet of engines each serving hundreds of concurrent sessions would
         # otherwise queue inside the router (aiohttp's client pool defaults to 100 in all).
         self.pool = UpstreamPool(config.connect_timeout_s, config.backend_timeout_s)
@@ -171,22 +213,8 @@ class Forwarder:
             histogram.observe(time.perf_counter() - started)
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read() if request.body_exists else b""
-        if self.gate.paused and request.path in HELD_DURING_PAUSE:  # the one check when not paused
-            if not await self.gate.hold():
-                self.metrics.errors.labels("pause_bound").inc()
-                status = self.config.no_healthy_backend_status
-                g = self.gate
-                return json_response(
-                    status,
-                    error_body(
-                        f"fleet paused for a weight update; request not held (at most {g.max_held} held, "
-                        f"each at most {g.max_wait_s:g} s)",
-                        "no_healthy_backend",
-                        status,
-                    ),
-                )
-        route_request = RouteRequest(path=request.path, body=body, headers=request.headers)
+        body = await read_body(request, self.max_request_bytes) if request.body_exists else b""
+        route_request = RouteRequest(request.path, body, request.headers)
         if len(body) > LARGE_BODY_BYTES:
             route_request = await asyncio.get_running_loop().run_in_executor(
                 None, self.policy.prepare, route_request
@@ -199,11 +227,18 @@ class Forwarder:
             headers.append(self._auth)
         path_qs = request.rel_url.raw_path_qs
 
+        routing = self.routing
+        # Held by the routing state while the fleet is paused (first attempt only: a retry was admitted).
+        hold = request.path in HELD_DURING_PAUSE
         tried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(self.config.max_attempts):
             try:
-                url = self.policy.choose(route_request, self.backends.load, frozenset(tried))
+                url = await routing.dispatch(route_request, frozenset(tried), hold)
+            except PauseRefused as exc:
+                self.metrics.errors.labels("pause_bound").inc()
+                status = self.config.no_healthy_backend_status
+                return json_response(status, error_body(str(exc), "no_healthy_backend", status))
             except NoBackendAvailable as exc:
                 if last is not None:
                     break  # nowhere else to retry: report the backend failure, not an empty fleet
@@ -212,17 +247,15 @@ class Forwarder:
                 return json_response(
                     status, error_body(f"no healthy backend: {exc}", "no_healthy_backend", status)
                 )
-            self.metrics.decisions += 1
+            hold = False
             if attempt:
                 self.metrics.retries.inc()
             tried.add(url)
-            self.policy.commit(route_request, url)
             try:
                 return await self._attempt(request, route_request, url, path_qs, headers, body)
             except UpstreamError as failure:
                 last = failure
-                self.policy.retract(route_request, url)
-                self._on_failure(url, failure.kind)
+                self._on_failure(route_request, url, failure.kind)
                 if failure.kind == "timeout" and not self.config.retry_on_timeout:
                     break
         assert last is not None
@@ -231,13 +264,9 @@ class Forwarder:
             error_body(f"backend failed: {last}", f"backend_{last.kind}", BACKEND_FAILURE_STATUS),
         )
 
-    def _on_failure(self, url: str, kind: str) -> None:
+    def _on_failure(self, route_request: RouteRequest, url: str, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()
-        self.backends.record(url, ok=False)
-        if self.config.health_managed and kind in _TRANSPORT_FAILURES:
-            # The controller owns re-admission; taking the backend out now stops the next requests from
-            # landing on it before the controller's next tick.
-            self.backends.remove(url)
+        self.routing.failed(route_request, url, kind)
 
     async def _attempt(
         self,
@@ -253,22 +282,26 @@ class Forwarder:
         A cancellation (the client went away) aborts the upstream connection through ``release`` and
         frees the slot in the ``finally`` blocks; it is not an ``UpstreamError``, so nothing retries it.
         """
-        load = self.backends.load
-        # Weighted by the body's size: a multi-turn request resends its whole context, so the bytes in
-        # flight per backend approximate the KV each engine holds (cache_aware bounds on it).
-        weight = len(body)
-        load.acquire(url, weight)
+        # ``dispatch`` counted the request in flight, weighted by the body's size: a multi-turn request
+        # resends its whole context, so the bytes in flight per backend approximate the KV each engine
+        # holds (cache_aware bounds on it).
+        slot = _Slot(self.routing, url, len(body))
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             try:
-                return await self._relay(request, route_request, url, upstream)
+                return await self._relay(request, route_request, url, upstream, slot)
             finally:
                 upstream.release()
         finally:
-            load.release(url, weight)
+            slot.release()
 
     async def _relay(
-        self, request: web.Request, route_request: RouteRequest, url: str, upstream: UpstreamResponse
+        self,
+        request: web.Request,
+        route_request: RouteRequest,
+        url: str,
+        upstream: UpstreamResponse,
+        slot: _Slot,
     ) -> web.StreamResponse:
         resp_headers = CIMultiDict(
             (n.decode("latin-1"), v.decode("latin-1"))
@@ -282,7 +315,8 @@ class Forwarder:
         if length is not None and length <= SMALL_RESPONSE_BYTES and not is_sse:
             payload = await upstream.read()  # an UpstreamError here is still retryable: nothing sent
             # The backend has answered in full: counted before the client write, which may fail.
-            self.backends.record(url, True)
+            self.routing.succeeded(url)
+            slot.release()  # the engine's work is done; see _Slot
             response = web.Response(status=upstream.status, headers=resp_headers, body=payload)
             try:
                 await response.prepare(request)
@@ -302,10 +336,10 @@ class Forwarder:
                 try:
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
+                    slot.release()  # before the end of the stream reaches the client; see _Slot
                     break
                 except UpstreamError as exc:
-                    self.policy.retract(route_request, url)
-                    await self._broken_stream(request, response, url, is_sse, exc)
+                    await self._broken_stream(request, response, route_request, url, is_sse, exc)
                     return response
                 await response.write(chunk)
             await response.write_eof()
@@ -313,7 +347,7 @@ class Forwarder:
             # The client went away (ClientConnectionResetError is one): not the backend's fault.
             self.metrics.errors.labels("client_gone").inc()
             return response
-        self.backends.record(url, True)
+        self.routing.succeeded(url)
         return response
 
     async def _status_failure(self, url: str, upstream: UpstreamResponse) -> UpstreamError:
@@ -325,10 +359,16 @@ class Forwarder:
         return UpstreamError("status", f"backend {url} answered {upstream.status}: {text}", started=True)
 
     async def _broken_stream(
-        self, request: web.Request, response: web.StreamResponse, url: str, is_sse: bool, exc: UpstreamError
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        route_request: RouteRequest,
+        url: str,
+        is_sse: bool,
+        exc: UpstreamError,
     ) -> None:
         kind = "timeout" if exc.kind == "timeout" else "stream_broken"
-        self._on_failure(url, kind)
+        self._on_failure(route_request, url, kind)
         if is_sse:
             await response.write(sse_error_event(f"backend {url} failed mid-stream: {exc}", kind))
             await response.write_eof()

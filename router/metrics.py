@@ -10,9 +10,10 @@ request path pays nothing for them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.backends import BackendSet
@@ -68,6 +69,88 @@ class _FleetCollector(Collector):
         yield decisions
 
 
+# A worker process's per-request samples, as sent to the parent (router.decisions STATS):
+# [[family name, type, help, [[sample name, labels, value], ...]], ...]
+Snapshot = list[list[Any]]
+
+
+def per_request_snapshot(registry: CollectorRegistry) -> Snapshot:
+    """The samples of ``registry`` in the shape ``merge_snapshots`` sums (``_created`` left out: a
+    creation time is not a count)."""
+    return [
+        [
+            f.name,
+            f.type,
+            f.documentation,
+            [[s.name, s.labels, s.value] for s in f.samples if not s.name.endswith("_created")],
+        ]
+        for f in registry.collect()
+    ]
+
+
+def merge_snapshots(snapshots: list[Snapshot]) -> list[Metric]:
+    """Counters and histogram buckets summed across workers, sample by sample (all are cumulative
+    counts, so the sum is what one process would have counted)."""
+    families: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
+    for snapshot in snapshots:
+        for name, kind, doc, samples in snapshot:
+            _, _, sums = families.setdefault(name, (kind, doc, {}))
+            for sample_name, labels, value in samples:
+                key = (sample_name, tuple(sorted(labels.items())))
+                sums[key] = sums.get(key, 0.0) + value
+    out = []
+    for name, (kind, doc, sums) in families.items():
+        metric = Metric(name, doc, kind)
+        for (sample_name, labels), value in sums.items():
+            metric.add_sample(sample_name, dict(labels), value)
+        out.append(metric)
+    return out
+
+
+class WorkerStats(Protocol):
+    """What the parent of worker processes offers the metrics: the workers' latest snapshots."""
+
+    restarts: int
+
+    def snapshots(self) -> dict[int, Snapshot]: ...
+
+    def serving(self) -> int: ...
+
+    def retired(self) -> list[Snapshot]:
+        """Last counts of workers that died (kept in the sums)."""
+        ...
+
+    async def refresh(self) -> None: ...
+
+
+class _WorkersCollector(Collector):
+    def __init__(self, workers: WorkerStats) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = self._workers.snapshots()
+        yield from merge_snapshots([*snapshots.values(), *self._workers.retired()])
+        per_worker = GaugeMetricFamily(
+            "rl_router_worker_requests", "Requests answered by each worker process", labels=["worker"]
+        )
+        for index, snapshot in sorted(snapshots.items()):
+            total = sum(
+                value
+                for name, _kind, _doc, samples in snapshot
+                if name == "rl_router_requests"
+                for sample_name, _labels, value in samples
+                if sample_name == "rl_router_requests_total"
+            )
+            per_worker.add_metric([str(index)], total)
+        yield per_worker
+        alive = GaugeMetricFamily("rl_router_workers", "Worker processes serving the port")
+        alive.add_metric([], self._workers.serving())
+        yield alive
+        restarts = CounterMetricFamily("rl_router_worker_restarts", "Worker processes replaced after dying")
+        restarts.add_metric([], self._workers.restarts)
+        yield restarts
+
+
 class _PauseCollector(Collector):
     """The fleet pause as the router sees it: read at scrape time, nothing on the request path."""
 
@@ -108,9 +191,22 @@ class _PauseCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, backends: BackendSet, policy_name: str, gate: PauseGate | None = None) -> None:
+    """``backends``: the routing state's view (None in a worker process, whose parent reports it).
+    ``gate``: the fleet pause gate, reported where the routing state lives (the parent of worker
+    processes holds the one gate, so its numbers appear once in the aggregated metrics).
+    ``workers``: in the parent of worker processes, the source of their per-request counts, which are
+    then reported summed (one router, one set of numbers) instead of this process's own."""
+
+    def __init__(
+        self,
+        backends: BackendSet | None,
+        policy_name: str,
+        gate: PauseGate | None = None,
+        workers: WorkerStats | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        r = self.registry
+        self._workers = workers
+        r = self.registry if workers is None else CollectorRegistry(auto_describe=False)
         self.requests = Counter(
             "rl_router_requests", "Requests answered, by route and status", ["route", "status"], registry=r
         )
@@ -126,9 +222,18 @@ class RouterMetrics:
         # Plain ints on the request path, read at scrape time: a prometheus-client metric takes a lock
         # per update, and the router pays for every one of them on every request.
         self.decisions = 0
-        r.register(_FleetCollector(backends, lambda: policy_name, lambda: self.decisions))
-        if gate is not None:
-            r.register(_PauseCollector(gate, backends))
+        if backends is not None:
+            self.registry.register(_FleetCollector(backends, lambda: policy_name, lambda: self.decisions))
+            if gate is not None:
+                self.registry.register(_PauseCollector(gate, backends))
+        if workers is not None:
+            self.registry.register(_WorkersCollector(workers))
+        self.own_registry = r
+
+    async def refresh(self) -> None:
+        """Fetch the workers' counts before a render (nothing to do in a single process)."""
+        if self._workers is not None:
+            await self._workers.refresh()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

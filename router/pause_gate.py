@@ -8,7 +8,10 @@ instead of a silent hang. On resume the held requests are released first-come fi
 futures are completed in arrival order, and asyncio runs the waiting handlers in that order).
 
 The request path pays one attribute read (``paused``) when the fleet is not paused. All methods run on
-the router's event loop.
+the router's event loop. The gate belongs to the routing state (``router.routing.LocalRouting``), not to
+the process that parsed the request: with worker processes (``router.workers``) a request is held by the
+parent while it waits for its routing decision, so ``max_held`` and ``max_wait_s`` bound the whole router
+once instead of once per worker, and a pause closes every worker's door at the same instant.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
+
+
+class PauseRefused(Exception):
+    """A generation request the gate would not hold (``max_held`` reached or ``max_wait_s`` passed); the
+    message is the one the client is given, with the no-healthy-backend status."""
 
 
 @dataclass
@@ -97,6 +105,14 @@ class PauseGate:
         finally:
             if not fut.done():
                 fut.cancel()  # timed out or the client went away: no longer held
+
+    async def pass_through(self) -> None:
+        """Hold until resume; raise ``PauseRefused`` (with the client's message) where ``hold`` refuses."""
+        if not await self.hold():
+            raise PauseRefused(
+                f"fleet paused for a weight update; request not held (at most {self.max_held} held, "
+                f"each at most {self.max_wait_s:g} s)"
+            )
 
     def stats(self) -> GateStats:
         now = time.monotonic()

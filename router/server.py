@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -24,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -41,7 +42,11 @@ from router.metrics import RouterMetrics
 from router.pause_gate import PauseGate
 from router.policies import LoadTracker, Policy, make_policy
 from router.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
+from router.routing import LocalRouting
 from router.status import error_body
+
+if TYPE_CHECKING:
+    from router.workers import WorkerFleet
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -117,15 +122,29 @@ class GenerationRouter:
         if not isinstance(config, RouterConfig):
             raise TypeError(f"GenerationRouter takes a RouterConfig, got {type(config).__name__}")
         self.config = config
+        if policy is not None and config.workers > 1:
+            # Worker processes build their own policy object from the config to hash prompts with.
+            raise ValueError("a policy object can only be injected into a one-process router (workers=1)")
         configured = tuple(dict.fromkeys(canonical_backend_url(u) for u in backend_urls))
         self.policy: Policy = policy or make_policy(config.policy, **config.policy_options)
         self.host = config.host
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
         self.gate = PauseGate(config.pause_max_held, config.pause_max_wait_s)
-        self.metrics = RouterMetrics(self.backends, self.policy.name, self.gate)
+        self.workers: WorkerFleet | None = None
+        if config.workers > 1:
+            from router.workers import WorkerFleet  # the worker module imports this one
+
+            self.workers = WorkerFleet(config)
+        self.metrics = RouterMetrics(self.backends, self.policy.name, self.gate, workers=self.workers)
+        # The one gate of the router lives in its routing state, which holds requests from every worker.
+        self.routing = LocalRouting(
+            self.backends, self.policy, self.metrics, config.health_managed, self.gate
+        )
+        if self.workers is not None:
+            self.workers.attach(self.routing)
         self.forwarder = Forwarder(
-            self.backends,
+            self.routing,
             self.policy,
             self.metrics,
             ForwardingConfig(
@@ -136,8 +155,8 @@ class GenerationRouter:
                 retry_on_timeout=config.retry_on_timeout,
                 health_managed=config.health_managed,
                 backend_api_key=config.secret("backend_api_key"),
+                max_request_bytes=config.max_request_bytes,
             ),
-            self.gate,
         )
         self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
         self._api_key = config.secret("api_key")
@@ -156,6 +175,8 @@ class GenerationRouter:
         # Bound now: a conflict raises here, and the URL is valid from this line on.
         self._socket = bind_listening_socket(config.host, config.port, retry_s=config.bind_retry_s)
         self.port: int = self._socket.getsockname()[1]
+        if self.workers is not None:
+            self.workers.listen_on(self._socket)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -175,16 +196,11 @@ class GenerationRouter:
 
     # -- application ---------------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        # No middleware at all without tokens: each layer costs every request a coroutine call.
-        middlewares = (
-            [auth_middleware(self._api_key, self._admin_token)]
-            if self._api_key is not None or self._admin_token is not None
-            else []
+        return build_app(
+            self.forwarder, self._api_key, self._admin_token, self._max_request_bytes, self._admin_routes
         )
-        app = web.Application(middlewares=middlewares, client_max_size=self._max_request_bytes)
-        for path, methods in PROXIED_ROUTES:
-            for method in methods:
-                app.router.add_route(method, path, self.forwarder.handle)
+
+    def _admin_routes(self, app: web.Application) -> None:
         admin = AdminApi(
             self.backends,
             self.metrics,
@@ -197,7 +213,6 @@ class GenerationRouter:
         admin.add_routes(app)
         self.fleet.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", _not_found)
-        return app
 
     def _engine_key(self) -> str | None:
         """The key the router's own engine calls (fleet operations) present: the backend key, else the
@@ -215,32 +230,18 @@ class GenerationRouter:
         limits = self.http_limits
         self.forwarder.use_limits(limits)
         self._health_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        # handler_cancellation: a client that disconnects cancels its handler, so the upstream request is
-        # aborted and its slot released at once instead of running (and being retried) for nobody.
-        # auto_decompress off: a gzip body is forwarded as sent, with its Content-Encoding, and never
-        # inflated in the router's memory (58 KB of gzip can be 60 MB).
-        handler_kwargs: dict[str, Any] = {
-            "access_log": None,
-            "keepalive_timeout": limits.keepalive_timeout_s,
-            "auto_decompress": False,
-        }
-        self._runner = web.AppRunner(
-            self._build_app(), handle_signals=False, handler_cancellation=True, **handler_kwargs
-        )
-        await self._runner.setup()
-        errors = self.metrics.errors
-        self.connections = ConnectionGate(
-            effective_connection_cap(limits, raise_open_file_limit()),
-            on_event=lambda kind: errors.labels(kind).inc(),
-        )
-        site = GuardedSockSite(
-            self._runner,
-            self._socket,
-            gate=self.connections,
-            head_timeout_s=limits.head_timeout_s,
-            handler_kwargs=handler_kwargs,
-        )
-        await site.start()
+        if self.workers is None:
+            self._runner, self.connections = await serve_guarded(
+                self._build_app(), self._socket, limits, self.metrics
+            )
+        else:
+            # The parent of worker processes serves the same application (admin API, metrics) on a
+            # private Unix socket the workers relay to; the public socket is accepted on by the workers.
+            self.workers.open()
+            self._runner = web.AppRunner(self._build_app(), **runner_kwargs(limits))
+            await self._runner.setup()
+            await web.UnixSite(self._runner, self.workers.admin_path).start()
+            await self.workers.start()
         self._background.extend(asyncio.get_running_loop().create_task(c) for c in self._background_jobs())
 
     def _background_jobs(self) -> list[Coroutine[Any, Any, None]]:
@@ -262,6 +263,8 @@ class GenerationRouter:
         return jobs
 
     async def _shutdown(self) -> None:
+        if self.workers is not None:
+            await self.workers.stop()
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -280,6 +283,8 @@ class GenerationRouter:
             return self.base_url()
         self._thread = threading.Thread(target=self._thread_main, name=f"router-{self.port}", daemon=True)
         self._thread.start()
+        if self.workers is not None:
+            timeout_s = max(timeout_s, self.workers.start_timeout_s)
         if not self._serving.wait(timeout_s) or self._startup_error is not None:
             error = self._startup_error
             self.stop()
@@ -294,6 +299,10 @@ class GenerationRouter:
             loop.run_until_complete(self._start())
         except BaseException as exc:  # reported to serve_in_background's caller
             self._startup_error = exc
+            try:  # nothing half-started stays behind (worker processes, sessions)
+                loop.run_until_complete(self._shutdown())
+            except Exception:
+                log.exception("cleaning up after a failed router start")
             self._serving.set()
             loop.close()
             return
@@ -321,7 +330,10 @@ class GenerationRouter:
         self._stopped = True
         loop, thread = self._loop, self._thread
         if loop is not None and thread is not None and thread.is_alive():
-            loop.call_soon_threadsafe(loop.stop)
+            # After a failed start the thread closes its loop on its own, and may be between that and
+            # its return: there is then nothing to stop, only a thread to join.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout_s)
         self._socket.close()
 
@@ -360,6 +372,12 @@ class GenerationRouter:
     def in_flight(self) -> dict[str, int]:
         return self._call(self.backends.load.snapshot)
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the worker processes serving the port, by worker index (empty with one)."""
+        workers = self.workers
+        return [] if workers is None else self._call(workers.pids)
+
+
     def current_weight_version(self) -> str | None:
         """The fleet's weight version as last stamped through ``/fleet/weight_version`` (None: never)."""
         return self.fleet.current_version
@@ -387,6 +405,63 @@ class GenerationRouter:
             return True
 
         return bool(self._call(close))
+
+
+def runner_kwargs(limits: HttpLimits) -> dict[str, Any]:
+    """How every HTTP server of the router handles requests.
+
+    handler_cancellation: a client that disconnects cancels its handler, so the upstream request is
+    aborted and its slot released at once instead of running (and being retried) for nobody.
+    auto_decompress off: a gzip body is forwarded as sent, with its Content-Encoding, and never
+    inflated in the router's memory (58 KB of gzip can be 60 MB)."""
+    return {
+        "handle_signals": False,
+        "handler_cancellation": True,
+        **handler_kwargs(limits),
+    }
+
+
+def handler_kwargs(limits: HttpLimits) -> dict[str, Any]:
+    return {"access_log": None, "keepalive_timeout": limits.keepalive_timeout_s, "auto_decompress": False}
+
+
+async def serve_guarded(
+    app: web.Application, sock: socket.socket, limits: HttpLimits, metrics: RouterMetrics, share: int = 1
+) -> tuple[web.AppRunner, ConnectionGate]:
+    """Serve ``app`` on the bound ``sock`` with the head deadline and the connection cap. ``share``: the
+    number of processes accepting on ``sock``; each admits its share of the cap, so the router as a whole
+    keeps the configured one."""
+    runner = web.AppRunner(app, **runner_kwargs(limits))
+    await runner.setup()
+    errors = metrics.errors
+    cap = effective_connection_cap(limits, raise_open_file_limit())
+    gate = ConnectionGate(max(1, -(-cap // share)), on_event=lambda kind: errors.labels(kind).inc())
+    site = GuardedSockSite(
+        runner, sock, gate=gate, head_timeout_s=limits.head_timeout_s, handler_kwargs=handler_kwargs(limits)
+    )
+    await site.start()
+    return runner, gate
+
+
+def build_app(
+    forwarder: Forwarder,
+    api_key: str | None,
+    admin_token: str | None,
+    max_request_bytes: int,
+    rest: Callable[[web.Application], None],
+) -> web.Application:
+    """The proxied routes on ``forwarder``; ``rest`` adds everything else (the admin API in the router
+    that owns the routing state, a relay to it in a worker process)."""
+    # No middleware at all without tokens: each layer costs every request a coroutine call.
+    middlewares = (
+        [auth_middleware(api_key, admin_token)] if api_key is not None or admin_token is not None else []
+    )
+    app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
+    for path, methods in PROXIED_ROUTES:
+        for method in methods:
+            app.router.add_route(method, path, forwarder.handle)
+    rest(app)
+    return app
 
 
 async def _not_found(request: web.Request) -> web.Response:

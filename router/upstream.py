@@ -357,8 +357,8 @@ class UpstreamPool:
         if body or method in ("POST", "PUT", "PATCH"):
             head += (b"Content-Length: ", str(len(body)).encode(), b"\r\n")
         head.append(b"\r\n")
-        head.append(body)
-        payload = b"".join(head)
+        # Head and body go out in one vectored write: joining them would copy the whole body.
+        payload = (b"".join(head), body)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.total_timeout_s
         for fresh in (False, True):
@@ -374,7 +374,7 @@ class UpstreamPool:
             self._busy.add(conn)
             timer = loop.call_at(deadline, conn.fail_timeout, f"{base_url} did not answer in time")
             assert conn.transport is not None
-            conn.transport.write(payload)
+            conn.transport.writelines(payload)
             try:
                 await conn.headers_done
             except UpstreamError as exc:

@@ -6,7 +6,9 @@ before it started; reproduced with the two files in that order, not in this one.
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 import urllib.request
 
@@ -85,3 +87,62 @@ def test_killed_actor_rebinds_the_same_port(ray_local) -> None:
     assert ray.get(actor.stale_backends.remote()) == {}
     ray.get(actor.stop.remote())
     ray.kill(actor, no_restart=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_actor_with_worker_processes_serves_and_comes_back(ray_local, tmp_path) -> None:
+    import asyncio
+
+    from tests.http_backends import FakeEngine
+
+    ray = ray_local
+    loop = asyncio.new_event_loop()
+    engine = loop.run_until_complete(FakeEngine(name="e0").start())
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        port = reserve_port()
+        Actor = remote_router_actor(num_cpus=0)
+        config = RouterConfig(
+            host="127.0.0.1", port=port, policy="cache_aware", health_managed=True, workers=2
+        )
+        actor = Actor.remote(config, [engine.api_url])
+        url = ray.get(actor.base_url.remote(), timeout=120)
+        workers = ray.get(actor.worker_pids.remote())
+        assert len(workers) == 2 and all(_alive(p) for p in workers)
+        assert _post(url + "/v1/chat/completions")["backend"] == "e0"
+        assert ray.get(actor.in_flight.remote()) == {engine.url: 0}
+
+        ray.kill(actor, no_restart=False)
+        t0 = time.monotonic()
+        while True:  # the same URL answers again, served by new worker processes
+            try:
+                again = ray.get(actor.worker_pids.remote(), timeout=5)
+                if _post(url + "/v1/chat/completions")["backend"] == "e0" and set(again).isdisjoint(workers):
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() - t0 < 120, "router actor with workers did not come back on the same URL"
+            time.sleep(0.2)
+        # the dead actor's workers lost their channel to it and exited: no orphan holds the port
+        assert not any(_alive(p) for p in workers)
+        ray.get(actor.stop.remote())
+        ray.kill(actor, no_restart=True)
+    finally:
+        asyncio.run_coroutine_threadsafe(engine.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def _post(url: str) -> dict[str, object]:
+    request = urllib.request.Request(
+        url, data=b'{"messages": [{"role": "user", "content": "hi"}]}', method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return json.loads(r.read())

@@ -91,3 +91,25 @@ def test_http_limits_are_router_settings_a_job_may_set(tmp_path: Path) -> None:
         load_resolved(_spec(tmp_path, "http: {head_timeout: 5}\n"))
     with pytest.raises(SpecError, match=r"router\.http: HttpLimits\.head_timeout_s must be > 0, got 0"):
         load_resolved(_spec(tmp_path, "http: {head_timeout_s: 0}\n"))
+
+
+def test_a_job_sets_the_router_worker_processes(tmp_path: Path) -> None:
+    spec = load_resolved(_spec(tmp_path, "workers: 4\n"))
+    config = RouterConfig.from_settings(spec.router, host="127.0.0.1", port=20001, health_managed=True)
+    assert config.workers == 4
+    assert (
+        RouterConfig.from_settings(load_resolved(_spec(tmp_path, "policy: cache_aware\n")).router).workers
+        == 1
+    )
+    path = _spec(tmp_path, "workers: 0\n")
+    with pytest.raises(SpecError) as err:
+        load_resolved(path)
+    assert str(err.value) == f"{path}:6: router.workers: must be >= 1 (got 0)"
+
+
+def test_router_workers_belong_to_the_builtin_router_only(tmp_path: Path) -> None:
+    path = _spec(tmp_path, "kind: ray-serve\nworkers: 2\n")
+    with pytest.raises(SpecError, match=r"router\.workers: only for router\.kind: builtin") as err:
+        load_resolved(path)
+    assert "\n" not in str(err.value)
+    assert load_resolved(_spec(tmp_path, "kind: ray-serve\n")).router.workers == 1

@@ -105,6 +105,10 @@ def _router_issues(spec: JobSpec) -> list[Issue]:
         ]
     if r.kind != "dynamo" and "dynamo" in r.model_fields_set:
         issues.append(Issue("router.dynamo", "only for router.kind: dynamo; remove it"))
+    if r.kind == "ray-serve" and "workers" in r.model_fields_set:
+        # Serve's ingress replica proxies, not our router's process: the count would be silently ignored.
+        issues.append(Issue("router.workers", "only for router.kind: builtin (the builtin router's worker "
+                            "processes); remove it"))
     if r.kind in ("builtin", "ray-serve"):  # ray-serve routes with our policy and keeps our contract
         return issues
     hint = {"vllm-router": " (set router.vllm_router.policy)", "dynamo": " (set router.dynamo.router_mode)"}

@@ -27,6 +27,13 @@ class RouteRequest:
     # Policy-specific features of the body (e.g. prefix block hashes), filled by ``Policy.prepare`` so the
     # router can compute them off the event loop for large bodies and reuse them on a retry.
     features: object = None
+    # The body's length when ``body`` is not carried: a router worker process sends the shared routing
+    # state only the prepared features and the size, never the prompt bytes themselves.
+    body_size: int = -1
+
+    @property
+    def size(self) -> int:
+        return self.body_size if self.body_size >= 0 else len(self.body)
 
 
 class NoBackendAvailable(Exception):

@@ -98,7 +98,7 @@ class CacheAware(Policy):
             return request
         body = request.body
         hashes = block_hashes(body, self.block_bytes, prompt_start(body), self.max_blocks)
-        return RouteRequest(request.path, body, request.headers, hashes)
+        return RouteRequest(request.path, body, request.headers, hashes, request.body_size)
 
     # -- decision ----------------------------------------------------------------------------------
     def load_cap(self, load: LoadTracker) -> int:
@@ -122,7 +122,7 @@ class CacheAware(Policy):
         if hashes:
             holders, _depth = self.index.continuation_holders(hashes)
             if holders:
-                chosen = self._least_loaded_under_cap(holders, load, exclude, len(request.body))
+                chosen = self._least_loaded_under_cap(holders, load, exclude, request.size)
                 self.decisions["affinity" if chosen else "balanced"] += 1
             else:
                 self.decisions["cold"] += 1

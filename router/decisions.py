@@ -1,0 +1,408 @@
+"""The decision channel between a router's worker processes and its one routing state (the parent).
+
+Why a channel at all: affinity and the load bound are only as good as the state they read. Worker
+processes that each kept their own prefix index and in-flight counts would each see a fraction of the
+fleet: a session's next turn parsed by another worker would find no affinity, and N workers would each
+let a backend reach the load cap. So the state stays in one process (the parent, which also owns the
+serving set, the prober and the admin API) and every worker asks it.
+
+What crosses, and what does not: a worker parses the request, hashes the prompt (``Policy.prepare``) and
+relays the bytes; only the decision's inputs cross (the block hashes as packed 64-bit integers, the body's
+size, the backends already tried, the session header when the policy keys on one) and one URL comes back.
+Release, success and failure are one-way messages on the same ordered stream, so a worker never waits for
+them. A 20 KB prompt is ~20 hashes: ~200 bytes each way instead of the prompt.
+
+The frame: ``<u32 payload length><u8 kind><payload>``; every payload layout is defined here and nowhere
+else (one module owns the shape of what two processes exchange).
+
+The fleet pause: a generation request's DISPATCH carries the ``HOLD`` flag, and while the parent's
+``PauseGate`` is closed the parent delays its answer until resume (one gate for the whole router: its
+``max_held`` and ``max_wait_s`` count every worker's requests together). Past either bound it answers
+``PAUSE_REFUSED`` with the client's message, which the worker's forwarder turns into the same response a
+one-process router gives. A held request whose client goes away is withdrawn (``CANCEL``), so it stops
+counting against ``max_held`` at once, as it would in one process.
+
+A worker that dies leaves requests counted in flight; the parent keeps a ledger per channel and releases
+whatever a closed channel still held, so a crashed worker cannot inflate the load bound for good. A worker
+whose channel closes (the parent died) stops serving and exits: no orphan keeps the port.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from router.pause_gate import PauseRefused
+from router.policies.base import NoBackendAvailable, Policy, RouteRequest
+from router.routing import LocalRouting
+
+log = logging.getLogger(__name__)
+
+HEADER = struct.Struct("<IB")
+# kinds: worker -> parent
+HELLO, READY, DISPATCH, RELEASE, FAILED, SUCCEEDED, STATS, CANCEL = 1, 2, 3, 4, 5, 6, 7, 10
+# kinds: parent -> worker
+CHOSEN, STATS_ASK = 8, 9
+# DISPATCH flags
+HOLD = 1  # a generation request: held while the fleet is paused
+# CHOSEN outcomes
+NO_BACKEND, OK, PAUSE_REFUSED, WITHDRAWN = 0, 1, 2, 3
+
+_HELLO = struct.Struct("<II")  # worker index, pid
+# id, body size, n excluded, key bytes, n hashes (-1: none), flags
+_DISPATCH = struct.Struct("<IqHHiB")
+# request id, outcome: OK (the URL follows), NO_BACKEND / PAUSE_REFUSED (the reason follows), WITHDRAWN
+_CHOSEN = struct.Struct("<IB")
+_RELEASE = struct.Struct("<q")  # body size; the URL follows
+_FAILED = struct.Struct("<HHi")  # URL bytes, kind bytes (empty: only forget the affinity), n hashes
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(len(payload), kind) + payload
+
+
+def _pack_hashes(features: object) -> tuple[int, bytes]:
+    if features is None:
+        return -1, b""
+    packed = array.array("q", features)  # type: ignore[arg-type]
+    return len(packed), packed.tobytes()
+
+
+def _unpack_hashes(data: bytes, offset: int, n: int) -> list[int] | None:
+    if n < 0:
+        return None
+    packed = array.array("q")
+    packed.frombytes(data[offset : offset + 8 * n])
+    return packed.tolist()
+
+
+class _Framed(asyncio.Protocol):
+    """Splits a byte stream into frames and hands each to ``on_frame``; sends frames in batches.
+
+    Frames sent during one turn of the event loop go out in one write at the end of it: a request
+    sends three (dispatch, success, release) and a busy worker sends many per turn, and a write system
+    call per frame was the largest single cost of the channel in a profile (bench/README.md)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._out: list[bytes] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
+        self._loop = asyncio.get_running_loop()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos, end = 0, len(buf)
+        unpack = HEADER.unpack_from
+        while end - pos >= 5:
+            length, kind = unpack(buf, pos)
+            if end - pos - 5 < length:
+                break
+            self.on_frame(kind, bytes(buf[pos + 5 : pos + 5 + length]))
+            pos += 5 + length
+        if pos:
+            del buf[:pos]
+
+    def on_frame(self, kind: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def send(self, data: bytes) -> None:
+        out = self._out
+        out.append(data)
+        if len(out) == 1 and self._loop is not None:
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        out = self._out
+        if not out:
+            return
+        self._out = []
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(b"".join(out) if len(out) > 1 else out[0])
+
+
+# -- the parent's side -------------------------------------------------------------------------------------
+class WorkerChannel(_Framed):
+    """One worker's connection to the routing state, on the parent's loop."""
+
+    def __init__(self, service: DecisionService) -> None:
+        super().__init__()
+        self.service = service
+        self.index = -1
+        self.pid = 0
+        self.ready = False
+        # url -> [requests, body bytes] this worker holds in flight; released if the worker dies.
+        self.ledger: dict[str, list[int]] = {}
+        self._stats: dict[int, asyncio.Future[bytes]] = {}
+        self._next = 0
+        # request id -> the task holding that request at the pause gate
+        self._held: dict[int, asyncio.Task[None]] = {}
+
+    def on_frame(self, kind: int, payload: bytes) -> None:
+        routing = self.service.routing
+        if kind == DISPATCH:
+            rid, size, n_excl, n_key, n_hashes, flags = _DISPATCH.unpack_from(payload)
+            pos = _DISPATCH.size
+            excluded = []
+            for _ in range(n_excl):
+                (n,) = _U16.unpack_from(payload, pos)
+                excluded.append(payload[pos + 2 : pos + 2 + n].decode())
+                pos += 2 + n
+            key = payload[pos : pos + n_key].decode() if n_key else None
+            pos += n_key
+            hashes = _unpack_hashes(payload, pos, n_hashes)
+            header = self.service.session_header
+            headers = {header: key} if key is not None and header is not None else {}
+            request = RouteRequest("", b"", headers, hashes, size)
+            if flags & HOLD and routing.gate.paused:  # the one check when not paused
+                task = asyncio.get_running_loop().create_task(self._hold(rid, request, frozenset(excluded)))
+                self._held[rid] = task
+                task.add_done_callback(lambda _t, rid=rid: self._held.pop(rid, None))
+                return
+            self._decide(rid, request, frozenset(excluded))
+        elif kind == CANCEL:
+            (rid,) = _U32.unpack_from(payload)
+            task = self._held.pop(rid, None)
+            if task is not None:  # else answered already: the worker gives that answer back
+                task.cancel()
+                self.send(frame(CHOSEN, _CHOSEN.pack(rid, WITHDRAWN)))
+        elif kind == RELEASE:
+            (size,) = _RELEASE.unpack_from(payload)
+            url = payload[_RELEASE.size :].decode()
+            routing.release(url, size)
+            held = self.ledger.get(url)
+            if held is not None:
+                held[0] -= 1
+                held[1] -= size
+                if held[0] <= 0:
+                    del self.ledger[url]
+        elif kind == SUCCEEDED:
+            routing.succeeded(payload.decode())
+        elif kind == FAILED:
+            n_url, n_kind, n_hashes = _FAILED.unpack_from(payload)
+            pos = _FAILED.size
+            url = payload[pos : pos + n_url].decode()
+            failure = payload[pos + n_url : pos + n_url + n_kind].decode()
+            hashes = _unpack_hashes(payload, pos + n_url + n_kind, n_hashes)
+            request = RouteRequest("", b"", {}, hashes, 0)
+            if failure:
+                routing.failed(request, url, failure)
+            else:
+                routing.policy.retract(request, url)
+        elif kind == STATS:
+            (rid,) = _U32.unpack_from(payload)
+            future = self._stats.pop(rid, None)
+            if future is not None and not future.done():
+                future.set_result(payload[4:])
+        elif kind == HELLO:
+            self.index, self.pid = _HELLO.unpack(payload)
+        elif kind == READY:
+            self.ready = True
+            self.service.on_ready(self)
+        else:
+            log.error("router worker %d sent an unknown frame kind %d; closing its channel", self.index, kind)
+            if self.transport is not None:
+                self.transport.close()
+
+    def _decide(self, rid: int, request: RouteRequest, exclude: frozenset[str]) -> None:
+        try:
+            url = self.service.routing.dispatch_now(request, exclude)
+        except NoBackendAvailable as exc:
+            self.send(frame(CHOSEN, _CHOSEN.pack(rid, NO_BACKEND) + str(exc).encode()))
+            return
+        held = self.ledger.get(url)
+        if held is None:
+            self.ledger[url] = [1, request.size]
+        else:
+            held[0] += 1
+            held[1] += request.size
+        self.send(frame(CHOSEN, _CHOSEN.pack(rid, OK) + url.encode()))
+
+    async def _hold(self, rid: int, request: RouteRequest, exclude: frozenset[str]) -> None:
+        """Answer once the fleet resumes (in arrival order across all workers), or refuse past the gate's
+        bounds; cancelled by the worker's CANCEL or when its channel closes."""
+        try:
+            await self.service.routing.gate.pass_through()
+        except PauseRefused as exc:
+            self.send(frame(CHOSEN, _CHOSEN.pack(rid, PAUSE_REFUSED) + str(exc).encode()))
+            return
+        self._decide(rid, request, exclude)
+
+    def cancel_held(self) -> None:
+        """Stop holding this worker's requests (its channel closed, or the router stops)."""
+        for task in list(self._held.values()):
+            task.cancel()
+        self._held.clear()
+
+    async def ask_stats(self, timeout_s: float) -> bytes | None:
+        """The worker's own metric samples (``router.metrics.per_request_snapshot``), or None."""
+        self._next += 1
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._stats[self._next] = future
+        self.send(frame(STATS_ASK, _U32.pack(self._next)))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except (TimeoutError, ConnectionError):
+            return None
+        finally:
+            self._stats.pop(self._next, None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cancel_held()
+        routing = self.service.routing
+        for url, (count, size) in self.ledger.items():
+            routing.release(url, size)
+            for _ in range(count - 1):
+                routing.release(url, 0)
+        self.ledger.clear()
+        for future in self._stats.values():
+            if not future.done():
+                future.set_exception(ConnectionError("worker channel closed"))
+        self.service.on_lost(self)
+
+
+class DecisionService:
+    """The routing state served to worker processes over a Unix socket (on the parent's loop)."""
+
+    def __init__(self, routing: LocalRouting) -> None:
+        self.routing = routing
+        self.session_header: str | None = getattr(routing.policy, "session_header", None)
+        self.channels: set[WorkerChannel] = set()
+        self._ready_waiters: list[Callable[[WorkerChannel], None]] = []
+
+    def channel(self) -> WorkerChannel:
+        ch = WorkerChannel(self)
+        self.channels.add(ch)
+        return ch
+
+    def on_ready(self, channel: WorkerChannel) -> None:
+        for waiter in list(self._ready_waiters):
+            waiter(channel)
+
+    def watch_ready(self, callback: Callable[[WorkerChannel], None]) -> None:
+        self._ready_waiters.append(callback)
+
+    def on_lost(self, channel: WorkerChannel) -> None:
+        self.channels.discard(channel)
+
+    def ready_channels(self) -> list[WorkerChannel]:
+        return sorted((c for c in self.channels if c.ready), key=lambda c: c.index)
+
+    def close(self) -> None:
+        """Stop holding requests at the pause gate: the router is stopping."""
+        for channel in list(self.channels):
+            channel.cancel_held()
+
+
+# -- the worker's side -------------------------------------------------------------------------------------
+class RemoteRouting(_Framed):
+    """``RoutingState`` answered by the parent: what a worker process's ``Forwarder`` routes with."""
+
+    def __init__(self, policy: Policy, on_lost: Callable[[], None], stats: Callable[[], Any]) -> None:
+        super().__init__()
+        self._session_header: str | None = getattr(policy, "session_header", None)
+        self._on_lost = on_lost
+        self._stats = stats
+        self._pending: dict[int, tuple[asyncio.Future[str], RouteRequest]] = {}
+        self._next = 0
+        self.closed = False
+
+    def hello(self, index: int, pid: int) -> None:
+        self.send(frame(HELLO, _HELLO.pack(index, pid)))
+
+    def ready(self) -> None:
+        self.send(frame(READY))
+
+    async def dispatch(self, request: RouteRequest, exclude: frozenset[str], hold: bool = False) -> str:
+        if self.closed:
+            raise NoBackendAvailable("the router's routing state is gone (parent process stopped)")
+        self._next = rid = (self._next + 1) & 0xFFFFFFFF
+        excluded = b"".join(_U16.pack(len(b)) + b for b in (u.encode() for u in exclude))
+        key = b""
+        if self._session_header is not None:
+            value = request.headers.get(self._session_header)
+            key = value.encode() if value else b""
+        n_hashes, hashes = _pack_hashes(request.features)
+        head = _DISPATCH.pack(rid, request.size, len(exclude), len(key), n_hashes, HOLD if hold else 0)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = (future, request)
+        self.send(frame(DISPATCH, head + excluded + key + hashes))
+        if not hold:
+            return await future
+            # A cancelled wait leaves the entry: its answer is then released at once (see on_frame).
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The client went away, perhaps while held at the pause gate: withdraw it there (the parent
+            # answers WITHDRAWN, or has answered already and that answer is given back in on_frame).
+            if rid in self._pending:
+                self.send(frame(CANCEL, _U32.pack(rid)))
+            raise
+
+    def release(self, url: str, weight: int) -> None:
+        # Written at once, not at the end of the loop turn: the forwarder releases before the client
+        # gets the end of its answer, and this frame must be on its way before the client's next turn
+        # can reach the routing state through another worker (see forwarding._Slot).
+        self.send(frame(RELEASE, _RELEASE.pack(weight) + url.encode()))
+        self._flush()
+
+    def succeeded(self, url: str) -> None:
+        self.send(frame(SUCCEEDED, url.encode()))
+
+    def failed(self, request: RouteRequest, url: str, kind: str) -> None:
+        # Written at once, like a release: a broken answer is cut right after this call, and the failure
+        # must be on its way to the routing state (health counts, ejection, forgotten affinity) before the
+        # client can see the cut and retry through another worker.
+        self._send_failed(request, url, kind)
+        self._flush()
+
+    def _send_failed(self, request: RouteRequest, url: str, kind: str) -> None:
+        u, k = url.encode(), kind.encode()
+        n, hashes = _pack_hashes(request.features)
+        self.send(frame(FAILED, _FAILED.pack(len(u), len(k), n) + u + k + hashes))
+
+    def on_frame(self, kind: int, payload: bytes) -> None:
+        if kind == CHOSEN:
+            rid, ok = _CHOSEN.unpack_from(payload)
+            text = payload[_CHOSEN.size :].decode()
+            entry = self._pending.pop(rid, None)
+            if entry is None:
+                return
+            future, request = entry
+            if future.cancelled():
+                # The client went away while the parent decided: the slot it counted is given back and
+                # the affinity it recorded is forgotten (nothing was sent to that backend).
+                if ok == OK:
+                    self.release(text, request.size)
+                    self._send_failed(request, text, "")
+                return
+            if ok == OK:
+                future.set_result(text)
+            elif ok == PAUSE_REFUSED:
+                future.set_exception(PauseRefused(text))
+            else:
+                future.set_exception(NoBackendAvailable(text))
+        elif kind == STATS_ASK:
+            (rid,) = _U32.unpack_from(payload)
+            self.send(frame(STATS, _U32.pack(rid) + orjson.dumps(self._stats())))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        for future, _request in self._pending.values():
+            if not future.done():
+                future.set_exception(NoBackendAvailable("the router's routing state is gone"))
+        self._pending.clear()
+        self._on_lost()

@@ -1,0 +1,346 @@
+"""Worker processes that share the router's port: every core parses, hashes and relays; one state decides.
+
+One Python process tops out near one core of parsing and relaying (measured in bench/README.md), and a
+rollout fleet of 64 engines sends more than that. So with ``RouterConfig.workers = N > 1`` the router
+process (the *parent*) keeps everything that must be one (the serving set, the prober, the admin API, the
+policy's prefix index, the in-flight and byte counts: ``router.routing.LocalRouting``) and starts N worker
+processes that accept on the parent's listening socket and do the per-request work. Each decision is one
+round trip to the parent over a Unix socket (``router.decisions``); everything else a worker does alone.
+
+Choices, each against a failure:
+
+* The parent binds and listens before any worker exists and keeps the socket for its whole life; workers
+  inherit the descriptor (``pass_fds``) and accept on it. The URL is valid from the constructor on, and a
+  dying worker never closes the port: its unaccepted connections stay queued for the others (with
+  ``SO_REUSEPORT`` they would be reset with the dead worker's socket).
+* Workers are started with ``python -m router.workers`` (not ``fork``: the parent has an event loop thread,
+  and in a Ray actor, Ray's threads). The configuration, secrets included, arrives on the worker's stdin:
+  secrets never appear in argv.
+* All workers hash prompts with the same ``PYTHONHASHSEED`` (chosen once per router, kept for
+  replacements): the prefix index holds hashes computed by every worker, and a session's next turn parsed
+  by another worker must find its own blocks.
+* Any other route (the admin API, ``/metrics``, ``/health``, a 404) is relayed to the parent's application
+  on a private Unix socket, so every admin operation (today's ``/workers``, and any added later) acts on the
+  one routing state, and authentication is checked by both.
+* The fleet pause holds requests in the parent (``router.decisions``: a generation request's decision
+  waits at the routing state's one ``PauseGate``), and ``/fleet/*`` reaches the parent through the relay
+  below like every admin route, so a pause closes every worker's door at once and the gate's bounds and
+  numbers are the router's, not a worker's.
+* A worker that exits is replaced within ``SUPERVISE_S``; what it held in flight is released by the parent
+  when its channel closes. A worker whose channel closes (the parent died) exits: no orphan serves the port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.config import SECRET_FIELDS, RouterConfig
+from router.decisions import DecisionService, RemoteRouting, WorkerChannel
+from router.forwarding import HOP_BY_HOP, Forwarder, ForwardingConfig
+from router.metrics import RouterMetrics, Snapshot, per_request_snapshot
+from router.policies import make_policy
+from router.routing import LocalRouting
+
+log = logging.getLogger(__name__)
+
+SUPERVISE_S = 0.2
+STATS_TIMEOUT_S = 2.0
+STOP_GRACE_S = 5.0
+
+
+class WorkerFleet:
+    """The parent's side: starts, supervises and stops the worker processes; serves their decisions."""
+
+    start_timeout_s = 120.0
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.count = config.workers
+        self.restarts = 0
+        # Made by ``open`` when serving starts, so a router that fails to bind leaves nothing behind.
+        self._dir: str | None = None
+        self.decisions_path = ""
+        self.admin_path = ""
+        # One seed for every worker of this router, replacements included (see module doc).
+        self._hash_seed = str(random.SystemRandom().randrange(1, 2**32 - 1))
+        self._procs: list[subprocess.Popen[bytes] | None] = [None] * self.count
+        self._socket: socket.socket | None = None
+        self._service: DecisionService | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._snapshots: dict[int, Snapshot] = {}
+        self._retired: list[Snapshot] = []
+
+    def attach(self, routing: LocalRouting) -> None:
+        self._service = DecisionService(routing)
+
+    def listen_on(self, sock: socket.socket) -> None:
+        self._socket = sock
+
+    # -- lifecycle (on the parent's loop) ---------------------------------------------------------------
+    def open(self) -> None:
+        """The private directory of the two Unix sockets (0700: only this user reaches them)."""
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="rl-router-")
+            self.decisions_path = os.path.join(self._dir, "decisions.sock")
+            self.admin_path = os.path.join(self._dir, "admin.sock")
+
+    async def start(self) -> None:
+        assert self._service is not None and self._socket is not None
+        loop = asyncio.get_running_loop()
+        service = self._service
+        self._server = await loop.create_unix_server(service.channel, self.decisions_path)
+        ready: set[int] = set()
+        all_ready = loop.create_future()
+
+        def on_ready(channel: WorkerChannel) -> None:
+            ready.add(channel.index)
+            if len(ready) >= self.count and not all_ready.done():
+                all_ready.set_result(None)
+
+        service.watch_ready(on_ready)
+        for index in range(self.count):
+            self._spawn(index)
+        try:
+            await asyncio.wait_for(all_ready, self.start_timeout_s)
+        except TimeoutError:
+            raise RuntimeError(
+                f"only {len(ready)} of {self.count} router worker processes started within "
+                f"{self.start_timeout_s:g} s (see their stderr above)"
+            ) from None
+        self._supervisor = loop.create_task(self._supervise())
+
+    def _spawn(self, index: int) -> None:
+        assert self._socket is not None
+        fd = self._socket.fileno()
+        payload = {
+            "config": self.config.model_dump(mode="json"),
+            "secrets": {name: self.config.secret(name) for name in SECRET_FIELDS},
+        }
+        env = {**os.environ, "PYTHONHASHSEED": self._hash_seed}
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "router.workers",
+                "--listen-fd",
+                str(fd),
+                "--decisions",
+                self.decisions_path,
+                "--admin",
+                self.admin_path,
+                "--index",
+                str(index),
+            ],
+            stdin=subprocess.PIPE,
+            pass_fds=(fd,),
+            env=env,
+            start_new_session=False,
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(orjson.dumps(payload))
+        proc.stdin.close()
+        self._procs[index] = proc
+
+    async def _supervise(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(SUPERVISE_S)
+            for index, proc in enumerate(self._procs):
+                if self._stopping:
+                    return
+                if proc is not None and proc.poll() is not None:
+                    self.restarts += 1
+                    # Its counts stay in the sums: requests it answered were answered, and a counter
+                    # must not go down.
+                    last = self._snapshots.pop(index, None)
+                    if last is not None:
+                        self._retired.append(last)
+                    log.warning(
+                        "router worker %d (pid %d) exited with %s; starting a replacement",
+                        index,
+                        proc.pid,
+                        proc.returncode,
+                    )
+                    self._spawn(index)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        procs = [p for p in self._procs if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        loop = asyncio.get_running_loop()
+        for proc in procs:
+            try:
+                await loop.run_in_executor(None, proc.wait, max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._service is not None:
+            self._service.close()  # requests still held at the pause gate: their workers are gone
+        if self._server is not None:
+            self._server.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def pids(self) -> list[int]:
+        return [p.pid if p is not None and p.poll() is None else 0 for p in self._procs]
+
+    # -- metrics (router.metrics.WorkerStats) -------------------------------------------------------------
+    def snapshots(self) -> dict[int, Snapshot]:
+        return dict(self._snapshots)
+
+    def serving(self) -> int:
+        """Worker processes connected to the routing state and accepting on the port."""
+        return 0 if self._service is None else len(self._service.ready_channels())
+
+    def retired(self) -> list[Snapshot]:
+        return list(self._retired)
+
+    async def refresh(self) -> None:
+        if self._service is None:
+            return
+        channels = self._service.ready_channels()
+        answers = await asyncio.gather(*(c.ask_stats(STATS_TIMEOUT_S) for c in channels))
+        for channel, answer in zip(channels, answers, strict=True):
+            if answer is not None:
+                self._snapshots[channel.index] = orjson.loads(answer)
+
+
+# -- the worker process -----------------------------------------------------------------------------------
+_RELAY_DROP = frozenset(n.decode() for n in HOP_BY_HOP) | {"host", "content-length", "date", "server"}
+
+
+class AdminRelay:
+    """Everything but the proxied routes goes to the parent's application, unchanged."""
+
+    def __init__(self, admin_path: str) -> None:
+        self._path = admin_path
+        self._session: aiohttp.ClientSession | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(self._path, limit=0), auto_decompress=False
+            )
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _RELAY_DROP)
+        body = await request.read() if request.body_exists else None
+        async with self._session.request(
+            request.method,
+            "http://router" + request.rel_url.raw_path_qs,
+            headers=headers,
+            data=body,
+            allow_redirects=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            timeout=aiohttp.ClientTimeout(total=None),
+        ) as answer:
+            payload = await answer.read()
+            out = CIMultiDict((k, v) for k, v in answer.headers.items() if k.lower() not in _RELAY_DROP)
+            return web.Response(status=answer.status, body=payload, headers=out)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+async def serve_worker(
+    config: RouterConfig, sock: socket.socket, decisions: str, admin: str, index: int
+) -> None:
+    from router.server import build_app, serve_guarded  # the server module imports this one lazily
+
+    loop = asyncio.get_running_loop()
+    stopped = asyncio.Event()
+    policy = make_policy(config.policy, **config.policy_options)
+    metrics = RouterMetrics(None, policy.name)
+    _, routing = await loop.create_unix_connection(
+        lambda: RemoteRouting(policy, stopped.set, lambda: per_request_snapshot(metrics.registry)),
+        decisions,
+    )
+    routing.hello(index, os.getpid())
+    forwarder = Forwarder(
+        routing,
+        policy,
+        metrics,
+        ForwardingConfig(
+            backend_timeout_s=config.backend_timeout_s,
+            connect_timeout_s=config.connect_timeout_s,
+            no_healthy_backend_status=config.no_healthy_backend_status,
+            max_attempts=config.max_attempts,
+            retry_on_timeout=config.retry_on_timeout,
+            health_managed=config.health_managed,
+            backend_api_key=config.secret("backend_api_key"),
+            max_request_bytes=config.max_request_bytes,
+        ),
+    )
+    forwarder.use_limits(config.http)
+    relay = AdminRelay(admin)
+    app = build_app(
+        forwarder,
+        config.secret("api_key"),
+        config.admin_secret,
+        config.max_request_bytes,
+        lambda a: a.router.add_route("*", "/{tail:.*}", relay.handle),
+    )
+    runner, _gate = await serve_guarded(app, sock, config.http, metrics, share=config.workers)
+    loop.add_signal_handler(signal.SIGTERM, stopped.set)
+    routing.ready()
+    try:
+        await stopped.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(runner.cleanup(), STOP_GRACE_S)
+        await forwarder.close()
+        await relay.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one worker process of rl-launch's router (started by it)")
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--decisions", required=True)
+    parser.add_argument("--admin", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    args = parser.parse_args(argv)
+    # Ctrl-C reaches the whole process group; the parent stops its workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"router worker {args.index}: %(levelname)s %(message)s"
+    )
+    payload = orjson.loads(sys.stdin.buffer.read())
+    config = RouterConfig.model_validate(
+        {**payload["config"], **{k: v for k, v in payload["secrets"].items() if v is not None}}
+    )
+    sock = socket.socket(fileno=args.listen_fd)
+    sock.setblocking(False)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        asyncio.run(serve_worker(config, sock, args.decisions, args.admin, args.index))
+    else:
+        uvloop.run(serve_worker(config, sock, args.decisions, args.admin, args.index))
+
+
+if __name__ == "__main__":
+    main()
