@@ -367,14 +367,13 @@ def test_warning_signal_spares_the_steps_and_stops_the_driver(tmp_path: Path) ->
 # Waits for the driver to report a dead engine host and readmit its engines; exits 0 when it has.
 HOST_WATCHER = textwrap.dedent(
     """\
-    import json, os, sys, time
-    job = os.environ["RL_JOB_DIR"]
+    import os, sys, time
+    from launcher.jobdir import JobDir  # its readers skip a line being appended (a raw json.loads did not)
+    job = JobDir(os.environ["RL_JOB_DIR"])
     deadline = time.time() + 240
-    def events():
-        return [json.loads(x) for x in open(os.path.join(job, "events.jsonl")) if x.strip()]
     while time.time() < deadline:
-        died = [e for e in events() if e["phase"] == "engine_host_died"]
-        fleet = json.load(open(os.path.join(job, "state.json"))).get("fleet", {})
+        died = [e for e in job.read_events() if e["phase"] == "engine_host_died"]
+        fleet = job.read_state().get("fleet", {})
         engines = fleet.get("engines", [])
         if died and engines and all(e["state"] == "HEALTHY" for e in engines) and all(
                 e["previous_urls"] for e in engines if e["id"].startswith("node%d-" % died[0]["node_index"])):
