@@ -37,7 +37,7 @@ import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -49,6 +49,9 @@ from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.routing import RoutingState
 from router.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 HOP_BY_HOP = frozenset(
     {
@@ -88,6 +91,21 @@ class ForwardingConfig:
     health_managed: bool = False
     backend_api_key: str | None = None
     max_request_bytes: int = 64 * 1024 * 1024
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> ForwardingConfig:
+        """The forwarding part of a router's config: one mapping for the single process and for every
+        worker process, so that a new setting cannot reach one and miss the other."""
+        return cls(
+            backend_timeout_s=config.backend_timeout_s,
+            connect_timeout_s=config.connect_timeout_s,
+            no_healthy_backend_status=config.no_healthy_backend_status,
+            max_attempts=config.max_attempts,
+            retry_on_timeout=config.retry_on_timeout,
+            health_managed=config.health_managed,
+            backend_api_key=config.secret("backend_api_key"),
+            max_request_bytes=config.max_request_bytes,
+        )
 
 
 def filter_raw_headers(

@@ -147,16 +147,7 @@ class GenerationRouter:
             self.routing,
             self.policy,
             self.metrics,
-            ForwardingConfig(
-                backend_timeout_s=config.backend_timeout_s,
-                connect_timeout_s=config.connect_timeout_s,
-                no_healthy_backend_status=config.no_healthy_backend_status,
-                max_attempts=config.max_attempts,
-                retry_on_timeout=config.retry_on_timeout,
-                health_managed=config.health_managed,
-                backend_api_key=config.secret("backend_api_key"),
-                max_request_bytes=config.max_request_bytes,
-            ),
+            ForwardingConfig.of(config),
         )
         self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
         self._api_key = config.secret("api_key")

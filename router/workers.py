@@ -284,16 +284,7 @@ async def serve_worker(
         routing,
         policy,
         metrics,
-        ForwardingConfig(
-            backend_timeout_s=config.backend_timeout_s,
-            connect_timeout_s=config.connect_timeout_s,
-            no_healthy_backend_status=config.no_healthy_backend_status,
-            max_attempts=config.max_attempts,
-            retry_on_timeout=config.retry_on_timeout,
-            health_managed=config.health_managed,
-            backend_api_key=config.secret("backend_api_key"),
-            max_request_bytes=config.max_request_bytes,
-        ),
+        ForwardingConfig.of(config),
     )
     forwarder.use_limits(config.http)
     relay = AdminRelay(admin)
