@@ -157,31 +157,15 @@ def _slurm_queue_cleared(request: pytest.FixtureRequest) -> Iterator[None]:
         time.sleep(1)
     # What such a job leaves behind on the nodes (a process that outlived its step) would fail the next
     # test's leftover check as well: end it too, after the queue is empty.
-    for pid in _node_namespace_processes():
+    from tests.test_slurm_cluster import node_namespace_processes
+
+    for p in node_namespace_processes():
+        if p.comm in ("sh", "unshare", "slurmd", "slurmstepd"):  # the nodes' own processes and Slurm's
+            continue
         try:
-            os.kill(pid, 9)
+            os.kill(p.pid, 9)
         except ProcessLookupError:
             pass
-
-
-_NODE_OWN = {"sh", "unshare", "slurmd", "slurmstepd"}  # the nodes' own processes and Slurm's
-
-
-def _node_namespace_processes() -> list[int]:
-    """Processes in the local cluster's node namespaces (``RL_SLURM_NODE_NETNS``) other than the nodes'
-    own."""
-    names = os.environ.get("RL_SLURM_NODE_NETNS", "").split()
-    inodes = {os.stat(f"/run/netns/{n}").st_ino for n in names if os.path.exists(f"/run/netns/{n}")}
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}/ns/net").st_ino not in inodes:
-                continue
-            if Path(f"/proc/{pid}/comm").read_text().strip() not in _NODE_OWN:
-                found.append(int(pid))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return found
 
 
 # END Slurm queue hygiene

@@ -42,23 +42,16 @@ def node_namespaces() -> list[str]:
 
 def leftovers() -> list[str]:
     """Processes in any node namespace other than the node's own (init, unshare, slurmd)."""
-    inodes = {
-        os.stat(f"/run/netns/{n}").st_ino for n in node_namespaces() if os.path.exists(f"/run/netns/{n}")
-    }
-    assert inodes, "RL_SLURM_NODE_NETNS names no node namespace (run via slurm/cluster.sh exec)"
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}/ns/net").st_ino not in inodes:
-                continue
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if comm not in NODE_OWN and state != "Z":
-            found.append(f"{pid} {comm}: {cmd[:160]}")
-    return found
+    from tests.test_slurm_cluster import node_namespace_processes
+
+    assert any(os.path.exists(f"/run/netns/{n}") for n in node_namespaces()), (
+        "RL_SLURM_NODE_NETNS names no node namespace (run via slurm/cluster.sh exec)"
+    )
+    return [
+        f"{p.pid} {p.comm}: {p.cmdline[:160]}"
+        for p in node_namespace_processes()
+        if p.comm not in NODE_OWN and p.state != "Z"
+    ]
 
 
 def wait_no_leftovers(timeout_s: float = 20) -> list[str]:

@@ -22,6 +22,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -330,8 +331,18 @@ RAY_PROCESS = re.compile(
 )
 
 
-def _ray_processes_in_node_namespaces() -> list[str]:
-    """Ray processes (raylet, gcs_server, workers...) running in any node namespace of the local cluster."""
+class NodeProcess(NamedTuple):
+    pid: int
+    comm: str
+    state: str
+    """``/proc/PID/stat``'s state letter (``Z``: a zombie)."""
+    cmdline: str
+
+
+def node_namespace_processes() -> list[NodeProcess]:
+    """Every process in the local cluster's node namespaces (``RL_SLURM_NODE_NETNS``); the login node
+    sees them all. The one scan behind each test's leftover check and the Slurm-queue hygiene in
+    conftest."""
     names = os.environ.get("RL_SLURM_NODE_NETNS", "").split()
     inodes = {os.stat(f"/run/netns/{n}").st_ino for n in names if os.path.exists(f"/run/netns/{n}")}
     found = []
@@ -339,12 +350,19 @@ def _ray_processes_in_node_namespaces() -> list[str]:
         try:
             if os.stat(f"/proc/{pid}/ns/net").st_ino not in inodes:
                 continue
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if RAY_PROCESS.search(cmdline):
-            found.append(f"{pid}: {cmdline[:150]}")
+        found.append(NodeProcess(int(pid), comm, state, cmd))
     return found
+
+
+def _ray_processes_in_node_namespaces() -> list[str]:
+    """Ray processes (raylet, gcs_server, workers...) running in any node namespace of the local cluster."""
+    procs = node_namespace_processes()
+    return [f"{p.pid}: {p.cmdline[:150]}" for p in procs if RAY_PROCESS.search(p.cmdline)]
 
 
 def test_two_node_ray_cluster_inside_one_job(tmp_path: Path) -> None:
