@@ -41,29 +41,29 @@ from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
 from router.backends import canonical_backend_url
 
 
-def read_weight_version(url: str, timeout_s: float, api_key: str | None = None) -> str | None:
-    """The engine's ``GET /weight_info`` version (vLLM dev mode, the simulator); None on any failure.
-    ``api_key``: the job's engines take it on every route but ``/health`` (without it a restarted engine's
-    version is never known, and it waits in RECOVERING instead of being judged STALE or current)."""
+def _read_engine_field(url: str, path: str, field: str, timeout_s: float, api_key: str | None) -> Any:
+    """One field of an engine's JSON answer to ``GET path`` (vLLM dev mode, the simulator); None on any
+    failure. ``api_key``: the job's engines take it on every route but ``/health`` (without it a restarted
+    engine's version was never known, and it waited in RECOVERING instead of being judged)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        req = urllib.request.Request(url + "/weight_info", headers=headers)
+        req = urllib.request.Request(url + path, headers=headers)
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            version = json.loads(resp.read()).get("weight_version")
-            return str(version) if version is not None else None
+            return json.loads(resp.read()).get(field)
     except Exception:
         return None
+
+
+def read_weight_version(url: str, timeout_s: float, api_key: str | None = None) -> str | None:
+    """The engine's ``GET /weight_info`` version; None when unknown."""
+    version = _read_engine_field(url, "/weight_info", "weight_version", timeout_s, api_key)
+    return str(version) if version is not None else None
 
 
 def read_paused(url: str, timeout_s: float, api_key: str | None = None) -> bool | None:
-    """The engine's ``GET /is_paused`` (vLLM dev mode, the simulator); None on any failure."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        req = urllib.request.Request(url + "/is_paused", headers=headers)
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return bool(json.loads(resp.read()).get("is_paused"))
-    except Exception:
-        return None
+    """The engine's ``GET /is_paused``; None when unknown."""
+    paused = _read_engine_field(url, "/is_paused", "is_paused", timeout_s, api_key)
+    return bool(paused) if paused is not None else None
 
 
 def probe(url: str, timeout_s: float) -> ProbeResult:
@@ -195,7 +195,7 @@ class FleetController:
         on the paused engines without the router's bounds, and the trainer's resume would release nothing
         it counts. If any serving engine is paused, close the restarted front's gate again."""
         key = self._engine_key
-        answers = self._pool.map(lambda u: read_paused(u, 2.0, key), serving)
+        answers = self._pool.map(lambda u: read_paused(u, self.probe_timeout_s, key), serving)
         paused = [u for u, p in zip(serving, answers, strict=True) if p]
         if not paused:
             return
