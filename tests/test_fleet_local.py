@@ -87,11 +87,21 @@ TRAINER = textwrap.dedent(
 )
 
 
-def run_job(tmp_path: Path, mode: str, **generation: object) -> tuple[subprocess.CompletedProcess[str], Path]:
+def run_job(
+    tmp_path: Path,
+    mode: str,
+    *,
+    trainer_text: str = TRAINER,
+    router: dict[str, object] | None = None,
+    name: str = "fleet",
+    **generation: object,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """A local job of 3 sim engines whose training command is ``trainer_text`` run with ``mode``
+    (``router``: the spec's router section, default the builtin router with a 5 s backend timeout)."""
     trainer = tmp_path / "trainer.py"
-    trainer.write_text(TRAINER)
+    trainer.write_text(trainer_text)
     spec = {
-        "name": f"fleet-{mode.replace('_', '-')}",
+        "name": f"{name}-{mode.replace('_', '-')}",
         "cluster": "local",
         "job_root": str(tmp_path / "jobs"),
         "training": {"command": f"{sys.executable} {trainer} {mode}"},
@@ -102,7 +112,7 @@ def run_job(tmp_path: Path, mode: str, **generation: object) -> tuple[subprocess
             "sim": {"speed": 3},
             **generation,
         },
-        "router": {"backend_timeout_s": 5},
+        "router": router if router is not None else {"backend_timeout_s": 5},
     }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))

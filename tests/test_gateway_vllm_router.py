@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from launcher.gateways import GatewayContext, GatewayError, make_gateway
 from launcher.gateways.vllm_router_admin import Registrar, VllmRouterAdmin
@@ -254,27 +253,11 @@ def _kill_process_trainer() -> str:
 
 
 def _local_job(tmp_path: Path, mode: str, trainer_text: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-    trainer = tmp_path / "trainer.py"
-    trainer.write_text(trainer_text)
-    spec = {
-        "name": f"vrouter-{mode.replace('_', '-')}",
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {"command": f"{sys.executable} {trainer} {mode}"},
-        "generation": {
-            "engine": "sim",
-            "engines_per_node": 3,
-            "served_model_name": "sim-8b",
-            "sim": {"speed": 3},
-        },
-        "router": {"kind": "vllm-router", "vllm_router": {"policy": "cache_aware"}},
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
-    proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=400)
-    (job,) = list((tmp_path / "jobs").iterdir())
-    return proc, job
+    """tests/test_fleet_local.py's local job, with vllm-router (cache_aware) as the front."""
+    from tests.test_fleet_local import run_job
+
+    router = {"kind": "vllm-router", "vllm_router": {"policy": "cache_aware"}}
+    return run_job(tmp_path, mode, trainer_text=trainer_text, router=router, name="vrouter")
 
 
 def _member_times(job: Path, victim: dict[str, object]) -> tuple[float, float, str]:
