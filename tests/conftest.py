@@ -169,3 +169,34 @@ def _slurm_queue_cleared(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 # END Slurm queue hygiene
+
+
+# ============================================================================================
+# BEGIN simulated engines with vLLM's RL routes (/pause, /resume, /weight_info ...), in this process:
+# the refit-window tests (tests/test_refit.py) and the router's worker tests share them.
+# ============================================================================================
+
+
+@pytest.fixture
+async def sims():  # type: ignore[no-untyped-def]
+    """``await make(n, **sim_config)``: ``n`` started ``SimServer``s (speed 20), stopped after the test."""
+    from launcher.engines.sim.config import SimConfig
+    from launcher.engines.sim.server import SimServer
+
+    made: list[SimServer] = []
+
+    async def make(n: int = 2, **config: object) -> list[SimServer]:
+        out = []
+        for i in range(n):
+            sim = SimServer(SimConfig(speed=20.0, **config), index=i)  # type: ignore[arg-type]
+            await sim.start()
+            out.append(sim)
+        made.extend(out)
+        return out
+
+    yield make
+    for sim in made:
+        await sim.stop()
+
+
+# END simulated engines

@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
+
+from router import GenerationRouter
+from router.config import RouterConfig
+from router.policies.base import Policy
 
 
 @dataclass
@@ -123,3 +127,29 @@ async def engine_factory(
             e.release_stream.set()
             await e.stop()
 
+
+
+@contextlib.contextmanager
+def router_factory(**defaults: object) -> Iterator[Callable[..., GenerationRouter]]:
+    """``make(backends, **settings)`` starts a router on 127.0.0.1 (OS-chosen port) with ``defaults``
+    under ``settings``; a ``Policy`` object as ``policy`` becomes the router's own policy object. Every
+    router made is stopped on exit. The body of each test file's ``routers`` fixture."""
+    made: list[GenerationRouter] = []
+
+    def make(backends: list[str], **settings: object) -> GenerationRouter:
+        for key, value in defaults.items():
+            settings.setdefault(key, value)
+        policy = settings.get("policy")
+        obj = policy if isinstance(policy, Policy) else None
+        if obj is not None:
+            settings["policy"] = obj.name
+        r = GenerationRouter(RouterConfig(host="127.0.0.1", port=0, **settings), backends, policy=obj)  # type: ignore[arg-type]
+        r.serve_in_background()
+        made.append(r)
+        return r
+
+    try:
+        yield make
+    finally:
+        for r in made:
+            r.stop()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -26,44 +26,16 @@ from router import GenerationRouter
 from router.config import RouterConfig
 from router.engine_counters import delta, parse_counters
 from router.pause_gate import PauseGate
+from tests.http_backends import router_factory
 
 TOKEN = "admin-test-token-1234"
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture
-async def sims() -> AsyncIterator[Callable[..., Any]]:
-    made: list[SimServer] = []
-
-    async def make(n: int = 2, **config: Any) -> list[SimServer]:
-        out = []
-        for i in range(n):
-            s = SimServer(SimConfig(speed=20.0, **config), index=i)
-            await s.start()
-            out.append(s)
-        made.extend(out)
-        return out
-
-    yield make
-    for s in made:
-        await s.stop()
-
-
-@pytest.fixture
-def router_over() -> Any:
-    made: list[GenerationRouter] = []
-
-    def make(urls: list[str], **kw: Any) -> GenerationRouter:
-        kw.setdefault("policy", "round_robin")
-        kw.setdefault("probe_interval_s", 0)
-        r = GenerationRouter(RouterConfig(host="127.0.0.1", port=0, admin_token=TOKEN, **kw), urls)
-        r.serve_in_background()
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.stop()
+def router_over() -> Iterator[Callable[..., GenerationRouter]]:
+    with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN) as make:
+        yield make
 
 
 def chat(max_tokens: int = 8, content: str = "hello there") -> dict[str, Any]:

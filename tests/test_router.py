@@ -8,7 +8,7 @@ import hashlib
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import aiohttp
 import orjson
@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router import GenerationRouter, RouterBindError
 from router.config import RouterConfig
 from router.status import CLIENT_RETRIED_STATUSES
-from tests.http_backends import FakeEngine, dead_url, engine_factory
+from tests.http_backends import FakeEngine, dead_url, engine_factory, router_factory
 
 CHAT = "/v1/chat/completions"
 
@@ -30,21 +30,10 @@ async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]
 
 
 @pytest.fixture
-def routers() -> object:
-    made: list[GenerationRouter] = []
-
-    def make(backends: list[str], **kwargs: object) -> GenerationRouter:
-        kwargs.setdefault("policy", "round_robin")
-        kwargs.setdefault("probe_interval_s", 0)  # these tests count outcomes; probing has its own tests
-        config = RouterConfig(host="127.0.0.1", port=0, **kwargs)  # type: ignore[arg-type]
-        r = GenerationRouter(config, backends)
-        r.serve_in_background()
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.stop()
+def routers() -> Iterator[Callable[..., GenerationRouter]]:
+    # probing off: these tests count outcomes; probing has its own tests
+    with router_factory(policy="round_robin", probe_interval_s=0) as make:
+        yield make
 
 
 async def post(url: str, body: bytes | dict[str, object], **kwargs: object) -> tuple[int, bytes, object]:

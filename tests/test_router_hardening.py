@@ -35,7 +35,7 @@ from router.cli import router_command
 from router.config import RouterConfig, RouterSettings, describe_errors
 from router.policies import LoadTracker, RoundRobin
 from router.probing import HealthProber
-from tests.http_backends import FakeEngine, engine_factory
+from tests.http_backends import FakeEngine, engine_factory, router_factory
 
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,18 +66,8 @@ async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]
 
 @pytest.fixture
 def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    made: list[GenerationRouter] = []
-
-    def make(backends: list[str], **settings: object) -> GenerationRouter:
-        settings.setdefault("policy", "round_robin")
-        r = GenerationRouter(RouterConfig(host="127.0.0.1", port=0, **settings), backends)  # type: ignore[arg-type]
-        r.serve_in_background()
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.stop()
+    with router_factory(policy="round_robin") as make:
+        yield make
 
 
 async def call(method: str, url: str, token: str | None = None, **kwargs: object) -> tuple[int, object]:

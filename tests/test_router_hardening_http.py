@@ -12,7 +12,7 @@ import gzip
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -28,11 +28,10 @@ from router.policies import (
     ConsistentHash,
     LoadTracker,
     NoBackendAvailable,
-    Policy,
     RoundRobin,
     RouteRequest,
 )
-from tests.http_backends import FakeEngine, dead_url, engine_factory
+from tests.http_backends import FakeEngine, dead_url, engine_factory, router_factory
 
 CHAT = "/v1/chat/completions"
 
@@ -134,28 +133,17 @@ async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]
 
 
 @pytest.fixture
-def routers() -> object:
-    made: list[GenerationRouter] = []
+def routers() -> Iterator[Callable[..., GenerationRouter]]:
+    with router_factory(policy="round_robin", probe_interval_s=0) as base:
 
-    def make(backends: list[str], limits: HttpLimits | None = None, **kwargs: object) -> GenerationRouter:
-        """A router on an OS-chosen port with the serving set as given: active probing off, so the
-        forwarding path alone decides what these tests see (the prober has its own tests)."""
-        policy = kwargs.pop("policy", "round_robin")
-        obj = policy if isinstance(policy, Policy) else None
-        kwargs.setdefault("probe_interval_s", 0)
-        if limits is not None:
-            kwargs["http"] = limits
-        config = RouterConfig(
-            host="127.0.0.1", port=0, policy=obj.name if obj else policy, **kwargs  # type: ignore[arg-type]
-        )
-        r = GenerationRouter(config, backends, policy=obj)
-        r.serve_in_background()
-        made.append(r)
-        return r
+        def make(backends: list[str], limits: HttpLimits | None = None, **kwargs: object) -> GenerationRouter:
+            """A router on an OS-chosen port with the serving set as given: active probing off, so the
+            forwarding path alone decides what these tests see (the prober has its own tests)."""
+            if limits is not None:
+                kwargs["http"] = limits
+            return base(backends, **kwargs)
 
-    yield make
-    for r in made:
-        r.stop()
+        yield make
 
 
 async def post(url: str, body: bytes | dict[str, object], **kwargs: object) -> tuple[int, bytes]:

@@ -22,11 +22,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from launcher.engines.sim.config import SimConfig
-from launcher.engines.sim.server import SimServer
 from router import GenerationRouter, RouterConfig
 from router.limits import HttpLimits
-from tests.http_backends import FakeEngine, dead_url, engine_factory
+from tests.http_backends import FakeEngine, dead_url, engine_factory, router_factory
 
 CHAT = "/v1/chat/completions"
 ROUNDS = 30  # bounded: rounds of concurrent requests until both workers have answered some
@@ -49,19 +47,8 @@ async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]
 
 @pytest.fixture
 def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    made: list[GenerationRouter] = []
-
-    def make(backends: list[str], **kwargs: object) -> GenerationRouter:
-        kwargs.setdefault("probe_interval_s", 0)
-        kwargs.setdefault("workers", 2)
-        r = GenerationRouter(RouterConfig(host="127.0.0.1", port=0, **kwargs), backends)  # type: ignore[arg-type]
-        r.serve_in_background()
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.stop()
+    with router_factory(probe_interval_s=0, workers=2) as make:
+        yield make
 
 
 async def in_thread(fn: Callable[[], object]) -> object:
@@ -298,25 +285,6 @@ def test_workers_that_do_not_start_leave_nothing_behind(monkeypatch) -> None:
 
 # -- the refit window with workers: one pause gate, held in the parent ----------------------------------
 TOKEN = "admin-key"
-
-
-@pytest.fixture
-async def sims() -> AsyncIterator[Callable[..., Awaitable[list[SimServer]]]]:
-    """Simulated engines with vLLM's RL routes (/pause, /resume, ...), as in tests/test_refit.py."""
-    made: list[SimServer] = []
-
-    async def make(n: int) -> list[SimServer]:
-        out = []
-        for i in range(n):
-            sim = SimServer(SimConfig(speed=20.0), index=i)
-            await sim.start()
-            out.append(sim)
-        made.extend(out)
-        return out
-
-    yield make
-    for sim in made:
-        await sim.stop()
 
 
 def sim_chat(content: str) -> dict[str, Any]:
