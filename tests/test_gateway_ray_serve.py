@@ -309,12 +309,30 @@ def _sleepers(marker: Path) -> list[int]:
     return found
 
 
+def _kill_and_wait_healthy(url: str, actor_prefix: str, no_restart: bool, what: str) -> float:
+    """Kill Serve's named actor whose name starts with ``actor_prefix``; seconds until ``url``'s
+    ``/health`` answers 200 again (bounded: 60 s)."""
+    import ray
+
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    name = next(a["name"] for a in actors if a["name"].startswith(actor_prefix))
+    t = time.monotonic()
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=no_restart)
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - t
+        except OSError:
+            pass
+        assert time.monotonic() - t < 60, f"{what} on the same URL"
+        time.sleep(0.2)
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_killed_and_wedged_engines_are_replaced_with_no_session_lost(tmp_path: Path) -> None:
     import threading
-
-    import ray
 
     with _serve(tmp_path, 3, "cache_aware", speed=3) as (url, job_dir):
         replicas = _replicas(job_dir)
@@ -328,41 +346,11 @@ def test_killed_and_wedged_engines_are_replaced_with_no_session_lost(tmp_path: P
         _fault(replicas[1]["url"], "wedge")  # hangs, /health included
         wedged_s = _wait_replaced(job_dir, replicas[1]["replica"], 3)
         # Serve's HTTP proxy killed: Ray restarts it on the same port
-        proxy = next(
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("SERVE_PROXY_ACTOR")
-        )
-        t = time.monotonic()
-        ray.kill(ray.get_actor(proxy, namespace="serve"), no_restart=False)
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() - t < 60, "Serve's proxy did not come back on the same URL"
-            time.sleep(0.2)
-        proxy_s = time.monotonic() - t
+        proxy_s = _kill_and_wait_healthy(url, "SERVE_PROXY_ACTOR", False, "Serve's proxy did not come back")
         # the ingress replica killed: Serve starts another behind the same proxy and URL
-        ingress = next(
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("SERVE_REPLICA::rl-launch#ingress#")
+        ingress_s = _kill_and_wait_healthy(
+            url, "SERVE_REPLICA::rl-launch#ingress#", True, "the ingress did not come back"
         )
-        t = time.monotonic()
-        ray.kill(ray.get_actor(ingress, namespace="serve"), no_restart=True)
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() - t < 60, "the ingress did not come back behind the same URL"
-            time.sleep(0.2)
-        ingress_s = time.monotonic() - t
         replay.join(300)
         row = results[0].row
         failed = [(x.id, x.error) for x in results[0].result.sessions if not x.ok]
