@@ -329,36 +329,19 @@ class SimServer:
             if params.stream:
                 return await self._stream(request, req, params, out)
             await req.done
-            if req.state == ReqState.ABORTED and req.finish_reason == ABORT_REASON:
-                aborted = PlannedOutput(out.tokens, out.text, ABORT_REASON)
-                return _json(
-                    full_response(
-                        params,
-                        req.rid,
-                        int(time.time()),
-                        self.config.model_name,
-                        aborted,
-                        req.n_gen,
-                        req.cached_tokens,
-                    )
-                )
-            if req.state != ReqState.FINISHED:
+            aborted = req.state == ReqState.ABORTED and req.finish_reason == ABORT_REASON
+            if req.state != ReqState.FINISHED and not aborted:
                 return web.Response(
                     body=error_body(500, "request aborted", "InternalServerError"),
                     status=500,
                     content_type=_JSON,
                 )
-            return _json(
-                full_response(
-                    params,
-                    req.rid,
-                    int(time.time()),
-                    self.config.model_name,
-                    out,
-                    req.n_gen,
-                    req.cached_tokens,
-                )
-            )
+            # vLLM answers a request aborted by /abort_requests or a pause(abort) like a finished one,
+            # with finish_reason "abort" and what it had generated.
+            output = PlannedOutput(out.tokens, out.text, ABORT_REASON) if aborted else out
+            created = int(time.time())
+            model = self.config.model_name
+            return _json(full_response(params, req.rid, created, model, output, req.n_gen, req.cached_tokens))
         finally:
             if req.state in (ReqState.WAITING, ReqState.RUNNING):
                 self.scheduler.abort(req)
