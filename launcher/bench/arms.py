@@ -130,10 +130,10 @@ async def run_arm_async(
     ``engine_urls`` may be given with or without ``/v1``.
     """
     engines = [_root(u) for u in engine_urls]
-    before = await scrape(engines) if engines else []
+    before = await scrape(engines, api_key=config.api_key) if engines else []
     client = ReplayClient([_v1(u) for u in client_urls], config, on_session_end)
     result = await client.run(trace)
-    after = await scrape(engines) if engines else []
+    after = await scrape(engines, api_key=config.api_key) if engines else []
     client_counts = None
     if arm == DIRECT or len(client_urls) > 1:
         counts = result.target_counts()

@@ -50,12 +50,16 @@ def parse_prometheus(text: str, names: Sequence[str] = WATCHED) -> dict[str, flo
     return out
 
 
-async def scrape(engine_urls: Sequence[str], timeout_s: float = 10.0) -> list[dict[str, float] | None]:
-    """``GET {url}/metrics`` of every engine (URL without ``/v1``); None where it could not be read."""
+async def scrape(
+    engine_urls: Sequence[str], timeout_s: float = 10.0, api_key: str | None = None
+) -> list[dict[str, float] | None]:
+    """``GET {url}/metrics`` of every engine (URL without ``/v1``); None where it could not be read.
+    ``api_key``: a job's engines take it on every route but ``/health`` (``launcher.engines.key_guard``)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def one(http: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
         try:
-            async with http.get(url.rstrip("/") + "/metrics") as resp:
+            async with http.get(url.rstrip("/") + "/metrics", headers=headers, allow_redirects=False) as resp:
                 if resp.status != 200:
                     return None
                 return parse_prometheus(await resp.text())

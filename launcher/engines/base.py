@@ -24,6 +24,9 @@ class EngineSpec:
     host: str = "127.0.0.1"
     port: int = 0
     api_key: str | None = None
+    key_guard: bool = True
+    """With ``api_key``: every route but ``/health`` takes the key (``launcher.engines.key_guard``), not
+    only vLLM's ``/v1`` routes; the dev routes (``/pause``, ``/collective_rpc``...) are open otherwise."""
     tensor_parallel_size: int = 1
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)

@@ -15,8 +15,12 @@ policy is pointless without it), then ``spec.extra_args`` verbatim and last, so 
 "last one wins" lets a caller override any of ours (e.g. ``--no-enable-prefix-caching``).
 
 Secrets: the API key goes to the child as ``VLLM_API_KEY`` (vLLM reads it when ``--api-key`` is absent),
-never as an argument: argv is world-readable in ``/proc`` and ``ps``, and we print it into the log. Note
-that vLLM only guards ``/v1/...``; ``/health``, ``/metrics`` and bare ``/tokenize`` stay open.
+never as an argument: argv is world-readable in ``/proc`` and ``ps``, and we print it into the log. vLLM
+itself checks the key only under ``/v1`` (and ``/v2``, ``/inference``, ``/cohere``): its dev routes
+(``/pause``, ``/collective_rpc``...), ``/metrics`` and ``/tokenize`` answer anyone. With a key (and
+``spec.key_guard``, the default) the server therefore also gets ``--middleware`` with the launcher's key
+guard (``launcher.engines.key_guard``, on the child's ``PYTHONPATH``): every route but ``/health`` takes
+the key.
 
 Process model: the server is started with ``start_new_session=True`` so it and everything it forks
 (the engine core, TP workers) share one process group that ``stop()`` can signal as a whole; otherwise a
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from launcher.engines.base import Engine, EngineSpec, EngineStartError
+from launcher.engines.key_guard import GUARD_DIR, GUARD_IMPORT_PATH
 from launcher.engines.ports import free_port
 
 if TYPE_CHECKING:
@@ -211,8 +216,15 @@ class VllmEngine(Engine):
         if s.served_name:
             argv += ["--served-model-name", s.served_name]
         argv += ["--tensor-parallel-size", str(s.tensor_parallel_size), "--enable-prefix-caching"]
+        if self.guarded:
+            argv += ["--middleware", GUARD_IMPORT_PATH]
         argv += list(s.extra_args)
         return argv
+
+    @property
+    def guarded(self) -> bool:
+        """Whether every route but ``/health`` takes the key (see the module doc)."""
+        return bool(self.spec.api_key) and self.spec.key_guard
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The child's environment: ``base`` (default ``os.environ``) + our defaults + ``spec.env``.
@@ -232,6 +244,8 @@ class VllmEngine(Engine):
         if self.spec.api_key:
             env["VLLM_API_KEY"] = self.spec.api_key
         env.update(self.spec.env)
+        if self.guarded:  # the key guard is imported by the engine's interpreter, from its own directory
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (GUARD_DIR, env.get("PYTHONPATH", "")) if p)
         return env
 
     # ----------------------------------------------------------------- lifecycle

@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--engines", type=int, default=1, help="engines served by this process")
     p.add_argument("--api-key-file", default=None, help=f"file holding the API key (else ${API_KEY_ENV})")
+    p.add_argument(
+        "--key-guard",
+        action="store_true",
+        help="every route but /health takes the API key (vLLM with the launcher's --middleware); "
+        "without it, as vLLM: only /v1 and the like",
+    )
     p.add_argument("--url-file", default=None, help="write the served URLs here, one a line, once bound")
     p.add_argument("--fault", choices=FAULT_MODES, default="none", help="initial fault mode")
     p.add_argument("--error-rate", type=float, default=0.3)
@@ -120,6 +126,7 @@ async def serve(args: argparse.Namespace) -> int:
         host=args.host,
         ports=ports,
         api_key=read_api_key(args.api_key_file),
+        key_guard=args.key_guard,
         fault=fault,
     )
     stop = asyncio.Event()

@@ -38,6 +38,7 @@ class SimFleet:
         host: str = "127.0.0.1",
         ports: Sequence[int] | None = None,
         api_key: str | None = None,
+        key_guard: bool = False,
         fault: FaultSpec | str | None = None,
         **config_overrides: Any,
     ) -> None:
@@ -55,7 +56,15 @@ class SimFleet:
         if ports is not None and len(ports) != len(self.configs):
             raise ValueError("ports must give one port per engine")
         self.servers = [
-            SimServer(c, host=host, port=ports[i] if ports else 0, api_key=api_key, fault=fault, index=i)
+            SimServer(
+                c,
+                host=host,
+                port=ports[i] if ports else 0,
+                api_key=api_key,
+                key_guard=key_guard,
+                fault=fault,
+                index=i,
+            )
             for i, c in enumerate(self.configs)
         ]
         self._loop: asyncio.AbstractEventLoop | None = None

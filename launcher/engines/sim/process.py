@@ -93,6 +93,8 @@ class SimEngine(Engine):
         ]
         if self._url_file:
             cmd += ["--url-file", self._url_file]
+        if self.spec.api_key and self.spec.key_guard:  # as the launcher's vLLM engines (--middleware)
+            cmd.append("--key-guard")
         return cmd + list(self.spec.extra_args)
 
     def start(self) -> None:

@@ -5,16 +5,20 @@ not), ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /healt
 ``GET /metrics`` (Prometheus text, vLLM names). Admin: ``POST /sim/fault`` (body: see ``faults``),
 ``GET /sim/fault``, ``GET /sim/stats``.
 
-With an API key, as in vLLM, routes under ``/v1`` demand ``Authorization: Bearer K`` (401 otherwise)
-while ``/health``, ``/metrics``, ``/tokenize`` and ``/detokenize`` stay open; ``/sim/*`` also demands
-the key, since it can take the engine down.
+The API key, as vLLM checks it: with a key and nothing else, only routes under vLLM's guarded prefixes
+(``/v1``, ``/v2``, ``/inference``, ``/cohere``; never ``OPTIONS``) demand ``Authorization: Bearer K``
+(401 otherwise), while ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize`` and vLLM's dev routes
+(``/pause``, ``/update_weight_version``...) answer anyone, exactly as a vLLM server in dev mode does: the
+tests must see what a user's engine exposes, not a safer stand-in. With ``key_guard`` (what the launcher
+gives every engine it starts with a key, vLLM through ``--middleware``) every route but ``/health`` takes
+the key, by the same rule (``launcher.engines.key_guard``). ``/sim/*``, which has no vLLM counterpart and
+can take the engine down, always demands the key when there is one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import random
 import socket
 import struct
@@ -24,6 +28,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ..key_guard import authorized, needs_key
 from .config import SimConfig
 from .faults import FaultSpec
 from .metrics import CONTENT_TYPE, SimMetrics
@@ -75,6 +80,9 @@ def _reset_transport(transport: asyncio.BaseTransport | None) -> None:
     transport.abort()  # type: ignore[attr-defined]
 
 
+# vLLM's own key check (vllm/entrypoints/serve/middleware/authenticate.py, 0.32): these prefixes only.
+VLLM_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
 # vLLM's dev-mode routes: answered even while wedged (a trainer must be able to resume a fleet).
 _DEV_PATHS = frozenset(
     {
@@ -100,6 +108,7 @@ class SimServer:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
+        key_guard: bool = False,
         fault: FaultSpec | str | None = None,
         index: int = 0,
     ) -> None:
@@ -109,6 +118,7 @@ class SimServer:
         self._port = port
         self.index = index
         self._api_key = api_key or None
+        self._key_guard = key_guard
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.config, self.stats)
         self.metrics = SimMetrics(self.scheduler, self.config.model_name)
@@ -262,20 +272,29 @@ class SimServer:
 
     # -- middleware ------------------------------------------------------------------------------
     def _authorized(self, request: web.Request) -> bool:
-        got = request.headers.get("Authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {self._api_key}".encode())
+        assert self._api_key is not None
+        return authorized(request.headers.get("Authorization"), self._api_key)
+
+    def _needs_key(self, request: web.Request) -> bool:
+        """Which requests vLLM (``key_guard``: vLLM with the launcher's guard) answers only with the key."""
+        if self._api_key is None:
+            return False
+        path = request.path
+        if path.startswith("/sim/"):
+            return True
+        if self._key_guard:
+            return needs_key(path)
+        return request.method != "OPTIONS" and path.startswith(VLLM_GUARDED_PREFIXES)
 
     @web.middleware
     async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._needs_key(request) and not self._authorized(request):
+            return _json({"error": "Unauthorized"}, 401)
         path = request.path
         if path.startswith("/sim/") or path in _DEV_PATHS:
-            if self._api_key and not self._authorized(request):
-                return _json({"error": "Unauthorized"}, 401)
             return await handler(request)
         if not self._unwedged.is_set() and (self._fault.wedge_health or path not in ("/health", "/metrics")):
             await self._unwedged.wait()
-        if self._api_key and path.startswith("/v1") and not self._authorized(request):
-            return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
 
     # -- generation ------------------------------------------------------------------------------
