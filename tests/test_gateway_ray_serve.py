@@ -291,6 +291,48 @@ def test_no_running_engine_replica_is_answered_409_and_its_engine_is_reaped(tmp_
     assert _sleepers(marker) == [], "an engine outlived its replica"
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_ingress_serves_only_the_proxied_routes_and_only_with_the_key(tmp_path: Path) -> None:
+    """The front forwarded every path to its replicas: vLLM's dev routes (/pause, /collective_rpc...),
+    open on the engines, were open through the front URL too, and the client key could pause the fleet.
+    Now only the proxied routes pass, and only with the job's key; the engine behind stays unpaused."""
+    import dataclasses
+
+    from launcher.engines.ports import free_port
+    from launcher.gateways.ray_serve.bench_arm import local_plan, local_ray, serve_app
+
+    key_file = tmp_path / "api_key"
+    key_file.write_text("serve-key\n")
+    key_file.chmod(0o600)
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    base = local_plan(1, "cache_aware", {"speed": 20}, str(job_dir), startup_timeout_s=60)
+    plan = dataclasses.replace(base, engine={**base.engine, "api_key_file": str(key_file)})
+    key = {"Authorization": "Bearer serve-key"}
+
+    def call(url: str, path: str, body: Any, headers: dict[str, str]) -> int:
+        headers = {"Content-Type": "application/json", **headers}
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    with local_ray(), serve_app(plan, free_port("127.0.0.1")) as url:
+        assert call(url, "/v1/chat/completions", _chat("hi"), key) == 200
+        assert call(url, "/v1/chat/completions", _chat("hi"), {}) == 401
+        assert call(url, "/v1/chat/completions", _chat("hi"), {"Authorization": "Bearer wrong"}) == 401
+        for path in ("/pause?mode=keep", "/collective_rpc", "/update_weight_version", "/sim/fault"):
+            assert call(url, path, {}, {}) == 404, path
+            assert call(url, path, {}, key) == 404, path  # the client key opens no admin route either
+        engine = _replicas(str(job_dir))[0]["url"]
+        with urllib.request.urlopen(urllib.request.Request(engine + "/is_paused", headers=key)) as resp:
+            assert json.loads(resp.read())["is_paused"] is False
+        assert call(url, "/health", {}, {}) == 200
+
+
 def _sleep_arg() -> str:
     return f"300.{os.getpid()}"  # unique to this test run: other engineers' processes never match
 

@@ -13,6 +13,12 @@ one place that turns those into ours:
 
 Once the first byte of the body went out the status is fixed: a stream cut later ends the response
 early (the client sees a truncated body, as with our router).
+
+Only the router's proxied routes (``router.server.PROXIED_ROUTES``: the OpenAI generation routes,
+``/tokenize``, ``/detokenize``) reach the engines, and only with the job's API key, checked here before the
+body is read; ``/health`` is the front's own. Everything else is 404: forwarding every path used to hand
+vLLM's dev routes (``/pause``, ``/collective_rpc``...) to anyone who could reach the front, and a rollout
+worker holding the client key could pause the fleet through it.
 """
 
 from __future__ import annotations
@@ -26,11 +32,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from launcher.engines.host import read_secret
+from launcher.engines.key_guard import authorized
 from launcher.gateways.ray_serve.plan import ServePlan
 from launcher.gateways.ray_serve.request_router import RETRY_EXCLUDE, ROUTE_KEY, ROUTED
+from router.server import PROXIED_ROUTES
 
 ENGINES_DEPLOYMENT = "engines"
 INGRESS_DEPLOYMENT = "ingress"
+_PROXIED = frozenset((method, path) for path, methods in PROXIED_ROUTES for method in methods)
 
 
 def _error(status: int, message: str) -> Response:
@@ -42,6 +52,9 @@ class GatewayIngress:
         self.engines = engines
         self.plan = ServePlan(**plan)
         self.app_name = app_name
+        # Read from the job's 0600 file on this node, never carried in the plan (Serve keeps deployment
+        # arguments in its controller's checkpoint).
+        self._key = read_secret(self.plan.engine.get("api_key_file"))
         self._running = 0
         self._running_at = 0.0
 
@@ -60,15 +73,19 @@ class GatewayIngress:
         return self._running
 
     async def __call__(self, request: Request) -> Response:
-        body = await request.body()
-        if len(body) > self.plan.max_request_bytes:
-            return _error(413, f"request body over {self.plan.max_request_bytes} bytes")
         path = request.url.path
         if path == "/health":
             running = await self.running_replicas()
             if running:
                 return Response(status_code=200)
             return _error(self.plan.no_healthy_status, "no healthy engine replica")
+        if (request.method, path) not in _PROXIED:
+            return _error(404, f"route {request.method} {path} is not served by the gateway")
+        if self._key is not None and not authorized(request.headers.get("authorization"), self._key):
+            return _error(401, "invalid or missing API key")
+        body = await request.body()
+        if len(body) > self.plan.max_request_bytes:
+            return _error(413, f"request body over {self.plan.max_request_bytes} bytes")
         if await self.running_replicas() == 0:
             return _error(self.plan.no_healthy_status, "no healthy engine replica")
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers.raw}
