@@ -106,7 +106,7 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 # shows up as a distant, baffling failure. Fail the test that leaked it instead.
 # ============================================================================================
 
-_GUARDED_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")
+_GUARDED_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
 
 
 @pytest.fixture(autouse=True)

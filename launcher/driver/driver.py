@@ -360,6 +360,7 @@ class Driver:
             self.job.write_spec(self.spec)
         self.job.new_api_key()
         self.job.new_admin_token()
+        self.job.new_ray_token()
 
     # -- phases ----------------------------------------------------------------------------------------
     def _start_ray(self) -> None:
@@ -371,7 +372,8 @@ class Driver:
         self.ray = RayCluster(
             head_ip,
             free_port(head_ip),
-            self.job.logs,
+            self.job.path,
+            self.job.ray_token_file,
             os.environ,
             self.local,
             num_cpus=os.cpu_count() if self.local else None,
@@ -614,7 +616,7 @@ class Driver:
             }
         )
         if self.ray is not None:
-            env["RAY_ADDRESS"] = self.ray.address
+            env.update(self.ray.client_env())
         return env
 
     def _run_training(self, env: dict[str, str]) -> int:

@@ -6,8 +6,17 @@ dead step, which the driver reports by name. Waiting is bounded: every node must
 before the deadline, and a worker step that exits early fails the wait at once instead of after it.
 
 Environment choices (each against a failure seen on these clusters):
-* ``RAY_AUTH_MODE=disabled``: Ray 2.60 turns token auth on by itself once ``~/.ray/auth_token`` exists
-  (any earlier local ``ray.init`` writes one), and workers started without it then cannot join.
+* ``RAY_AUTH_MODE=token`` with ``RAY_AUTH_TOKEN_PATH`` = the job's own token (``secrets/ray_token``, 0600),
+  in the head, every worker step, the driver and the training command, and ``RAY_AUTH_TOKEN`` removed so
+  nothing inherited overrides the file. Without it Ray serves GCS, its client server, the raylets and
+  their agents to anyone who can reach the nodes: a client with no credential, from any account on the
+  cluster, ran tasks as the job's user (reading ``secrets/``, calling the router actor whose config holds
+  every secret, setting the serving set to its own engines). With the token it gets ``Failed to connect
+  to Ray cluster``. Always ``token``, whatever ``RAY_AUTH_MODE`` the user's shell had: it used to be
+  ``disabled`` because Ray turns token auth on by itself once ``~/.ray/auth_token`` exists, and workers
+  then could not join; a token of the job's own, given to every node, ends both problems.
+* Ray's files in a directory only the job's user can enter (``launcher.driver.ray_node``), never the
+  shared ``/tmp/ray``, whose folders Ray makes 0777.
 * ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in local mode: without it Ray rewrites 127.0.0.1 to the
   machine's external address, and its processes talk over that interface.
 * dashboard and usage stats off: nothing to serve, nothing to phone home.
@@ -22,8 +31,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from launcher.driver.ray_node import node_command
 from launcher.driver.steps import LocalSteps, SrunSteps, Step
-from launcher.driver.warning_shield import shielded
 
 # The job's named actors (the router: "router") live here, so a training script or an operator attached to
 # the same cluster (RAY_ADDRESS) can find them with ray.get_actor("router", namespace=RAY_NAMESPACE).
@@ -31,9 +40,20 @@ RAY_NAMESPACE = "rl-launch"
 ROUTER_ACTOR_NAME = "router"
 
 
-def ray_env(base: Mapping[str, str], local: bool) -> dict[str, str]:
+# What a process needs to reach the job's Ray; os.environ of the driver carries them from ray.init on.
+CLIENT_ENV = (
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN_PATH",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    "RAY_USAGE_STATS_ENABLED",
+)
+
+
+def ray_env(base: Mapping[str, str], local: bool, token_file: str | os.PathLike[str]) -> dict[str, str]:
     env = dict(base)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
+    env.pop("RAY_AUTH_TOKEN", None)  # Ray prefers it to the file: an inherited one would win
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env["RAY_DISABLE_DOCKER_CPU_WARNING"] = "1"
     # No Serve replicas to quiesce: on SIGTERM stop at once instead of draining for 30 s, which would
@@ -47,6 +67,19 @@ def ray_env(base: Mapping[str, str], local: bool) -> dict[str, str]:
     return env
 
 
+def reload_ray_auth() -> None:
+    """Make this process's Ray read ``RAY_AUTH_MODE`` and the token again.
+
+    Ray reads both once per process, when it is first imported, and caches them: a driver whose process
+    imported Ray before the job's settings were in its environment (``rl-launch submit`` validating a
+    ``ray-serve`` spec imports ``ray.serve``) connected in the old mode and was refused by its own head.
+    Ray's own tests reset them this way (``ray._private.authentication_test_utils``)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 def ray_executable() -> str:
     candidate = Path(sys.executable).with_name("ray")
     return str(candidate) if candidate.exists() else "ray"
@@ -57,15 +90,17 @@ class RayCluster:
         self,
         head_ip: str,
         port: int,
-        logs: Path,
+        job_dir: Path,
+        token_file: Path,
         env: Mapping[str, str],
         local: bool,
         num_cpus: int | None = None,
     ) -> None:
         self.head_ip = head_ip
         self.port = port
-        self.logs = logs
-        self.env = ray_env(env, local)
+        self.job_dir = job_dir
+        self.logs = job_dir / "logs"
+        self.env = ray_env(env, local, token_file)
         self.local = local
         self.num_cpus = num_cpus
         self.head: Step | None = None
@@ -77,6 +112,11 @@ class RayCluster:
     @property
     def address(self) -> str:
         return f"{self.head_ip}:{self.port}"
+
+    def client_env(self) -> dict[str, str]:
+        """What the training command needs to attach to the job's Ray (``ray.init()``): the address and
+        the token's file, never the token itself."""
+        return {"RAY_ADDRESS": self.address, **{k: self.env[k] for k in CLIENT_ENV if k in self.env}}
 
     def start_head(self) -> None:
         argv = [
@@ -92,7 +132,7 @@ class RayCluster:
         if self.num_cpus is not None:
             argv.append(f"--num-cpus={self.num_cpus}")
         log = self.logs / "ray-head.log"
-        self.head = LocalSteps().start("head", "ray-head", shielded(argv), self.env, log)
+        self.head = LocalSteps().start("head", "ray-head", node_command(self.job_dir, argv), self.env, log)
 
     def start_workers(
         self, nodes: Sequence[str], steps: SrunSteps, het_groups: Mapping[str, int] | None = None
@@ -110,17 +150,27 @@ class RayCluster:
             log = self.logs / f"ray-worker-{node}.log"
             group = het_groups.get(node) if het_groups else None
             self.workers.append(
-                steps.start(node, f"ray-worker-{node}", shielded(argv), self.env, log, het_group=group)
+                steps.start(
+                    node,
+                    f"ray-worker-{node}",
+                    node_command(self.job_dir, argv),
+                    self.env,
+                    log,
+                    het_group=group,
+                )
             )
 
     def connect_and_wait(self, expected_nodes: int, deadline: float) -> object:
         """``ray.init`` against the head, then wait until ``expected_nodes`` are alive."""
-        for key in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED"):
+        for key in CLIENT_ENV:
             if key in self.env:
                 os.environ[key] = self.env[key]
             else:
                 os.environ.pop(key, None)
+        os.environ.pop("RAY_AUTH_TOKEN", None)
         import ray
+
+        reload_ray_auth()
 
         while True:
             self._check_alive()

@@ -11,6 +11,8 @@ Layout (on the shared filesystem, so every node and the login node see it)::
       gym_overlay.yaml        policy_base_url / policy_api_key / policy_model_name for NeMo-Gym
       secrets/api_key         the per-run client API key, 0600 in a 0700 directory
       secrets/admin_token     the router's admin token (router and fleet controller only), 0600
+      secrets/ray_token       the job's Ray token (RAY_AUTH_TOKEN_PATH of every Ray node, the driver and
+                              the training command), 0600
       engines/node-<i>.json          the engine host's config for generation node i (driver)
       engines/node-<i>.urls.json     EngineListing: what node i serves, or its start error (engine host)
       engines/node-<i>.control.json  ControlRequests: restart requests (fleet controller)
@@ -100,6 +102,10 @@ class JobDir:
         return self.path / "secrets" / "admin_token"
 
     @property
+    def ray_token_file(self) -> Path:
+        return self.path / "secrets" / "ray_token"
+
+    @property
     def cache_reset_file(self) -> Path:
         """The last fleet-wide cache reset (``router.cache_reset.CacheResetReport``), for the dashboard."""
         return self.path / "cache_reset.json"
@@ -172,6 +178,10 @@ class JobDir:
         """Separate from the API key: every rollout worker holds the API key, and must not be able to add
         or remove the router's engines with it."""
         return self._new_secret(self.admin_token_file)
+
+    def new_ray_token(self) -> Path:
+        """Ray's own: whoever holds it runs code as the job's user on every node (Ray's token auth)."""
+        return self._new_secret(self.ray_token_file)
 
     def read_api_key(self) -> str:
         return self.api_key_file.read_text().strip()

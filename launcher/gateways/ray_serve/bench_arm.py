@@ -56,19 +56,34 @@ def local_plan(
 
 @contextlib.contextmanager
 def local_ray() -> Iterator[None]:
-    """A local Ray for this process unless one is connected already (loopback only)."""
+    """A local Ray for this process unless one is connected already (loopback only), locked like a job's:
+    its own token (other local users cannot attach and run code as this user) and its files in a private
+    directory (``launcher.driver.ray_node``), never the shared, world-writable ``/tmp/ray``."""
+    import secrets
+
     import ray
+
+    from launcher.driver.ray_cluster import reload_ray_auth
+    from launcher.driver.ray_node import make_private, private_temp_dir
 
     if ray.is_initialized():
         yield
         return
     # For this Ray only: left in the process's environment, the loopback setting would reach later
-    # sbatch jobs and make their Ray workers refuse to join a multi-node cluster.
-    # (ray.init itself leaves RAY_AUTH_MODE behind, which a later job's Ray would inherit too.)
-    wanted = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **SERVE_RAY_ENV}
-    saved = {key: os.environ.get(key) for key in (*wanted, "RAY_AUTH_MODE")}
-    for key, value in wanted.items():
+    # sbatch jobs and make their Ray workers refuse to join a multi-node cluster, and the token settings
+    # would point a later Ray at a deleted file.
+    private = tempfile.mkdtemp(prefix="rl-ray-")  # 0700
+    token = os.path.join(private, "ray_token")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    defaults = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **SERVE_RAY_ENV}
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token}
+    saved = {key: os.environ.get(key) for key in (*defaults, *auth, "RAY_AUTH_TOKEN")}
+    for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    os.environ.update(auth)
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    reload_ray_auth()
     try:
         # address="local": a new Ray of our own, never another process's cluster found on this machine.
         ray.init(
@@ -76,6 +91,7 @@ def local_ray() -> Iterator[None]:
             include_dashboard=False,
             num_cpus=max(2, os.cpu_count() or 2),
             log_to_driver=False,
+            _temp_dir=str(make_private(private_temp_dir(private))),
         )
         try:
             yield
@@ -87,6 +103,9 @@ def local_ray() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        reload_ray_auth()
+        shutil.rmtree(private, ignore_errors=True)
+
 
 
 @contextlib.contextmanager
