@@ -253,3 +253,49 @@ def test_list_says_lost_when_a_local_driver_died_without_a_result(tmp_path: Path
 
     snap = collect_snapshot(job.path, window_s=0)
     assert snap["condition"] == "finished" and snap["message"].startswith("the driver is gone")
+
+
+def test_job_directory_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    """Folders were made from the umask and files forced to 0644: with a group-writable umask, members of
+    the user's group could replace ``state.json`` or a listing (which the CLI and driver trust)."""
+    import os
+    import stat
+
+    from launcher.jobdir import EngineListing, StateWriter
+
+    old = os.umask(0o002)
+    try:
+        job = JobDir(tmp_path / "job").create()
+        StateWriter(job).event("starting", "x")
+        job.write_listing(EngineListing(node="n", node_index=0, engines=[]))
+        job.log_event("hello")
+        job.new_api_key()
+    finally:
+        os.umask(old)
+    for d in (job.path, job.logs, job.engines, job.api_key_file.parent):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    for f in (job.state_file, job.events_file, job.listing_file(0), job.api_key_file):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_gym_overlay_replaces_a_planted_symlink_and_a_loose_mode(tmp_path: Path) -> None:
+    """The overlay (it holds the client key) was opened in place: an existing 0644 file kept its mode and
+    a symlink planted at its path was followed, writing the key wherever it pointed."""
+    import os
+    import stat
+
+    from launcher.driver.driver import write_gym_overlay
+
+    loose = tmp_path / "loose.yaml"
+    loose.write_text("old\n")
+    loose.chmod(0o644)
+    write_gym_overlay(loose, {"policy_api_key": "k"})
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o600 and "policy_api_key: k" in loose.read_text()
+
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not yours\n")
+    planted = tmp_path / "overlay.yaml"
+    os.symlink(target, planted)
+    write_gym_overlay(planted, {"policy_api_key": "k"})
+    assert target.read_text() == "not yours\n"
+    assert not planted.is_symlink() and stat.S_IMODE(planted.stat().st_mode) == 0o600

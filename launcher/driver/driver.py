@@ -56,7 +56,7 @@ from launcher.engines.host import EngineHostConfig
 from launcher.engines.sim.cli import options_to_flags
 from launcher.fleet import HealthPolicy
 from launcher.gateways import Gateway, GatewayContext, GatewayError, gateway_class, make_gateway
-from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks
+from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks, write_text_atomic
 from launcher.slurm.request import container_srun_args
 from launcher.spec import ResolvedSpec
 
@@ -588,18 +588,14 @@ class Driver:
     def _wire_gym(self, router_url: str) -> dict[str, str]:
         key = self.job.read_api_key()
         overlay = self.spec.gym_overlay_path(self.job.path)
-        overlay.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(overlay, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(
-                {
-                    "policy_base_url": f"{router_url}/v1",
-                    "policy_api_key": key,
-                    "policy_model_name": self.spec.gym.model_name,
-                },
-                f,
-                sort_keys=False,
-            )
+        write_gym_overlay(
+            overlay,
+            {
+                "policy_base_url": f"{router_url}/v1",
+                "policy_api_key": key,
+                "policy_model_name": self.spec.gym.model_name,
+            },
+        )
         env = dict(os.environ)
         # The training command sees the same rl-launch/python that runs the driver, even when the user
         # started it by path without activating the venv.
@@ -720,6 +716,14 @@ class Driver:
     def _stop_router(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
+
+
+def write_gym_overlay(path: Path, values: dict[str, str]) -> None:
+    """The Gym overlay (it holds the client key): a new 0600 file renamed into place, so an existing
+    file's looser mode is not kept and a symlink planted at ``path`` is replaced, never written through
+    (the old in-place write did both)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, yaml.safe_dump(values, sort_keys=False), mode=0o600)
 
 
 def _tee(proc: subprocess.Popen[bytes], log_path: Path) -> None:

@@ -126,8 +126,12 @@ class JobDir:
         return self.logs / f"engine-node{node_index}-{index}.log"
 
     def create(self) -> JobDir:
+        """The job directory and its fixed folders, 0700 whatever the umask: the files inside are
+        trusted (state, listings, control requests) or private (logs, secrets), and a folder made from a
+        group-writable umask let group members replace them."""
         for d in (self.path, self.logs, self.engines):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(d, 0o700)
         return self
 
     def exists(self) -> bool:
