@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 
 from launcher.cli_jobs import _ROOT, resolve_job
+from launcher.http_call import bearer, open_url
 from launcher.jobdir import JobDir
 from router.cache_reset import DYNAMO_RESET_PATH, VLLM_RESET_PATH, CacheResetReport, reset_engines
 
@@ -33,19 +34,23 @@ def fleet_group() -> None:
 
 
 def _via_router(jd: JobDir, router_url: str, timeout_s: float) -> CacheResetReport:
+    """The builtin router's own route; ``router_url`` is the job's ``fleet_url`` (the driver records it
+    for the builtin router: the admin token goes nowhere else)."""
     req = urllib.request.Request(
         router_url + "/fleet/reset_prefix_cache",
         data=b"",
         method="POST",
-        headers={"Authorization": f"Bearer {jd.read_admin_token()}"},
+        headers=bearer(jd.read_admin_token()),
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        with open_url(req, timeout=timeout_s) as resp:
             body = resp.read()
     except urllib.error.HTTPError as exc:
         body = exc.read()
         if exc.code != 500:
-            raise click.ClickException(f"router {router_url} answered {exc.code}: {body[:300]!r}") from None
+            raise click.ClickException(
+                f"router {router_url} answered {exc.code} ({exc.reason}): {body[:300]!r}"
+            ) from None
     except OSError as exc:
         raise click.ClickException(f"router {router_url} unreachable: {exc}") from None
     return CacheResetReport.from_json(json.loads(body))
@@ -74,8 +79,8 @@ def reset_cache_command(job: str | None, timeout_s: float, as_json: bool, root: 
     t = time.monotonic()
     if kind == "dynamo":
         report = _via_engines(jd, DYNAMO_RESET_PATH, None, timeout_s)
-    elif kind == "builtin":
-        report = _via_router(jd, router_url, timeout_s)
+    elif kind == "builtin" and state.get("fleet_url"):
+        report = _via_router(jd, str(state["fleet_url"]), timeout_s)
     else:  # a front without a fleet route: the job's engines take the job's API key
         report = _via_engines(jd, VLLM_RESET_PATH, jd.read_api_key(), timeout_s)
     jd.write_cache_reset(report.to_json())

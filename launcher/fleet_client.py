@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from launcher.http_call import bearer, open_url
 from router.fleet_ops import PAUSE_MODES, FleetOpReport
 
 
@@ -78,12 +79,11 @@ class FleetClient:
     def _call(self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None) -> Any:
         url = self.url + path + ("?" + urllib.parse.urlencode(query) if query else "")
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-        headers = {"Content-Type": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
+        headers = {"Content-Type": "application/json", **bearer(self._token)}
         req = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            # Never a redirect: the admin token goes to the fleet URL and nowhere else.
+            with open_url(req, timeout=self.timeout_s) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
             text = exc.read()
@@ -92,7 +92,7 @@ class FleetClient:
                     return json.loads(text)
                 except ValueError:
                     pass
-            raise RuntimeError(f"{method} {url}: HTTP {exc.code}: {text[:300]!r}") from None
+            raise RuntimeError(f"{method} {url}: HTTP {exc.code} ({exc.reason}): {text[:300]!r}") from None
         except OSError as exc:
             raise RuntimeError(f"{method} {url}: router unreachable: {exc}") from None
 

@@ -417,16 +417,25 @@ def handler_kwargs(limits: HttpLimits) -> dict[str, Any]:
 
 
 async def serve_guarded(
-    app: web.Application, sock: socket.socket, limits: HttpLimits, metrics: RouterMetrics, share: int = 1
+    app: web.Application,
+    sock: socket.socket,
+    limits: HttpLimits,
+    metrics: RouterMetrics | None,
+    share: int = 1,
 ) -> tuple[web.AppRunner, ConnectionGate]:
     """Serve ``app`` on the bound ``sock`` with the head deadline and the connection cap. ``share``: the
     number of processes accepting on ``sock``; each admits its share of the cap, so the router as a whole
-    keeps the configured one."""
+    keeps the configured one. ``metrics``: where refusals and head timeouts are counted (None: nowhere;
+    the launcher driver's own small listeners have no metrics)."""
     runner = web.AppRunner(app, **runner_kwargs(limits))
     await runner.setup()
-    errors = metrics.errors
     cap = effective_connection_cap(limits, raise_open_file_limit())
-    gate = ConnectionGate(max(1, -(-cap // share)), on_event=lambda kind: errors.labels(kind).inc())
+
+    def count(kind: str) -> None:
+        if metrics is not None:
+            metrics.errors.labels(kind).inc()
+
+    gate = ConnectionGate(max(1, -(-cap // share)), on_event=count)
     site = GuardedSockSite(
         runner, sock, gate=gate, head_timeout_s=limits.head_timeout_s, handler_kwargs=handler_kwargs(limits)
     )

@@ -73,7 +73,9 @@ TRAINER = textwrap.dedent(
     json.dump({"victim": engines[0]["url"], "t": time.time()}, open(os.path.join(job, "victim.json"), "w"))
     code = replay.wait()
     status_url = json.load(open(os.path.join(job, "state.json")))["status_url"]
-    live = json.load(urllib.request.urlopen(status_url + "/status", timeout=5))
+    key = {"Authorization": "Bearer " + os.environ["RL_POLICY_API_KEY"]}  # the endpoint is never open
+    live = json.load(urllib.request.urlopen(urllib.request.Request(status_url + "/status", headers=key),
+                                            timeout=5))
     json.dump(live, open(os.path.join(job, "status_endpoint.json"), "w"))
     deadline = time.time() + 90  # stay up until the restarted engine is readmitted (bounded)
     while time.time() < deadline:

@@ -173,7 +173,7 @@ def test_registrar_converges_and_never_touches_foreign_workers(
 ) -> None:
     admin = VllmRouterAdmin(router.url)
     notes: list[tuple[str, str]] = []
-    reg = Registrar(admin, note=lambda action, url: notes.append((action, url)))
+    reg = Registrar(admin, note=lambda action, url, why: notes.append((action, url)))
     reg.register_all([engines[0] + "/v1", engines[1]], timeout_s=30)  # with or without /v1
     assert admin.worker_urls() == {engines[0], engines[1]}
     admin.add(engines[0])  # a second POST of a registered URL ("already exists") counts as success
@@ -198,6 +198,73 @@ def test_registrar_converges_and_never_touches_foreign_workers(
     admin.add(engines[2])
     assert reg.deregister_ours() == []
     assert admin.worker_urls() == {engines[2]}  # only this job's engines leave
+
+
+def test_managed_registrar_removes_every_worker_the_job_did_not_register(
+    router: VllmRouterProcess, engines: list[str]
+) -> None:
+    """vllm-router lets anyone POST /workers and passes the client's Authorization on: in a router the job
+    owns, a stranger's worker (whatever its spelling) is removed on the next converge, with a note."""
+    admin = VllmRouterAdmin(router.url)
+    notes: list[tuple[str, str, str]] = []
+    reg = Registrar(admin, note=lambda action, url, why: notes.append((action, url, why)), owns_router=True)
+    reg.register_all([engines[0]], timeout_s=30)
+    alias = engines[2].replace("127.0.0.1", "localhost")  # another spelling, same rules
+    admin.add(engines[1])
+    admin.add(alias)
+    assert {w["url"] for w in admin.workers()} == {engines[0], engines[1], alias}
+    reg.converge([engines[0]])
+    assert {w["url"] for w in admin.workers()} == {engines[0]}
+    removed = {(url, "POST /workers" in why) for action, url, why in notes if action == "removed"}
+    assert removed == {(engines[1], True), (alias, True)}
+    admin.add(engines[1])  # re-added at once: removed again on every converge, noted once a minute
+    reg.converge([engines[0]])
+    assert {w["url"] for w in admin.workers()} == {engines[0]}
+    assert [url for action, url, _ in notes if action == "removed"].count(engines[1]) == 1
+
+
+def test_external_router_keeps_a_foreign_worker_warns_once_and_status_shows_it(
+    router: VllmRouterProcess, engines: list[str], tmp_path: Path
+) -> None:
+    """An external router is its owner's: a worker the job did not register stays, but the driver warns
+    once (log and event) that rollouts may reach it with the job's API key, and `rl-launch status` says so."""
+    from launcher.jobdir import StateWriter
+    from launcher.status import collect_snapshot
+    from tests.test_status import frame_text
+
+    spec = load_resolved(_spec(tmp_path, f"kind: vllm-router\nmode: external\nurl: {router.url}\n"))
+    job = JobDir(tmp_path / "job").create()
+    job.new_api_key()
+    said: list[str] = []
+    ctx = GatewayContext(spec, job, "127.0.0.1", 0, job.read_api_key(), "t", say=said.append)
+    gw = make_gateway("vllm-router", ctx)
+    try:
+        gw.start([engines[0] + "/v1"])
+        router.admin.add(engines[2])  # another job's, or a stranger's
+        for _ in range(3):  # three fleet ticks
+            gw.set_serving([engines[0] + "/v1"])
+        assert router.admin.worker_urls() == {engines[0], engines[2]}  # not ours to remove
+        warned = [e for e in job.read_events() if e["phase"] == "gateway_member" and e["action"] == "foreign"]
+        assert [(e["url"], e["level"]) for e in warned] == [(engines[2], "warning")]
+        assert "API key" in warned[0]["why"]
+        assert [m for m in said if "WARNING" in m and engines[2] in m] != []
+        view = gw.view()
+        assert {m.url: m.detail for m in view.members} == {engines[0]: "", engines[2]: "not this job's"}
+        StateWriter(job).update(
+            phase="training",
+            router_url=router.url,
+            gateway=view.to_json(),
+            fleet={"engines": [{"id": "node0-0", "url": engines[0], "state": "HEALTHY"}]},
+        )
+        snap = collect_snapshot(job.path, window_s=0.0)
+    finally:
+        gw.stop()
+    assert snap["gateway"]["extra"] == [engines[2]]
+    problem = next(p for p in snap["problems"] if engines[2] in p)
+    print(f"\nexternal vllm-router with a foreign worker: {warned[0]['detail']}\nstatus: ! {problem}")
+    assert "does not own" in problem and "API key" in problem
+    assert router.admin.live() and router.admin.worker_urls() == {engines[2]}  # ours gone, theirs stays
+    assert f"does not own ({engines[2]})" in frame_text(snap)
 
 
 def test_external_gateway_registers_replaces_and_leaves_the_router_running(
@@ -288,6 +355,50 @@ def test_local_job_managed_router_killed_actor_is_back_on_the_same_url(
     events = [json.loads(x)["phase"] for x in (job / "events.jsonl").read_text().splitlines()]
     assert "router_restarted" in events
     assert (job / "logs" / "vllm-router.log").exists()
+    assert job_processes(job) == []
+
+
+STRANGER_TRAINER = textwrap.dedent(
+    """\
+    import json, os, time, urllib.request
+    job, router = os.environ["RL_JOB_DIR"], os.environ["RL_ROUTER_URL"]
+    def workers():
+        listed = json.load(urllib.request.urlopen(router + "/workers", timeout=10))["workers"]
+        return [w["url"] for w in listed]
+    # Anyone who reaches the job's vllm-router (no credential: it has none) adds a worker of their own.
+    req = urllib.request.Request(router + "/workers", data=json.dumps({"url": "FOREIGN"}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    added = urllib.request.urlopen(req, timeout=60).status
+    t, seen, removed_after = time.time(), "FOREIGN" in workers(), None
+    while time.time() - t < 20:
+        if "FOREIGN" not in workers():
+            removed_after = time.time() - t
+            break
+        time.sleep(0.1)
+    json.dump({"added": added, "seen": seen, "removed_after": removed_after, "workers": workers()},
+              open(os.path.join(job, "stranger.json"), "w"))
+    """
+)
+
+
+@pytest.mark.ray
+def test_local_job_managed_router_removes_a_strangers_worker(tmp_path: Path, vllm_router_bin: str) -> None:
+    """A stranger's ``POST /workers`` into the job's managed vllm-router (which would hand it rollouts
+    with the job's API key) is removed within a few fleet ticks, and the job's events say so."""
+    from launcher.bench.arms import sim_fleet
+    from tests.test_fleet_local import job_processes
+
+    with sim_fleet(1, {"speed": 20, "model_name": "sim-8b"}) as (foreign,):
+        proc, job = _local_job(tmp_path, "stranger", STRANGER_TRAINER.replace("FOREIGN", foreign))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((job / "stranger.json").read_text())
+    print(f"\nstranger's worker in the managed vllm-router: {out}")
+    assert out["added"] == 200
+    assert out["removed_after"] is not None and out["removed_after"] < 5, out  # a few 1 s ticks
+    assert foreign not in out["workers"] and len(out["workers"]) == 3  # the job's own engines stay
+    events = JobDir(job).read_events()
+    (event,) = [e for e in events if e["phase"] == "gateway_member" and e["url"] == foreign]
+    assert event["action"] == "removed" and "POST /workers" in event["why"] and event["level"] == "warning"
     assert job_processes(job) == []
 
 

@@ -151,16 +151,21 @@ def test_status_endpoint_validates_events_n(tmp_path: Path) -> None:
     from launcher.driver.status_server import StatusServer
 
     job = JobDir(tmp_path / "j").create()
+    job.new_api_key()
+    key = {"Authorization": f"Bearer {job.read_api_key()}"}  # never served open
     state = StateWriter(job)
     for i in range(5):
         state.event("training", f"e{i}")
     server = StatusServer(job, "127.0.0.1", 0).start()
     try:
-        with urllib.request.urlopen(f"{server.url}/events?n=2", timeout=5) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{server.url}/events?n=2", headers=key), timeout=5
+        ) as resp:
             assert [e["detail"] for e in json.load(resp)["events"]] == ["e3", "e4"]
         for bad in ("abc", "0", "-1", "", "1.5"):
             with pytest.raises(urllib.error.HTTPError) as info:
-                urllib.request.urlopen(f"{server.url}/events?n={bad}", timeout=5)
+                request = urllib.request.Request(f"{server.url}/events?n={bad}", headers=key)
+                urllib.request.urlopen(request, timeout=5)
             assert info.value.code == 400
             body = json.loads(info.value.read())
             assert "n must be a positive integer" in body["error"]

@@ -26,6 +26,7 @@ from rich.console import Console
 
 from launcher.cli import main
 from launcher.engines.sim import SimFleet
+from launcher.jobdir import JobDir
 from launcher.status import collect as status_collect
 from launcher.status.collect import (
     StatusCollector,
@@ -114,6 +115,7 @@ def write_job(
     result: dict[str, Any] | None = None,
 ) -> Path:
     (job_dir / "engines").mkdir(parents=True, exist_ok=True)
+    JobDir(job_dir).new_api_key()  # as the driver does first: the engines' /metrics are scraped with it
     if state is not None:
         (job_dir / "state.json").write_text(json.dumps(state))
     if events:
@@ -602,3 +604,97 @@ def test_sparkline() -> None:
     assert sparkline([0, 0]) == "▁▁"
     assert sparkline([]) == ""
     assert len(sparkline(list(range(500)), width=60)) == 60
+
+
+# -- where the dashboard's credentials go ----------------------------------------------------------------
+# A front whose /metrics mimics our router's (the refit figures are read from the rl_router_ pause gauges).
+MIMIC_METRICS = "\n".join(
+    [
+        "rl_router_fleet_paused 1",
+        "rl_router_held_requests 3",
+        "rl_router_pauses_total 1",
+        'rl_router_requests_total{route="/v1/chat/completions",status="200"} 10',
+        "",
+    ]
+)
+ENGINE_METRICS = "vllm:num_requests_running 2\nvllm:request_success_total 5\n"
+
+
+def _in_thread(fn: Any, *args: Any) -> Any:
+    return asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args))
+
+
+async def test_a_front_the_job_does_not_own_never_gets_a_credential(tmp_path: Path) -> None:
+    """An external vllm-router's owner serves a /metrics that looks like ours: it receives no
+    Authorization at all; the step comes from the job's own fleet endpoint (admin token), each engine's
+    /metrics gets the job's API key, and an engine answering with a redirect is not followed."""
+    from launcher.fleet_client import FleetClient
+    from launcher.gateways.fleet_endpoint import FleetEndpoint
+    from launcher.status.collect import acollect_snapshot
+    from tests.recording_server import RecordingServer
+
+    front = await RecordingServer(
+        {
+            "/metrics": (200, MIMIC_METRICS, {}),
+            "/fleet/step": (200, json.dumps({"step": 7, "fleet": {}}), {"Content-Type": "application/json"}),
+        }
+    ).start()
+    engines = [await RecordingServer({"/metrics": (200, ENGINE_METRICS, {})}).start() for _ in range(2)]
+    target = await RecordingServer({"/metrics": (200, ENGINE_METRICS, {})}).start()
+    redirect = {"/metrics": (307, "", {"Location": target.url + "/metrics"})}
+    redirecting = await RecordingServer(redirect).start()
+    job = JobDir(tmp_path / "ext-local-1-1").create()
+    job.new_api_key()
+    job.new_admin_token()
+    endpoint = await _in_thread(lambda: FleetEndpoint("127.0.0.1", 0, job.read_admin_token(), None).start())
+    try:
+        await _in_thread(endpoint.serving, [e.url for e in engines])
+        assert await _in_thread(FleetClient(endpoint.url, job.read_admin_token()).begin_step) == 1
+        rows = [*engines, redirecting]
+        state = {
+            "phase": "training",
+            "router_url": front.url,
+            "fleet_url": endpoint.url,
+            "fleet": {"engines": [{"id": i, "url": e.url, "state": "HEALTHY"} for i, e in enumerate(rows)]},
+        }
+        write_job(job.path, state)
+        snap = await acollect_snapshot(StatusCollector(job.path, timeout_s=2.0), 0.0)
+    finally:
+        await _in_thread(endpoint.stop)
+        for server in (front, *engines, target, redirecting):
+            await server.stop()
+    key = f"Bearer {job.read_api_key()}"
+    print(f"\nforeign front saw {front.seen}; engine 0 saw {engines[0].seen}; redirect target {target.seen}")
+    assert front.authorizations() == []
+    assert all(e.authorizations() == [key] for e in engines)  # the collector's scrape (the fleet's: none)
+    assert redirecting.authorizations() == [key] and target.seen == []
+    assert snap["engines"][2]["error"] == "HTTP 307 from /metrics"
+    assert snap["refit"] == {"pause": None, "step": snap["refit"]["step"]}  # no pause figures from it
+    assert snap["refit"]["step"]["step"] == 1  # the job's own fleet endpoint's, not the front's 7
+
+
+async def test_dashboard_works_when_the_api_key_is_unreadable(tmp_path: Path) -> None:
+    from launcher.status.collect import acollect_snapshot
+    from tests.recording_server import RecordingServer
+
+    engine = await RecordingServer({"/metrics": (200, ENGINE_METRICS, {})}).start()
+    router = await RecordingServer({"/metrics": (200, MIMIC_METRICS, {})}).start()
+    try:
+        state = {
+            "phase": "training",
+            "router_url": router.url,
+            "fleet": {"engines": [{"id": 0, "url": engine.url, "state": "HEALTHY"}]},
+        }
+        job = write_job(tmp_path / "nokey-local-1-1", state)
+        key_file = JobDir(job).api_key_file
+        key_file.unlink()
+        key_file.mkdir()  # unreadable as a file, whoever runs the test (root reads any mode)
+        snap = await acollect_snapshot(StatusCollector(job, timeout_s=2.0), 0.0)
+    finally:
+        await engine.stop()
+        await router.stop()
+    assert snap["condition"] == "running"
+    assert snap["engines"][0]["reachable"] is True and snap["engines"][0]["running"] == 2
+    assert engine.authorizations() == []
+    assert any("API key is unreadable" in p for p in snap["problems"]), snap["problems"]
+    assert "API key is unreadable" in frame_text(snap)

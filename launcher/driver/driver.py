@@ -581,7 +581,7 @@ class Driver:
         self.state.update(status_url=self.status_server.url)
         self.job.log_event(
             "status_endpoint",
-            f"status endpoint {self.status_server.url}/status",
+            f"status endpoint {self.status_server.url}/status (Authorization: Bearer <the job's API key>)",
             status_url=self.status_server.url,
         )
 

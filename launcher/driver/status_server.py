@@ -3,21 +3,27 @@
 ``GET /status`` answers the job's current state (phase, router URL, the fleet snapshot with every
 engine's health state and restarts); ``GET /events?n=50`` the last events. Scripts and dashboards that
 cannot read the job directory (another cluster's login node, a monitoring system) get the same facts
-over HTTP. It is read-only by construction: no route changes anything, so it needs no token; it binds the
-node's own address like the router.
+over HTTP. No route changes anything, but the answers name every engine's address, and anyone on the
+cluster reaches the node's address it binds: every request needs the job's client API key
+(``Authorization: Bearer``, from ``secrets/api_key``), the least the facts are worth (a client of the
+job reaches the engines with it anyway), not the admin token, which changes the fleet.
 
-A stdlib ``ThreadingHTTPServer`` on a daemon thread: a handful of requests a second at most, and it must
-not share the router's event loop (the router lives in a Ray actor anyway).
+Served by a ``DriverListener`` (aiohttp on its own loop thread, with the router's head deadline and
+connection cap): the stdlib server it replaces spent a thread on every connection and never timed one
+out, so idle connections piled up as threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
 
+from aiohttp import web
+
+from launcher.driver.listener import LISTENER_LIMITS, DriverListener
 from launcher.jobdir import JobDir
+from router.auth import auth_middleware
+from router.limits import HttpLimits
 
 
 def parse_count(raw: str) -> int | None:
@@ -31,53 +37,46 @@ def parse_count(raw: str) -> int | None:
 
 
 class StatusServer:
-    def __init__(self, job: JobDir, host: str, port: int) -> None:
+    def __init__(self, job: JobDir, host: str, port: int, limits: HttpLimits = LISTENER_LIMITS) -> None:
         self.job = job
-        handler = self._handler()
-        self.server = ThreadingHTTPServer((host, port), handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, name="status-endpoint", daemon=True)
+        self._api_key = job.read_api_key()  # no key file: no endpoint (it is never served open)
+        if not self._api_key:
+            raise ValueError(f"{job.api_key_file} is empty: the status endpoint is never served open")
+        self.listener = DriverListener("status-endpoint", host, port, limits)
 
     @property
     def url(self) -> str:
-        host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        return self.listener.url
 
     def start(self) -> StatusServer:
-        self.thread.start()
+        self.listener.start(self._app)
         return self
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.listener.stop()
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        job = self.job
+    def _app(self) -> web.Application:
+        app = web.Application(middlewares=[auth_middleware(self._api_key, None)])
+        app.router.add_get("/status", self._status)
+        app.router.add_get("/events", self._events)
+        app.router.add_route("*", "/{tail:.*}", self._not_found)
+        return app
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                parts = urlsplit(self.path)
-                if parts.path == "/status":
-                    self._json(200, job.read_state())
-                elif parts.path == "/events":
-                    raw = (parse_qs(parts.query, keep_blank_values=True).get("n") or ["50"])[0]
-                    n = parse_count(raw)
-                    if n is None:
-                        self._json(400, {"error": f"n must be a positive integer (got {raw[:40]!r})"})
-                    else:
-                        self._json(200, {"events": job.read_events()[-n:]})
-                else:
-                    self._json(404, {"error": f"{parts.path} not found; try /status or /events?n=50"})
+    async def _status(self, request: web.Request) -> web.Response:
+        # Off the loop: a file read must not hold up the other connections' deadlines.
+        return _json(200, await asyncio.to_thread(self.job.read_state))
 
-            def _json(self, status: int, payload: object) -> None:
-                body = json.dumps(payload, default=str).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    async def _events(self, request: web.Request) -> web.Response:
+        raw = request.query.get("n", "50")
+        n = parse_count(raw)
+        if n is None:
+            return _json(400, {"error": f"n must be a positive integer (got {raw[:40]!r})"})
+        events = await asyncio.to_thread(self.job.read_events)
+        return _json(200, {"events": events[-n:]})
 
-            def log_message(self, format: str, *args: object) -> None:
-                pass
+    async def _not_found(self, request: web.Request) -> web.Response:
+        return _json(404, {"error": f"{request.path[:200]} not found; try /status or /events?n=50"})
 
-        return Handler
+
+def _json(status: int, payload: object) -> web.Response:
+    return web.Response(status=status, text=json.dumps(payload, default=str), content_type="application/json")

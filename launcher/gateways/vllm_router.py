@@ -84,7 +84,9 @@ class VllmRouterGateway(Gateway):
         self._url = url
         self._start_fleet_endpoint()
         assert self.fleet is not None
-        self.registrar = Registrar(VllmRouterAdmin(url), say=self.context.say, note=self._note)
+        self.registrar = Registrar(
+            VllmRouterAdmin(url), say=self.context.say, note=self._note, owns_router=self.mode == "managed"
+        )
         try:
             self.registrar.register_all(self.fleet.serving(engine_urls), timeout_s=_START_TIMEOUT_S)
         except Exception as exc:
@@ -106,8 +108,10 @@ class VllmRouterGateway(Gateway):
     def weight_version(self) -> str | None:
         return self.fleet.weight_version if self.fleet is not None else None
 
-    def _note(self, action: str, url: str) -> None:
-        self.context.job.log_event("gateway_member", f"vllm-router: {url} {action}", action=action, url=url)
+    def _note(self, action: str, url: str, why: str) -> None:
+        level = "warning" if action in ("removed", "foreign") else "info"
+        detail = f"vllm-router: {url} {action}: {why}"
+        self.context.job.log_event("gateway_member", detail, action=action, url=url, why=why, level=level)
 
     def _start_managed(self) -> str:
         import ray
@@ -183,9 +187,9 @@ class VllmRouterGateway(Gateway):
         ours = self.registrar.ours if self.registrar is not None else set()
         members = tuple(
             GatewayMember(
-                root_url(w["url"]),
+                w["url"],  # as the router lists it: a foreign http://e:1/v1 is not this job's http://e:1
                 bool(w.get("is_healthy")) if "is_healthy" in w else None,
-                "" if root_url(w["url"]) in ours or self.mode == "managed" else "not this job's",
+                "" if w["url"] in ours else "not this job's",
             )
             for w in workers
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from launcher.gateways.vllm_router_command import root_url
+from launcher.http_call import open_url
 
 _CALL_TIMEOUT_S = 5.0
 # A POST waits on the router's health check of the engine; the registrar's own bound on one attempt
@@ -53,7 +55,7 @@ class VllmRouterAdmin:
             self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            with open_url(req, timeout=timeout_s) as resp:
                 status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
             status, raw = exc.code, exc.read()
@@ -105,32 +107,52 @@ class Registrar:
 
     ``converge`` reads ``GET /workers`` every time (a router restarted by its owner comes back empty),
     removes at once the workers this job registered that no longer serve, and starts a background
-    registration for every serving engine the router lacks. Workers it never registered (other jobs
-    sharing an external router) are never touched.
+    registration for every serving engine the router lacks.
+
+    A worker this job never registered is a *foreign* one: vllm-router 0.1.17 lets anyone who reaches it
+    ``POST /workers``, and passes each client's ``Authorization`` (the job's API key) on to whichever
+    worker it routes to. So with ``owns_router`` (the managed router: the job's alone) every foreign worker
+    is removed on the tick that sees it; a router this job only attached to (external, perhaps shared by
+    several jobs) keeps its owner's workers, and each foreign one is reported once (``note("foreign")``):
+    rollouts may be routed there, with the job's key. Workers are compared as the router lists them
+    (``http://e:1/v1`` is not ``http://e:1``: requests to it would go to ``/v1/v1/...``).
     """
+
+    REPEAT_NOTE_S = 60.0
+    """A foreign worker re-added as fast as it is removed is removed every tick, noted once a minute."""
 
     def __init__(
         self,
         admin: VllmRouterAdmin,
         say: Callable[[str], None] = lambda m: None,
-        note: Callable[[str, str], None] = lambda action, url: None,
+        note: Callable[[str, str, str], None] = lambda action, url, why: None,
+        owns_router: bool = False,
     ) -> None:
         self.admin = admin
         self.say = say
         self.note = note
-        """``note(action, url)`` once a worker is ``registered`` or ``deregistered`` (the job's events)."""
+        """``note(action, url, why)`` once a worker is ``registered`` or ``deregistered`` (this job's),
+        ``removed`` (a foreign one, from a router the job owns) or seen as ``foreign`` (in a router it
+        does not own): the job's events."""
+        self.owns_router = owns_router
         self.ours: set[str] = set()
         """Every engine URL this job asked the router to route to (what ``stop`` deregisters)."""
+        self.foreign: set[str] = set()
+        """Workers of the router this job did not register, as of the last ``converge``."""
         self._lock = threading.Lock()
         self._pending: set[str] = set()
         self._closed = False
+        self._warned: set[str] = set()
+        self._removed_at: dict[str, float] = {}
 
     def converge(self, urls: Iterable[str]) -> None:
         desired = {root_url(u) for u in urls}
-        current = self.admin.worker_urls()
+        current = {w["url"] for w in self.admin.workers()}  # as listed: what DELETE must name
         with self._lock:
             self.ours |= desired
             stale = (current & self.ours) - desired
+            foreign = current - self.ours
+            self.foreign = foreign
             missing = desired - current - set(self._pending)
             for url in missing if not self._closed else ():
                 # Daemon threads, one per engine being registered (deduplicated): a POST still waiting
@@ -142,7 +164,34 @@ class Registrar:
         for url in sorted(stale):
             self.admin.remove(url)
             self.say(f"vllm-router: {url} deregistered (not serving)")
-            self.note("deregistered", url)
+            self.note("deregistered", url, "not serving")
+        for url in sorted(foreign):
+            if self.owns_router:
+                self._remove_foreign(url)
+            elif url not in self._warned:
+                self._warned.add(url)
+                why = (
+                    "not this job's engine: rollouts may be routed to it with the job's API key in "
+                    "Authorization (an external router's workers are its owner's: left in place)"
+                )
+                self.say(f"vllm-router: WARNING {url} is {why}")
+                self.note("foreign", url, why)
+
+    def _remove_foreign(self, url: str) -> None:
+        why = (
+            "not one of this job's engines (added by someone else with POST /workers): it would receive "
+            "rollouts with the job's API key"
+        )
+        try:
+            self.admin.remove(url)
+        except (OSError, AdminError) as exc:
+            self.say(f"vllm-router: could not remove foreign worker {url}, retried next tick: {exc}")
+            return
+        now = time.monotonic()
+        if now - self._removed_at.get(url, -self.REPEAT_NOTE_S) >= self.REPEAT_NOTE_S:
+            self._removed_at[url] = now
+            self.say(f"vllm-router: removed {url}: {why}")
+            self.note("removed", url, why)
 
     def _register(self, url: str) -> None:
         try:
@@ -152,7 +201,7 @@ class Registrar:
             if closed:  # the job ended while this POST waited: leave no worker of ours behind
                 self.admin.remove(url)
                 return
-            self.note("registered", url)
+            self.note("registered", url, "serving")
         except (OSError, AdminError) as exc:
             self.say(f"vllm-router: registering {url} failed, retried next tick: {exc}")
         finally:

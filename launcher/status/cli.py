@@ -1,7 +1,8 @@
 """``rl-launch status [JOB]``: a live dashboard of one job (``--once``: one frame; ``--json``: the data).
 
 Runs on the login node with nothing but the job directory and network access to the router and engines:
-the same places ``rl-launch list``/``logs`` read, plus ``/metrics`` scrapes (open without the API key).
+the same places ``rl-launch list``/``logs`` read, plus ``/metrics`` scrapes (the engines' with the job's
+API key, the front's without; see ``launcher.status.collect`` for where each secret may go).
 """
 
 from __future__ import annotations

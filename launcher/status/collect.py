@@ -9,6 +9,12 @@ so scripts and the screen can never disagree. Sources, in order of trust:
   source that can be slow on a busy controller;
 * the router's and every engine's Prometheus ``/metrics``, scraped concurrently with a short timeout.
 
+Credentials go only to addresses the job's own files name, and never on through a redirect: the job's API
+key to its engines (the rows come from ``state.json``/the engine listings; engines may require the key on
+``/metrics``), the admin token only to the job's ``fleet_url`` (recorded by the driver: the builtin
+router's own URL, or the driver's fleet endpoint beside vllm-router), never to ``router_url``, which may be
+a front the job does not own (an external vllm-router) whose ``/metrics`` could mimic ours.
+
 Rates (req/s, error rate) and windowed latencies need two scrapes: a ``StatusCollector`` keeps the
 previous scrape of every endpoint in memory, so a live dashboard gets them from consecutive frames and
 ``collect_snapshot`` (``--once``/``--json``) scrapes twice, one interval apart. An endpoint that refuses,
@@ -32,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from launcher.http_call import bearer
 from launcher.jobdir import FINAL_PHASES, STOPPED, JobDir, engine_id
 
 SNAPSHOT_VERSION = 1
@@ -490,11 +497,14 @@ class StatusCollector:
             )
         return self._session
 
-    async def _fetch(self, base_url: str) -> tuple[str | None, str | None, float]:
-        """``(body, error, time)`` of ``GET base_url/metrics``; never raises, never outlasts the timeout."""
+    async def _fetch(self, base_url: str, key: str | None = None) -> tuple[str | None, str | None, float]:
+        """``(body, error, time)`` of ``GET base_url/metrics`` (with ``key`` as a bearer token: only ever
+        the job's API key to the job's own engines); never raises, never outlasts the timeout, never
+        follows a redirect (a 3xx shows as the row's error)."""
+        url = f"{base_url.rstrip('/')}/metrics"
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self._http().get(f"{base_url.rstrip('/')}/metrics") as resp:
+                async with self._http().get(url, headers=bearer(key), allow_redirects=False) as resp:
                     if resp.status != 200:
                         return None, f"HTTP {resp.status} from /metrics", time.monotonic()
                     return await resp.text(errors="replace"), None, time.monotonic()
@@ -527,14 +537,18 @@ class StatusCollector:
         start_t, events = read_event_log(jd.events_file, self.events) if jd is not None else (None, [])
         engines, source, problems = fleet_engines(state, self.job_dir)
         router_url = state.get("router_url") or None
+        fleet_url = state.get("fleet_url") or None
         phase = str(state.get("phase") or ("queued" if not state else "?"))
         done = result is not None or phase in FINAL_PHASES
 
         # Scrape only while the job can be serving: a finished job's addresses may belong to someone
         # else's job by now, and a queued one has none.
         scrape = not done
+        key, key_problem = self._engine_key(jd) if scrape and engines and jd is not None else (None, None)
         router_task = self._fetch(router_url) if scrape and router_url else self._nothing()
-        engine_tasks = [self._fetch(e["url"]) if scrape and e["url"] else self._nothing() for e in engines]
+        engine_tasks = [
+            self._fetch(e["url"], key) if scrape and e["url"] else self._nothing() for e in engines
+        ]
         slurm, router_got, *engine_got = await asyncio.gather(self._slurm_state(), router_task, *engine_tasks)
 
         slurm_word = slurm.split()[0] if slurm else ""
@@ -553,7 +567,7 @@ class StatusCollector:
         if done:
             final_rows(engines)
 
-        refit = await self._refit_view(jd, router_url, router_got[0] if scrape else None)
+        refit = await self._refit_view(jd, router_url, fleet_url, router_got[0]) if scrape else None
         router = self._router_view(router_url, router_got, scrape)
         prev_router = self._prev_router
         cur_router: RouterSample | None = router.pop("_sample", None)
@@ -570,6 +584,19 @@ class StatusCollector:
             problems.append(
                 f"{len(unreachable)} of {len(engines)} engine(s) that should serve did not answer /metrics "
                 f"(first: {unreachable[0]['url']}: {unreachable[0]['error']})"
+            )
+
+        if key_problem is not None and scrape:
+            problems.append(key_problem)
+        gateway = _gateway_view(state.get("gateway"), engines)
+        foreign = gateway["extra"] if gateway is not None and gateway["kind"] == "vllm-router" else []
+        if foreign and not done and not gateway["final"]:  # type: ignore[index]
+            # vllm-router passes each client's Authorization on to the worker it picks: a worker the job
+            # does not own receives its rollouts and its API key (a managed router removes such workers
+            # on the next fleet tick; an external one is its owner's to clean up).
+            problems.append(
+                f"vllm-router routes to {len(foreign)} worker(s) this job does not own "
+                f"({', '.join(foreign[:3])}): rollouts sent there carry the job's API key"
             )
 
         summary: dict[str, int] = {}
@@ -604,7 +631,7 @@ class StatusCollector:
             "problems": problems,
             "result": result,
             "router": router,
-            "gateway": _gateway_view(state.get("gateway"), engines),
+            "gateway": gateway,
             "cache_reset": jd.read_cache_reset() if jd is not None else None,
             "refit": refit,
             "engines": engines,
@@ -616,20 +643,43 @@ class StatusCollector:
         }
 
     async def _refit_view(
-        self, jd: JobDir | None, router_url: str | None, router_metrics: str | None
+        self, jd: JobDir | None, router_url: str | None, fleet_url: str | None, router_metrics: str | None
     ) -> dict[str, Any] | None:
-        """Pause figures from the router's metrics and the current step's counters (see
-        ``launcher.status.refit``); None when the front is not our router."""
+        """While the job serves: pause figures from the router's metrics and the current step's counters
+        (see ``launcher.status.refit``); None when neither is known.
+
+        The step comes from the job's ``fleet_url`` with the admin token, and the pause figures count
+        only when the front is that same URL (the builtin router): a front the job does not own never
+        gets the token, however much its ``/metrics`` looks like ours, nor says the fleet is paused."""
         from launcher.status.refit import fetch_step, pause_view
 
-        pause = pause_view(router_metrics)
-        if pause is None or jd is None or router_url is None:
+        if jd is None:
             return None
+        ours = bool(fleet_url and router_url and router_url.rstrip("/") == fleet_url.rstrip("/"))
+        pause = pause_view(router_metrics) if ours else None
+        step = None
+        if fleet_url is not None:
+            try:
+                token = jd.read_admin_token()
+            except (OSError, ValueError):
+                token = None
+            if token:
+                step = await fetch_step(self._http(), fleet_url, token, self.timeout_s)
+        if pause is None and step is None:
+            return None
+        return {"pause": pause, "step": step}
+
+    @staticmethod
+    def _engine_key(jd: JobDir) -> tuple[str | None, str | None]:
+        """``(key, problem)``: the job's API key for its engines' ``/metrics``, or None and why when the
+        key file cannot be read (the engines are scraped without it: the dashboard shows the rest)."""
         try:
-            token = jd.read_admin_token()
-        except (OSError, ValueError):
-            return {"pause": pause, "step": None}
-        return {"pause": pause, "step": await fetch_step(self._http(), router_url, token, self.timeout_s)}
+            return jd.read_api_key() or None, None
+        except (OSError, ValueError) as exc:
+            return None, (
+                f"the job's API key is unreadable ({type(exc).__name__}: {exc}); engine /metrics scraped "
+                "without it (engines that require it answer 401)"
+            )
 
     def _condition(
         self,

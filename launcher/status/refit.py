@@ -2,9 +2,9 @@
 
 A trainer that paused the fleet and never resumed looks, from Gym's side, like a hang; an engine left
 stale looks like a fleet one engine short. Both are one line here. The pause figures come from the
-router's ``/metrics`` (``router.metrics``' pause collector); the step's figures from the router's
-``GET /fleet/step`` (admin token, read from the job directory), i.e. the engines' own counters since the
-trainer's last ``begin_step``.
+router's ``/metrics`` (``router.metrics``' pause collector); the step's figures from ``GET /fleet/step``
+at the job's ``fleet_url`` (admin token, read from the job directory; never sent anywhere else, see
+``launcher.status.collect``), i.e. the engines' own counters since the trainer's last ``begin_step``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 from rich.text import Text
 
+from launcher.http_call import bearer
 from launcher.status.collect import metric_sum, parse_metrics
 
 _GAUGES = {
@@ -38,12 +39,13 @@ def pause_view(router_metrics: str | None) -> dict[str, Any] | None:
     return view if view["paused"] is not None else None
 
 
-async def fetch_step(session: aiohttp.ClientSession, router_url: str, token: str, timeout_s: float) -> Any:
-    """``GET /fleet/step`` (None when no step was begun, or on any error: the dashboard never fails)."""
+async def fetch_step(session: aiohttp.ClientSession, fleet_url: str, token: str, timeout_s: float) -> Any:
+    """``GET /fleet/step`` at the job's own ``fleet_url`` (None when no step was begun, or on any error,
+    a redirect included, which is never followed: the dashboard never fails)."""
     try:
         async with asyncio.timeout(timeout_s):
             async with session.get(
-                f"{router_url.rstrip('/')}/fleet/step", headers={"Authorization": f"Bearer {token}"}
+                f"{fleet_url.rstrip('/')}/fleet/step", headers=bearer(token), allow_redirects=False
             ) as resp:
                 if resp.status not in (200, 500):
                     return None
