@@ -101,7 +101,7 @@ async def router_workers(router_url: str, timeout_s: float = 5.0, token: str | N
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
-            http.get(_root(router_url) + "/workers", headers=headers) as resp,
+            http.get(_root(router_url) + "/workers", headers=headers, allow_redirects=False) as resp,
         ):
             if resp.status != 200:
                 return []

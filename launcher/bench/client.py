@@ -269,7 +269,7 @@ class ReplayClient:
             self._in_flight += 1
             self._peak = max(self._peak, self._in_flight)
             try:
-                async with http.post(url, data=body, headers=headers) as resp:
+                async with http.post(url, data=body, headers=headers, allow_redirects=False) as resp:
                     status = resp.status
                     raw = await resp.read()
                 if status == 200:
@@ -305,7 +305,7 @@ async def discover_model(base_url: str, timeout_s: float = 5.0, api_key: str | N
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
-            http.get(base_url.rstrip("/") + "/models", headers=headers) as resp,
+            http.get(base_url.rstrip("/") + "/models", headers=headers, allow_redirects=False) as resp,
         ):
             if resp.status != 200:
                 return None

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy, ProbeResult, TickInput
 from launcher.gateways import Gateway
+from launcher.http_call import bearer, open_url
 from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
 from router.backends import canonical_backend_url
 
@@ -45,10 +46,9 @@ def _read_engine_field(url: str, path: str, field: str, timeout_s: float, api_ke
     """One field of an engine's JSON answer to ``GET path`` (vLLM dev mode, the simulator); None on any
     failure. ``api_key``: the job's engines take it on every route but ``/health`` (without it a restarted
     engine's version was never known, and it waited in RECOVERING instead of being judged)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        req = urllib.request.Request(url + path, headers=headers)
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        req = urllib.request.Request(url + path, headers=bearer(api_key))
+        with open_url(req, timeout=timeout_s) as resp:
             return json.loads(resp.read()).get(field)
     except Exception:
         return None
@@ -68,7 +68,7 @@ def read_paused(url: str, timeout_s: float, api_key: str | None = None) -> bool 
 
 def probe(url: str, timeout_s: float) -> ProbeResult:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+        with open_url(url + "/health", timeout=timeout_s) as resp:
             return ProbeResult(200 <= resp.status < 300, f"HTTP {resp.status}")
     except Exception as exc:  # refused, reset, timeout: all failures of this probe
         return ProbeResult(False, f"probe failed: {exc}")
