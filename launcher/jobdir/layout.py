@@ -11,6 +11,7 @@ Layout (on the shared filesystem, so every node and the login node see it)::
       gym_overlay.yaml        policy_base_url / policy_api_key / policy_model_name for NeMo-Gym
       secrets/api_key         the per-run client API key, 0600 in a 0700 directory
       secrets/admin_token     the router's admin token (router and fleet controller only), 0600
+      secrets/<name>          a component's own credential (``new_secret``; e.g. Dynamo's etcd password), 0600
       engines/node-<i>.json          the engine host's config for generation node i (driver)
       engines/node-<i>.urls.json     EngineListing: what node i serves, or its start error (engine host)
       engines/node-<i>.control.json  ControlRequests: restart requests (fleet controller)
@@ -164,6 +165,13 @@ class JobDir:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32))
         return path
+
+    def secret_file(self, name: str) -> Path:
+        """``secrets/<name>``: a credential one component of the job owns (Dynamo's etcd and NATS)."""
+        return self.path / "secrets" / name
+
+    def new_secret(self, name: str) -> Path:
+        return self._new_secret(self.secret_file(name))
 
     def new_api_key(self) -> Path:
         return self._new_secret(self.api_key_file)
