@@ -6,7 +6,8 @@
 #
 # Makes a venv with ai-dynamo[vllm] (the extra pins a CUDA vLLM), installs Debian's etcd and NATS if
 # missing, and runs a local job: the runtime, ENGINES (default 1) `python -m dynamo.vllm` workers with
-# --enable-rl, the frontend with the KV router, a request through it and `rl-launch fleet reset-cache`
+# --enable-rl, the frontend with the KV router, a request through it (with the job's key, read by curl from
+# stdin: never in its argv) and `rl-launch fleet reset-cache`
 # (each worker's /engine/flush_cache). Exits non-zero when any part fails; prints the job directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,8 @@ cluster: local
 job_root: $work/jobs
 training:
   command: >-
-    curl -sf "\$RL_POLICY_BASE_URL/completions" -H 'Content-Type: application/json'
+    printf 'header = "Authorization: Bearer %s"\\n' "\$RL_POLICY_API_KEY" | curl -K -
+    -sf "\$RL_POLICY_BASE_URL/completions" -H 'Content-Type: application/json'
     -d '{"model": "smoke", "prompt": [1, 2, 3, 4], "max_tokens": 8}' &&
     .venv/bin/rl-launch fleet reset-cache "\$RL_JOB_DIR"
 generation:

@@ -3,11 +3,13 @@ cannot run on CPU machines: these tests are what CI checks of it; bench/dynamo_g
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from launcher.engines.base import EngineSpec
+from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.dynamo import DynamoPlanes, DynamoWorker, worker_command
 from launcher.engines.host import EngineHostConfig, build_engine
 from launcher.spec import SpecError, parse_spec
@@ -57,6 +59,35 @@ def test_worker_environment_points_at_the_runtime_and_keeps_traffic_on_its_addre
     assert worker.url == "http://10.0.0.7:28001"
 
 
+def test_worker_reads_the_runtime_credentials_from_their_files_and_drops_inherited_ones(
+    tmp_path: Path,
+) -> None:
+    """The host config carries the secret files' paths only; the worker's environment gets the values,
+    and a NATS user/password inherited from the user's shell (which Dynamo would try before the token)
+    is dropped."""
+    password, token = tmp_path / "etcd", tmp_path / "nats"
+    password.write_text("pw-1\n")
+    token.write_text("tok-2\n")
+    planes = DynamoPlanes(
+        "etcd", "tcp", {**ETCD.env, "ETCD_AUTH_USERNAME": "rl-launch"},
+        {"ETCD_AUTH_PASSWORD": str(password), "NATS_AUTH_TOKEN": str(token)},
+    )  # fmt: skip
+    worker = DynamoWorker(
+        EngineSpec(model="m", host="10.0.0.7", port=28001), "dynamo-mocker", planes, python="py"
+    )
+    env = worker.environment({"NATS_AUTH_USERNAME": "me", "NATS_AUTH_PASSWORD": "mine", "PATH": "/bin"})
+    assert (env["ETCD_AUTH_USERNAME"], env["ETCD_AUTH_PASSWORD"], env["NATS_AUTH_TOKEN"]) == (
+        "rl-launch",
+        "pw-1",
+        "tok-2",
+    )
+    assert "NATS_AUTH_USERNAME" not in env and "NATS_AUTH_PASSWORD" not in env and env["PATH"] == "/bin"
+    assert "pw-1" not in " ".join(worker.command()) and "pw-1" not in json.dumps(asdict(planes))
+    password.unlink()
+    with pytest.raises(EngineStartError, match=f"cannot read the Dynamo credential {password}"):
+        worker.environment({})
+
+
 def test_engine_host_splits_gpus_into_tp_pp_groups_for_dynamo_vllm(tmp_path: Path) -> None:
     cfg = EngineHostConfig(
         kind="dynamo-vllm", count=2, host="127.0.0.1", model="m", tensor_parallel_size=2,
@@ -101,6 +132,14 @@ def test_spec_resolves_dynamo_options_with_defaults() -> None:
         ({"generation": {"engine": "sim"}}, "generation.engine"),
         ({"generation": {"engine": "dynamo-mocker"}}, "generation.model"),
         ({"router": {"kind": "dynamo", "dynamo": {"router_mode": "fastest"}}}, "router.dynamo.router_mode"),
+        (
+            {
+                "cluster": "slurm",
+                "slurm": {"time": "01:00:00"},
+                "generation": {"engine": "dynamo-mocker", "model": "/m", "nodes": 2},
+            },
+            "router.dynamo.allow_insecure_network",
+        ),
     ],
 )
 def test_spec_refuses_mismatched_dynamo_fields_naming_the_field(over: dict[str, object], field: str) -> None:

@@ -35,15 +35,19 @@ TRAINER = textwrap.dedent(
     """\
     import json, os, re, signal, subprocess, sys, time, urllib.request
     job = os.environ["RL_JOB_DIR"]
-    url = os.environ["RL_ROUTER_URL"]
+    url = os.environ["RL_ROUTER_URL"]  # the key-checking front
+    # The frontend's own /health (its instance list) is on loopback on this node, as the driver announced.
+    events = [json.loads(x) for x in open(os.path.join(job, "events.jsonl"))]
+    frontend = next(e["frontend_url"] for e in events if e["phase"] == "gateway_frontend")
     def instances():
-        health = json.load(urllib.request.urlopen(url + "/health", timeout=2))
+        health = json.load(urllib.request.urlopen(frontend + "/health", timeout=2))
         return sorted(str(i["instance_id"]) for i in health["instances"] if i["endpoint"] == "generate")
     def listing():
         return json.load(open(os.path.join(job, "engines", "node-0.urls.json")))["engines"]
     body = json.dumps({"model": os.environ["RL_POLICY_MODEL_NAME"], "prompt": [1, 2, 3, 4], "max_tokens": 4})
     req = urllib.request.Request(url + "/v1/completions", data=body.encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": "Bearer " + os.environ["RL_POLICY_API_KEY"]})
     first = json.load(urllib.request.urlopen(req, timeout=10))
     reset = subprocess.run(["rl-launch", "fleet", "reset-cache", job, "--json"],
                            capture_output=True, text=True)

@@ -58,7 +58,13 @@ def test_dynamo_fleet_on_slurm_recovers_a_killed_worker(tmp_path: Path, tiny_mod
         },
         router={
             "kind": "dynamo",
-            "dynamo": {"router_mode": "kv", "discovery": "etcd", "worker_args": ["--speedup-ratio", "10"]},
+            "dynamo": {
+                "router_mode": "kv",
+                "discovery": "etcd",
+                "worker_args": ["--speedup-ratio", "10"],
+                # The workers' request plane and status servers are unauthenticated on the cluster network.
+                "allow_insecure_network": True,
+            },
         },
     )
     proc = subprocess.Popen(

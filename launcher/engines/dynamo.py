@@ -7,6 +7,12 @@ says whether it serves", so each worker gets Dynamo's *system status server* on 
 (``DYN_SYSTEM_PORT``): that URL is the engine URL the engine host publishes and the fleet controller
 probes, and a worker restarted in place comes back on a new one and rejoins through discovery.
 
+Credentials: the worker reads the job's etcd password and NATS token from the files ``DynamoPlanes``
+names into its environment (``DynamoPlanes.apply``). What the worker itself listens on, its request plane
+and its status server (whose ``/engine/*`` routes pause, sleep and reload weights), Dynamo 1.6 does not
+authenticate: it binds the node's address (loopback in local mode), and ``cluster: slurm`` needs
+``router.dynamo.allow_insecure_network`` (``launcher.gateways.dynamo``).
+
 Why one process per worker (``--num-workers 1`` for the mocker) and not one mocker process with N
 workers: a worker must be able to die and be restarted alone, as a vLLM engine can.
 
@@ -21,6 +27,7 @@ import random
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from launcher.engines.base import EngineSpec, EngineStartError
@@ -28,6 +35,17 @@ from launcher.engines.vllm import VllmEngine, _connect_host
 
 DynamoEngineKind = Literal["dynamo-vllm", "dynamo-mocker"]
 DYNAMO_PYTHON_ENV = "RL_LAUNCH_DYNAMO_PYTHON"
+
+
+# What Dynamo's runtime (ai-dynamo-runtime 1.6) reads to authenticate to etcd and NATS. Any of them inherited
+# from the user's environment is dropped: NATS_AUTH_USERNAME/PASSWORD would win over the job's token (the
+# runtime tries them first) and the process would be refused by the job's NATS.
+CREDENTIAL_VARS = (
+    "ETCD_AUTH_USERNAME", "ETCD_AUTH_PASSWORD",
+    "ETCD_AUTH_CA", "ETCD_AUTH_CLIENT_CERT", "ETCD_AUTH_CLIENT_KEY",
+    "NATS_AUTH_USERNAME", "NATS_AUTH_PASSWORD",
+    "NATS_AUTH_TOKEN", "NATS_AUTH_NKEY", "NATS_AUTH_CREDENTIALS_FILE",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -39,7 +57,12 @@ class DynamoPlanes:
     discovery: Literal["etcd", "file"] = "etcd"
     request_plane: Literal["tcp", "nats"] = "tcp"
     env: dict[str, str] = field(default_factory=dict)
-    """ETCD_ENDPOINTS / NATS_SERVER / DYN_FILE_KV / DYN_NAMESPACE: where the job's runtime is."""
+    """ETCD_ENDPOINTS / NATS_SERVER / DYN_FILE_KV / DYN_NAMESPACE / ETCD_AUTH_USERNAME: where the job's
+    runtime is and who to be there (no secret: this dict is written to the engine hosts' config files)."""
+    secret_files: dict[str, str] = field(default_factory=dict)
+    """``{variable: path}``: ETCD_AUTH_PASSWORD and NATS_AUTH_TOKEN, each read from its 0600 file in the
+    job's ``secrets/`` by the process that starts a worker or the frontend, and handed over in that
+    process's environment: never in argv, a config file or a log."""
 
     @property
     def event_plane(self) -> str:
@@ -56,6 +79,21 @@ class DynamoPlanes:
             "--event-plane",
             self.event_plane,
         ]
+
+    def apply(self, env: Mapping[str, str]) -> dict[str, str]:
+        """``env`` without inherited credentials (``CREDENTIAL_VARS``), plus where the runtime is and the
+        job's credentials read from their files. ``ValueError`` naming the file if one cannot be read."""
+        out = {k: v for k, v in env.items() if k not in CREDENTIAL_VARS}
+        out.update(self.env)
+        for var, path in self.secret_files.items():
+            try:
+                value = Path(path).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read the Dynamo credential {path} ({var}): {exc}") from None
+            if not value:
+                raise ValueError(f"the Dynamo credential {path} ({var}) is empty")
+            out[var] = value
+        return out
 
 
 # Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit number: the OS's ephemeral ports (32768+) are refused,
@@ -174,8 +212,10 @@ class DynamoWorker(VllmEngine):
         )
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = super().environment(base)
-        env.update(self.planes.env)
+        try:
+            env = self.planes.apply(super().environment(base))
+        except ValueError as exc:
+            raise EngineStartError(str(exc)) from None
         # The status server is the worker's engine URL; bind it where the frontend's node reaches it.
         env["DYN_SYSTEM_PORT"] = str(self.port)
         env["DYN_SYSTEM_HOST"] = self.spec.host

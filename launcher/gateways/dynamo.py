@@ -1,33 +1,44 @@
-"""``router.kind: dynamo``: a launcher-owned NVIDIA Dynamo fleet behind ``python -m dynamo.frontend``.
+"""``router.kind: dynamo``: a launcher-owned NVIDIA Dynamo fleet behind ``python -m dynamo.frontend``, with
+the job's API key checked in front of it.
 
-What the launcher runs on the driver node, all as child process groups it stops at teardown:
+What the launcher runs on the driver node, all stopped at teardown:
 
-* **the runtime** (``prepare_engines``, before any worker starts): with ``discovery: etcd``, an etcd on two
-  free ports (client, peer) and ``nats-server -js`` (JetStream, for KV events) on a third, each with its
-  data directory under ``<job>/dynamo/``; with ``discovery: file``, only the directory ``<job>/dynamo/kv``
-  (``DYN_FILE_KV``) on the shared filesystem. The engine hosts receive where it is (``DynamoPlanes``).
-* **the frontend** (``start``): ``python -m dynamo.frontend`` on the reserved port (the stable URL Gym and
-  the training command get) with the spec's ``--router-mode`` and ``--migration-limit`` (a request on a
-  worker that dies is re-routed instead of failing). Ready when its ``/health`` lists every worker
-  instance and ``/v1/models`` shows the model.
+* **the runtime** (``prepare_engines``, before any worker starts): with ``discovery: etcd``, etcd and
+  ``nats-server -js`` requiring the job's own credentials (``launcher.gateways.dynamo_runtime``); with
+  ``discovery: file``, only the directory ``<job>/dynamo/kv`` (``DYN_FILE_KV``, 0700) on the shared
+  filesystem. The engine hosts receive where it is and which secret files to read (``DynamoPlanes``).
+* **the frontend** (``start``): ``python -m dynamo.frontend`` with the spec's ``--router-mode`` and
+  ``--migration-limit`` (a request on a worker that dies is re-routed instead of failing), listening on
+  **loopback** on a free port: it checks no key (Dynamo 1.6 has no client authentication; its own
+  security guide puts an authenticating gateway in front). Ready when its ``/health`` lists every worker
+  instance and ``/v1/models`` shows the model; the gateway keeps reading both there.
+* **the front** (``start``): our ``router.server.GenerationRouter`` on the reserved port (the stable URL
+  Gym and the training command get), in the driver's process, with the job's API key and admin token and
+  one backend, the frontend. It answers only the proxied OpenAI routes (streams pass through), 401 without
+  the key, and keeps our status contract; its ``/health`` and ``/metrics`` are the router's own (open, as
+  for every kind). Why our router and not a new proxy: it already does all of this, and one proxy is one
+  set of limits, timeouts and tests. Where the frontend listens is announced in the job's events
+  (``gateway_frontend``, ``frontend_url``) for operators and tests on the driver node.
+
+Not authenticated by Dynamo 1.6, and therefore only on loopback in local mode and refused on ``cluster:
+slurm`` without ``router.dynamo.allow_insecure_network`` (README, "Behind Dynamo"): each worker's request
+plane (TCP, ``DYN_TCP_RPC_HOST``) and system status server (``/health``, ``/engine/*``; the engine URL our
+probes use), the frontend's TCP response-stream listener, and with ``discovery: file`` the ZMQ event
+plane. They listen on the nodes' addresses because the other nodes must reach them.
 
 Membership (``set_serving``): Dynamo's discovery decides which workers the frontend routes to; there is no
 "add/remove this URL" call. The controller's serving set is therefore enforced through the workers
 themselves: an engine it condemns is stopped and restarted in place by its engine host, which removes its
 registration (lease / file) and the replacement registers anew. ``set_serving`` keeps the set to report
-the difference in ``view`` and checks that the runtime and the frontend are alive; a dead one sets
-``failed()``, which fails the job with the reason.
+the difference in ``view`` and checks that the runtime, the frontend and the front are alive; a dead one
+sets ``failed()``, which fails the job with the reason.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
-import signal
-import socket
-import subprocess
 import threading
 import time
 import urllib.error
@@ -35,77 +46,17 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.engines.dynamo import DynamoPlanes, dynamo_python
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
+from launcher.gateways.dynamo_runtime import EtcdNats, ManagedProcess, free_port, private_dir
+
+if TYPE_CHECKING:
+    from router.server import GenerationRouter
 
 _GENERATE = "generate"
 _PER_WORKER_ENDPOINT = "worker_kv_query_source_"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-class ManagedProcess:
-    """One runtime process (etcd, NATS, the frontend) in its own session, logged to a file."""
-
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.argv = argv
-        self.log = log
-        self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> ManagedProcess:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:
-            out.write(f"# rl-launch: starting {self.name}: {shlex.join(self.argv)}\n".encode())
-            out.flush()
-            try:
-                self.proc = subprocess.Popen(
-                    self.argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=self.env,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                raise GatewayError(f"cannot start {self.name} ({self.argv[0]}): {exc}") from exc
-        return self
-
-    def exited(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # The group may hold children after the leader exited (the frontend's helpers): SIGKILL them.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _get_json(url: str, timeout_s: float = 2.0) -> Any:
@@ -135,9 +86,12 @@ class DynamoGateway(Gateway):
         self.options = ctx.spec.router.dynamo
         self.data_dir = ctx.job.path / "dynamo"
         self.python = ""
-        self.runtime: list[ManagedProcess] = []
+        self.runtime: EtcdNats | None = None
         self.frontend: ManagedProcess | None = None
+        self.front: GenerationRouter | None = None
         self.planes: DynamoPlanes | None = None
+        self._frontend_url = ""
+        """The frontend itself, on loopback: readiness and ``view`` read its ``/health`` here."""
         self._url = ""
         self._serving: tuple[str, ...] = ()
         self._failure: str | None = None
@@ -152,88 +106,36 @@ class DynamoGateway(Gateway):
             self.python = dynamo_python()
         except ValueError as exc:
             raise GatewayError(str(exc)) from None
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        host = ctx.host
+        private_dir(self.data_dir)
         env = {"DYN_NAMESPACE": "rl-launch"}
+        secret_files: dict[str, str] = {}
         if opts.discovery == "file":
-            kv = self.data_dir / "kv"
-            kv.mkdir(exist_ok=True)
+            kv = private_dir(self.data_dir / "kv")
             env["DYN_FILE_KV"] = str(kv)
             ctx.job.log_event("gateway_runtime", f"Dynamo file discovery in {kv}")
         else:
-            env.update(self._start_etcd_nats(host))
-        self.planes = DynamoPlanes(opts.discovery, opts.request_plane, env)
+            self.runtime = EtcdNats(ctx.job, ctx.host, self.data_dir, ctx.say)
+            runtime_env, secret_files = self.runtime.start(opts.lease_ttl_s)
+            env.update(runtime_env)
+        self.planes = DynamoPlanes(opts.discovery, opts.request_plane, env, secret_files)
         return asdict(self.planes)
 
-    def _start_etcd_nats(self, host: str) -> dict[str, str]:
-        etcd_bin, nats_bin = shutil.which("etcd"), shutil.which("nats-server")
-        if etcd_bin is None or nats_bin is None:
-            missing = " and ".join(n for n, b in (("etcd", etcd_bin), ("nats-server", nats_bin)) if not b)
-            raise GatewayError(
-                f"router.dynamo.discovery is 'etcd' but {missing} is not on PATH on the driver node "
-                "(Debian: apt-get install etcd-server nats-server), or use discovery: file"
-            )
-        client, peer, nats = _free_port(host), _free_port(host), _free_port(host)
-        logs = self.context.job.logs
-        etcd = ManagedProcess(
-            "etcd",
-            [
-                etcd_bin,
-                "--name", "rl-launch",
-                "--data-dir", str(self.data_dir / "etcd"),
-                "--listen-client-urls", f"http://{host}:{client}",
-                "--advertise-client-urls", f"http://{host}:{client}",
-                "--listen-peer-urls", f"http://{host}:{peer}",
-                "--initial-advertise-peer-urls", f"http://{host}:{peer}",
-                "--initial-cluster", f"rl-launch=http://{host}:{peer}",
-            ],
-            logs / "dynamo-etcd.log",
-        ).start()  # fmt: skip
-        self.runtime.append(etcd)
-        nats_proc = ManagedProcess(
-            "nats-server",
-            [nats_bin, "-js", "-sd", str(self.data_dir / "nats"), "-a", host, "-p", str(nats)],
-            logs / "dynamo-nats.log",
-        ).start()
-        self.runtime.append(nats_proc)
-        deadline = time.monotonic() + 30
-        while True:
-            dead = self._dead_runtime()
-            if dead:
-                raise GatewayError(dead)
-            if _etcd_healthy(host, client) and _accepts(host, nats):
-                break
-            if time.monotonic() > deadline:
-                raise GatewayError(
-                    f"Dynamo runtime not ready in 30 s (etcd {host}:{client}, NATS {host}:{nats}); logs "
-                    f"{etcd.log}, {nats_proc.log}"
-                )
-            time.sleep(0.2)
-        up = f"Dynamo runtime up: etcd {host}:{client}, NATS {host}:{nats} (JetStream)"
-        self.context.say(up)
-        self.context.job.log_event("gateway_runtime", up)  # `submit --follow` and `status` show events
-        return {
-            "ETCD_ENDPOINTS": f"http://{host}:{client}",
-            "NATS_SERVER": f"nats://{host}:{nats}",
-            # How long a dead worker stays in the frontend's instance list (its etcd lease).
-            "ETCD_LEASE_TTL": str(self.options.lease_ttl_s),
-        }
-
     def _dead_runtime(self) -> str | None:
-        for proc in [*self.runtime, *([self.frontend] if self.frontend else [])]:
-            code = proc.exited()
-            if code is not None:
-                return f"Dynamo {proc.name} exited with {code}; log {proc.log}:\n{proc.tail()}"
-        return None
+        dead = self.runtime.dead() if self.runtime is not None else None
+        if dead is None and self.frontend is not None and (code := self.frontend.exited()) is not None:
+            dead = f"Dynamo frontend exited with {code}; log {self.frontend.log}:\n{self.frontend.tail()}"
+        if dead is None and self.front is not None and not self.front.is_serving():
+            dead = f"the key-checking front on {self._url} stopped serving"
+        return dead
 
     # -- the frontend ------------------------------------------------------------------------------
-    def frontend_command(self) -> list[str]:
-        ctx, opts = self.context, self.options
+    def frontend_command(self, port: int) -> list[str]:
+        opts = self.options
         assert self.planes is not None, "prepare_engines() first"
         argv = [
             self.python, "-m", "dynamo.frontend",
-            "--http-host", ctx.host,
-            "--http-port", str(ctx.port),
+            "--http-host", "127.0.0.1",
+            "--http-port", str(port),
             "--router-mode", opts.router_mode,
             "--migration-limit", str(opts.migration_limit),
             *self.planes.flags(),
@@ -245,17 +147,53 @@ class DynamoGateway(Gateway):
         if self.planes is None:
             self.prepare_engines()
         assert self.planes is not None
-        env = {**os.environ, **self.planes.env, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        try:
+            env = self.planes.apply(os.environ)
+        except ValueError as exc:
+            raise GatewayError(str(exc)) from None
+        env["HF_HUB_OFFLINE"] = os.environ.get("HF_HUB_OFFLINE", "1")
+        env["DYN_DISABLE_FRONTEND_ADMIN_API"] = "1"  # its /busy_threshold tunables: nobody here uses them
         env.pop("DYN_SYSTEM_PORT", None)
         for var in ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST"):
-            env[var] = ctx.host  # else Dynamo advertises the node's first interface
+            env[var] = ctx.host  # where the workers reach it: else Dynamo advertises the first interface
+        port = free_port("127.0.0.1")
         self.frontend = ManagedProcess(
-            "frontend", self.frontend_command(), ctx.job.logs / "dynamo-frontend.log", env
+            "frontend", self.frontend_command(port), ctx.job.logs / "dynamo-frontend.log", env
         ).start()
-        self._url = f"http://{ctx.host}:{ctx.port}"
+        self._frontend_url = f"http://127.0.0.1:{port}"
         self._serving = tuple(engine_urls)
         self._wait_ready(len(engine_urls))
+        self._url = self._start_front()
+        where = (
+            f"Dynamo frontend on {self._frontend_url} (loopback), behind the key-checking front {self._url}"
+        )
+        ctx.say(where)
+        ctx.job.log_event("gateway_frontend", where, frontend_url=self._frontend_url, front_url=self._url)
         return self._url
+
+    def _start_front(self) -> str:
+        """Our router on the reserved port, in front of the frontend: the job's key on every proxied
+        route (``router.auth``), one backend that the driver owns (``health_managed``: no probing, the
+        runtime's liveness is watched here)."""
+        from router.config import RouterConfig
+        from router.server import GenerationRouter, RouterBindError
+
+        ctx = self.context
+        try:
+            config = RouterConfig.from_settings(
+                ctx.spec.router,
+                host=ctx.host,
+                port=ctx.port,
+                health_managed=True,
+                api_key=ctx.api_key,
+                admin_token=ctx.admin_token,
+            )
+            self.front = GenerationRouter(config, [f"{self._frontend_url}/v1"])
+            return self.front.serve_in_background()
+        except (RouterBindError, RuntimeError, ValueError) as exc:
+            raise GatewayError(
+                f"the key-checking front on {ctx.host}:{ctx.port} did not start: {exc}"
+            ) from None
 
     def _wait_ready(self, workers: int) -> None:
         ctx = self.context
@@ -268,8 +206,10 @@ class DynamoGateway(Gateway):
             if dead:
                 raise GatewayError(dead)
             try:
-                seen = len(worker_instances(_get_json(f"{self._url}/health")))
-                models = [m.get("id") for m in (_get_json(f"{self._url}/v1/models").get("data") or [])]
+                seen = len(worker_instances(_get_json(f"{self._frontend_url}/health")))
+                models = [
+                    m.get("id") for m in (_get_json(f"{self._frontend_url}/v1/models").get("data") or [])
+                ]
             except (OSError, ValueError, urllib.error.URLError):
                 seen, models = 0, []
             if seen >= workers and model in models:
@@ -277,7 +217,7 @@ class DynamoGateway(Gateway):
             now = time.monotonic()
             if now > deadline:
                 raise GatewayError(
-                    f"Dynamo frontend {self._url} not ready in {self.options.ready_timeout_s:g} s: "
+                    f"Dynamo frontend {self._frontend_url} not ready in {self.options.ready_timeout_s:g} s: "
                     f"{seen}/{workers} worker instances, models {models} (want {model!r}); log "
                     f"{self.frontend.log if self.frontend else '?'}"
                 )
@@ -304,7 +244,7 @@ class DynamoGateway(Gateway):
 
     def failed(self) -> str | None:
         with self._lock:
-            if self._failure is None and not self._stopped and self.frontend is not None:
+            if self._failure is None and not self._stopped and self.front is not None:
                 self._failure = self._dead_runtime()
             return self._failure
 
@@ -313,7 +253,7 @@ class DynamoGateway(Gateway):
 
     def view(self) -> GatewayView:
         try:
-            health = _get_json(f"{self._url}/health")
+            health = _get_json(f"{self._frontend_url}/health")
             instances = worker_instances(health)
         except (OSError, ValueError, urllib.error.URLError) as exc:
             return GatewayView(self.kind, self._url, False, detail=f"frontend unreachable: {exc}")
@@ -324,7 +264,8 @@ class DynamoGateway(Gateway):
         )
         detail = (
             f"router mode {self.options.router_mode}; {len(instances)} worker instance(s) in Dynamo's "
-            f"discovery, {len(self._serving)} engine(s) serving by our probes"
+            f"discovery, {len(self._serving)} engine(s) serving by our probes; frontend "
+            f"{self._frontend_url} behind the key-checking front"
         )
         return GatewayView(self.kind, self._url, True, members, detail)
 
@@ -359,22 +300,10 @@ class DynamoGateway(Gateway):
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
-        procs = [*([self.frontend] if self.frontend else []), *reversed(self.runtime)]
-        for proc in procs:
-            proc.stop()
+        if self.front is not None:
+            self.front.stop()
+        if self.frontend is not None:
+            self.frontend.stop()
+        if self.runtime is not None:
+            self.runtime.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
-
-
-def _etcd_healthy(host: str, port: int) -> bool:
-    try:
-        return bool(_get_json(f"http://{host}:{port}/health", 1.0).get("health") == "true")
-    except (OSError, ValueError, AttributeError, urllib.error.URLError):
-        return False
-
-
-def _accepts(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False

@@ -13,6 +13,7 @@ Layout (on the shared filesystem, so every node and the login node see it)::
       secrets/admin_token     the router's admin token (router and fleet controller only), 0600
       secrets/ray_token       the job's Ray token (RAY_AUTH_TOKEN_PATH of every Ray node, the driver and
                               the training command), 0600
+      secrets/<name>          a component's own credential (``new_secret``; e.g. Dynamo's etcd password), 0600
       engines/node-<i>.json          the engine host's config for generation node i (driver)
       engines/node-<i>.urls.json     EngineListing: what node i serves, or its start error (engine host)
       engines/node-<i>.control.json  ControlRequests: restart requests (fleet controller)
@@ -170,10 +171,18 @@ class JobDir:
         argv, never written to the spec or a log."""
         path.parent.mkdir(mode=0o700, exist_ok=True)
         os.chmod(path.parent, 0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)  # a file that was there keeps its mode otherwise
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32))
         return path
+
+    def secret_file(self, name: str) -> Path:
+        """``secrets/<name>``: a credential one component of the job owns (Dynamo's etcd and NATS)."""
+        return self.path / "secrets" / name
+
+    def new_secret(self, name: str) -> Path:
+        return self._new_secret(self.secret_file(name))
 
     def new_api_key(self) -> Path:
         return self._new_secret(self.api_key_file)

@@ -141,7 +141,9 @@ def _router_issues(spec: JobSpec) -> list[Issue]:
 
 
 def _dynamo_issues(spec: JobSpec) -> list[Issue]:
-    """Dynamo workers register with a Dynamo frontend only, and that frontend routes to nothing else."""
+    """Dynamo workers register with a Dynamo frontend only, and that frontend routes to nothing else; on a
+    cluster what Dynamo cannot authenticate runs only with the explicit opt-in
+    (``router.dynamo.allow_insecure_network``, see ``launcher.gateways.dynamo``)."""
     gen, kind = spec.generation, spec.router.kind
     dynamo_engine = gen.engine.startswith("dynamo-")
     if kind == "dynamo" and not dynamo_engine:
@@ -165,6 +167,16 @@ def _dynamo_issues(spec: JobSpec) -> list[Issue]:
         if gen.engine == "dynamo-vllm":
             what = "the Hugging Face id or local path of the model to serve"
         return [Issue("generation.model", f"required when generation.engine is {gen.engine!r}: {what}")]
+    if kind == "dynamo" and spec.cluster == "slurm" and not spec.router.dynamo.allow_insecure_network:
+        return [
+            Issue(
+                "router.dynamo.allow_insecure_network",
+                "required with router.kind: dynamo on cluster: slurm: Dynamo's workers take requests (TCP "
+                "request plane) and /engine/* calls (system status server) from anyone on the cluster "
+                "network, with no authentication; set it to true on a network you trust (README, \"Behind "
+                "Dynamo\"), or use another router.kind",
+            )
+        ]
     return []
 
 

@@ -332,6 +332,12 @@ class DynamoOptions(_Section):
     """Appended to every ``dynamo.vllm`` / ``dynamo.mocker`` command line (e.g. ``--speedup-ratio 10``)."""
     ready_timeout_s: float = Field(default=300.0, gt=0)
     lease_ttl_s: int = Field(default=5, ge=1, description="etcd lease of a worker's registration")
+    allow_insecure_network: bool = False
+    """``cluster: slurm`` refuses a Dynamo job without it: Dynamo 1.6 authenticates nothing the workers
+    listen on (request plane, system status server with its ``/engine/*`` routes), and on a cluster they
+    listen on the nodes' addresses. ``true`` accepts that on a network you trust (README, "Behind
+    Dynamo"); etcd, NATS and the front URL check the job's secrets either way. No effect with ``cluster:
+    local``, where everything listens on loopback."""
 
     @field_validator("frontend_args", "worker_args", mode="before")
     @classmethod
