@@ -944,3 +944,44 @@ async def test_stopping_the_router_closes_its_upstream_connections(raw_backends)
     finally:
         r.stop()
     await asyncio.wait_for(backend.closed.wait(), 3)
+
+
+# -- issue 17: no way in without the job's secrets (the HTTP path) -----------------------------------------
+def misbehaving(shape: str) -> Callable[[bytes, bytes], bytes | list[bytes]]:
+    """A backend whose first answer is followed by bytes beyond its end (``shape``); later answers are
+    ``{"n": <request number>}``."""
+    smuggled = ok_json(b'{"smuggled":1}')
+    chunked = b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\n{"n":1}\r\n0\r\n\r\n'
+    first = {
+        "length": ok_json(b'{"n":1}') + smuggled,  # more than Content-Length, in the same write
+        "chunked": chunked + smuggled,  # after the last chunk
+        "no_body": b"HTTP/1.1 204 No Content\r\n\r\n" + smuggled,  # a 204 has no body at all
+        "later": [ok_json(b'{"n":1}'), smuggled],  # 0.2 s later, while the connection is idle
+    }[shape]
+    count = 0
+
+    def answer(head: bytes, body: bytes) -> bytes | list[bytes]:
+        nonlocal count
+        count += 1
+        return first if count == 1 else ok_json(b'{"n":%d}' % count)
+
+    return answer
+
+
+@pytest.mark.parametrize("shape", ["length", "chunked", "no_body", "later"])
+async def test_bytes_beyond_a_backend_answer_reach_no_client(raw_backends, routers, shape: str) -> None:
+    """Issue 17: the upstream pool parsed bytes after a complete answer as a further answer: appended
+    to the body the client got (a 204 was answered with them), or, arriving while the connection sat
+    in the pool, read by whichever request used it next. Now they close the connection."""
+    backend = await raw_backends(misbehaving(shape))
+    r = routers([backend.url + "/v1"])
+    # One client connection: one worker process (one upstream pool) serves both requests.
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base_url() + CHAT, data=b"{}") as resp:
+            first = (resp.status, await resp.read())
+        await asyncio.sleep(0.5)  # "later": the extra bytes arrive while the connection is idle
+        async with s.post(r.base_url() + CHAT, data=b"{}") as resp:
+            second = (resp.status, await resp.read())
+    assert first == ((204, b"") if shape == "no_body" else (200, b'{"n":1}'))
+    assert second == (200, b'{"n":2}')
+    assert backend.connections == 2  # the first connection was closed, never reused
