@@ -19,7 +19,8 @@ The router's own part:
 * **Step metrics**: ``POST /fleet/step/begin`` snapshots the engines' counters, ``GET /fleet/step``
   answers the delta since then (``router.engine_counters``).
 
-All routes require the admin token (``router.auth`` guards ``/fleet/``).
+All routes require the admin token (``router.auth`` guards ``/fleet/``). Every call to an engine
+presents the engine key (``backend_api_key``): engines take it on every route but ``/health``.
 """
 
 from __future__ import annotations
@@ -306,11 +307,11 @@ class FleetApi:
 
     # -- counters and steps ----------------------------------------------------------------------------
     async def counters(self, request: web.Request) -> web.Response:
-        snap, errors = await read_snapshot(self._all_engines())
+        snap, errors = await read_snapshot(self._all_engines(), api_key=self.backend_api_key)
         return _json(200 if not errors else 500, {**step_dict(snap), "errors": errors})
 
     async def step_begin(self, request: web.Request) -> web.Response:
-        snap, errors = await read_snapshot(self._all_engines())
+        snap, errors = await read_snapshot(self._all_engines(), api_key=self.backend_api_key)
         self._step += 1
         self._step_started = time.time()
         self._step_snapshot = snap
@@ -319,7 +320,7 @@ class FleetApi:
     async def step(self, request: web.Request) -> web.Response:
         if self._step_snapshot is None:
             return _json(409, {"ok": False, "error": "no step begun: POST /fleet/step/begin first"})
-        now, errors = await read_snapshot(self._all_engines())
+        now, errors = await read_snapshot(self._all_engines(), api_key=self.backend_api_key)
         out = step_dict(delta(self._step_snapshot, now))
         out.update(step=self._step, started_at=self._step_started, seconds=time.time() - self._step_started)
         return _json(200 if not errors else 500, {**out, "errors": errors})

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
@@ -496,3 +496,62 @@ def test_actor_takes_one_config_and_keeps_its_port() -> None:
         assert actor.serving_backends() == ["http://127.0.0.1:9"]
     finally:
         actor.stop()
+
+# -- issue 17: the engine key on every fleet call ---------------------------------------------------------
+ADMIN = "admin-key"
+
+
+@dataclass
+class KeyedEngine(FakeEngine):
+    """An engine that takes the job's key on every route but /health (what vLLM and the simulator now
+    enforce), serving vLLM counters on /metrics; ``redirect_metrics``: /metrics answers a 302 instead."""
+
+    key: str = "engine-key"
+    redirect_metrics: str = ""
+    unkeyed: list[str] = field(default_factory=list)
+    metrics_reads: int = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != f"Bearer {self.key}":
+            self.unkeyed.append(f"{request.method} {request.path}")
+            return web.Response(status=401)
+        if request.path == "/metrics":
+            self.metrics_reads += 1
+            if self.redirect_metrics:
+                return web.Response(status=302, headers={"Location": self.redirect_metrics})
+            text = '# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{model_name="m"} 42.0\n'
+            return web.Response(text=text, content_type="text/plain")
+        return await super().handle(request)
+
+
+async def test_every_fleet_call_to_an_engine_carries_the_engine_key(routers) -> None:
+    """Issue 17: engines will take the job's key on every route but /health; the step counters were read
+    from /metrics without it (so /fleet/counters and /fleet/step would fail). Every /fleet/* call must
+    send it, and a redirect is never followed (here one engine redirects /metrics to the other)."""
+    async with engine_factory(KeyedEngine, 1) as make:
+        (keyed,) = await make(1)
+        (redirecting,) = await make(1)
+        redirecting.redirect_metrics = keyed.url + "/metrics"
+        engines = [keyed.api_url, redirecting.api_url]
+        r = routers(engines, admin_token=ADMIN, backend_api_key="engine-key", probe_interval_s=0)
+        base = r.base_url()
+        status, counters = await call("GET", base + "/fleet/counters", ADMIN)
+        assert status == 500, counters
+        assert counters["errors"] == {redirecting.url: "HTTP 302"}  # type: ignore[index]
+        assert counters["engines"][keyed.url] == {"prompt_tokens": 42}  # type: ignore[index]
+        assert keyed.metrics_reads == 1  # the redirect to it was not followed
+        for method, path in (
+            ("POST", "/fleet/step/begin"),
+            ("GET", "/fleet/step"),
+            ("POST", "/fleet/pause"),
+            ("GET", "/fleet/is_paused"),
+            ("POST", "/fleet/resume"),
+            ("GET", "/fleet/weight_version"),
+            ("POST", "/fleet/checksum"),
+            ("POST", "/fleet/abort"),
+            ("POST", "/fleet/reset_prefix_cache"),
+        ):
+            await call(method, base + path, ADMIN)
+        seen = {p for e in (keyed, redirecting) for _, p, _ in e.requests}
+        assert {"/pause", "/resume", "/is_paused", "/weight_info", "/reset_prefix_cache"} <= seen
+        assert keyed.unkeyed == [] and redirecting.unkeyed == []
