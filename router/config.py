@@ -158,7 +158,7 @@ class RouterSettings(BaseModel):
     http: HttpLimits = Field(
         default=DEFAULT_HTTP_LIMITS,
         description="HTTP resource limits: head_timeout_s, keepalive_timeout_s, max_client_connections, "
-        "max_backend_header_bytes, max_error_body_bytes (see router.limits)",
+        "max_backend_header_bytes, max_error_body_bytes, body_timeout_s (see router.limits)",
     )
     pause_max_held: int = Field(
         default=10_000, ge=0, description="generation requests held during a fleet pause (refused above)"

@@ -5,6 +5,10 @@ contract, limits, affinity) is in ``test_router_hardening_http.py``.
 Each test failed on the code before the fix it pins, unless its docstring says it guards a behaviour
 that was kept. Routers are real ``GenerationRouter``s or real ``rl-launch router`` processes; backends are
 real aiohttp servers on OS-chosen ports.
+
+Every test that runs a router runs it twice (the ``workers`` fixture): as one process and with two worker
+processes, the mode ``rl-launch router`` runs in by default (issue 17: the worker relay had lost bounds
+the single process enforced, and no test ran there). A test that cannot apply to one mode says why.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from router.cli import router_command
 from router.config import RouterConfig, RouterSettings, describe_errors
 from router.policies import LoadTracker, RoundRobin
 from router.probing import HealthProber
-from tests.http_backends import FakeEngine, engine_factory, router_factory
+from tests.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
 
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,9 +68,14 @@ async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]
         yield make
 
 
+@pytest.fixture(params=WORKER_MODES, ids=mode_id)
+def workers(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
 @pytest.fixture
-def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(policy="round_robin") as make:
+def routers(workers: int) -> Iterator[Callable[..., GenerationRouter]]:
+    with router_factory(policy="round_robin", workers=workers) as make:
         yield make
 
 
@@ -200,9 +209,12 @@ async def test_non_utf8_authorization_is_401_not_500(engines, routers) -> None:
 # -- item 4: health by default when standalone ---------------------------------------------------------
 
 
-async def test_standalone_defaults_answer_no_healthy_within_10s_of_the_last_engine_dying(engines) -> None:
+async def test_standalone_defaults_answer_no_healthy_within_10s_of_the_last_engine_dying(
+    engines, workers: int
+) -> None:
     a, b = await engines(2)
-    config = RouterConfig(policy="round_robin")  # the CLI's defaults: probing on
+    # The CLI's defaults: probing on (the admin routes are not what this test is about).
+    config = RouterConfig(policy="round_robin", workers=workers, insecure_admin=True)
     assert config.probing
     r = GenerationRouter(config, [a.api_url, b.api_url])
     r.serve_in_background()
@@ -223,10 +235,10 @@ async def test_standalone_defaults_answer_no_healthy_within_10s_of_the_last_engi
         r.stop()
 
 
-async def test_standalone_defaults_eject_a_wedged_engine_within_10s(engines) -> None:
+async def test_standalone_defaults_eject_a_wedged_engine_within_10s(engines, workers: int) -> None:
     """A wedged engine accepts connections and never answers: only the probe timeout can see it."""
     (e,) = await engines(1)
-    r = GenerationRouter(RouterConfig(), [e.api_url])
+    r = GenerationRouter(RouterConfig(workers=workers, insecure_admin=True), [e.api_url])
     r.serve_in_background()
     try:
         await wait_for(lambda: e.health_hits >= 1, 5)
@@ -326,9 +338,11 @@ def _stop(proc: subprocess.Popen[str]) -> str:
     return err or ""
 
 
-async def test_cli_without_backends_is_unready_and_says_so_loudly(engines) -> None:
+async def test_cli_without_backends_is_unready_and_says_so_loudly(engines, workers: int) -> None:
     (e,) = await engines(1)
-    proc, url, lines = await asyncio.to_thread(_start_cli_router, [])
+    # --insecure-admin: this test registers a worker without a token (the admin surface has its own).
+    args = ["--workers", str(workers), "--insecure-admin"]
+    proc, url, lines = await asyncio.to_thread(_start_cli_router, args)
     try:
         assert any("WARNING" in ln and "no backends" in ln for ln in lines), lines
         assert (await call("GET", url + "/readiness"))[0] == 503
@@ -446,7 +460,7 @@ def test_secret_files_that_cannot_be_used_give_one_line_naming_flag_and_file(tmp
     assert result.exit_code == 1 and "keep only --api-key-file" in result.output
 
 
-async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path: Path) -> None:
+async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path: Path, workers: int) -> None:
     (e,) = await engines(1)
     admin_file = tmp_path / "admin"
     admin_file.write_text("file-admin-token\n")
@@ -455,7 +469,7 @@ async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path
     key_file.write_text("file-client-key")
     key_file.chmod(0o600)
     args = ["--host", "127.0.0.1", "--backend", e.api_url, "--admin-token-file", str(admin_file)]
-    args += ["--api-key-file", str(key_file)]
+    args += ["--api-key-file", str(key_file), "--workers", str(workers)]
     proc, url, lines = await asyncio.to_thread(
         _start_cli_router, args, {"RL_ROUTER_BACKEND_API_KEY": "env-engine-key"}
     )
@@ -472,7 +486,9 @@ async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path
     for secret in ("file-admin-token", "file-client-key", "env-engine-key"):
         assert secret not in err  # never logged
 
-    proc, url, lines = await asyncio.to_thread(_start_cli_router, ["--api-key", "flag-key"])
+    proc, url, lines = await asyncio.to_thread(
+        _start_cli_router, ["--api-key", "flag-key", "--workers", str(workers)]
+    )
     try:
         head = "".join(lines)
         assert "--api-key on the command line is visible" in head and "--api-key-file" in head
@@ -482,23 +498,72 @@ async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path
     assert "flag-key" not in err
 
 
-def test_actor_takes_one_config_and_keeps_its_port() -> None:
+def test_actor_takes_one_config_and_keeps_its_port(workers: int) -> None:
     from router.actor import GenerationRouterActor
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(ValueError, match="fixed port"):
-        GenerationRouterActor(RouterConfig(), [])
-    actor = GenerationRouterActor(RouterConfig(port=port, health_managed=True), ["http://127.0.0.1:9/v1"])
+        GenerationRouterActor(RouterConfig(admin_token="a"), [])
+    config = RouterConfig(port=port, health_managed=True, workers=workers, admin_token="a")
+    actor = GenerationRouterActor(config, ["http://127.0.0.1:9/v1"])
     try:
         assert actor.base_url() == f"http://127.0.0.1:{port}"
         assert actor.serving_backends() == ["http://127.0.0.1:9"]
     finally:
         actor.stop()
 
-# -- issue 17: the engine key on every fleet call ---------------------------------------------------------
+
+# -- issue 17: no way in without the job's secrets (the admin surface) --------------------------------------
 ADMIN = "admin-key"
+
+
+async def debug_handler(request: web.Request) -> web.Response:
+    return web.json_response({"debug": "served"})
+
+
+class RouterWithDebugRoutes(GenerationRouter):
+    """A router whose author added two routes: one straight on aiohttp's router (no access mark), one
+    through the route table as an admin route."""
+
+    def _admin_routes(self, table) -> None:  # type: ignore[no-untyped-def]
+        app = getattr(table, "app", table)  # before issue 17 this received the application itself
+        app.router.add_get("/debug/unmarked", debug_handler)
+        if hasattr(table, "add"):
+            from router.auth import Access
+
+            table.add("GET", "/debug/admin", debug_handler, Access.ADMIN)
+        super()._admin_routes(table)
+
+
+async def test_a_route_registered_without_a_mark_is_never_served(engines, workers: int) -> None:
+    """Issue 17: admin routes were decided by a path-prefix list, so a route outside it was open. Now a
+    route carries its access mark from registration; one without a mark is refused to everyone (one
+    process: 403; with workers it is not even relayed: 404), and the workers relay exactly what the
+    router process marked admin."""
+    (e,) = await engines(1)
+    config = RouterConfig(admin_token=ADMIN, probe_interval_s=0, workers=workers)
+    r = RouterWithDebugRoutes(config, [e.api_url])
+    r.serve_in_background()
+    try:
+        base = r.base_url()
+        for token in (None, ADMIN):
+            status, body = await call("GET", base + "/debug/unmarked", token)
+            assert status == (403 if workers == 1 else 404), (status, body)
+        assert (await call("GET", base + "/debug/admin"))[0] == 401
+        assert await call("GET", base + "/debug/admin", ADMIN) == (200, {"debug": "served"})
+        assert (await call("GET", base + "/health"))[0] == 200
+    finally:
+        r.stop()
+
+
+def test_route_table_takes_only_access_marks() -> None:
+    from router.auth import RouteTable
+
+    table = RouteTable(web.Application())
+    with pytest.raises(TypeError, match="access must be an Access"):
+        table.add("GET", "/x", debug_handler, "admin")  # type: ignore[arg-type]
 
 
 @dataclass
