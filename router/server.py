@@ -33,7 +33,7 @@ from aiohttp import web
 from router.admin import AdminApi
 from router.auth import Access, RouteTable, access_middleware
 from router.backends import BackendSet, canonical_backend_url
-from router.config import RouterConfig, is_loopback_host
+from router.config import RouterConfig
 from router.connections import ConnectionGate, GuardedSockSite
 from router.fleet_api import FleetApi
 from router.forwarding import Forwarder, ForwardingConfig
@@ -154,12 +154,11 @@ class GenerationRouter:
         self._admin_token = config.admin_secret
         self._max_request_bytes = config.max_request_bytes
         if self._admin_token is None:
-            # RouterConfig refused this on any other address unless insecure_admin was given.
+            # RouterConfig refused this unless insecure_admin was given.
             log.warning(
-                "the /workers admin API on %s is open (no admin token or API key): any process that can "
-                "reach it can add or remove engines%s",
+                "the admin routes (/workers, /fleet/*) on %s are open (no admin token or API key, "
+                "--insecure-admin): any process that can reach it can add, remove, pause or refit engines",
                 config.host,
-                "" if is_loopback_host(config.host) else " (--insecure-admin)",
             )
         if not configured and not config.health_managed:
             log.warning(NO_BACKENDS_WARNING)

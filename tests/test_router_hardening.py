@@ -123,7 +123,10 @@ async def test_admin_token_set_means_the_client_key_is_not_enough(engines, route
     assert r.serving_backends() == [e.url]
 
 
-def test_open_admin_is_refused_off_loopback_unless_insecure_admin(caplog) -> None:
+def test_open_admin_is_refused_on_every_address_unless_insecure_admin(caplog) -> None:
+    """Issue 17 reversed the loopback exception: 127.0.0.1 is every local user of a shared node, so a
+    router with neither an admin token nor an API key refuses to start there too (it used to start
+    with /workers and /fleet/* open and a warning)."""
     with pytest.raises(ValidationError, match="--insecure-admin"):
         RouterConfig(host="0.0.0.0")
     with pytest.raises(ValidationError, match="--insecure-admin"):
@@ -132,11 +135,20 @@ def test_open_admin_is_refused_off_loopback_unless_insecure_admin(caplog) -> Non
     assert RouterConfig(host="0.0.0.0", insecure_admin=True).admin_secret is None
     result = CliRunner().invoke(router_command, ["--host", "0.0.0.0", "--port", "0"])
     assert result.exit_code == 1 and "--insecure-admin" in result.output
-    # Loopback without any token stays allowed, with a warning in the log.
+    # Loopback without any token: refused as well, in one line naming the three flags.
+    for host in ("127.0.0.1", "localhost", "::1"):
+        with pytest.raises(ValidationError, match="--admin-token-file or --api-key-file"):
+            RouterConfig(host=host)
+    result = CliRunner().invoke(router_command, ["--host", "127.0.0.1", "--port", "0"])
+    assert result.exit_code == 1
+    (line,) = [ln for ln in result.output.splitlines() if "--insecure-admin" in ln]
+    assert "--admin-token-file" in line and "--api-key-file" in line and "127.0.0.1" in line
+    assert RouterConfig(host="127.0.0.1", admin_token="a").admin_secret == "a"
+    # With --insecure-admin it starts, and says in the log that the admin routes are open.
     with caplog.at_level(logging.WARNING, logger="router.server"):
-        r = GenerationRouter(RouterConfig(host="127.0.0.1"))
+        r = GenerationRouter(RouterConfig(host="127.0.0.1", insecure_admin=True))
         r.stop()
-    assert any("admin API" in m and "open" in m for m in caplog.messages)
+    assert any("admin routes" in m and "open" in m for m in caplog.messages)
 
 
 async def test_registration_stops_probing_when_its_caller_disconnects(engines, routers) -> None:
@@ -564,6 +576,27 @@ def test_route_table_takes_only_access_marks() -> None:
     table = RouteTable(web.Application())
     with pytest.raises(TypeError, match="access must be an Access"):
         table.add("GET", "/x", debug_handler, "admin")  # type: ignore[arg-type]
+
+
+def test_cli_on_loopback_without_any_secret_refuses_to_start() -> None:
+    """Issue 17: on 127.0.0.1 the router used to start with /workers and /fleet/* open to every local
+    user (and only warn). Now it refuses, in one line naming the flags; bounded: a router that starts is
+    stopped and fails the test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_ROUTER_")}
+    cmd = [sys.executable, "-m", "launcher.cli", "router", "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the router started without any secret on 127.0.0.1:\n{err}") from None
+    assert proc.returncode == 1, err
+    (line,) = [ln for ln in err.splitlines() if "--insecure-admin" in ln]
+    assert "--admin-token-file" in line and "--api-key-file" in line, err
+    assert "router serving" not in err
 
 
 @dataclass
