@@ -11,13 +11,13 @@ Three kinds of access (``Access``):
 
 Why marks and not a list of path prefixes: with a list, a route added outside it was open by default
 (``/fleet/`` had to be remembered in two places). Now a route is registered only through a
-``RouteTable``, which records its mark, and ``access_middleware`` refuses every request whose route
-carries no mark (403, logged once per route): a route someone registers straight on ``app.router`` is
-never served, open or otherwise. The worker processes relay to the router process exactly the routes
-it marked (``RouteTable.marked``; see ``router.workers``).
+``RouteTable``, with its mark, and the check the mark calls for is bound to its handler right there;
+a route someone registers straight on ``app.router`` carries no mark, and the router refuses to start
+with it, naming it: never served, open or otherwise. The worker processes relay to the router process
+exactly the routes it marked (``RouteTable.marked``; see ``router.workers``).
 
-The body of an admin route is read here, once the caller is admitted and before the handler runs,
-with the admin cap and the body deadline (``router.bodies.read_admin_body``); the handler's
+The body of an admin route is read by its check, once the caller is admitted and before the handler
+runs, with the admin cap and the body deadline (``router.bodies.read_admin_body``); the handler's
 ``request.read()`` returns the bytes already read. The proxied routes read theirs in the forwarder.
 
 ``RouterConfig`` refuses a router with neither an admin token nor an API key unless ``insecure_admin``
@@ -71,32 +71,72 @@ class MarkedRoute:
         return cls(data[0], data[1], Access(data[2]))
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """What the router's marked routes take: the client API key (client routes), the admin secret
+    (admin routes: ``RouterConfig.admin_secret``; None only with ``insecure_admin``), and the deadline
+    of an admin route's body."""
+
+    api_key: str | None
+    admin_token: str | None
+    body_timeout_s: float
+
+
 class RouteTable:
-    """The router's routes on one application, each with its access mark.
+    """The routes of one application, each with its access mark; ``add`` is the only way the router's
+    modules register a route.
 
-    ``add`` is the only way the router's modules register a route; ``access_middleware`` reads the
-    marks, and the application keeps its table (``RouteTable.of(app)``) for the worker processes."""
+    With ``credentials`` (the router's own applications) each handler is registered behind the check
+    its mark calls for, bound once here: nothing for an open route, nor for a client route when no API
+    key is set (the proxied path then pays nothing per request), the key otherwise, the admin secret and
+    the bounded body read for an admin route. And the application refuses to start with any route
+    registered without a mark (straight on ``app.router``), naming it. Without ``credentials``
+    (``RouteTable.of``, for the driver's own applications) it records the marks only, which their
+    ``auth_middleware`` reads. The application keeps its table for the worker processes (``marked``)."""
 
-    def __init__(self, app: web.Application) -> None:
+    def __init__(self, app: web.Application, credentials: Credentials | None = None) -> None:
         self.app = app
+        self._credentials = credentials
         self._marks: dict[web.AbstractRoute, Access] = {}
         self._routes: list[MarkedRoute] = []
         app[ROUTE_TABLE] = self
+        if credentials is not None:
+            app.on_startup.append(self._refuse_unmarked)
 
     def add(self, method: str, path: str, handler: Handler, access: Access) -> None:
         """Register ``handler`` for exactly ``method path`` (``"*"``: every method) with ``access``."""
         if not isinstance(access, Access):
             raise TypeError(f"route {method} {path}: access must be an Access, got {access!r}")
-        route = self.app.router.add_route(method, path, handler)
+        route = self.app.router.add_route(method, path, self._guarded(handler, access))
         self._marks[route] = access
         self._routes.append(MarkedRoute(method, path, access))
+
+    def _guarded(self, handler: Handler, access: Access) -> Handler:
+        c = self._credentials
+        if c is None or access is Access.OPEN:
+            return handler
+        if access is Access.CLIENT:
+            return handler if c.api_key is None else _client_checked(handler, c.api_key)
+        return _admin_checked(handler, c.admin_token, c.body_timeout_s)
+
+    async def _refuse_unmarked(self, app: web.Application) -> None:
+        unmarked = [
+            f"{route.method} {route.resource.canonical if route.resource is not None else '?'}"
+            for route in app.router.routes()
+            if route not in self._marks
+        ]
+        if unmarked:
+            raise RuntimeError(
+                f"route(s) registered without an access mark: {', '.join(unmarked)}; register every route "
+                "through router.auth.RouteTable.add with its Access (the router does not start with them)"
+            )
 
     def access(self, route: web.AbstractRoute) -> Access | None:
         return self._marks.get(route)
 
     @classmethod
     def of(cls, app: web.Application) -> RouteTable:
-        """The application's table, made on first use."""
+        """The application's table, made (marks only) on first use."""
         table = app.get(ROUTE_TABLE)
         return table if table is not None else cls(app)
 
@@ -128,50 +168,22 @@ def _refuse(status: int, message: str, kind: str) -> web.Response:
     return web.Response(status=status, body=body, content_type="application/json")
 
 
-async def _admit(
-    request: web.Request,
-    handler: Handler,
-    access: Access,
-    api_key: str | None,
-    admin_token: str | None,
-    body_timeout_s: float,
-) -> web.StreamResponse:
-    if access is Access.OPEN:
-        return await handler(request)
-    if access is Access.CLIENT:
-        if api_key is not None and not _matches(_bearer(request), api_key):
+def _client_checked(handler: Handler, api_key: str) -> Handler:
+    async def checked(request: web.Request) -> web.StreamResponse:
+        if not _matches(_bearer(request), api_key):
             return _refuse(401, "invalid or missing API key", "unauthorized")
         return await handler(request)
-    if admin_token is not None and not _matches(_bearer(request), admin_token):
-        return _refuse(401, "admin token required", "unauthorized")
-    return await handler(await read_admin_body(request, body_timeout_s))
+
+    return checked
 
 
-def access_middleware(
-    table: RouteTable, api_key: str | None, admin_token: str | None, body_timeout_s: float
-) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The one access check of the router's applications: by the mark ``table`` recorded for the route.
-    ``admin_token``: what admin routes take (``RouterConfig.admin_secret``; None: they are open, which
-    ``RouterConfig`` allows only with ``insecure_admin``). A route without a mark is refused (403)."""
-    warned: set[str] = set()
-    marks = table._marks
+def _admin_checked(handler: Handler, admin_token: str | None, body_timeout_s: float) -> Handler:
+    async def checked(request: web.Request) -> web.StreamResponse:
+        if admin_token is not None and not _matches(_bearer(request), admin_token):
+            return _refuse(401, "admin token required", "unauthorized")
+        return await handler(await read_admin_body(request, body_timeout_s))
 
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        match = request.match_info
-        access = marks.get(match.route)
-        if access is None:
-            if match.http_exception is None:
-                resource = match.route.resource
-                where = f"{request.method} {resource.canonical if resource is not None else request.path}"
-                if where not in warned:
-                    warned.add(where)
-                    log.error("route %s was registered without an access mark: refused", where)
-                return _refuse(403, f"route {request.method} {request.path} is not served", "forbidden")
-            access = Access.CLIENT  # aiohttp's own 404/405: answered to clients only
-        return await _admit(request, handler, access, api_key, admin_token, body_timeout_s)
-
-    return check
+    return checked
 
 
 def auth_middleware(
@@ -180,16 +192,22 @@ def auth_middleware(
     """The check for applications outside the router package (the driver's listeners), which register
     some routes straight on ``app.router``: a route marked through the application's ``RouteTable``
     (``FleetApi``'s) by its mark; any other route takes the strongest secret given (the admin token, else
-    the API key) and is refused (403) when neither is. Never open by omission; the router's own
-    applications use ``access_middleware``, which refuses every unmarked route."""
+    the API key) and is refused (403) when neither is. Never open by omission. (The router's own
+    applications check by mark at registration and do not start with an unmarked route.)"""
     strongest = admin_token if admin_token is not None else api_key
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         table = request.app.get(ROUTE_TABLE)
         access = table.access(request.match_info.route) if table is not None else None
-        if access is not None:
-            return await _admit(request, handler, access, api_key, admin_token, body_timeout_s)
+        if access is Access.OPEN:
+            return await handler(request)
+        if access is Access.CLIENT:
+            if api_key is None:
+                return await handler(request)
+            return await _client_checked(handler, api_key)(request)
+        if access is Access.ADMIN:
+            return await _admin_checked(handler, admin_token, body_timeout_s)(request)
         if strongest is None:
             return _refuse(403, f"route {request.method} {request.path} is not served", "forbidden")
         if not _matches(_bearer(request), strongest):

@@ -31,7 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from router.admin import AdminApi
-from router.auth import Access, RouteTable, access_middleware
+from router.auth import Access, Credentials, RouteTable
 from router.backends import BackendSet, canonical_backend_url
 from router.config import RouterConfig
 from router.connections import ConnectionGate, GuardedSockSite
@@ -458,11 +458,11 @@ def build_app(
 ) -> web.Application:
     """The proxied routes on ``forwarder`` (client routes); ``rest`` adds everything else through the
     same ``RouteTable`` (the admin API in the router that owns the routing state, ``/health`` and the
-    relay to it in a worker process). Every request passes ``router.auth.access_middleware``, which
-    refuses a route registered without a mark."""
+    relay to it in a worker process). Each route is checked as its mark says (``router.auth``), and the
+    application does not start with a route registered without a mark. No middleware: each layer costs
+    every request a coroutine call and a handler chain."""
     app = web.Application(client_max_size=max_request_bytes)
-    table = RouteTable(app)
-    app.middlewares.append(access_middleware(table, api_key, admin_token, limits.body_timeout_s))
+    table = RouteTable(app, Credentials(api_key, admin_token, limits.body_timeout_s))
     for path, methods in PROXIED_ROUTES:
         for method in methods:
             table.add(method, path, forwarder.handle, Access.CLIENT)

@@ -25,12 +25,13 @@ Choices, each against a failure:
   configuration): every *admin* route (``/workers``, ``/fleet/*``, and any added later), so each acts on
   the one routing state, and the other open routes (``/readiness``, ``/metrics``), which read the parent's
   state: only the parent knows the serving set, and ``/metrics`` must be the router's numbers summed over
-  every worker, not the fraction one worker saw. A route the parent registered without a mark is not
-  relayed (the worker answers 404; the parent would refuse it anyway).
-* Nothing is relayed unbounded: an admin body is read by the worker's access check (admitted first, then
-  at most ``ADMIN_MAX_BODY_BYTES`` within the body deadline, ``router.bodies``) before it is relayed; an
-  open route's body is never read nor relayed (aiohttp drains it for at most the body deadline); every
-  relay has a deadline, and the parent's answer is read up to ``RELAY_MAX_ANSWER_BYTES``. Before, every
+  every worker, not the fraction one worker saw. (A route registered without a mark never gets this
+  far: the router does not start with one.)
+* Nothing is relayed unbounded: an admin body is read by the admin check bound to the route (the
+  caller admitted first, then at most ``ADMIN_MAX_BODY_BYTES`` within the body deadline,
+  ``router.bodies``) before it is relayed; an open route's body is never read nor relayed (aiohttp
+  drains it for at most the body deadline); every relay has a deadline, and the parent's answer is
+  read up to ``RELAY_MAX_ANSWER_BYTES``. Before, every
   unproxied route relayed whatever body it got, read whole with no cap and no deadline: a few clients
   trickling bodies to ``/health`` held their connections for ever, and four 60 MB bodies cost 500 MB.
   Authentication is checked by both the worker and the parent.

@@ -539,9 +539,14 @@ class RouterWithDebugRoutes(GenerationRouter):
     """A router whose author added two routes: one straight on aiohttp's router (no access mark), one
     through the route table as an admin route."""
 
+    def __init__(self, *args: object, unmarked: bool = True, **kwargs: object) -> None:
+        self.unmarked = unmarked
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
     def _admin_routes(self, table) -> None:  # type: ignore[no-untyped-def]
         app = getattr(table, "app", table)  # before issue 17 this received the application itself
-        app.router.add_get("/debug/unmarked", debug_handler)
+        if self.unmarked:
+            app.router.add_get("/debug/unmarked", debug_handler)
         if hasattr(table, "add"):
             from router.auth import Access
 
@@ -551,19 +556,26 @@ class RouterWithDebugRoutes(GenerationRouter):
 
 async def test_a_route_registered_without_a_mark_is_never_served(engines, workers: int) -> None:
     """Issue 17: admin routes were decided by a path-prefix list, so a route outside it was open. Now a
-    route carries its access mark from registration; one without a mark is refused to everyone (one
-    process: 403; with workers it is not even relayed: 404), and the workers relay exactly what the
-    router process marked admin."""
+    route carries its access mark from registration, and the router refuses to start with a route
+    registered without one (naming it); the workers relay exactly what the router process marked admin,
+    which takes the admin token."""
     (e,) = await engines(1)
     config = RouterConfig(admin_token=ADMIN, probe_interval_s=0, workers=workers)
     r = RouterWithDebugRoutes(config, [e.api_url])
+    try:
+        r.serve_in_background()
+    except RuntimeError as exc:
+        assert "GET /debug/unmarked" in str(exc)
+    else:
+        answer = await call("GET", r.base_url() + "/debug/unmarked")
+        r.stop()
+        pytest.fail(f"the router started with an unmarked route, which answered {answer} without a token")
+    r = RouterWithDebugRoutes(config, [e.api_url], unmarked=False)
     r.serve_in_background()
     try:
         base = r.base_url()
-        for token in (None, ADMIN):
-            status, body = await call("GET", base + "/debug/unmarked", token)
-            assert status == (403 if workers == 1 else 404), (status, body)
         assert (await call("GET", base + "/debug/admin"))[0] == 401
+        assert (await call("GET", base + "/debug/admin", "client-key"))[0] == 401
         assert await call("GET", base + "/debug/admin", ADMIN) == (200, {"debug": "served"})
         assert (await call("GET", base + "/health"))[0] == 200
     finally:
