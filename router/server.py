@@ -157,7 +157,7 @@ class GenerationRouter:
             # RouterConfig refused this unless insecure_admin was given.
             log.warning(
                 "the admin routes (/workers, /fleet/*) on %s are open (no admin token or API key, "
-                "--insecure-admin): any process that can reach it can add, remove, pause or refit engines",
+                "--insecure-admin): any process that can reach them can add, remove, pause or refit engines",
                 config.host,
             )
         if not configured and not config.health_managed:
@@ -234,7 +234,7 @@ class GenerationRouter:
             # private Unix socket the workers relay to; the public socket is accepted on by the workers.
             self.workers.open()
             app = self._build_app()
-            # The workers relay what this application marked admin (router.workers.WorkerApp).
+            # The workers relay what this application marked (router.workers.worker_routes).
             self.workers.relay_routes(RouteTable.of(app).marked())
             self._runner = web.AppRunner(app, **runner_kwargs(limits))
             await self._runner.setup()
