@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -211,10 +212,18 @@ http {{
     return proc
 
 
-def start_router(policy: str, backends: list[str], workers: int = 1) -> tuple[subprocess.Popen[bytes], str]:
+def start_router(
+    policy: str, backends: list[str], work: Path, workers: int = 1
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``rl-launch router`` on 127.0.0.1 with a throw-away admin token (a router without any secret does
+    not start; the proxied routes the bench sends need none)."""
     port = free_port()
+    token = work / "admin_token"
+    if not token.exists():
+        token.touch(mode=0o600)
+        token.write_text(secrets.token_urlsafe(24))
     cmd = [sys.executable, "-m", "launcher.cli", "router", "--policy", policy, "--port", str(port)]
-    cmd += ["--workers", str(workers), "--probe-interval-s", "0"]
+    cmd += ["--workers", str(workers), "--probe-interval-s", "0", "--admin-token-file", str(token)]
     for b in backends:
         cmd += ["--backend", b]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL)
@@ -389,7 +398,8 @@ def main() -> None:
             for policy in args.policies:
                 for n in workers:
                     name = policy if n == 1 and len(workers) == 1 else f"{policy} w={n}"
-                    starters.append((name, lambda policy=policy, n=n: start_router(policy, backends, n)))
+                    launch = lambda policy=policy, n=n: start_router(policy, backends, work, n)  # noqa: E731
+                    starters.append((name, launch))
             if args.sglang:
                 starters.append(("sglang cache_aware", lambda: start_sglang(args.sglang, backends)))
             for rep in range(args.repeats):

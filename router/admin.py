@@ -25,6 +25,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.auth import Access, RouteTable
 from router.backends import BackendSet, canonical_backend_url
 from router.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
 from router.metrics import RouterMetrics
@@ -38,6 +39,11 @@ def _json(status: int, payload: object) -> web.Response:
 
 def _add_failed(message: str) -> web.Response:
     return _json(400, {"success": False, "code": ADD_WORKER_FAILED, "message": message})
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: 200 whenever the process serves. Each worker process answers it itself."""
+    return _json(200, {"status": "ok"})
 
 
 class AdminApi:
@@ -65,17 +71,14 @@ class AdminApi:
         # url -> (the shared health wait, how many callers are waiting on it)
         self._pending: dict[str, tuple[asyncio.Task[bool], int]] = {}
 
-    def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/readiness", self.readiness)
-        app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_get("/workers", self.list_workers)
-        app.router.add_post("/workers", self.add_worker)
-        app.router.add_delete("/workers/{url:.+}", self.delete_worker)
-        app.router.add_post("/fleet/reset_prefix_cache", self.reset_prefix_cache)
-
-    async def health(self, request: web.Request) -> web.Response:
-        return _json(200, {"status": "ok"})
+    def add_routes(self, table: RouteTable) -> None:
+        table.add("GET", "/health", health, Access.OPEN)
+        table.add("GET", "/readiness", self.readiness, Access.OPEN)
+        table.add("GET", "/metrics", self.metrics_endpoint, Access.OPEN)
+        table.add("GET", "/workers", self.list_workers, Access.ADMIN)
+        table.add("POST", "/workers", self.add_worker, Access.ADMIN)
+        table.add("DELETE", "/workers/{url:.+}", self.delete_worker, Access.ADMIN)
+        table.add("POST", "/fleet/reset_prefix_cache", self.reset_prefix_cache, Access.ADMIN)
 
     async def readiness(self, request: web.Request) -> web.Response:
         n = len(self.backends.serving)

@@ -1,12 +1,27 @@
-"""Bearer tokens: one for clients on the proxied routes, a separate one for the ``/workers`` admin API.
+"""Who may call which route: every route declares its access where it is registered, and one check reads it.
 
-Separate because the client key travels to every rollout worker (it is in Gym's config), while the admin
-key can remove engines from rotation. ``/health``, ``/readiness`` and ``/metrics`` stay open, as vLLM's
-do, so probes and scrapers need no secret.
+Three kinds of access (``Access``):
 
-``/workers`` is never open by accident: the router is built with ``RouterConfig.admin_secret`` (the admin
-token, else the client key), and ``RouterConfig`` refuses a non-loopback address with neither unless
-``insecure_admin`` is set.
+* ``OPEN``: no credential. ``/health``, ``/readiness`` and ``/metrics``, as vLLM's, so probes and
+  scrapers need no secret.
+* ``CLIENT``: the client API key when one is set (the proxied routes and the router's 404).
+* ``ADMIN``: the admin token, else the client key (``RouterConfig.admin_secret``): ``/workers`` and
+  ``/fleet/*``, which add, remove, pause and refit engines. Separate from the client key because that
+  one travels to every rollout worker (it is in Gym's config).
+
+Why marks and not a list of path prefixes: with a list, a route added outside it was open by default
+(``/fleet/`` had to be remembered in two places). Now a route is registered only through a
+``RouteTable``, with its mark, and the check the mark calls for is bound to its handler right there;
+a route someone registers straight on ``app.router`` carries no mark, and the router refuses to start
+with it, naming it: never served, open or otherwise. The worker processes relay to the router process
+exactly the routes it marked (``RouteTable.marked``; see ``router.workers``).
+
+The body of an admin route is read by its check, once the caller is admitted and before the handler
+runs, with the admin cap and the body deadline (``router.bodies.read_admin_body``); the handler's
+``request.read()`` returns the bytes already read. The proxied routes read theirs in the forwarder.
+
+``RouterConfig`` refuses a router with neither an admin token nor an API key unless ``insecure_admin``
+is set, on every address (loopback is every local user).
 
 aiohttp decodes header bytes as UTF-8 with ``surrogateescape``, so a non-UTF-8 ``Authorization`` value
 arrives as a ``str`` that cannot be encoded back: it is a wrong credential (401), never an exception
@@ -15,15 +30,122 @@ arrives as a ``str`` that cannot be encoded back: it is a wrong credential (401)
 
 from __future__ import annotations
 
+import enum
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
+from router.bodies import read_admin_body
+from router.limits import DEFAULT_HTTP_LIMITS
 from router.status import error_body
 
+log = logging.getLogger(__name__)
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
+
+DEFAULT_BODY_TIMEOUT_S = DEFAULT_HTTP_LIMITS.body_timeout_s
+
+
+class Access(enum.Enum):
+    OPEN = "open"
+    CLIENT = "client"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class MarkedRoute:
+    """One registered route as the worker processes learn it: method, aiohttp path pattern, access."""
+
+    method: str
+    path: str
+    access: Access
+
+    def to_json(self) -> list[str]:
+        return [self.method, self.path, self.access.value]
+
+    @classmethod
+    def from_json(cls, data: list[str]) -> MarkedRoute:
+        return cls(data[0], data[1], Access(data[2]))
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What the router's marked routes take: the client API key (client routes), the admin secret
+    (admin routes: ``RouterConfig.admin_secret``; None only with ``insecure_admin``), and the deadline
+    of an admin route's body."""
+
+    api_key: str | None
+    admin_token: str | None
+    body_timeout_s: float
+
+
+class RouteTable:
+    """The routes of one application, each with its access mark; ``add`` is the only way the router's
+    modules register a route.
+
+    With ``credentials`` (the router's own applications) each handler is registered behind the check
+    its mark calls for, bound once here: nothing for an open route, nor for a client route when no API
+    key is set (the proxied path then pays nothing per request), the key otherwise, the admin secret and
+    the bounded body read for an admin route. And the application refuses to start with any route
+    registered without a mark (straight on ``app.router``), naming it. Without ``credentials``
+    (``RouteTable.of``, for the driver's own applications) it records the marks only, which their
+    ``auth_middleware`` reads. The application keeps its table for the worker processes (``marked``)."""
+
+    def __init__(self, app: web.Application, credentials: Credentials | None = None) -> None:
+        self.app = app
+        self._credentials = credentials
+        self._marks: dict[web.AbstractRoute, Access] = {}
+        self._routes: list[MarkedRoute] = []
+        app[ROUTE_TABLE] = self
+        if credentials is not None:
+            app.on_startup.append(self._refuse_unmarked)
+
+    def add(self, method: str, path: str, handler: Handler, access: Access) -> None:
+        """Register ``handler`` for exactly ``method path`` (``"*"``: every method) with ``access``."""
+        if not isinstance(access, Access):
+            raise TypeError(f"route {method} {path}: access must be an Access, got {access!r}")
+        route = self.app.router.add_route(method, path, self._guarded(handler, access))
+        self._marks[route] = access
+        self._routes.append(MarkedRoute(method, path, access))
+
+    def _guarded(self, handler: Handler, access: Access) -> Handler:
+        c = self._credentials
+        if c is None or access is Access.OPEN:
+            return handler
+        if access is Access.CLIENT:
+            return handler if c.api_key is None else _client_checked(handler, c.api_key)
+        return _admin_checked(handler, c.admin_token, c.body_timeout_s)
+
+    async def _refuse_unmarked(self, app: web.Application) -> None:
+        unmarked = [
+            f"{route.method} {route.resource.canonical if route.resource is not None else '?'}"
+            for route in app.router.routes()
+            if route not in self._marks
+        ]
+        if unmarked:
+            raise RuntimeError(
+                f"route(s) registered without an access mark: {', '.join(unmarked)}; register every route "
+                "through router.auth.RouteTable.add with its Access (the router does not start with them)"
+            )
+
+    def access(self, route: web.AbstractRoute) -> Access | None:
+        return self._marks.get(route)
+
+    @classmethod
+    def of(cls, app: web.Application) -> RouteTable:
+        """The application's table, made (marks only) on first use."""
+        table = app.get(ROUTE_TABLE)
+        return table if table is not None else cls(app)
+
+    def marked(self) -> list[MarkedRoute]:
+        """Every route registered here, in registration order."""
+        return list(self._routes)
+
+
+ROUTE_TABLE = web.AppKey("route_table", RouteTable)
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -41,28 +163,55 @@ def _matches(given: str | None, expected: str) -> bool:
     return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
 
 
+def _refuse(status: int, message: str, kind: str) -> web.Response:
+    body = error_body(message, kind, status)
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+def _client_checked(handler: Handler, api_key: str) -> Handler:
+    async def checked(request: web.Request) -> web.StreamResponse:
+        if not _matches(_bearer(request), api_key):
+            return _refuse(401, "invalid or missing API key", "unauthorized")
+        return await handler(request)
+
+    return checked
+
+
+def _admin_checked(handler: Handler, admin_token: str | None, body_timeout_s: float) -> Handler:
+    async def checked(request: web.Request) -> web.StreamResponse:
+        if admin_token is not None and not _matches(_bearer(request), admin_token):
+            return _refuse(401, "admin token required", "unauthorized")
+        return await handler(await read_admin_body(request, body_timeout_s))
+
+    return checked
+
+
 def auth_middleware(
-    api_key: str | None, admin_token: str | None
+    api_key: str | None, admin_token: str | None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 ) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The check for applications outside the router package (the driver's listeners), which register
+    some routes straight on ``app.router``: a route marked through the application's ``RouteTable``
+    (``FleetApi``'s) by its mark; any other route takes the strongest secret given (the admin token, else
+    the API key) and is refused (403) when neither is. Never open by omission. (The router's own
+    applications check by mark at registration and do not start with an unmarked route.)"""
+    strongest = admin_token if admin_token is not None else api_key
+
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        path = request.path
-        if path in OPEN_PATHS:
+        table = request.app.get(ROUTE_TABLE)
+        access = table.access(request.match_info.route) if table is not None else None
+        if access is Access.OPEN:
             return await handler(request)
-        if path == "/workers" or path.startswith(("/workers/", "/fleet/")):
-            if admin_token is not None and not _matches(_bearer(request), admin_token):
-                return web.Response(
-                    status=401,
-                    body=error_body("admin token required", "unauthorized", 401),
-                    content_type="application/json",
-                )
-            return await handler(request)
-        if api_key is not None and not _matches(_bearer(request), api_key):
-            return web.Response(
-                status=401,
-                body=error_body("invalid or missing API key", "unauthorized", 401),
-                content_type="application/json",
-            )
+        if access is Access.CLIENT:
+            if api_key is None:
+                return await handler(request)
+            return await _client_checked(handler, api_key)(request)
+        if access is Access.ADMIN:
+            return await _admin_checked(handler, admin_token, body_timeout_s)(request)
+        if strongest is None:
+            return _refuse(403, f"route {request.method} {request.path} is not served", "forbidden")
+        if not _matches(_bearer(request), strongest):
+            return _refuse(401, "invalid or missing token", "unauthorized")
         return await handler(request)
 
     return check

@@ -100,8 +100,8 @@ def _secret_options(fn: Any) -> Any:
     "--insecure-admin",
     is_flag=True,
     default=False,
-    help="Allow /workers without any token on a non-loopback address (anyone on the network can then "
-    "add or remove engines).",
+    help="Start without any admin token or API key, on any address, loopback included (every user who "
+    "can reach it, every local user on 127.0.0.1, can then add, remove, pause and refit engines).",
 )
 @_secret_options
 @click.option(

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import ipaddress
 import os
 import typing
 from typing import Any
@@ -61,16 +60,6 @@ def default_worker_count() -> int:
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
     return max(1, min(cores, DEFAULT_WORKERS_CAP))
-
-
-def is_loopback_host(host: str) -> bool:
-    """``localhost`` or a loopback IP literal. Any other name counts as reachable from the network."""
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _option_error(key: str, message: str, value: Any) -> ValidationError:
@@ -158,7 +147,7 @@ class RouterSettings(BaseModel):
     http: HttpLimits = Field(
         default=DEFAULT_HTTP_LIMITS,
         description="HTTP resource limits: head_timeout_s, keepalive_timeout_s, max_client_connections, "
-        "max_backend_header_bytes, max_error_body_bytes (see router.limits)",
+        "max_backend_header_bytes, max_error_body_bytes, body_timeout_s (see router.limits)",
     )
     pause_max_held: int = Field(
         default=10_000, ge=0, description="generation requests held during a fleet pause (refused above)"
@@ -241,7 +230,8 @@ class RouterConfig(RouterSettings):
     )
     insecure_admin: bool = Field(
         default=False,
-        description="allow an unauthenticated /workers API on a non-loopback address (never in production)",
+        description="allow a router without any admin token or API key, on any address, loopback included "
+        "(its /workers and /fleet/* are then open to every user who can reach it; never in production)",
     )
 
     api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
@@ -258,16 +248,13 @@ class RouterConfig(RouterSettings):
 
     @model_validator(mode="after")
     def _admin_is_not_open(self) -> RouterConfig:
-        if (
-            self.api_key is None
-            and self.admin_token is None
-            and not self.insecure_admin
-            and not is_loopback_host(self.host)
-        ):
+        # Loopback included: every local user reaches 127.0.0.1, and on a shared login or compute node
+        # that is every user of the cluster who can log in there.
+        if self.api_key is None and self.admin_token is None and not self.insecure_admin:
             raise ValueError(
-                f"the /workers admin API would be open to anyone who can reach {self.host}: give an admin "
-                "token or an API key (--admin-token-file / --api-key-file, or RL_ROUTER_ADMIN_TOKEN), "
-                "listen on 127.0.0.1, or pass --insecure-admin to accept that"
+                f"the admin routes (/workers, /fleet/*) would be open to every user who can reach "
+                f"{self.host}, every local user included: give --admin-token-file or --api-key-file (or "
+                "RL_ROUTER_ADMIN_TOKEN / RL_ROUTER_API_KEY), or pass --insecure-admin to accept that"
             )
         return self
 

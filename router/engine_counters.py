@@ -56,9 +56,14 @@ def parse_counters(text: str) -> Counters:
     return out
 
 
-async def read_snapshot(urls: Sequence[str], timeout_s: float = 15.0) -> tuple[Snapshot, dict[str, str]]:
-    """Read every engine's counters at once; returns (snapshot, {url: error}) for engines that failed."""
+async def read_snapshot(
+    urls: Sequence[str], *, api_key: str | None = None, timeout_s: float = 15.0
+) -> tuple[Snapshot, dict[str, str]]:
+    """Read every engine's counters at once; returns (snapshot, {url: error}) for engines that failed.
+    ``api_key``: the engine key, which the job's engines require on every route but ``/health``
+    (``/metrics`` included); a redirect is an answer (an error here), never followed."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     errors: dict[str, str] = {}
 
     async def one(session: aiohttp.ClientSession, url: str) -> tuple[str, Counters | None]:
@@ -77,7 +82,7 @@ async def read_snapshot(urls: Sequence[str], timeout_s: float = 15.0) -> tuple[S
             errors[url] = f"unparsable /metrics: {exc}"
             return url, None
 
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         got = await asyncio.gather(*(one(session, u) for u in urls))
     return {u: c for u, c in got if c is not None}, errors
 

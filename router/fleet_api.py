@@ -19,7 +19,8 @@ The router's own part:
 * **Step metrics**: ``POST /fleet/step/begin`` snapshots the engines' counters, ``GET /fleet/step``
   answers the delta since then (``router.engine_counters``).
 
-All routes require the admin token (``router.auth`` guards ``/fleet/``).
+All routes are registered as admin routes (``router.auth.Access.ADMIN``). Every call to an engine
+presents the engine key (``backend_api_key``): engines take it on every route but ``/health``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from router.auth import Access, RouteTable
 from router.backends import BackendSet, canonical_backend_url
 from router.engine_counters import Snapshot, delta, read_snapshot, step_dict
 from router.fleet_ops import (
@@ -46,6 +48,10 @@ from router.fleet_ops import (
 from router.pause_gate import PauseGate
 
 log = logging.getLogger(__name__)
+
+
+ENGINE_TIMEOUT_S = 120.0
+"""How long one fleet operation waits for the engines' answers."""
 
 
 def _json(status: int, payload: object) -> web.Response:
@@ -66,7 +72,7 @@ class FleetApi:
         backends: BackendSet,
         gate: PauseGate,
         backend_api_key: str | None = None,
-        engine_timeout_s: float = 120.0,
+        engine_timeout_s: float = ENGINE_TIMEOUT_S,
         holds_requests: bool = True,
     ) -> None:
         """``holds_requests``: False where no request passes through this process (the driver's fleet
@@ -83,19 +89,24 @@ class FleetApi:
         self._step_snapshot: Snapshot | None = None
         backends.admission = self._on_new_member
 
-    def add_routes(self, app: web.Application) -> None:
-        r = app.router
-        r.add_post("/fleet/pause", self.pause)
-        r.add_post("/fleet/resume", self.resume)
-        r.add_get("/fleet/is_paused", self.is_paused)
-        r.add_post("/fleet/abort", self.abort)
-        r.add_get("/fleet/weight_version", self.get_version)
-        r.add_post("/fleet/weight_version", self.set_version)
-        r.add_get("/fleet/stale", self.stale)
-        r.add_post("/fleet/checksum", self.checksum)
-        r.add_get("/fleet/counters", self.counters)
-        r.add_post("/fleet/step/begin", self.step_begin)
-        r.add_get("/fleet/step", self.step)
+    def add_routes(self, target: RouteTable | web.Application) -> None:
+        """Every route here is an admin route (``router.auth``). ``target``: the router's table, or an
+        application of the driver's, whose table is then made on it."""
+        table = target if isinstance(target, RouteTable) else RouteTable.of(target)
+        for method, path, handler in (
+            ("POST", "/fleet/pause", self.pause),
+            ("POST", "/fleet/resume", self.resume),
+            ("GET", "/fleet/is_paused", self.is_paused),
+            ("POST", "/fleet/abort", self.abort),
+            ("GET", "/fleet/weight_version", self.get_version),
+            ("POST", "/fleet/weight_version", self.set_version),
+            ("GET", "/fleet/stale", self.stale),
+            ("POST", "/fleet/checksum", self.checksum),
+            ("GET", "/fleet/counters", self.counters),
+            ("POST", "/fleet/step/begin", self.step_begin),
+            ("GET", "/fleet/step", self.step),
+        ):
+            table.add(method, path, handler, Access.ADMIN)
 
     # -- helpers ----------------------------------------------------------------------------------
     async def _fan(self, op: str, urls: list[str], method: str, path: str, **kw: Any) -> FleetOpReport:
@@ -306,11 +317,11 @@ class FleetApi:
 
     # -- counters and steps ----------------------------------------------------------------------------
     async def counters(self, request: web.Request) -> web.Response:
-        snap, errors = await read_snapshot(self._all_engines())
+        snap, errors = await read_snapshot(self._all_engines(), api_key=self.backend_api_key)
         return _json(200 if not errors else 500, {**step_dict(snap), "errors": errors})
 
     async def step_begin(self, request: web.Request) -> web.Response:
-        snap, errors = await read_snapshot(self._all_engines())
+        snap, errors = await read_snapshot(self._all_engines(), api_key=self.backend_api_key)
         self._step += 1
         self._step_started = time.time()
         self._step_snapshot = snap
@@ -319,7 +330,7 @@ class FleetApi:
     async def step(self, request: web.Request) -> web.Response:
         if self._step_snapshot is None:
             return _json(409, {"ok": False, "error": "no step begun: POST /fleet/step/begin first"})
-        now, errors = await read_snapshot(self._all_engines())
+        now, errors = await read_snapshot(self._all_engines(), api_key=self.backend_api_key)
         out = step_dict(delta(self._step_snapshot, now))
         out.update(step=self._step, started_at=self._step_started, seconds=time.time() - self._step_started)
         return _json(200 if not errors else 500, {**out, "errors": errors})

@@ -4,7 +4,8 @@ Rules, each preventing a failure seen with real clients and peers:
 
 * Never a redirect. Clients do not follow them for POST bodies, and a redirect would hand out an
   engine's own URL, which dies with the engine.
-* The request body is read whole (the policy needs the prompt; a retry must resend it), the response
+* The request body is read whole (the policy needs the prompt; a retry must resend it), within the
+  size cap and the body deadline (``router.bodies``), the response
   is streamed chunk by chunk as it arrives (SSE included), so a long generation is never buffered.
   Small non-streaming responses with a known length are read whole first: one write instead of many,
   and a backend dying mid-body can still be retried because nothing has reached the client yet.
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router.bodies import read_body
 from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.metrics import RouterMetrics
 from router.pause_gate import PauseRefused
@@ -118,23 +120,6 @@ def filter_raw_headers(
         if name.lower() == b"connection":
             extra.update(token.strip().lower() for token in value.split(b","))
     return [(n, v) for n, v in raw if (low := n.lower()) not in drop and low not in extra]
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, copied at most once (not at all when it arrived in one chunk): aiohttp's
-    ``Request.read`` copies every body twice (into a bytearray, then into bytes), which for Gym's
-    ~40 KB conversations is two needless copies per request. Same limit and 413 as ``read``."""
-    payload = request.content
-    if limit and hasattr(payload, "set_read_chunk_size"):
-        payload.set_read_chunk_size(limit)
-    parts: list[bytes] = []
-    size = 0
-    while chunk := await payload.readany():
-        size += len(chunk)
-        if limit and size > limit:
-            raise web.HTTPRequestEntityTooLarge(limit, size)
-        parts.append(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def json_response(status: int, body: bytes) -> web.Response:
@@ -231,7 +216,10 @@ class Forwarder:
             histogram.observe(time.perf_counter() - started)
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
-        body = await read_body(request, self.max_request_bytes) if request.body_exists else b""
+        if request.body_exists:
+            body = await read_body(request, self.max_request_bytes, self.limits.body_timeout_s)
+        else:
+            body = b""
         route_request = RouteRequest(request.path, body, request.headers)
         if len(body) > LARGE_BODY_BYTES:
             route_request = await asyncio.get_running_loop().run_in_executor(

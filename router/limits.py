@@ -15,6 +15,12 @@ Each limit closes a way for one misbehaving peer to take the router (and so ever
   (answered 500 after the retry); the headers are not buffered past it (a 200 MB header would otherwise
   sit in the router's memory).
 * ``max_error_body_bytes``: how much of a backend's 5xx body is kept to quote in the router's 500.
+* ``body_timeout_s``: a request body the router reads must have arrived this long after its head, else
+  the client gets 408 and the connection is closed; a body it does not read (a ``/health`` with a body,
+  a request refused before its body) is drained and discarded for at most this long, then the
+  connection is closed. Without it one connection trickling a body to a route that reads it was held
+  for ever (in worker processes, every open route relayed its body that way). 10 s is what aiohttp
+  already allowed for draining, and asks a body of ``max_request_bytes`` (64 MiB) for 6.4 MB/s.
 
 They are ``RouterConfig.http`` (and a job spec's ``router.http``), validated with the other settings.
 """
@@ -38,9 +44,10 @@ class HttpLimits:
     max_client_connections: int = 8192
     max_backend_header_bytes: int = 64 * 1024
     max_error_body_bytes: int = 4096
+    body_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("head_timeout_s", "keepalive_timeout_s"):
+        for name in ("head_timeout_s", "keepalive_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HttpLimits.{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_client_connections", "max_backend_header_bytes", "max_error_body_bytes"):

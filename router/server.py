@@ -31,9 +31,9 @@ import aiohttp
 from aiohttp import web
 
 from router.admin import AdminApi
-from router.auth import auth_middleware
+from router.auth import Access, Credentials, RouteTable
 from router.backends import BackendSet, canonical_backend_url
-from router.config import RouterConfig, is_loopback_host
+from router.config import RouterConfig
 from router.connections import ConnectionGate, GuardedSockSite
 from router.fleet_api import FleetApi
 from router.forwarding import Forwarder, ForwardingConfig
@@ -154,12 +154,11 @@ class GenerationRouter:
         self._admin_token = config.admin_secret
         self._max_request_bytes = config.max_request_bytes
         if self._admin_token is None:
-            # RouterConfig refused this on any other address unless insecure_admin was given.
+            # RouterConfig refused this unless insecure_admin was given.
             log.warning(
-                "the /workers admin API on %s is open (no admin token or API key): any process that can "
-                "reach it can add or remove engines%s",
+                "the admin routes (/workers, /fleet/*) on %s are open (no admin token or API key, "
+                "--insecure-admin): any process that can reach them can add, remove, pause or refit engines",
                 config.host,
-                "" if is_loopback_host(config.host) else " (--insecure-admin)",
             )
         if not configured and not config.health_managed:
             log.warning(NO_BACKENDS_WARNING)
@@ -188,10 +187,15 @@ class GenerationRouter:
     # -- application ---------------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
         return build_app(
-            self.forwarder, self._api_key, self._admin_token, self._max_request_bytes, self._admin_routes
+            self.forwarder,
+            self._api_key,
+            self._admin_token,
+            self._max_request_bytes,
+            self.http_limits,
+            self._admin_routes,
         )
 
-    def _admin_routes(self, app: web.Application) -> None:
+    def _admin_routes(self, table: RouteTable) -> None:
         admin = AdminApi(
             self.backends,
             self.metrics,
@@ -201,9 +205,9 @@ class GenerationRouter:
             max_pending=self.config.max_pending_registrations,
             backend_api_key=self._engine_key(),
         )
-        admin.add_routes(app)
-        self.fleet.add_routes(app)
-        app.router.add_route("*", "/{tail:.*}", _not_found)
+        admin.add_routes(table)
+        self.fleet.add_routes(table)
+        table.add("*", "/{tail:.*}", not_found, Access.CLIENT)
 
     def _engine_key(self) -> str | None:
         """The key the router's own engine calls (fleet operations) present: the backend key, else the
@@ -229,7 +233,10 @@ class GenerationRouter:
             # The parent of worker processes serves the same application (admin API, metrics) on a
             # private Unix socket the workers relay to; the public socket is accepted on by the workers.
             self.workers.open()
-            self._runner = web.AppRunner(self._build_app(), **runner_kwargs(limits))
+            app = self._build_app()
+            # The workers relay what this application marked (router.workers.worker_routes).
+            self.workers.relay_routes(RouteTable.of(app).marked())
+            self._runner = web.AppRunner(app, **runner_kwargs(limits))
             await self._runner.setup()
             await web.UnixSite(self._runner, self.workers.admin_path).start()
             await self.workers.start()
@@ -413,7 +420,14 @@ def runner_kwargs(limits: HttpLimits) -> dict[str, Any]:
 
 
 def handler_kwargs(limits: HttpLimits) -> dict[str, Any]:
-    return {"access_log": None, "keepalive_timeout": limits.keepalive_timeout_s, "auto_decompress": False}
+    """lingering_time: a body no handler read is drained (and discarded) for at most the body deadline,
+    then the connection is closed (``router.bodies``)."""
+    return {
+        "access_log": None,
+        "keepalive_timeout": limits.keepalive_timeout_s,
+        "auto_decompress": False,
+        "lingering_time": limits.body_timeout_s,
+    }
 
 
 async def serve_guarded(
@@ -448,23 +462,24 @@ def build_app(
     api_key: str | None,
     admin_token: str | None,
     max_request_bytes: int,
-    rest: Callable[[web.Application], None],
+    limits: HttpLimits,
+    rest: Callable[[RouteTable], None],
 ) -> web.Application:
-    """The proxied routes on ``forwarder``; ``rest`` adds everything else (the admin API in the router
-    that owns the routing state, a relay to it in a worker process)."""
-    # No middleware at all without tokens: each layer costs every request a coroutine call.
-    middlewares = (
-        [auth_middleware(api_key, admin_token)] if api_key is not None or admin_token is not None else []
-    )
-    app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
+    """The proxied routes on ``forwarder`` (client routes); ``rest`` adds everything else through the
+    same ``RouteTable`` (the admin API in the router that owns the routing state, ``/health`` and the
+    relay to it in a worker process). Each route is checked as its mark says (``router.auth``), and the
+    application does not start with a route registered without a mark. No middleware: each layer costs
+    every request a coroutine call and a handler chain."""
+    app = web.Application(client_max_size=max_request_bytes)
+    table = RouteTable(app, Credentials(api_key, admin_token, limits.body_timeout_s))
     for path, methods in PROXIED_ROUTES:
         for method in methods:
-            app.router.add_route(method, path, forwarder.handle)
-    rest(app)
+            table.add(method, path, forwarder.handle, Access.CLIENT)
+    rest(table)
     return app
 
 
-async def _not_found(request: web.Request) -> web.Response:
+async def not_found(request: web.Request) -> web.Response:
     return web.Response(
         status=404,
         body=error_body(

@@ -20,20 +20,35 @@ once on a fresh connection: that is the pool's staleness, not the backend's fail
 
 Streaming bodies are delivered chunk by chunk with flow control: reading from the engine pauses while
 more than ``HIGH_WATER`` bytes wait for a slow client.
+
+A response ends where its framing says (``Content-Length``, the last chunk, or no body at all for a 204,
+304 or 1xx). A byte beyond that end, in the same read or arriving later while the connection waits in
+the pool, closes the connection: it is never reused, and the byte is never parsed as the answer to the
+next request on it. Before, those bytes were parsed as a further response: appended to the body the
+current client got (a 204 was even answered with them), or, arriving just after the pool handed the
+connection to the next request, given to that request's client as its answer. What HTTP/1.1 cannot tell
+apart remains: bytes a backend sends after the router wrote the next request are that request's answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import socket
 from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlsplit
 
 import httptools
 
+log = logging.getLogger(__name__)
+
 HIGH_WATER = 1 << 20
 LOW_WATER = 1 << 18
+
+
+class _Overrun(Exception):
+    """Raised from the parser's callback when bytes follow the end of the final response."""
 
 
 class UpstreamError(Exception):
@@ -92,10 +107,20 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        if self.complete:  # the answer ended: nothing more may come until the next request is written
+            self._overrun(len(data))
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # after a 101 head (already failed in on_headers_complete)
+            self.abort()
+            return
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _Overrun):  # bytes after the final response in this read
+                self._overrun(None)
+                return
+            self._fail(UpstreamError("reset", f"malformed response: {exc}", started=True))
             self.abort()
             return
         except httptools.HttpParserError as exc:
@@ -131,7 +156,21 @@ class _Connection(asyncio.Protocol):
     def resume_writing(self) -> None:  # pragma: no cover
         pass
 
+    def _overrun(self, extra: int | None) -> None:
+        """Bytes beyond the final response: the exchange stays as it was (complete), the connection is
+        closed so that no later request reads them."""
+        host, port = self.key
+        more = "" if extra is None else f" ({extra} bytes)"
+        log.warning(
+            "backend %s:%d sent bytes after a complete response%s: connection closed", host, port, more
+        )
+        self.abort()
+
     # -- httptools callbacks -----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _Overrun  # stops the parser: what follows is not this exchange's
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 

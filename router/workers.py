@@ -19,9 +19,22 @@ Choices, each against a failure:
 * All workers hash prompts with the same ``PYTHONHASHSEED`` (chosen once per router, kept for
   replacements): the prefix index holds hashes computed by every worker, and a session's next turn parsed
   by another worker must find its own blocks.
-* Any other route (the admin API, ``/metrics``, ``/health``, a 404) is relayed to the parent's application
-  on a private Unix socket, so every admin operation (today's ``/workers``, and any added later) acts on the
-  one routing state, and authentication is checked by both.
+* A worker answers the proxied routes, ``/health`` (it is alive: that is the question) and its 404 itself.
+  What it relays to the parent's application, on a private Unix socket, is decided by the marks the
+  parent registered its routes with (``router.auth.RouteTable``; the list arrives with the
+  configuration): every *admin* route (``/workers``, ``/fleet/*``, and any added later), so each acts on
+  the one routing state, and the other open routes (``/readiness``, ``/metrics``), which read the parent's
+  state: only the parent knows the serving set, and ``/metrics`` must be the router's numbers summed over
+  every worker, not the fraction one worker saw. (A route registered without a mark never gets this
+  far: the router does not start with one.)
+* Nothing is relayed unbounded: an admin body is read by the admin check bound to the route (the
+  caller admitted first, then at most ``ADMIN_MAX_BODY_BYTES`` within the body deadline,
+  ``router.bodies``) before it is relayed; an open route's body is never read nor relayed (aiohttp
+  drains it for at most the body deadline); every relay has a deadline, and the parent's answer is
+  read up to ``RELAY_MAX_ANSWER_BYTES``. Before, every
+  unproxied route relayed whatever body it got, read whole with no cap and no deadline: a few clients
+  trickling bodies to ``/health`` held their connections for ever, and four 60 MB bodies cost 500 MB.
+  Authentication is checked by both the worker and the parent.
 * The fleet pause holds requests in the parent (``router.decisions``: a generation request's decision
   waits at the routing state's one ``PauseGate``), and ``/fleet/*`` reaches the parent through the relay
   below like every admin route, so a pause closes every worker's door at once and the gate's bounds and
@@ -51,18 +64,29 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router.admin import health
+from router.auth import Access, MarkedRoute, RouteTable
 from router.config import SECRET_FIELDS, RouterConfig
 from router.decisions import DecisionService, RemoteRouting, WorkerChannel
+from router.fleet_api import ENGINE_TIMEOUT_S
 from router.forwarding import HOP_BY_HOP, Forwarder, ForwardingConfig
 from router.metrics import RouterMetrics, Snapshot, per_request_snapshot
 from router.policies import make_policy
 from router.routing import LocalRouting
+from router.status import error_body
 
 log = logging.getLogger(__name__)
 
 SUPERVISE_S = 0.2
 STATS_TIMEOUT_S = 2.0
 STOP_GRACE_S = 5.0
+# An open route relayed for the parent's state (/readiness, /metrics, which asks every worker for its
+# numbers within STATS_TIMEOUT_S) answers well within this.
+STATE_RELAY_TIMEOUT_S = 30.0
+# Beyond the longest wait an admin route has of its own (POST /workers waits worker_health_timeout_s for
+# the engine's /health; a fleet operation waits ENGINE_TIMEOUT_S for the engines).
+ADMIN_RELAY_MARGIN_S = 30.0
+RELAY_MAX_ANSWER_BYTES = 64 * 1024 * 1024
 
 
 class WorkerFleet:
@@ -88,6 +112,11 @@ class WorkerFleet:
         self._stopping = False
         self._snapshots: dict[int, Snapshot] = {}
         self._retired: list[Snapshot] = []
+        self._routes: list[MarkedRoute] = []
+
+    def relay_routes(self, routes: list[MarkedRoute]) -> None:
+        """The routes of the parent's application with their marks: what workers relay (module doc)."""
+        self._routes = list(routes)
 
     def attach(self, routing: LocalRouting) -> None:
         self._service = DecisionService(routing)
@@ -134,6 +163,7 @@ class WorkerFleet:
         payload = {
             "config": self.config.model_dump(mode="json"),
             "secrets": {name: self.config.secret(name) for name in SECRET_FIELDS},
+            "routes": [r.to_json() for r in self._routes],
         }
         env = {**os.environ, "PYTHONHASHSEED": self._hash_seed}
         proc = subprocess.Popen(
@@ -234,20 +264,43 @@ class WorkerFleet:
 _RELAY_DROP = frozenset(n.decode() for n in HOP_BY_HOP) | {"host", "content-length", "date", "server"}
 
 
-class AdminRelay:
-    """Everything but the proxied routes goes to the parent's application, unchanged."""
+class ParentRelay:
+    """Routes the parent owns, relayed to its application unchanged, each with a deadline."""
 
-    def __init__(self, admin_path: str) -> None:
+    def __init__(self, admin_path: str, admin_timeout_s: float) -> None:
         self._path = admin_path
+        self._admin_timeout = aiohttp.ClientTimeout(total=admin_timeout_s)
+        self._state_timeout = aiohttp.ClientTimeout(total=STATE_RELAY_TIMEOUT_S)
         self._session: aiohttp.ClientSession | None = None
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def admin(self, request: web.Request) -> web.Response:
+        """An admin route: the access check admitted the caller and read the body (capped, in time)."""
+        body = await request.read() if request.body_exists else None
+        return await self._relay(request, body, self._admin_timeout)
+
+    async def state(self, request: web.Request) -> web.Response:
+        """An open route that reads the parent's state: it takes no body, so none is read or relayed."""
+        return await self._relay(request, None, self._state_timeout)
+
+    async def _relay(
+        self, request: web.Request, body: bytes | None, deadline: aiohttp.ClientTimeout
+    ) -> web.Response:
+        try:
+            return await self._send(request, body, deadline)
+        except TimeoutError:
+            message = f"the router process did not answer within {deadline.total:g} s"
+            return web.Response(
+                status=500, body=error_body(message, "relay_timeout", 500), content_type="application/json"
+            )
+
+    async def _send(
+        self, request: web.Request, body: bytes | None, deadline: aiohttp.ClientTimeout
+    ) -> web.Response:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(self._path, limit=0), auto_decompress=False
             )
         headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _RELAY_DROP)
-        body = await request.read() if request.body_exists else None
         async with self._session.request(
             request.method,
             "http://router" + request.rel_url.raw_path_qs,
@@ -255,19 +308,49 @@ class AdminRelay:
             data=body,
             allow_redirects=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-            timeout=aiohttp.ClientTimeout(total=None),
+            timeout=deadline,
         ) as answer:
-            payload = await answer.read()
+            parts: list[bytes] = []
+            size = 0
+            async for chunk in answer.content.iter_any():
+                size += len(chunk)
+                if size > RELAY_MAX_ANSWER_BYTES:
+                    raise web.HTTPInternalServerError(text="the router's answer exceeds the relay's cap")
+                parts.append(chunk)
             out = CIMultiDict((k, v) for k, v in answer.headers.items() if k.lower() not in _RELAY_DROP)
-            return web.Response(status=answer.status, body=payload, headers=out)
+            return web.Response(status=answer.status, body=b"".join(parts), headers=out)
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
 
+def worker_routes(table: RouteTable, relay: ParentRelay, parent_routes: list[MarkedRoute]) -> None:
+    """Everything but the proxied routes, in a worker: ``/health`` answered here, the parent's admin
+    routes and its other open routes relayed (module doc), the router's 404 for the rest."""
+    from router.server import not_found  # the server module imports this one lazily
+
+    table.add("GET", "/health", health, Access.OPEN)
+    for route in parent_routes:
+        if route.access is Access.ADMIN:
+            table.add(route.method, route.path, relay.admin, Access.ADMIN)
+        elif route.access is Access.OPEN and (route.method, route.path) != ("GET", "/health"):
+            table.add(route.method, route.path, relay.state, Access.OPEN)
+        # Client routes are the proxied ones, served by the worker itself, and the parent's 404.
+    table.add("*", "/{tail:.*}", not_found, Access.CLIENT)
+
+
+def admin_relay_timeout_s(config: RouterConfig) -> float:
+    return max(config.worker_health_timeout_s, ENGINE_TIMEOUT_S) + ADMIN_RELAY_MARGIN_S
+
+
 async def serve_worker(
-    config: RouterConfig, sock: socket.socket, decisions: str, admin: str, index: int
+    config: RouterConfig,
+    sock: socket.socket,
+    decisions: str,
+    admin: str,
+    index: int,
+    parent_routes: list[MarkedRoute],
 ) -> None:
     from router.server import build_app, serve_guarded  # the server module imports this one lazily
 
@@ -287,13 +370,14 @@ async def serve_worker(
         ForwardingConfig.of(config),
     )
     forwarder.use_limits(config.http)
-    relay = AdminRelay(admin)
+    relay = ParentRelay(admin, admin_relay_timeout_s(config))
     app = build_app(
         forwarder,
         config.secret("api_key"),
         config.admin_secret,
         config.max_request_bytes,
-        lambda a: a.router.add_route("*", "/{tail:.*}", relay.handle),
+        config.http,
+        lambda table: worker_routes(table, relay, parent_routes),
     )
     runner, _gate = await serve_guarded(app, sock, config.http, metrics, share=config.workers)
     loop.add_signal_handler(signal.SIGTERM, stopped.set)
@@ -323,14 +407,16 @@ def main(argv: list[str] | None = None) -> None:
     config = RouterConfig.model_validate(
         {**payload["config"], **{k: v for k, v in payload["secrets"].items() if v is not None}}
     )
+    routes = [MarkedRoute.from_json(r) for r in payload["routes"]]
     sock = socket.socket(fileno=args.listen_fd)
     sock.setblocking(False)
+    serve = serve_worker(config, sock, args.decisions, args.admin, args.index, routes)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        asyncio.run(serve_worker(config, sock, args.decisions, args.admin, args.index))
+        asyncio.run(serve)
     else:
-        uvloop.run(serve_worker(config, sock, args.decisions, args.admin, args.index))
+        uvloop.run(serve)
 
 
 if __name__ == "__main__":

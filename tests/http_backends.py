@@ -129,16 +129,32 @@ async def engine_factory(
 
 
 
+WORKER_MODES = (1, 2)
+"""The router's worker-process counts every hardening test runs against: one process, and two worker
+processes in front of the routing state (``rl-launch router``'s default mode). What one enforces the
+other must enforce too (issue 17: the worker relay had none of the single process's bounds)."""
+
+
+def mode_id(workers: int) -> str:
+    return "one-process" if workers == 1 else f"{workers}-workers"
+
+
 @contextlib.contextmanager
 def router_factory(**defaults: object) -> Iterator[Callable[..., GenerationRouter]]:
     """``make(backends, **settings)`` starts a router on 127.0.0.1 (OS-chosen port) with ``defaults``
     under ``settings``; a ``Policy`` object as ``policy`` becomes the router's own policy object. Every
-    router made is stopped on exit. The body of each test file's ``routers`` fixture."""
+    router made is stopped on exit. The body of each test file's ``routers`` fixture.
+
+    A router given neither ``api_key`` nor ``admin_token`` is made with ``insecure_admin`` (its admin
+    routes open, as the tests of routing, limits and the like call them without a token); the tests of
+    the admin surface give tokens."""
     made: list[GenerationRouter] = []
 
     def make(backends: list[str], **settings: object) -> GenerationRouter:
         for key, value in defaults.items():
             settings.setdefault(key, value)
+        if settings.get("api_key") is None and settings.get("admin_token") is None:
+            settings.setdefault("insecure_admin", True)
         policy = settings.get("policy")
         obj = policy if isinstance(policy, Policy) else None
         if obj is not None:

@@ -57,7 +57,10 @@ def test_killed_actor_rebinds_the_same_port(ray_local) -> None:
     ray = ray_local
     port = reserve_port()
     Actor = remote_router_actor(num_cpus=0)
-    config = RouterConfig(host="127.0.0.1", port=port, policy="least_outstanding", health_managed=True)
+    # The launcher always gives the actor the job's tokens.
+    config = RouterConfig(
+        host="127.0.0.1", port=port, policy="least_outstanding", health_managed=True, admin_token="admin-key"
+    )
     actor = Actor.remote(config, [])
     url = ray.get(actor.base_url.remote(), timeout=60)
     assert url == f"http://127.0.0.1:{port}"
@@ -111,7 +114,12 @@ def test_actor_with_worker_processes_serves_and_comes_back(ray_local, tmp_path) 
         port = reserve_port()
         Actor = remote_router_actor(num_cpus=0)
         config = RouterConfig(
-            host="127.0.0.1", port=port, policy="cache_aware", health_managed=True, workers=2
+            host="127.0.0.1",
+            port=port,
+            policy="cache_aware",
+            health_managed=True,
+            workers=2,
+            admin_token="admin-key",
         )
         actor = Actor.remote(config, [engine.api_url])
         url = ray.get(actor.base_url.remote(), timeout=120)

@@ -202,14 +202,14 @@ def test_port_conflict_names_the_address() -> None:
         holder.listen()
         port = holder.getsockname()[1]
         with pytest.raises(RouterBindError, match=f"127.0.0.1:{port}"):
-            GenerationRouter(RouterConfig(host="127.0.0.1", port=port))
+            GenerationRouter(RouterConfig(host="127.0.0.1", port=port, insecure_admin=True))
 
 
 def test_bad_urls_and_options_are_named() -> None:
     with pytest.raises(ValueError, match="ftp://x"):
-        GenerationRouter(RouterConfig(), ["ftp://x:1/v1"])
+        GenerationRouter(RouterConfig(insecure_admin=True), ["ftp://x:1/v1"])
     with pytest.raises(ValueError, match="no port"):
-        GenerationRouter(RouterConfig(), ["http://host/v1"])
+        GenerationRouter(RouterConfig(insecure_admin=True), ["http://host/v1"])
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
         RouterConfig(policy="fastest")
     with pytest.raises(ValueError, match="65535"):
@@ -370,11 +370,12 @@ async def test_hop_by_hop_request_headers_dropped(engines, routers) -> None:
 
 
 async def test_router_stops_and_frees_port(engines) -> None:
-    r = GenerationRouter(RouterConfig())
+    r = GenerationRouter(RouterConfig(insecure_admin=True))
     r.serve_in_background()
     assert r.is_serving()
     port = r.port
     r.stop()
     assert not r.is_serving()
-    again = GenerationRouter(RouterConfig(port=port))  # the same port binds again at once
+    # the same port binds again at once
+    again = GenerationRouter(RouterConfig(port=port, insecure_admin=True))
     again.stop()

@@ -5,6 +5,10 @@ contract, limits, affinity) is in ``test_router_hardening_http.py``.
 Each test failed on the code before the fix it pins, unless its docstring says it guards a behaviour
 that was kept. Routers are real ``GenerationRouter``s or real ``rl-launch router`` processes; backends are
 real aiohttp servers on OS-chosen ports.
+
+Every test that runs a router runs it twice (the ``workers`` fixture): as one process and with two worker
+processes, the mode ``rl-launch router`` runs in by default (issue 17: the worker relay had lost bounds
+the single process enforced, and no test ran there). A test that cannot apply to one mode says why.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
@@ -35,7 +39,7 @@ from router.cli import router_command
 from router.config import RouterConfig, RouterSettings, describe_errors
 from router.policies import LoadTracker, RoundRobin
 from router.probing import HealthProber
-from tests.http_backends import FakeEngine, engine_factory, router_factory
+from tests.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
 
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,9 +68,14 @@ async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]
         yield make
 
 
+@pytest.fixture(params=WORKER_MODES, ids=mode_id)
+def workers(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
 @pytest.fixture
-def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(policy="round_robin") as make:
+def routers(workers: int) -> Iterator[Callable[..., GenerationRouter]]:
+    with router_factory(policy="round_robin", workers=workers) as make:
         yield make
 
 
@@ -114,7 +123,10 @@ async def test_admin_token_set_means_the_client_key_is_not_enough(engines, route
     assert r.serving_backends() == [e.url]
 
 
-def test_open_admin_is_refused_off_loopback_unless_insecure_admin(caplog) -> None:
+def test_open_admin_is_refused_on_every_address_unless_insecure_admin(caplog) -> None:
+    """Issue 17 reversed the loopback exception: 127.0.0.1 is every local user of a shared node, so a
+    router with neither an admin token nor an API key refuses to start there too (it used to start
+    with /workers and /fleet/* open and a warning)."""
     with pytest.raises(ValidationError, match="--insecure-admin"):
         RouterConfig(host="0.0.0.0")
     with pytest.raises(ValidationError, match="--insecure-admin"):
@@ -123,11 +135,20 @@ def test_open_admin_is_refused_off_loopback_unless_insecure_admin(caplog) -> Non
     assert RouterConfig(host="0.0.0.0", insecure_admin=True).admin_secret is None
     result = CliRunner().invoke(router_command, ["--host", "0.0.0.0", "--port", "0"])
     assert result.exit_code == 1 and "--insecure-admin" in result.output
-    # Loopback without any token stays allowed, with a warning in the log.
+    # Loopback without any token: refused as well, in one line naming the three flags.
+    for host in ("127.0.0.1", "localhost", "::1"):
+        with pytest.raises(ValidationError, match="--admin-token-file or --api-key-file"):
+            RouterConfig(host=host)
+    result = CliRunner().invoke(router_command, ["--host", "127.0.0.1", "--port", "0"])
+    assert result.exit_code == 1
+    (line,) = [ln for ln in result.output.splitlines() if "--insecure-admin" in ln]
+    assert "--admin-token-file" in line and "--api-key-file" in line and "127.0.0.1" in line
+    assert RouterConfig(host="127.0.0.1", admin_token="a").admin_secret == "a"
+    # With --insecure-admin it starts, and says in the log that the admin routes are open.
     with caplog.at_level(logging.WARNING, logger="router.server"):
-        r = GenerationRouter(RouterConfig(host="127.0.0.1"))
+        r = GenerationRouter(RouterConfig(host="127.0.0.1", insecure_admin=True))
         r.stop()
-    assert any("admin API" in m and "open" in m for m in caplog.messages)
+    assert any("admin routes" in m and "open" in m for m in caplog.messages)
 
 
 async def test_registration_stops_probing_when_its_caller_disconnects(engines, routers) -> None:
@@ -200,9 +221,12 @@ async def test_non_utf8_authorization_is_401_not_500(engines, routers) -> None:
 # -- item 4: health by default when standalone ---------------------------------------------------------
 
 
-async def test_standalone_defaults_answer_no_healthy_within_10s_of_the_last_engine_dying(engines) -> None:
+async def test_standalone_defaults_answer_no_healthy_within_10s_of_the_last_engine_dying(
+    engines, workers: int
+) -> None:
     a, b = await engines(2)
-    config = RouterConfig(policy="round_robin")  # the CLI's defaults: probing on
+    # The CLI's defaults: probing on (the admin routes are not what this test is about).
+    config = RouterConfig(policy="round_robin", workers=workers, insecure_admin=True)
     assert config.probing
     r = GenerationRouter(config, [a.api_url, b.api_url])
     r.serve_in_background()
@@ -223,10 +247,10 @@ async def test_standalone_defaults_answer_no_healthy_within_10s_of_the_last_engi
         r.stop()
 
 
-async def test_standalone_defaults_eject_a_wedged_engine_within_10s(engines) -> None:
+async def test_standalone_defaults_eject_a_wedged_engine_within_10s(engines, workers: int) -> None:
     """A wedged engine accepts connections and never answers: only the probe timeout can see it."""
     (e,) = await engines(1)
-    r = GenerationRouter(RouterConfig(), [e.api_url])
+    r = GenerationRouter(RouterConfig(workers=workers, insecure_admin=True), [e.api_url])
     r.serve_in_background()
     try:
         await wait_for(lambda: e.health_hits >= 1, 5)
@@ -326,9 +350,11 @@ def _stop(proc: subprocess.Popen[str]) -> str:
     return err or ""
 
 
-async def test_cli_without_backends_is_unready_and_says_so_loudly(engines) -> None:
+async def test_cli_without_backends_is_unready_and_says_so_loudly(engines, workers: int) -> None:
     (e,) = await engines(1)
-    proc, url, lines = await asyncio.to_thread(_start_cli_router, [])
+    # --insecure-admin: this test registers a worker without a token (the admin surface has its own).
+    args = ["--workers", str(workers), "--insecure-admin"]
+    proc, url, lines = await asyncio.to_thread(_start_cli_router, args)
     try:
         assert any("WARNING" in ln and "no backends" in ln for ln in lines), lines
         assert (await call("GET", url + "/readiness"))[0] == 503
@@ -446,7 +472,7 @@ def test_secret_files_that_cannot_be_used_give_one_line_naming_flag_and_file(tmp
     assert result.exit_code == 1 and "keep only --api-key-file" in result.output
 
 
-async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path: Path) -> None:
+async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path: Path, workers: int) -> None:
     (e,) = await engines(1)
     admin_file = tmp_path / "admin"
     admin_file.write_text("file-admin-token\n")
@@ -455,7 +481,7 @@ async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path
     key_file.write_text("file-client-key")
     key_file.chmod(0o600)
     args = ["--host", "127.0.0.1", "--backend", e.api_url, "--admin-token-file", str(admin_file)]
-    args += ["--api-key-file", str(key_file)]
+    args += ["--api-key-file", str(key_file), "--workers", str(workers)]
     proc, url, lines = await asyncio.to_thread(
         _start_cli_router, args, {"RL_ROUTER_BACKEND_API_KEY": "env-engine-key"}
     )
@@ -472,7 +498,9 @@ async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path
     for secret in ("file-admin-token", "file-client-key", "env-engine-key"):
         assert secret not in err  # never logged
 
-    proc, url, lines = await asyncio.to_thread(_start_cli_router, ["--api-key", "flag-key"])
+    proc, url, lines = await asyncio.to_thread(
+        _start_cli_router, ["--api-key", "flag-key", "--workers", str(workers)]
+    )
     try:
         head = "".join(lines)
         assert "--api-key on the command line is visible" in head and "--api-key-file" in head
@@ -482,17 +510,197 @@ async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path
     assert "flag-key" not in err
 
 
-def test_actor_takes_one_config_and_keeps_its_port() -> None:
+def test_actor_takes_one_config_and_keeps_its_port(workers: int) -> None:
     from router.actor import GenerationRouterActor
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(ValueError, match="fixed port"):
-        GenerationRouterActor(RouterConfig(), [])
-    actor = GenerationRouterActor(RouterConfig(port=port, health_managed=True), ["http://127.0.0.1:9/v1"])
+        GenerationRouterActor(RouterConfig(admin_token="a"), [])
+    config = RouterConfig(port=port, health_managed=True, workers=workers, admin_token="a")
+    actor = GenerationRouterActor(config, ["http://127.0.0.1:9/v1"])
     try:
         assert actor.base_url() == f"http://127.0.0.1:{port}"
         assert actor.serving_backends() == ["http://127.0.0.1:9"]
     finally:
         actor.stop()
+
+
+# -- issue 17: no way in without the job's secrets (the admin surface) --------------------------------------
+ADMIN = "admin-key"
+
+
+async def debug_handler(request: web.Request) -> web.Response:
+    return web.json_response({"debug": "served"})
+
+
+class RouterWithDebugRoutes(GenerationRouter):
+    """A router whose author added two routes: one straight on aiohttp's router (no access mark), one
+    through the route table as an admin route."""
+
+    def __init__(self, *args: object, unmarked: bool = True, **kwargs: object) -> None:
+        self.unmarked = unmarked
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _admin_routes(self, table) -> None:  # type: ignore[no-untyped-def]
+        app = getattr(table, "app", table)  # before issue 17 this received the application itself
+        if self.unmarked:
+            app.router.add_get("/debug/unmarked", debug_handler)
+        if hasattr(table, "add"):
+            from router.auth import Access
+
+            table.add("GET", "/debug/admin", debug_handler, Access.ADMIN)
+        super()._admin_routes(table)
+
+
+async def test_a_route_registered_without_a_mark_is_never_served(engines, workers: int) -> None:
+    """Issue 17: admin routes were decided by a path-prefix list, so a route outside it was open. Now a
+    route carries its access mark from registration, and the router refuses to start with a route
+    registered without one (naming it); the workers relay exactly what the router process marked admin,
+    which takes the admin token."""
+    (e,) = await engines(1)
+    config = RouterConfig(admin_token=ADMIN, probe_interval_s=0, workers=workers)
+    r = RouterWithDebugRoutes(config, [e.api_url])
+    try:
+        r.serve_in_background()
+    except RuntimeError as exc:
+        assert "GET /debug/unmarked" in str(exc)
+    else:
+        answer = await call("GET", r.base_url() + "/debug/unmarked")
+        r.stop()
+        pytest.fail(f"the router started with an unmarked route, which answered {answer} without a token")
+    r = RouterWithDebugRoutes(config, [e.api_url], unmarked=False)
+    r.serve_in_background()
+    try:
+        base = r.base_url()
+        assert (await call("GET", base + "/debug/admin"))[0] == 401
+        assert (await call("GET", base + "/debug/admin", "client-key"))[0] == 401
+        assert await call("GET", base + "/debug/admin", ADMIN) == (200, {"debug": "served"})
+        assert (await call("GET", base + "/health"))[0] == 200
+    finally:
+        r.stop()
+
+
+def test_route_table_takes_only_access_marks() -> None:
+    from router.auth import RouteTable
+
+    table = RouteTable(web.Application())
+    with pytest.raises(TypeError, match="access must be an Access"):
+        table.add("GET", "/x", debug_handler, "admin")  # type: ignore[arg-type]
+
+
+async def test_a_driver_listener_is_checked_by_marks_and_never_open_by_omission() -> None:
+    """``auth_middleware`` serves the driver's listeners (fleet endpoint, status), which put the router's
+    marked FleetApi routes beside routes of their own registered straight on aiohttp: the marked ones by
+    their mark, the others with the strongest secret given, and refused when no secret is."""
+    from router.auth import auth_middleware
+    from router.fleet_api import FleetApi
+    from router.pause_gate import PauseGate
+
+    async def serve(api_key: str | None, admin_token: str | None) -> tuple[web.AppRunner, str]:
+        app = web.Application(middlewares=[auth_middleware(api_key, admin_token)])
+        FleetApi(BackendSet(RoundRobin(), LoadTracker()), PauseGate()).add_routes(app)
+        app.router.add_get("/own", debug_handler)  # the listener's own route: no mark
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    runner, url = await serve(None, ADMIN)  # the fleet endpoint's shape
+    try:
+        assert (await call("GET", url + "/fleet/stale"))[0] == 401
+        assert (await call("GET", url + "/fleet/stale", ADMIN))[0] == 200
+        assert (await call("GET", url + "/own"))[0] == 401
+        assert (await call("GET", url + "/own", ADMIN)) == (200, {"debug": "served"})
+    finally:
+        await runner.cleanup()
+    runner, url = await serve("client-key", None)  # the status server's shape
+    try:
+        assert (await call("GET", url + "/own"))[0] == 401
+        assert (await call("GET", url + "/own", "client-key"))[0] == 200
+    finally:
+        await runner.cleanup()
+    runner, url = await serve(None, None)
+    try:
+        assert (await call("GET", url + "/own"))[0] == 403
+    finally:
+        await runner.cleanup()
+
+
+def test_cli_on_loopback_without_any_secret_refuses_to_start() -> None:
+    """Issue 17: on 127.0.0.1 the router used to start with /workers and /fleet/* open to every local
+    user (and only warn). Now it refuses, in one line naming the flags; bounded: a router that starts is
+    stopped and fails the test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_ROUTER_")}
+    cmd = [sys.executable, "-m", "launcher.cli", "router", "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the router started without any secret on 127.0.0.1:\n{err}") from None
+    assert proc.returncode == 1, err
+    (line,) = [ln for ln in err.splitlines() if "--insecure-admin" in ln]
+    assert "--admin-token-file" in line and "--api-key-file" in line, err
+    assert "router serving" not in err
+
+
+@dataclass
+class KeyedEngine(FakeEngine):
+    """An engine that takes the job's key on every route but /health (what vLLM and the simulator now
+    enforce), serving vLLM counters on /metrics; ``redirect_metrics``: /metrics answers a 302 instead."""
+
+    key: str = "engine-key"
+    redirect_metrics: str = ""
+    unkeyed: list[str] = field(default_factory=list)
+    metrics_reads: int = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != f"Bearer {self.key}":
+            self.unkeyed.append(f"{request.method} {request.path}")
+            return web.Response(status=401)
+        if request.path == "/metrics":
+            self.metrics_reads += 1
+            if self.redirect_metrics:
+                return web.Response(status=302, headers={"Location": self.redirect_metrics})
+            text = '# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{model_name="m"} 42.0\n'
+            return web.Response(text=text, content_type="text/plain")
+        return await super().handle(request)
+
+
+async def test_every_fleet_call_to_an_engine_carries_the_engine_key(routers) -> None:
+    """Issue 17: engines will take the job's key on every route but /health; the step counters were read
+    from /metrics without it (so /fleet/counters and /fleet/step would fail). Every /fleet/* call must
+    send it, and a redirect is never followed (here one engine redirects /metrics to the other)."""
+    async with engine_factory(KeyedEngine, 1) as make:
+        (keyed,) = await make(1)
+        (redirecting,) = await make(1)
+        redirecting.redirect_metrics = keyed.url + "/metrics"
+        engines = [keyed.api_url, redirecting.api_url]
+        r = routers(engines, admin_token=ADMIN, backend_api_key="engine-key", probe_interval_s=0)
+        base = r.base_url()
+        status, counters = await call("GET", base + "/fleet/counters", ADMIN)
+        assert status == 500, counters
+        assert counters["errors"] == {redirecting.url: "HTTP 302"}  # type: ignore[index]
+        assert counters["engines"][keyed.url] == {"prompt_tokens": 42}  # type: ignore[index]
+        assert keyed.metrics_reads == 1  # the redirect to it was not followed
+        for method, path in (
+            ("POST", "/fleet/step/begin"),
+            ("GET", "/fleet/step"),
+            ("POST", "/fleet/pause"),
+            ("GET", "/fleet/is_paused"),
+            ("POST", "/fleet/resume"),
+            ("GET", "/fleet/weight_version"),
+            ("POST", "/fleet/checksum"),
+            ("POST", "/fleet/abort"),
+            ("POST", "/fleet/reset_prefix_cache"),
+        ):
+            await call(method, base + path, ADMIN)
+        seen = {p for e in (keyed, redirecting) for _, p, _ in e.requests}
+        assert {"/pause", "/resume", "/is_paused", "/weight_info", "/reset_prefix_cache"} <= seen
+        assert keyed.unkeyed == [] and redirecting.unkeyed == []

@@ -2,6 +2,9 @@
 
 The admin surface, health probing, ``RouterConfig`` and secrets have theirs in ``test_router_hardening.py``.
 
+Every test that runs a router runs it twice (the ``workers`` fixture): as one process and with two worker
+processes (issue 17). A test that cannot apply to one mode says why.
+
 Sections are owned by area; add to your own section rather than editing another's.
 """
 
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import os
 import subprocess
 import sys
 import time
@@ -31,7 +35,7 @@ from router.policies import (
     RoundRobin,
     RouteRequest,
 )
-from tests.http_backends import FakeEngine, dead_url, engine_factory, router_factory
+from tests.http_backends import WORKER_MODES, FakeEngine, dead_url, engine_factory, mode_id, router_factory
 
 CHAT = "/v1/chat/completions"
 
@@ -132,9 +136,25 @@ async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]
         yield make
 
 
+@pytest.fixture(params=WORKER_MODES, ids=mode_id)
+def workers(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
+ONE_POLICY_OBJECT = (
+    "a policy object lives in one process: with worker processes the router builds its own from the "
+    "config (GenerationRouter refuses an injected one), and this test injects or inspects the object"
+)
+
+
+def needs_policy_object(workers: int) -> None:
+    if workers > 1:
+        pytest.skip(ONE_POLICY_OBJECT)
+
+
 @pytest.fixture
-def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(policy="round_robin", probe_interval_s=0) as base:
+def routers(workers: int) -> Iterator[Callable[..., GenerationRouter]]:
+    with router_factory(policy="round_robin", probe_interval_s=0, workers=workers) as base:
 
         def make(backends: list[str], limits: HttpLimits | None = None, **kwargs: object) -> GenerationRouter:
             """A router on an OS-chosen port with the serving set as given: active probing off, so the
@@ -167,6 +187,23 @@ async def metric_samples(
                 if not x.name.endswith("_created") and (sample is None or x.name == sample)
             }
     return {}
+
+
+async def outcomes(
+    router: GenerationRouter, done: Callable[[dict[str, tuple[int, int]]], bool], within_s: float = 5.0
+) -> dict[str, tuple[int, int]]:
+    """The router's per-backend outcomes, drained until ``done`` holds for their sum (bounded). A worker
+    process reports an attempt's outcome to the router process in a one-way message after answering
+    its client, so it can land a moment after the answer; in one process it is there at once."""
+    total: dict[str, tuple[int, int]] = {}
+    deadline = time.monotonic() + within_s
+    while True:
+        for url, (ok, failed) in router.drain_backend_outcomes().items():
+            before = total.get(url, (0, 0))
+            total[url] = (before[0] + ok, before[1] + failed)
+        if done(total) or time.monotonic() > deadline:
+            return total
+        await asyncio.sleep(0.02)
 
 
 async def is_closed(reader: asyncio.StreamReader, within_s: float) -> bool:
@@ -270,7 +307,7 @@ async def test_client_gone_cancels_upstream_frees_slot_and_is_never_retried(raw_
     assert r.drain_backend_outcomes() == {}  # the client left: not the backend's failure
 
 
-async def test_half_open_connection_flood_is_capped_and_timed_out(engines, routers) -> None:
+async def test_half_open_connection_flood_is_capped_and_timed_out(engines, routers, workers: int) -> None:
     (e,) = await engines(1)
     limits = HttpLimits(head_timeout_s=0.5, keepalive_timeout_s=30.0, max_client_connections=100)
     r = routers([e.api_url], limits=limits)
@@ -284,10 +321,18 @@ async def test_half_open_connection_flood_is_capped_and_timed_out(engines, route
     closed = await asyncio.gather(*(is_closed(reader, 5) for reader, _ in conns))
     took = time.monotonic() - t0
     assert all(closed) and took < 3  # every one closed: at once above the cap, at the head deadline below
-    assert r.connections is not None and r.connections.open == 0
+    if workers == 1:
+        assert r.connections is not None and r.connections.open == 0
     errors = await metric_samples(r, "rl_router_errors")
-    assert errors[(("kind", "connection_cap"),)] == 100.0
-    assert errors[(("kind", "head_timeout"),)] == 100.0
+    if workers == 1:
+        assert errors[(("kind", "connection_cap"),)] == 100.0
+        assert errors[(("kind", "head_timeout"),)] == 100.0
+    else:
+        # Each worker admits its share of the cap (50) and the kernel decides which worker accepts each
+        # connection: at least the configured 100 are refused, and every connection was either refused
+        # or timed out. The gates are the workers' (the router process has none to read).
+        refused = errors[(("kind", "connection_cap"),)]
+        assert refused >= 100.0 and refused + errors[(("kind", "head_timeout"),)] == 200.0
     for _, writer in conns:
         writer.close()
     assert (await post(r.base_url() + CHAT, {}))[0] == 200  # real requests still served
@@ -314,17 +359,21 @@ async def test_slow_head_on_kept_alive_connection_closed_but_idle_one_kept(engin
     writer2.close()
 
 
-def test_open_file_soft_limit_is_raised_toward_the_hard_limit() -> None:
+def test_open_file_soft_limit_is_raised_toward_the_hard_limit(workers: int) -> None:
+    # With workers, the processes that accept client connections are the workers: their limit is read.
     code = (
         "import resource\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
         "from router import GenerationRouter, RouterConfig\n"
-        "r = GenerationRouter(RouterConfig(port=0))\n"
+        f"r = GenerationRouter(RouterConfig(port=0, workers={workers}, insecure_admin=True))\n"
         "r.serve_in_background()\n"
-        "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "def soft_of(pid):\n"
+        "    line = next(l for l in open(f'/proc/{pid}/limits') if l.startswith('Max open files'))\n"
+        "    return int(line.split()[3])\n"
+        "nows = [soft_of(p) for p in r.worker_pids()] or [resource.getrlimit(resource.RLIMIT_NOFILE)[0]]\n"
         "r.stop()\n"
-        "print(now == hard or hard == resource.RLIM_INFINITY and now > 256, r.connections.cap)\n"
+        "print(all(now == hard or hard == resource.RLIM_INFINITY and now > 256 for now in nows))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -458,13 +507,15 @@ async def test_5xx_does_not_eject_a_health_managed_backend(engines, routers) -> 
     r = routers([a.api_url, b.api_url], health_managed=True)
     assert (await post(r.base_url() + CHAT, {}))[0] == 500
     assert sorted(r.serving_backends()) == sorted([a.url, b.url])
-    assert r.drain_backend_outcomes() == {a.url: (0, 1), b.url: (0, 1)}  # reported to the controller
+    expected = {a.url: (0, 1), b.url: (0, 1)}  # reported to the controller
+    assert await outcomes(r, lambda got: got == expected) == expected
 
 
 # -- item 5: affinity follows the backend that served --------------------------------------------------
 
 
-async def test_affinity_records_the_retry_target_never_the_failed_backend(engines, routers) -> None:
+async def test_affinity_records_the_retry_target_never_the_failed_backend(engines, routers, workers) -> None:
+    needs_policy_object(workers)
     (good,) = await engines(1)
     policy = CacheAware(block_bytes=64)
     r = routers([dead_url(), good.api_url], policy=policy)
@@ -787,7 +838,8 @@ class ExplodingPolicy(RoundRobin):
         raise RuntimeError("a bug in a policy")
 
 
-async def test_an_escaping_error_is_counted_as_the_500_sent(engines, routers) -> None:
+async def test_an_escaping_error_is_counted_as_the_500_sent(engines, routers, workers: int) -> None:
+    needs_policy_object(workers)
     (e,) = await engines(1)
     r = routers([e.api_url], policy=ExplodingPolicy())
     status, _ = await post(r.base_url() + CHAT, {})
@@ -807,7 +859,8 @@ async def test_success_is_recorded_and_timed_for_every_response_shape(engines, r
         async with s.post(r.base_url() + CHAT, data=b'{"stream": true}') as resp:
             e.release_stream.set()
             assert (await resp.read()).endswith(b"data: [DONE]\n\n")
-    assert r.drain_backend_outcomes() == {plain.url: (1, 0), e.url: (1, 0)}
+    expected = {plain.url: (1, 0), e.url: (1, 0)}
+    assert await outcomes(r, lambda got: got == expected) == expected
     latency = await metric_samples(
         r, "rl_router_request_duration_seconds", "rl_router_request_duration_seconds_count"
     )
@@ -846,7 +899,8 @@ async def test_plain_body_broken_midway_is_cut_and_counted(raw_backends, routers
         await asyncio.wait_for(cut_request(), 10)
     await closer
     assert await metric_samples(r, "rl_router_errors") == {(("kind", "stream_broken"),): 1.0}
-    assert r.drain_backend_outcomes() == {backend.url: (0, 1)}
+    expected = {backend.url: (0, 1)}
+    assert await outcomes(r, lambda got: got == expected) == expected
 
 
 async def test_a_huge_5xx_body_is_quoted_only_in_part(raw_backends, routers) -> None:
@@ -891,8 +945,12 @@ def test_forwarding_and_limit_defaults_are_literal() -> None:
 async def test_upstream_connections_are_kept_alive_and_reused(raw_backends, routers) -> None:
     backend = await raw_backends(lambda head, body: ok_json())
     r = routers([backend.url + "/v1"])
-    for _ in range(3):
-        assert (await post(r.base_url() + CHAT, {}))[0] == 200
+    # One client connection, so one worker process (each has its own upstream pool) serves all three.
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(r.base_url() + CHAT, data=b"{}") as resp:
+                assert resp.status == 200
+                await resp.read()
     assert (len(backend.requests), backend.connections) == (3, 1)
 
 
@@ -912,12 +970,13 @@ async def test_a_short_answer_broken_before_relaying_is_retried(
         with pytest.raises(aiohttp.ClientPayloadError):
             await post(r.base_url() + CHAT, {})
         assert good.requests == []
-    assert r.drain_backend_outcomes()[bad.url] == (0, 1)
+    assert (await outcomes(r, lambda got: got.get(bad.url) == (0, 1))).get(bad.url) == (0, 1)
 
 
-async def test_a_stream_broken_midway_drops_its_affinity(engines, routers) -> None:
+async def test_a_stream_broken_midway_drops_its_affinity(engines, routers, workers: int) -> None:
     import json
 
+    needs_policy_object(workers)
     (e,) = await engines(1, mode="break_stream")
     policy = CacheAware(block_bytes=64)
     r = routers([e.api_url], policy=policy)
@@ -933,9 +992,10 @@ async def test_a_stream_broken_midway_drops_its_affinity(engines, routers) -> No
     assert await metric_samples(r, "rl_router_errors") == {(("kind", "stream_broken"),): 1.0}
 
 
-async def test_stopping_the_router_closes_its_upstream_connections(raw_backends) -> None:
+async def test_stopping_the_router_closes_its_upstream_connections(raw_backends, workers: int) -> None:
     backend = await raw_backends(lambda head, body: ok_json())
-    r = GenerationRouter(RouterConfig(port=0, probe_interval_s=0), [backend.url + "/v1"])
+    config = RouterConfig(port=0, probe_interval_s=0, workers=workers, insecure_admin=True)
+    r = GenerationRouter(config, [backend.url + "/v1"])
     r.serve_in_background()
     try:
         assert (await post(r.base_url() + CHAT, {}))[0] == 200
@@ -944,3 +1004,194 @@ async def test_stopping_the_router_closes_its_upstream_connections(raw_backends)
     finally:
         r.stop()
     await asyncio.wait_for(backend.closed.wait(), 3)
+
+
+# -- issue 17: no way in without the job's secrets (the HTTP path) -----------------------------------------
+HELD = 8  # the connection cap in the lockout tests, and the connections the attacker holds
+
+
+async def hold_slot(port: int, head: bytes, stop: asyncio.Event) -> asyncio.Task[None] | None:
+    """Open a connection, send ``head`` and the first byte of its body, and trickle one more byte every
+    0.2 s until ``stop``; None when the router refused the connection at its cap."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head + b"{")
+        await writer.drain()
+    except OSError:
+        return None
+    if await is_closed(reader, 0.3):  # an answer may come at once (/health); a close means refused
+        writer.close()
+        return None
+
+    async def trickle() -> None:
+        try:
+            while not stop.is_set():
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    return asyncio.create_task(trickle())
+
+
+async def health_answered(port: int) -> bool:
+    """A real client: one GET /health on a fresh connection, answered 200 within 1 s."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        line = await asyncio.wait_for(reader.readline(), 1.0)
+        return line.startswith(b"HTTP/1.1 200")
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("route", ["GET /health", "POST /workers", f"POST {CHAT}"])
+async def test_trickled_bodies_hold_a_connection_only_until_the_body_deadline(
+    engines, routers, route: str
+) -> None:
+    """Issue 17: with worker processes every open route relayed its body, read whole with no deadline,
+    so eight connections trickling a body to /health locked real clients out for good (one process:
+    10 s, aiohttp's drain time); a proxied route read its body with no deadline in either mode. Now a
+    body is read within ``body_timeout_s`` (408) and an unread one drained for at most as long."""
+    (e,) = await engines(1)
+    body_timeout_s = 1.0
+    limits = HttpLimits(max_client_connections=HELD, body_timeout_s=body_timeout_s)
+    r = routers([e.api_url], limits=limits, admin_token="admin-key")  # /workers: refused before its body
+    method, path = route.split()
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 100000000\r\n\r\n"
+    ).encode()
+    stop = asyncio.Event()
+    held: list[asyncio.Task[None]] = []
+    try:
+        for _ in range(100):  # bounded: a connection refused at the cap (a worker's share) is retried
+            task = await hold_slot(r.port, head, stop)
+            if task is not None:
+                held.append(task)
+            if len(held) == HELD:
+                break
+        assert len(held) == HELD, f"only {len(held)} connections held"
+        t0 = time.monotonic()
+        refused = 0
+        for _ in range(100):  # bounded in count (and in time below)
+            if await health_answered(r.port):
+                break
+            refused += 1
+            assert time.monotonic() - t0 < 10, f"real clients locked out for {time.monotonic() - t0:.1f} s"
+            await asyncio.sleep(0.1)
+        locked_out = time.monotonic() - t0
+    finally:
+        stop.set()
+        await asyncio.gather(*held, return_exceptions=True)
+    assert refused >= 1  # the held connections did take every slot
+    # Read within the deadline (408 and a close), or drained for at most the deadline: 2x, plus slack.
+    assert locked_out < 2 * body_timeout_s + 2.0, f"real clients locked out for {locked_out:.1f} s"
+
+
+def reset_peak_rss(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the current size
+
+
+def rss_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+async def send_body(port: int, head: bytes, size: int) -> bytes:
+    """Send ``head`` and ``size`` bytes of body from one 1 MiB buffer (the sender holds no copy of the
+    body); returns the status line answered ('' if the router closed first)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    chunk = bytes(1 << 20)
+    try:
+        writer.write(head)
+        sent = 0
+        while sent < size:
+            writer.write(chunk[: size - sent])
+            sent += len(chunk)
+            await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 20)
+    except (OSError, TimeoutError):
+        line = b""
+    finally:
+        writer.close()
+    return line.strip()
+
+
+@pytest.mark.parametrize(("route", "answer"), [("GET /health", b"200"), ("POST /workers", b"413")])
+async def test_big_bodies_to_routes_that_take_none_cost_no_memory(engines, routers, route, answer) -> None:
+    """Issue 17: four 60 MB bodies to /health cost a router with worker processes 500 MB (relayed whole,
+    read twice), and to an admin route with the token any router as much (read whole before the handler
+    looked at it). Now an open route's body is drained unread, and an admin body above 1 MiB is refused
+    before a byte of it is read. Peak RSS of every router process, the test process included (a
+    one-process router runs in it)."""
+    (e,) = await engines(1)
+    r = routers([e.api_url], admin_token="admin-key")
+    method, path = route.split()
+    size = 60 * 1024 * 1024
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer admin-key\r\nContent-Length: {size}\r\n\r\n"
+    ).encode()
+    pids = [os.getpid(), *(await asyncio.to_thread(r.worker_pids))]
+    before = sum(rss_kib(p, "VmRSS") for p in pids)
+    for p in pids:
+        reset_peak_rss(p)
+    lines = await asyncio.gather(*(send_body(r.port, head, size) for _ in range(4)))
+    grew_mib = (sum(rss_kib(p, "VmHWM") for p in pids) - before) / 1024
+    assert all(line == b"" or line.split()[1] == answer for line in lines), lines
+    assert any(lines), lines  # at least one answer was read back
+    assert grew_mib < 40, f"the router's processes grew by {grew_mib:.0f} MiB for 4 x 60 MB bodies"
+    assert (await post(r.base_url() + CHAT, {}))[0] == 200
+
+
+def misbehaving(shape: str) -> Callable[[bytes, bytes], bytes | list[bytes]]:
+    """A backend whose first answer is followed by bytes beyond its end (``shape``); later answers are
+    ``{"n": <request number>}``."""
+    smuggled = ok_json(b'{"smuggled":1}')
+    chunked = b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\n{"n":1}\r\n0\r\n\r\n'
+    first = {
+        "length": ok_json(b'{"n":1}') + smuggled,  # more than Content-Length, in the same write
+        "chunked": chunked + smuggled,  # after the last chunk
+        "no_body": b"HTTP/1.1 204 No Content\r\n\r\n" + smuggled,  # a 204 has no body at all
+        "later": [ok_json(b'{"n":1}'), smuggled],  # 0.2 s later, while the connection is idle
+    }[shape]
+    count = 0
+
+    def answer(head: bytes, body: bytes) -> bytes | list[bytes]:
+        nonlocal count
+        count += 1
+        return first if count == 1 else ok_json(b'{"n":%d}' % count)
+
+    return answer
+
+
+@pytest.mark.parametrize("shape", ["length", "chunked", "no_body", "later"])
+async def test_bytes_beyond_a_backend_answer_reach_no_client(raw_backends, routers, shape: str) -> None:
+    """Issue 17: the upstream pool parsed bytes after a complete answer as a further answer: appended
+    to the body the client got (a 204 was answered with them), or, arriving while the connection sat
+    in the pool, read by whichever request used it next. Now they close the connection."""
+    backend = await raw_backends(misbehaving(shape))
+    r = routers([backend.url + "/v1"])
+    # One client connection: one worker process (one upstream pool) serves both requests.
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base_url() + CHAT, data=b"{}") as resp:
+            first = (resp.status, await resp.read())
+        await asyncio.sleep(0.5)  # "later": the extra bytes arrive while the connection is idle
+        async with s.post(r.base_url() + CHAT, data=b"{}") as resp:
+            second = (resp.status, await resp.read())
+    assert first == ((204, b"") if shape == "no_body" else (200, b'{"n":1}'))
+    assert second == (200, b'{"n":2}')
+    assert backend.connections == 2  # the first connection was closed, never reused

@@ -273,7 +273,8 @@ def test_workers_that_do_not_start_leave_nothing_behind(monkeypatch) -> None:
     from router.workers import WorkerFleet
 
     monkeypatch.setattr(WorkerFleet, "start_timeout_s", 0.001)
-    r = GenerationRouter(RouterConfig(host="127.0.0.1", port=0, workers=2, probe_interval_s=0))
+    config = RouterConfig(host="127.0.0.1", port=0, workers=2, probe_interval_s=0, insecure_admin=True)
+    r = GenerationRouter(config)
     fleet = r.workers
     assert fleet is not None
     with pytest.raises(RuntimeError, match="of 2 router worker processes started"):
