@@ -32,21 +32,15 @@ from __future__ import annotations
 
 import enum
 import hmac
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from router.bodies import read_admin_body
-from router.limits import DEFAULT_HTTP_LIMITS
 from router.status import error_body
 
-log = logging.getLogger(__name__)
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-DEFAULT_BODY_TIMEOUT_S = DEFAULT_HTTP_LIMITS.body_timeout_s
 
 
 class Access(enum.Enum):
@@ -90,9 +84,10 @@ class RouteTable:
     its mark calls for, bound once here: nothing for an open route, nor for a client route when no API
     key is set (the proxied path then pays nothing per request), the key otherwise, the admin secret and
     the bounded body read for an admin route. And the application refuses to start with any route
-    registered without a mark (straight on ``app.router``), naming it. Without ``credentials``
-    (``RouteTable.of``, for the driver's own applications) it records the marks only, which their
-    ``auth_middleware`` reads. The application keeps its table for the worker processes (``marked``)."""
+    registered without a mark (straight on ``app.router``), naming it. The driver's own listeners
+    (``launcher.driver.status_server``, the fleet endpoint beside vllm-router) use it the same way.
+    Without ``credentials`` (``RouteTable.of``) it records the marks only. The application keeps its
+    table for the worker processes (``marked``)."""
 
     def __init__(self, app: web.Application, credentials: Credentials | None = None) -> None:
         self.app = app
@@ -184,34 +179,3 @@ def _admin_checked(handler: Handler, admin_token: str | None, body_timeout_s: fl
         return await handler(await read_admin_body(request, body_timeout_s))
 
     return checked
-
-
-def auth_middleware(
-    api_key: str | None, admin_token: str | None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The check for applications outside the router package (the driver's listeners), which register
-    some routes straight on ``app.router``: a route marked through the application's ``RouteTable``
-    (``FleetApi``'s) by its mark; any other route takes the strongest secret given (the admin token, else
-    the API key) and is refused (403) when neither is. Never open by omission. (The router's own
-    applications check by mark at registration and do not start with an unmarked route.)"""
-    strongest = admin_token if admin_token is not None else api_key
-
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        table = request.app.get(ROUTE_TABLE)
-        access = table.access(request.match_info.route) if table is not None else None
-        if access is Access.OPEN:
-            return await handler(request)
-        if access is Access.CLIENT:
-            if api_key is None:
-                return await handler(request)
-            return await _client_checked(handler, api_key)(request)
-        if access is Access.ADMIN:
-            return await _admin_checked(handler, admin_token, body_timeout_s)(request)
-        if strongest is None:
-            return _refuse(403, f"route {request.method} {request.path} is not served", "forbidden")
-        if not _matches(_bearer(request), strongest):
-            return _refuse(401, "invalid or missing token", "unauthorized")
-        return await handler(request)
-
-    return check

@@ -508,7 +508,9 @@ def test_url_arm_finds_engines_through_router_workers() -> None:
 
     trace = generate("p30_all", seed=2, scale=0.01, turn_scale=0.1)
     with sim.SimFleet(2, speed=20.0) as fleet:
-        router = GenerationRouter(RouterConfig(host="127.0.0.1", port=0), [u + "/v1" for u in fleet.urls])
+        # /workers open on purpose: the arm finds the engines there without a token
+        config = RouterConfig(host="127.0.0.1", port=0, insecure_admin=True)
+        router = GenerationRouter(config, [u + "/v1" for u in fleet.urls])
         router.serve_in_background()
         try:
             cfg = ClientConfig(max_wall_s=20.0, request_timeout_s=10.0, retry=FAST_RETRY)

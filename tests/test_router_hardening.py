@@ -590,45 +590,6 @@ def test_route_table_takes_only_access_marks() -> None:
         table.add("GET", "/x", debug_handler, "admin")  # type: ignore[arg-type]
 
 
-async def test_a_driver_listener_is_checked_by_marks_and_never_open_by_omission() -> None:
-    """``auth_middleware`` serves the driver's listeners (fleet endpoint, status), which put the router's
-    marked FleetApi routes beside routes of their own registered straight on aiohttp: the marked ones by
-    their mark, the others with the strongest secret given, and refused when no secret is."""
-    from router.auth import auth_middleware
-    from router.fleet_api import FleetApi
-    from router.pause_gate import PauseGate
-
-    async def serve(api_key: str | None, admin_token: str | None) -> tuple[web.AppRunner, str]:
-        app = web.Application(middlewares=[auth_middleware(api_key, admin_token)])
-        FleetApi(BackendSet(RoundRobin(), LoadTracker()), PauseGate()).add_routes(app)
-        app.router.add_get("/own", debug_handler)  # the listener's own route: no mark
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-    runner, url = await serve(None, ADMIN)  # the fleet endpoint's shape
-    try:
-        assert (await call("GET", url + "/fleet/stale"))[0] == 401
-        assert (await call("GET", url + "/fleet/stale", ADMIN))[0] == 200
-        assert (await call("GET", url + "/own"))[0] == 401
-        assert (await call("GET", url + "/own", ADMIN)) == (200, {"debug": "served"})
-    finally:
-        await runner.cleanup()
-    runner, url = await serve("client-key", None)  # the status server's shape
-    try:
-        assert (await call("GET", url + "/own"))[0] == 401
-        assert (await call("GET", url + "/own", "client-key"))[0] == 200
-    finally:
-        await runner.cleanup()
-    runner, url = await serve(None, None)
-    try:
-        assert (await call("GET", url + "/own"))[0] == 403
-    finally:
-        await runner.cleanup()
-
-
 def test_cli_on_loopback_without_any_secret_refuses_to_start() -> None:
     """Issue 17: on 127.0.0.1 the router used to start with /workers and /fleet/* open to every local
     user (and only warn). Now it refuses, in one line naming the flags; bounded: a router that starts is

@@ -81,7 +81,7 @@ def test_router_settings_survive_the_snapshot(tmp_path: Path) -> None:
 
 def test_http_limits_are_router_settings_a_job_may_set(tmp_path: Path) -> None:
     spec = load_resolved(_spec(tmp_path, "http: {head_timeout_s: 5, max_client_connections: 20000}\n"))
-    config = RouterConfig.from_settings(spec.router, host="127.0.0.1", port=20001)
+    config = RouterConfig.from_settings(spec.router, host="127.0.0.1", port=20001, admin_token="a")
     assert (config.http.head_timeout_s, config.http.max_client_connections) == (5, 20000)
     assert config.http.keepalive_timeout_s == 75.0  # the rest keep their defaults
     snapshot = tmp_path / "spec.resolved.yaml"
@@ -95,10 +95,14 @@ def test_http_limits_are_router_settings_a_job_may_set(tmp_path: Path) -> None:
 
 def test_a_job_sets_the_router_worker_processes(tmp_path: Path) -> None:
     spec = load_resolved(_spec(tmp_path, "workers: 4\n"))
-    config = RouterConfig.from_settings(spec.router, host="127.0.0.1", port=20001, health_managed=True)
+    config = RouterConfig.from_settings(
+        spec.router, host="127.0.0.1", port=20001, health_managed=True, admin_token="a"
+    )
     assert config.workers == 4
     assert (
-        RouterConfig.from_settings(load_resolved(_spec(tmp_path, "policy: cache_aware\n")).router).workers
+        RouterConfig.from_settings(
+            load_resolved(_spec(tmp_path, "policy: cache_aware\n")).router, admin_token="a"
+        ).workers
         == 1
     )
     path = _spec(tmp_path, "workers: 0\n")

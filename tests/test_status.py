@@ -92,7 +92,7 @@ class Traffic:
 def fleet() -> Iterator[dict[str, Any]]:
     sims = SimFleet(3, speed=50)
     urls = sims.start()
-    router = GenerationRouter(RouterConfig(host="127.0.0.1", port=0), urls)
+    router = GenerationRouter(RouterConfig(host="127.0.0.1", port=0, insecure_admin=True), urls)
     router_url = router.serve_in_background()
     for _ in range(9):  # warm every engine's prefix cache, so hit % is a real figure
         assert (
@@ -311,7 +311,7 @@ def test_500s_no_backend_answers_and_error_rate(tmp_path: Path) -> None:
     100 %; emptied, the router answers no-backend (409), counted separately."""
     dead = _refused_url()
     # No active probing: the refused backend must stay in the set long enough to be counted.
-    config = RouterConfig(host="127.0.0.1", port=0, max_attempts=1, probe_interval_s=0)
+    config = RouterConfig(host="127.0.0.1", port=0, max_attempts=1, probe_interval_s=0, insecure_admin=True)
     router = GenerationRouter(config, [dead])
     url = router.serve_in_background()
     try:

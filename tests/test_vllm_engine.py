@@ -392,6 +392,7 @@ def test_router_over_two_engines(vllm_engines: list[VllmEngine]) -> None:
         host="127.0.0.1",
         port=0,
         policy="cache_aware",
+        insecure_admin=True,
         backend_timeout_s=ROUTER_BACKEND_TIMEOUT_S,
         connect_timeout_s=5,
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -251,6 +253,9 @@ def router_for(
     With ``process`` it runs as ``rl-launch router`` in a child process, as in production: in-process,
     the router's loop shares this process's GIL with the replay client, which inflates every router
     arm's latency against the ``direct`` arm and would bias the comparison.
+
+    The bench's router takes an admin token nobody is told (a router never starts with its admin routes
+    open, and on a shared machine loopback is every local user's): the replay needs no admin route.
     """
     if process:
         with _router_process(engine_urls, policy, router_options) as url:
@@ -258,7 +263,8 @@ def router_for(
         return
     from router import GenerationRouter, RouterConfig
 
-    config = RouterConfig(host="127.0.0.1", port=0, **{"policy": policy, **dict(router_options or {})})
+    options = {"policy": policy, **dict(router_options or {})}
+    config = RouterConfig(host="127.0.0.1", port=0, admin_token=secrets.token_urlsafe(32), **options)
     r = GenerationRouter(config, [_v1(u) for u in engine_urls])
     try:
         r.serve_in_background()
@@ -285,7 +291,8 @@ def _router_process(
     cmd += ["--policy", policy, "--options-json", json.dumps(dict(router_options or {}))]
     for u in engine_urls:
         cmd += ["--backend", _v1(u)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    env = {**os.environ, "RL_ROUTER_ADMIN_TOKEN": secrets.token_urlsafe(32)}  # environment, never argv
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30

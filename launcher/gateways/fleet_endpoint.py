@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from launcher.driver.listener import LISTENER_LIMITS, DriverListener
-from router.auth import auth_middleware
+from router.auth import Access, Credentials, RouteTable
 from router.backends import BackendSet, canonical_backend_url
 from router.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
 from router.fleet_api import FleetApi
@@ -64,9 +64,12 @@ class FleetEndpoint:
     def _app(self) -> web.Application:
         # Built on the listener's loop: the FleetApi's verification tasks and the gate belong to it.
         self.api = FleetApi(self.backends, PauseGate(), self._engine_api_key, holds_requests=False)
-        app = web.Application(middlewares=[auth_middleware(None, self._admin_token)])
-        self.api.add_routes(app)
-        app.router.add_post("/fleet/reset_prefix_cache", self._reset_prefix_cache)
+        app = web.Application()
+        # The builtin router's marks and checks (every route here is an admin route), bound at
+        # registration; an unmarked route keeps the app from starting.
+        routes = RouteTable(app, Credentials(None, self._admin_token, self.listener.limits.body_timeout_s))
+        self.api.add_routes(routes)
+        routes.add("POST", "/fleet/reset_prefix_cache", self._reset_prefix_cache, Access.ADMIN)
         return app
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
