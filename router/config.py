@@ -207,6 +207,12 @@ class RouterConfig(RouterSettings):
     bind_retry_s: float = Field(
         default=0.0, ge=0, description="keep retrying a port still held by a dying process this long"
     )
+    port_held: bool = Field(
+        default=False,
+        description="the launcher holds this port for the job's life (launcher.driver.ports.PortHold): bind "
+        "beside its placeholder with SO_REUSEPORT, so no other user can take the port while the router "
+        "restarts",
+    )
     health_managed: bool = Field(
         default=False,
         description="a fleet controller owns the serving set: no active probing, a failed backend leaves at "

@@ -76,8 +76,16 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def bind_listening_socket(host: str, port: int, retry_s: float = 0.0, backlog: int = 2048) -> socket.socket:
-    """Bind and listen on ``host:port`` now; raise ``RouterBindError`` naming the address on failure."""
+def bind_listening_socket(
+    host: str, port: int, retry_s: float = 0.0, backlog: int = 2048, reuse_port: bool = False
+) -> socket.socket:
+    """Bind and listen on ``host:port`` now; raise ``RouterBindError`` naming the address on failure.
+
+    ``reuse_port``: bind beside the launcher's placeholder for this port (``RouterConfig.port_held``).
+    Linux lets a second ``SO_REUSEPORT`` socket bind only for the same user, and the placeholder never
+    listens, so connections reach this socket alone; another user cannot bind the port at all, also in
+    the moment between a router's death and its restart (Gym's next request, with the job's key, would
+    otherwise go to whoever took the port)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"router port must be in 0..65535, got {port}")
     try:
@@ -89,6 +97,8 @@ def bind_listening_socket(host: str, port: int, retry_s: float = 0.0, backlog: i
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
             sock.listen(backlog)
             sock.setblocking(False)
@@ -163,7 +173,9 @@ class GenerationRouter:
         if not configured and not config.health_managed:
             log.warning(NO_BACKENDS_WARNING)
         # Bound now: a conflict raises here, and the URL is valid from this line on.
-        self._socket = bind_listening_socket(config.host, config.port, retry_s=config.bind_retry_s)
+        self._socket = bind_listening_socket(
+            config.host, config.port, retry_s=config.bind_retry_s, reuse_port=config.port_held
+        )
         self.port: int = self._socket.getsockname()[1]
         if self.workers is not None:
             self.workers.listen_on(self._socket)

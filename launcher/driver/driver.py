@@ -49,6 +49,7 @@ from typing import Any
 import yaml
 
 from launcher.driver.fleet_controller import FleetController
+from launcher.driver.ports import PortHold, free_port, reserve_port
 from launcher.driver.ray_cluster import RayCluster
 from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
@@ -202,29 +203,6 @@ def node_address(node: str, local: bool) -> str:
     return socket.gethostbyname(node)
 
 
-def reserve_port(host: str, port_range: tuple[int, int]) -> int:
-    """The first port of the range free on ``host`` now, starting at an offset derived from the job id so
-    two jobs sharing a node rarely probe the same ports first."""
-    lo, hi = port_range
-    span = hi - lo + 1
-    start = int(os.environ.get("SLURM_JOB_ID", os.getpid())) % span
-    for i in range(span):
-        port = lo + (start + i) % span
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise JobFailed(f"no free port in the router port range {lo}-{hi} on {host}")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class Driver:
     def __init__(
         self, spec: ResolvedSpec, job_dir: Path, training_nodes: list[str], generation_nodes: list[str]
@@ -246,6 +224,8 @@ class Driver:
         self.engine_runtime: dict[str, Any] = {}
         """What the engines need of the gateway's runtime (Dynamo: discovery and planes); see
         ``Gateway.prepare_engines``."""
+        self.router_port: PortHold | None = None
+        """The front's port, held for the job's life where the front binds beside the hold."""
         self.controller: FleetController | GatewayFleetWatcher | None = None
         self.status_server: StatusServer | None = None
         self.training: subprocess.Popen[bytes] | None = None
@@ -524,16 +504,18 @@ class Driver:
 
     def _make_gateway(self) -> None:
         """The front in front of the fleet (``router.kind``; see ``launcher.gateways``), on a port
-        reserved once from the spec's range, so a restarted front rebinds the same URL. Made before the
-        engines because some kinds run what the engines register with (Dynamo's runtime)."""
+        reserved once from the spec's range and held (``launcher.driver.ports``), so a restarted front
+        rebinds the same URL and nobody else can take it meanwhile. Made before the engines because some
+        kinds run what the engines register with (Dynamo's runtime)."""
         t = time.monotonic()
         r = self.spec.router
         host = node_address(socket.gethostname(), self.local)
+        self.router_port = PortHold.reserve(host, r.port_range)
         context = GatewayContext(
             spec=self.spec,
             job=self.job,
             host=host,
-            port=reserve_port(host, r.port_range),
+            port=self.router_port.port,
             api_key=self.job.read_api_key(),
             admin_token=self.job.read_admin_token(),
             say=self._say,
@@ -551,7 +533,9 @@ class Driver:
     def _start_router(self, api_urls: list[str]) -> str:
         t = time.monotonic()
         r = self.spec.router
-        assert self.gateway is not None
+        assert self.gateway is not None and self.router_port is not None
+        if not self.gateway.binds_beside_port_hold:
+            self.router_port.release()  # it binds its own socket without SO_REUSEPORT
         try:
             url = self.gateway.start(api_urls)
         except GatewayError as exc:
@@ -698,6 +682,8 @@ class Driver:
             th.join()
         if self.ray is not None and not hurry:
             timed("ray-head", self.ray.stop)
+        if self.router_port is not None:
+            self.router_port.release()  # the front is gone: the job's URL with it
         self._mark("teardown_s", t)
         self._say(f"torn down in {self.timings['teardown_s']} s")
 

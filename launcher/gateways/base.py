@@ -90,6 +90,10 @@ class Gateway(ABC):
     ray_env: ClassVar[dict[str, str]] = {}
     """Environment the Ray cluster is started with for this kind (read by Ray's own processes at start,
     e.g. Serve's controller's proxy health-check period)."""
+    binds_beside_port_hold: ClassVar[bool] = False
+    """Whether the front binds ``port`` with ``SO_REUSEPORT`` beside the driver's placeholder
+    (``launcher.driver.ports.PortHold``, ``RouterConfig.port_held``), so the port stays the job's for its
+    whole life; else the driver releases the port just before ``start``."""
     owns_engines: ClassVar[bool] = False
     """True when the front starts, health-checks and replaces the engines itself (ray-serve): the driver
     then starts no engine hosts and no fleet controller, and ``view`` is the fleet view status shows."""

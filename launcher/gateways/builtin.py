@@ -19,6 +19,7 @@ _CALL_TIMEOUT_S = 5.0
 
 class BuiltinRouterGateway(Gateway):
     kind = "builtin"
+    binds_beside_port_hold = True  # the actor's restarts rebind a port no other user can take
     guards_weight_version = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -39,6 +40,7 @@ class BuiltinRouterGateway(Gateway):
             ctx.spec.router,
             host=ctx.host,
             port=ctx.port,
+            port_held=True,
             health_managed=True,  # the fleet-health loop owns the serving set; no probing in the router
             api_key=ctx.api_key,
             admin_token=ctx.admin_token,

@@ -79,6 +79,7 @@ def worker_instances(health: dict[str, Any]) -> dict[str, str]:
 
 class DynamoGateway(Gateway):
     kind = "dynamo"
+    binds_beside_port_hold = True  # the key-checking front is our router, in the driver
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -184,6 +185,7 @@ class DynamoGateway(Gateway):
                 ctx.spec.router,
                 host=ctx.host,
                 port=ctx.port,
+                port_held=True,  # beside the driver's placeholder (binds_beside_port_hold)
                 health_managed=True,
                 api_key=ctx.api_key,
                 admin_token=ctx.admin_token,
