@@ -629,16 +629,14 @@ def test_local_ray_serve_example_submits_and_replays(tmp_path: Path) -> None:
     job directory, the gateway's own view and its engines in the job directory for ``rl-launch status``."""
     example = Path(__file__).resolve().parents[1] / "examples" / "local-ray-serve.yaml"
     rl_launch = str(Path(sys.executable).with_name("rl-launch"))
-    # Ray on this machine outside a network namespace: loopback only (the brief's rule), as a user of a
-    # local Ray sets it. Without it the driver's ray.init hung with a Serve app here (open in the note).
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # The environment a user has: the launcher itself keeps a local Ray on loopback (it hung in ray.init
+    # when only the test exported RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0).
     proc = subprocess.run(
         [rl_launch, "submit", str(example), "--set", f"job_root={tmp_path / 'jobs'}"],
         capture_output=True,
         text=True,
         timeout=360,
         cwd=tmp_path,
-        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rollout replay" in proc.stdout and "errors" in proc.stdout

@@ -50,7 +50,7 @@ import yaml
 
 from launcher.driver.fleet_controller import FleetController
 from launcher.driver.ports import PortHold, free_port, reserve_port
-from launcher.driver.ray_cluster import RayCluster
+from launcher.driver.ray_cluster import RayCluster, driver_process_env
 from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host import EngineHostConfig
@@ -234,6 +234,10 @@ class Driver:
 
     # -- the job ------------------------------------------------------------------------------------
     def run(self) -> int:
+        with driver_process_env(self.local):
+            return self._run()
+
+    def _run(self) -> int:
         previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         self._install_stop_handlers()
         code = 1

@@ -24,11 +24,12 @@ Environment choices (each against a failure seen on these clusters):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from launcher.driver.ray_node import node_command
@@ -65,6 +66,31 @@ def ray_env(base: Mapping[str, str], local: bool, token_file: str | os.PathLike[
         # inherited from a local-mode shell it would make every worker refuse to join the head
         env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     return env
+
+
+@contextlib.contextmanager
+def driver_process_env(local: bool) -> Iterator[None]:
+    """What the driver's own process needs of Ray for the job's whole run, set before anything in it
+    imports Ray, and restored afterwards (the local driver is ``rl-launch submit``'s own process).
+
+    Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when ``ray`` is first imported: a local driver
+    that imported Ray before setting it (loading the ``ray-serve`` front imports Ray Serve) had its GCS
+    address rewritten to the machine's external address and hung in ``ray.init``, unless the user had
+    exported the variable. On a cluster it must be absent (a shell that had it would make the driver's
+    Ray refuse multi-node)."""
+    key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    saved = os.environ.get(key)
+    if local:
+        os.environ[key] = "0"
+    else:
+        os.environ.pop(key, None)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
 
 
 def reload_ray_auth() -> None:
