@@ -24,6 +24,11 @@ def readme_commands() -> list[str]:
 
 
 def test_readme_starts_with_the_two_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    head = text[: text.index("```bash")]
+    # the title, then the one-paragraph description a new user reads first, then the commands
+    assert head.startswith("# rl-launch\n\nrl-launch is a Slurm-native launcher"), head[:200]
+    assert head.strip().count("\n\n") == 1, "one paragraph between the title and the commands"
     install_and_run, tests = readme_commands()[:2]
     assert "pip install -e '.[dev]'" in install_and_run
     assert "rl-launch submit examples/local.yaml" in install_and_run
