@@ -141,15 +141,10 @@ def workers(request: pytest.FixtureRequest) -> int:
     return int(request.param)
 
 
-ONE_POLICY_OBJECT = (
-    "a policy object lives in one process: with worker processes the router builds its own from the "
-    "config (GenerationRouter refuses an injected one), and this test injects or inspects the object"
-)
-
-
-def needs_policy_object(workers: int) -> None:
-    if workers > 1:
-        pytest.skip(ONE_POLICY_OBJECT)
+# A policy object lives in one process: with worker processes the router builds its own from the config
+# (GenerationRouter refuses an injected one). The tests that inject or inspect the object therefore run
+# with one process only (parametrized so, not skipped: in CI nothing may skip).
+ONE_PROCESS = pytest.mark.parametrize("workers", [1], ids=["one-process"])
 
 
 @pytest.fixture
@@ -514,8 +509,8 @@ async def test_5xx_does_not_eject_a_health_managed_backend(engines, routers) -> 
 # -- item 5: affinity follows the backend that served --------------------------------------------------
 
 
+@ONE_PROCESS
 async def test_affinity_records_the_retry_target_never_the_failed_backend(engines, routers, workers) -> None:
-    needs_policy_object(workers)
     (good,) = await engines(1)
     policy = CacheAware(block_bytes=64)
     r = routers([dead_url(), good.api_url], policy=policy)
@@ -838,8 +833,8 @@ class ExplodingPolicy(RoundRobin):
         raise RuntimeError("a bug in a policy")
 
 
+@ONE_PROCESS
 async def test_an_escaping_error_is_counted_as_the_500_sent(engines, routers, workers: int) -> None:
-    needs_policy_object(workers)
     (e,) = await engines(1)
     r = routers([e.api_url], policy=ExplodingPolicy())
     status, _ = await post(r.base_url() + CHAT, {})
@@ -973,10 +968,10 @@ async def test_a_short_answer_broken_before_relaying_is_retried(
     assert (await outcomes(r, lambda got: got.get(bad.url) == (0, 1))).get(bad.url) == (0, 1)
 
 
+@ONE_PROCESS
 async def test_a_stream_broken_midway_drops_its_affinity(engines, routers, workers: int) -> None:
     import json
 
-    needs_policy_object(workers)
     (e,) = await engines(1, mode="break_stream")
     policy = CacheAware(block_bytes=64)
     r = routers([e.api_url], policy=policy)
