@@ -6,30 +6,26 @@ vLLM checks ``--api-key`` only under ``/v1`` (and ``/v2``, ``/inference``, ``/co
 node. The launcher starts every engine with a key behind its guard (``launcher.engines.key_guard``): every
 route but ``/health`` then takes the key.
 
-One table of probes runs against a real vLLM CPU engine as vLLM ships it (the finding), one behind the
-guard (the fix), and the simulator in both modes, which must answer exactly as the real engine does (it
-used to guard the dev routes that vLLM leaves open, so no test could see the hole).
+One table of probes runs against the simulator in both modes here, and against real vLLM CPU engines as
+vLLM ships it (the finding) and behind the guard (the fix) in ``tests/test_refit_vllm.py``, whose two
+engines are one of each (two engine starts fewer); the simulator must answer exactly as the real engine
+does (it used to guard the dev routes that vLLM leaves open, so no test could see the hole).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from launcher.engines.base import EngineSpec, EngineStartError
+from launcher.engines.base import EngineSpec
 from launcher.engines.key_guard import OPEN_PATHS, authorized, needs_key
 from launcher.engines.sim import SimEngine
-from launcher.engines.vllm import VllmEngine
 
 KEY = "engine-key-guard-test-key"
-STARTUP_TIMEOUT_S = 600.0
 
 # (method, path, JSON body or None): the dev and RL routes an attacker would call, the routes vLLM does
 # guard, and the open ones. /pause is followed by /resume so a raw engine that obeyed is left serving.
@@ -115,68 +111,3 @@ def test_simulator_answers_as_vllm_does(sims: dict[bool, SimEngine], guarded: bo
     for method, path, body in PROBES:  # the key opens every route the engine serves
         assert _call(engine.url, method, path, body, KEY) != 401, path
     assert ("--key-guard" in engine.command()) is guarded
-
-
-@pytest.fixture(scope="module")
-def vllm_pair(
-    vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[bool, VllmEngine]]:
-    """Two real vLLM CPU engines in dev mode with the job's key: as vLLM ships it, and behind the guard."""
-    logdir = tmp_path_factory.mktemp("guard-vllm")
-    cpus = sorted(os.sched_getaffinity(0))
-    engines: dict[bool, VllmEngine] = {}
-    for i, guarded in enumerate((False, True)):
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-        if len(cpus) >= 2:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i])
-        spec = EngineSpec(
-            model=str(tiny_model_dir),
-            served_name="tiny",
-            api_key=KEY,
-            key_guard=guarded,
-            extra_args=["--max-model-len", "4096"],
-            env=env,
-            log_path=str(logdir / f"engine-{'guarded' if guarded else 'raw'}.log"),
-            startup_timeout_s=STARTUP_TIMEOUT_S,
-        )
-        engines[guarded] = VllmEngine(spec, python=vllm_python)
-    t0 = time.monotonic()
-    try:
-        for e in engines.values():
-            e.start()
-        for e in engines.values():
-            try:
-                e.wait_ready(t0 + STARTUP_TIMEOUT_S)
-            except EngineStartError as exc:
-                pytest.fail(f"vLLM engine failed to start:\n{exc}", pytrace=False)
-        yield engines
-    finally:
-        for e in engines.values():
-            e.stop()
-
-
-@pytest.mark.vllm
-@pytest.mark.timeout(900)
-def test_real_vllm_dev_routes_open_as_shipped_and_closed_behind_the_guard(
-    vllm_pair: dict[bool, VllmEngine],
-) -> None:
-    raw, guarded = vllm_pair[False], vllm_pair[True]
-    assert "--middleware" not in raw.command() and "--middleware" in guarded.command()
-    assert "VLLM_API_KEY" not in " ".join(guarded.command())  # the key stays out of argv
-    got_raw = refused_without_key(raw.url)
-    # The finding, on the real engine: everything but /v1 answers a caller without the key.
-    assert got_raw == expected(False), got_raw
-    assert not got_raw["POST /pause?mode=keep"] and not got_raw["POST /collective_rpc"]
-    got_guarded = refused_without_key(guarded.url)
-    assert got_guarded == expected(True), got_guarded
-    # The stranger's stamp reached the raw engine and not the guarded one.
-    assert _weight_version(raw.url) == "stranger"
-    assert _weight_version(guarded.url) != "stranger"
-    for method, path, body in PROBES:  # the key opens every route
-        assert _call(guarded.url, method, path, body, KEY) != 401, path
-
-
-def _weight_version(base: str) -> object:
-    req = urllib.request.Request(base + "/weight_info", headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read()).get("weight_version")

@@ -3,7 +3,10 @@
 Two engines start once for the module (each start costs ~90 s on a 2-core box) and every test reuses
 them, in file order; the last test replaces one with an engine started from a copy of the tiny model whose
 weights were changed, which is both "an engine restarted with an old version" and "an engine serving
-other weights". Needs ``RL_LAUNCH_VLLM_PYTHON``::
+other weights". Both take the job's key, as the launcher starts them: engine 0 behind the launcher's key
+guard, engine 1 as vLLM ships it (its key checked under ``/v1`` only), so the first test shows on real
+vLLM what the guard closes (``tests/test_engine_key_guard.py`` has the probes and the simulator's half).
+The router presents the key to both (``backend_api_key``). Needs ``RL_LAUNCH_VLLM_PYTHON``::
 
     .venv/bin/pytest tests/test_refit_vllm.py -m vllm -s    # -s prints the pause/resume figures
 """
@@ -28,6 +31,7 @@ from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.vllm import VllmEngine
 from launcher.fleet_client import FleetClient, FleetOpError
 from router import GenerationRouter, RouterConfig
+from tests.test_engine_key_guard import KEY, PROBES, _call, expected, refused_without_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 TOKEN = "refit-admin-token-5678"
@@ -45,7 +49,7 @@ print(name)
 """
 
 
-def _engine(python: str, model: Path, log: Path, cpu: int | None) -> VllmEngine:
+def _engine(python: str, model: Path, log: Path, cpu: int | None, key_guard: bool = True) -> VllmEngine:
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
     if cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
@@ -53,6 +57,8 @@ def _engine(python: str, model: Path, log: Path, cpu: int | None) -> VllmEngine:
         model=str(model),
         served_name="tiny",
         port=0,
+        api_key=KEY,
+        key_guard=key_guard,
         extra_args=["--max-model-len", "4096"],
         env=env,
         log_path=str(log),
@@ -78,8 +84,14 @@ def fleet(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
     """Two real engines, a router in front (admin token), and the trainer's client."""
     logdir = tmp_path_factory.mktemp("refit-vllm")
     cpus = sorted(os.sched_getaffinity(0))
-    engines = [
-        _engine(vllm_python, tiny_model_dir, logdir / f"engine{i}.log", cpus[i] if len(cpus) >= 2 else None)
+    engines = [  # 0: behind the launcher's key guard; 1: as vLLM ships it (see the module doc)
+        _engine(
+            vllm_python,
+            tiny_model_dir,
+            logdir / f"engine{i}.log",
+            cpus[i] if len(cpus) >= 2 else None,
+            key_guard=i == 0,
+        )
         for i in range(2)
     ]
     router: GenerationRouter | None = None
@@ -87,7 +99,12 @@ def fleet(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
     try:
         _start(engines)
         config = RouterConfig(
-            host="127.0.0.1", port=0, policy="round_robin", admin_token=TOKEN, backend_timeout_s=300
+            host="127.0.0.1",
+            port=0,
+            policy="round_robin",
+            admin_token=TOKEN,
+            backend_api_key=KEY,
+            backend_timeout_s=300,
         )
         router = GenerationRouter(config, [e.api_url for e in engines])
         router.serve_in_background()
@@ -131,13 +148,43 @@ def _in_thread(results: dict[int, Any], key: int, *args: Any, **kw: Any) -> thre
 
 
 def _generation_tokens(engine_url: str) -> float:
-    with urllib.request.urlopen(engine_url + "/metrics", timeout=10) as r:
+    req = urllib.request.Request(engine_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith("vllm:generation_tokens_total")
     )
+
+
+def _weight_version(base: str) -> object:
+    req = urllib.request.Request(base + "/weight_info", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read()).get("weight_version")
+
+
+def test_real_vllm_dev_routes_open_as_shipped_and_closed_behind_the_guard(fleet: Any) -> None:
+    """Issue 17's finding on real vLLM in dev mode: with the key, vLLM still answers every route outside
+    ``/v1`` to anyone (``/pause``, ``/update_weight_version``, ``/collective_rpc``...); behind the guard
+    every route but ``/health`` takes the key. Runs first: it leaves both engines as it found them."""
+    guarded, raw = fleet["engines"]
+    assert "--middleware" in guarded.command() and "--middleware" not in raw.command()
+    assert KEY not in " ".join(guarded.command())  # the key stays out of argv
+    got_raw = refused_without_key(raw.url)
+    assert got_raw == expected(False), got_raw
+    assert not got_raw["POST /pause?mode=keep"] and not got_raw["POST /collective_rpc"]
+    got_guarded = refused_without_key(guarded.url)
+    assert got_guarded == expected(True), got_guarded
+    # The stranger's stamp reached the engine as shipped, never the guarded one.
+    assert _weight_version(raw.url) == "stranger" and _weight_version(guarded.url) != "stranger"
+    for method, path, body in PROBES:  # the key opens every route
+        assert _call(guarded.url, method, path, body, KEY) != 401, path
+    for engine in (raw, guarded):  # as found: serving, on the version they started with
+        assert _call(engine.url, "POST", "/resume", None, KEY) == 200
+        body = {"new_version": "default"}
+        assert _call(engine.url, "POST", "/update_weight_version", body, KEY) == 200
+        assert _weight_version(engine.url) == "default"
 
 
 def test_keep_pause_requests_in_flight_and_held_complete_after_resume(fleet: Any) -> None:
