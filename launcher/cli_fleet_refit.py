@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from launcher.cli_jobs import _ROOT, resolve_job
+from launcher.cli.jobs import _ROOT, resolve_job
 from launcher.fleet_client import FleetClient
 from launcher.jobdir import JobDir
 from router.fleet_ops import PAUSE_MODES, FleetOpReport

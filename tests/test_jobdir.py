@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from launcher.cli import main
+from launcher.cli.main import main
 from launcher.jobdir import (
     ControlRequests,
     EngineEntry,

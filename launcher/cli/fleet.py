@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from launcher.cli_jobs import _ROOT, resolve_job
+from launcher.cli.jobs import _ROOT, resolve_job
 from launcher.http_call import bearer, open_url
 from launcher.jobdir import JobDir
 from router.cache_reset import DYNAMO_RESET_PATH, VLLM_RESET_PATH, CacheResetReport, reset_engines

@@ -17,7 +17,7 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from launcher.cli_jobs import _ROOT, resolve_job
+from launcher.cli.jobs import _ROOT, resolve_job
 from launcher.status.collect import StatusCollector, acollect_snapshot
 from launcher.status.render import render_snapshot
 
