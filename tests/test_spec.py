@@ -880,7 +880,7 @@ def test_hostile_yaml_is_refused_in_one_line_at_once(tmp_path: Path, text: str, 
 def test_job_outputs_default_into_the_job_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside a job (the driver exports the job directory), the replay's default results and the
     simulator's scratch files go into it, not into the submit directory or a shared /tmp."""
-    from launcher.cli.bench import default_results_dir
+    from launcher.bench.replay import default_results_dir
     from launcher.engines.sim.process import scratch_root
 
     monkeypatch.delenv("RL_JOB_DIR", raising=False)
