@@ -49,6 +49,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "render_command",
         "Write the standalone sbatch script of a job spec (submit it with `sbatch FILE`).",
     ),
+    # the router defines its own command (router/cli.py: it runs without the launcher); registered here
     "router": ("router.cli", "router_command", "Run the generation router in the foreground."),
     "status": (
         "launcher.cli.status",
