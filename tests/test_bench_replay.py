@@ -27,7 +27,6 @@ from aiohttp import web
 from click.testing import CliRunner
 
 from launcher.bench.arms import DIRECT, run_direct, run_url, validate_arms
-from launcher.bench.cli import bench_group
 from launcher.bench.client import ClientConfig, ReplayClient, RetryPolicy, gym_pin
 from launcher.bench.metrics import parse_prometheus
 from launcher.bench.report import (
@@ -50,6 +49,7 @@ from launcher.bench.workload import (
     save_trace,
     trace_stats,
 )
+from launcher.cli.bench import bench_group
 
 FAST_RETRY = RetryPolicy(attempts=3, delay_s=0.05)
 
@@ -454,9 +454,9 @@ def test_cli_rejects_unknown_arm_and_url_with_arms() -> None:
 
 
 def test_bench_is_registered_on_rl_launch() -> None:
-    from launcher.cli import load_command
+    from launcher.cli.main import load_command
 
-    assert load_command("bench") is bench_group  # commands load lazily (launcher.cli.COMMANDS)
+    assert load_command("bench") is bench_group  # commands load lazily (launcher.cli.main.COMMANDS)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from launcher.bench.virtual import VirtualClockLoop, compare_virtual, oracle_placement, run_virtual_arm
 from launcher.bench.workload import generate, session_work
-from launcher.cli import main
+from launcher.cli.main import main
 from launcher.engines.sim.config import SimConfig
 
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from launcher.cli import main
+from launcher.cli.main import main
 from launcher.driver.steps import SrunSteps
 from launcher.render import render_sbatch
 from launcher.slurm import build_request

@@ -57,7 +57,7 @@ async def test_fleet_client_refuses_a_redirect_and_the_target_never_sees_the_tok
 
 
 async def test_fleet_reset_cache_refuses_a_redirect_from_the_fleet_url(tmp_path: Path) -> None:
-    from launcher.cli_fleet import fleet_group
+    from launcher.cli.fleet import fleet_group
     from launcher.spec import load_resolved
 
     front, target = await _redirect_to_target("/fleet/reset_prefix_cache", 302)

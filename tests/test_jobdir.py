@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from launcher.cli import main
+from launcher.cli.main import main
 from launcher.jobdir import (
     ControlRequests,
     EngineEntry,
@@ -219,6 +219,65 @@ def test_list_json_and_status_default_to_the_newest_job(tmp_path: Path) -> None:
     assert rows[1]["job_dir"] == str(newer.path) and rows[1]["slurm"] == "local"
     status = CliRunner().invoke(main, ["status", "--json", "--root", str(root)])
     assert json.loads(status.output)["job"]["name"] == "b-local-2-2"
+
+
+# Every command that looks a job up takes --root, and finds JOB there (launcher.jobdir.lookup) or says
+# where it looked. What each prints when it finds the finished job (no fleet serving any more):
+LOOKUP_COMMANDS: dict[str, tuple[list[str], str]] = {
+    "list": (["list", "--json"], '"job": "done-local-1-1"'),
+    "logs": (["logs", "done-local-1-1"], "driver line"),
+    "status": (["status", "done-local-1-1", "--json", "--interval", "0.1"], '"name": "done-local-1-1"'),
+    "cancel": (["cancel", "done-local-1-1", "--no-wait"], "done-local-1-1 has already ended (finished"),
+    **{
+        f"fleet {op}": (["fleet", op, "done-local-1-1"], "job done-local-1-1 has no serving fleet")
+        for op in ("reset-cache", "pause", "resume", "is-paused", "abort", "version", "checksum", "step")
+    },
+}
+
+
+def finished_job(root: Path) -> JobDir:
+    job = JobDir(root / "done-local-1-1").create()
+    StateWriter(job).event("finished", "training finished")
+    job.driver_log.write_text("driver line\n")
+    job.write_result(JobResult(0, "training finished", "finished"))
+    return job
+
+
+def test_default_root_is_the_specs_default_job_root() -> None:
+    from launcher.jobdir.lookup import DEFAULT_ROOT
+    from launcher.spec import DEFAULT_JOB_ROOT
+
+    assert DEFAULT_ROOT == DEFAULT_JOB_ROOT
+
+
+@pytest.mark.parametrize("name", list(LOOKUP_COMMANDS))
+def test_every_lookup_command_finds_the_job_under_root_and_by_default_under_home(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv, found = LOOKUP_COMMANDS[name]
+    help_text = CliRunner().invoke(main, [*argv[: 2 if argv[0] == "fleet" else 1], "--help"]).output
+    assert "--root DIRECTORY" in help_text and "[default: ~/rl-launch/jobs]" in help_text
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    finished_job(home / "rl-launch" / "jobs")  # the default root, read when the command runs
+    by_default = CliRunner().invoke(main, argv)
+    assert found in by_default.output, by_default.output
+
+    root = tmp_path / "elsewhere"
+    finished_job(root)
+    given = CliRunner().invoke(main, [*argv, "--root", str(root)])
+    assert found in given.output, given.output
+    assert str(home) not in given.output
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = CliRunner().invoke(main, [*argv, "--root", str(empty)])
+    if name == "list":
+        assert missing.exit_code == 0 and json.loads(missing.output) == []
+    else:
+        assert missing.exit_code == 1
+        where = f"no job 'done-local-1-1' under {empty} (rl-launch list shows the jobs there)"
+        assert missing.output == f"Error: {where}\n"
 
 
 def test_logs_follow_ends_with_the_job_and_training_log(tmp_path: Path) -> None:

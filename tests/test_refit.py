@@ -406,7 +406,7 @@ async def test_controller_restores_the_pause_in_a_router_that_restarted_mid_paus
 async def test_fleet_cli_drives_the_window_and_refuses_other_kinds(sims, tmp_path) -> None:
     from click.testing import CliRunner
 
-    from launcher.cli_fleet import fleet_group
+    from launcher.cli.fleet import fleet_group
     from launcher.spec import load_resolved
 
     engines = await sims(2)

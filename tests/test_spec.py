@@ -21,7 +21,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from launcher.cli import main
+from launcher.cli.main import main
 from launcher.render import render_sbatch
 from launcher.slurm import build_request, expand_hostlist, format_time, parse_time, split_nodes
 from launcher.spec import ResolvedSpec, SpecError, load_resolved, load_spec, parse_spec
@@ -706,7 +706,7 @@ def test_submit_without_slurm_commands_is_one_line(tmp_path: Path, monkeypatch: 
 # Layering: what `rl-launch --help` / `validate` import, and no import cycle between spec and slurm
 # --------------------------------------------------------------------------------------------------
 
-HEAVY_MODULES = ("aiohttp", "ray", "numpy", "submitit", "router.server", "router.cli", "launcher.bench.cli")
+HEAVY_MODULES = ("aiohttp", "ray", "numpy", "submitit", "router.server", "router.cli", "launcher.cli.bench")
 
 
 def _modules_after(code: str) -> set[str]:
@@ -722,14 +722,14 @@ def _modules_after(code: str) -> set[str]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["validate", "examples/slurm-sim.yaml"]])
 def test_help_and_validate_import_nothing_heavy(argv: list[str]) -> None:
-    code = f"from launcher.cli import main\nmain({argv!r}, standalone_mode=False)"
+    code = f"from launcher.cli.main import main\nmain({argv!r}, standalone_mode=False)"
     loaded = _modules_after(code)
     assert "launcher.spec" in loaded or argv == ["--help"]
     assert sorted(m for m in HEAVY_MODULES if m in loaded) == []
 
 
 def test_lazy_command_list_matches_the_commands_own_help() -> None:
-    from launcher.cli import COMMANDS, load_command
+    from launcher.cli.main import COMMANDS, load_command
 
     for name, (_, _, short) in COMMANDS.items():
         command = load_command(name)
@@ -880,7 +880,7 @@ def test_hostile_yaml_is_refused_in_one_line_at_once(tmp_path: Path, text: str, 
 def test_job_outputs_default_into_the_job_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside a job (the driver exports the job directory), the replay's default results and the
     simulator's scratch files go into it, not into the submit directory or a shared /tmp."""
-    from launcher.bench.cli import default_results_dir
+    from launcher.bench.replay import default_results_dir
     from launcher.engines.sim.process import scratch_root
 
     monkeypatch.delenv("RL_JOB_DIR", raising=False)

@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from launcher.cli import main
+from launcher.cli.main import main
 from launcher.engines.sim import SimFleet
 from launcher.jobdir import JobDir
 from launcher.status import collect as status_collect

@@ -29,7 +29,7 @@ import orjson
 from launcher.bench.arms import DIRECT
 from launcher.bench.client import gym_chat_payload, gym_pin
 from launcher.bench.report import load_stats, time_to_fraction
-from launcher.bench.workload import Session, Trace, session_work
+from launcher.bench.workload import Session, Trace, generate, session_work
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.protocol import parse_generation, plan_output
 from launcher.engines.sim.scheduler import ReqState, Scheduler, SimRequest
@@ -263,3 +263,51 @@ def mean_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         out[key] = mean(key)
     out["load_cv_max"] = max(cvs) if cvs else None
     return out
+
+
+def compare_virtual_seeds(
+    trace_args: Mapping[str, Any],
+    seeds: Sequence[int],
+    arms: Sequence[str],
+    n_engines: int,
+    config: SimConfig,
+    policy_options: Mapping[str, Any],
+    on_row: Callable[[dict[str, Any]], None] = lambda row: None,
+) -> dict[str, list[dict[str, Any]]]:
+    """``compare_virtual`` on the trace of each seed (``trace_args``: ``generate``'s other arguments),
+    each row tagged with its ``seed`` and passed to ``on_row`` as it comes; the rows by arm."""
+    per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+    for s in seeds:
+        trace = generate(seed=s, **trace_args)
+        for row in compare_virtual(trace, arms, n_engines, config, policy_options):
+            row["seed"] = s
+            per_arm[row["arm"]].append(row)
+            on_row(row)
+    return per_arm
+
+
+def seed_line(row: Mapping[str, Any]) -> str:
+    """One arm on one seed's trace, as ``rl-launch bench virtual`` prints it."""
+    return (
+        f"seed {row['seed']:<3} {row['arm']:<18} wall {row['wall_s']:8.2f}  t90 {row['t90_s'] or 0:7.2f}  "
+        f"hit {row['hit_rate']:.4f}  cv {row['load_cv'] or 0:.3f}  moves {row['moves']:4}  "
+        f"errors {row['errors']}"
+    )
+
+
+def mean_lines(means: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each arm's means (``mean_rows``), with its margin over the direct arm when there is one."""
+    base = next((m for m in means if m["arm"] == DIRECT), None)
+    lines = []
+    for m in means:
+        margin = ""
+        if base is not None and m is not base and base["t90_s"] and m["t90_s"] and base["wall_s"]:
+            t90 = 100 * (m["t90_s"] / base["t90_s"] - 1)
+            wall = 100 * (m["wall_s"] / base["wall_s"] - 1)
+            hit = 100 * (m["hit_rate"] - base["hit_rate"])
+            margin = f"  vs direct: t90 {t90:+.1f}%  wall {wall:+.1f}%  hit {hit:+.2f} pt"
+        lines.append(
+            f"  {m['arm']:<18} wall {m['wall_s']:8.2f}  t90 {m['t90_s'] or 0:7.2f}  hit {m['hit_rate']:.4f}  "
+            f"cv {m['load_cv'] or 0:.3f} (max {m['load_cv_max'] or 0:.3f})  moves {m['moves']:.1f}{margin}"
+        )
+    return lines

@@ -1,7 +1,8 @@
 """``rl-launch list``, ``rl-launch cancel [JOB]``, ``rl-launch logs [JOB]``: the job directory plus Slurm.
 
-A job is named by its Slurm job id (``123``), its directory name (``grpo-123``) or its directory path;
-``logs`` (like ``status``) takes the newest job when none is named. A Slurm job is known from the moment
+A job is named by its Slurm job id (``123``), its directory name (``grpo-123``) or its directory path,
+found under ``--root`` by ``launcher.jobdir.lookup``; ``logs`` (like ``status``) takes the newest job when
+none is named. A Slurm job is known from the moment
 ``submit`` returns (its ``submitted.json``), queued or not. Everything shown comes from the job directory
 (``launcher.jobdir``) and, for live state, from ``squeue``/``sacct`` (``launcher.slurm.queue``): nothing
 else needs to be running for these commands to work.
@@ -19,59 +20,9 @@ from typing import Any
 
 import click
 
+from launcher.cli.options import lookup_job, root_option
 from launcher.jobdir import JobDir, is_same_process
-
-DEFAULT_ROOT = Path(os.path.expanduser("~/rl-launch/jobs"))
-_ROOT = click.option(
-    "--root",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=DEFAULT_ROOT,
-    show_default=True,
-    help="Job root (the spec's job_root).",
-)
-
-
-def created_at(d: Path) -> float:
-    """When the job was submitted (or, for a local job, started): not the directory's mtime, which
-    every state update of a running job moves forward."""
-    job = JobDir(d)
-    submitted = job.read_submitted()
-    if submitted is not None and submitted.t:
-        return submitted.t
-    try:
-        with job.events_file.open() as f:
-            first = json.loads(f.readline())
-        return float(first["t"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    try:
-        return d.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def job_dirs(root: Path) -> list[Path]:
-    """Every job under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and JobDir(p).exists()]
-    return sorted(dirs, key=lambda p: (created_at(p), p.name))
-
-
-def resolve_job(job: str | None, root: Path) -> Path:
-    """The named job's directory; the newest job under ``root`` when ``job`` is None."""
-    if job is None:
-        dirs = job_dirs(root)
-        if not dirs:
-            raise click.ClickException(f"no jobs under {root} (pass --root, or a job id or directory)")
-        return dirs[-1]
-    path = Path(job)
-    if path.is_dir():
-        return path
-    for d in reversed(job_dirs(root)):
-        if d.name == job or d.name.endswith(f"-{job}") or slurm_job_id(d) == job:
-            return d
-    raise click.ClickException(f"no job {job!r} under {root} (rl-launch list shows the jobs there)")
+from launcher.jobdir.lookup import created_at, job_dirs
 
 
 def slurm_job_id(job_dir: Path) -> str | None:
@@ -123,7 +74,7 @@ def job_summary(d: Path) -> dict[str, Any]:
 
 @click.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as a JSON list (for scripts).")
-@_ROOT
+@root_option
 def list_command(as_json: bool, root: Path) -> None:
     """The jobs under the job root, oldest first (queued ones included)."""
     rows = [job_summary(d) for d in job_dirs(root)]
@@ -173,13 +124,13 @@ def _driver_process(job: JobDir) -> int:
     help="Wait (up to --timeout) until the job has recorded its result.",
 )
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=60.0, show_default=True)
-@_ROOT
+@root_option
 def cancel_command(job: str, wait: bool, timeout_s: float, root: Path) -> None:
     """Cancel a job, queued or running: scancel (the driver tears everything down on SIGTERM), or SIGTERM
     to a local job's driver."""
     from launcher.slurm.queue import cancel, is_final, job_state
 
-    d = resolve_job(job, root)
+    d = lookup_job(job, root)
     jd = JobDir(d)
     job_id = slurm_job_id(d)
     ended = jd.read_result()
@@ -252,14 +203,14 @@ def job_ended(d: Path) -> bool:
 @click.option("--router", "router", is_flag=True, help="The router's events (URL, policy, restarts).")
 @click.option("--driver", "driver", is_flag=True, help="The driver's log (the default).")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing as the log grows; ends when the job ends.")
-@_ROOT
+@root_option
 def logs_command(
     job: str | None, engine: str | None, training: bool, router: bool, driver: bool, follow: bool, root: Path
 ) -> None:
     """Print a job's logs from its job directory (JOB: id, name or path; default: the newest job)."""
     if sum(bool(x) for x in (engine is not None, training, router, driver)) > 1:
         raise click.UsageError("--engine, --training, --router and --driver exclude each other")
-    d = resolve_job(job, root)
+    d = lookup_job(job, root)
     jd = JobDir(d)
     if router:
         for ev in jd.read_events():

@@ -1,4 +1,4 @@
-"""The ``rl-launch`` command group. Subcommands live in their own modules and are loaded on demand.
+"""The ``rl-launch`` root group. Each subcommand lives in its group's module and is loaded on demand.
 
 Why lazy: ``rl-launch --help`` and ``rl-launch validate`` must not pay for aiohttp, Ray, numpy or the
 router server (importing every subcommand took ~0.6 s before any work). Each command is named here with
@@ -18,50 +18,51 @@ from launcher import __version__
 # name -> (module, attribute, short help shown by `rl-launch --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": (
-        "launcher.bench.cli",
+        "launcher.cli.bench",
         "bench_group",
         "Benchmarks: replay an RL rollout step (Gym-like client) against engines and routers.",
     ),
     "cancel": (
-        "launcher.cli_jobs",
+        "launcher.cli.jobs",
         "cancel_command",
         "Cancel a job, queued or running: scancel (the driver tears everything down on SIGTERM), or SIGTERM "
         "to a local job's driver.",
     ),
     "fleet": (
-        "launcher.cli_fleet",
+        "launcher.cli.fleet",
         "fleet_group",
         "Fleet-wide operations on a running job: pause/resume, abort, weight versions, checksums, step "
         "metrics, cache invalidation.",
     ),
     "list": (
-        "launcher.cli_jobs",
+        "launcher.cli.jobs",
         "list_command",
         "The jobs under the job root, oldest first (queued ones included).",
     ),
     "logs": (
-        "launcher.cli_jobs",
+        "launcher.cli.jobs",
         "logs_command",
         "Print a job's logs from its job directory (JOB: id, name or path; default: the newest job).",
     ),
     "render": (
-        "launcher.cli_spec",
+        "launcher.cli.spec",
         "render_command",
         "Write the standalone sbatch script of a job spec (submit it with `sbatch FILE`).",
     ),
+    # the router defines its own command (router/cli.py: it runs without the launcher); registered here
     "router": ("router.cli", "router_command", "Run the generation router in the foreground."),
     "status": (
-        "launcher.status.cli",
+        "launcher.cli.status",
         "status_command",
         "Show a job's fleet: router and per-engine load, latency, cache and health, and the last events.",
     ),
     "submit": (
-        "launcher.cli_spec",
+        "launcher.cli.spec",
         "submit_command",
         "Submit a job spec to Slurm (or run it locally with cluster: local).",
     ),
     "validate": (
-        "launcher.cli_spec",
+        "launcher.cli.spec",
         "validate_command",
         "Check a job spec; print OK and a summary, or every problem (exit status 2).",
     ),
@@ -98,6 +99,3 @@ class LazyGroup(click.Group):
 def main() -> None:
     """Launch RL post-training jobs: vLLM fleets behind one stable generation router."""
 
-
-if __name__ == "__main__":
-    main()

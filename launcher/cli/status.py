@@ -17,31 +17,13 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from launcher.cli_jobs import _ROOT, resolve_job
+from launcher.cli.options import lookup_target, root_option
 from launcher.status.collect import StatusCollector, acollect_snapshot
 from launcher.status.render import render_snapshot
 
 # Lines the frame needs besides the engine rows (header, banner, router, sparkline, summary, table
 # header and caption), so the live view can keep the whole frame on one screen.
 _FIXED_LINES = 12
-
-
-def resolve_target(job: str | None, root: Path) -> tuple[Path | None, str | None]:
-    """``(job dir, Slurm id)``: the named job, or the newest job directory when none is named.
-
-    A Slurm job that is still queued has no directory yet (the driver makes it on the allocation), so a
-    bare job id that Slurm knows resolves to ``(None, id)`` and shows as queued instead of "no such job".
-    """
-    if job is None:
-        return resolve_job(None, root), None
-    try:
-        return resolve_job(job, root), None
-    except click.ClickException:
-        from launcher.slurm import queue
-
-        if job.isdigit() and queue.describe_state(job) not in ("", "?"):
-            return None, job
-        raise
 
 
 def rows_that_fit(console: Console, snap: dict) -> int:
@@ -83,7 +65,7 @@ async def _live(collector: StatusCollector, interval: float, console: Console) -
     help="Per-endpoint /metrics timeout; a slower endpoint is shown as unreachable.",
 )
 @click.option("--events", type=click.IntRange(min=0), default=8, show_default=True, help="Events shown.")
-@_ROOT
+@root_option
 def status_command(
     job: str | None, once: bool, as_json: bool, interval: float, timeout_s: float, events: int, root: Path
 ) -> None:
@@ -91,7 +73,7 @@ def status_command(
 
     JOB is a Slurm job id, a job directory name or path; without it, the newest job under --root.
     """
-    job_dir, queued_id = resolve_target(job, root)
+    job_dir, queued_id = lookup_target(job, root)
     collector = StatusCollector(job_dir, slurm_job_id=queued_id, timeout_s=timeout_s, events=events)
     console = Console(width=None if os.isatty(1) else 200)
     if as_json or once:

@@ -1,31 +1,30 @@
 """``rl-launch bench``: make replay traces and replay them against the fleet, a router, or simulated arms.
 
-Kept apart from the library modules so the workload, client and report can be used from tests and
-notebooks without click; this module only parses options, wires the pieces and prints.
+Only the command definitions: options, checks of what they combine to, and what is printed. The work is
+in ``launcher.bench`` (``workload`` makes traces, ``replay`` runs the arms and writes the outputs,
+``virtual`` replays in virtual time), which tests and notebooks use without click.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from launcher.bench.arms import (
-    DIRECT,
-    ArmOutcome,
-    front_of,
-    run_compare,
-    run_direct,
-    run_url,
-    validate_arms,
+from launcher.bench.arms import DIRECT, front_of, validate_arms
+from launcher.bench.client import ClientConfig, RetryPolicy
+from launcher.bench.replay import (
+    DEFAULT_RESULTS_DIR,
+    ReplayPlan,
+    default_results_dir,
+    job_engine_urls,
+    progress_bar,
+    run_arms,
+    write_outputs,
 )
-from launcher.bench.client import ClientConfig, RetryPolicy, SessionRecord
-from launcher.bench.report import default_paths, render_table, write_csv, write_json, write_png
 from launcher.bench.workload import (
     MAX_TOKENS,
     WORKLOADS,
@@ -35,33 +34,6 @@ from launcher.bench.workload import (
     save_trace,
     trace_stats,
 )
-
-DEFAULT_RESULTS_DIR = "bench/results"
-JOB_DIR_ENV = "RL_JOB_DIR"
-"""Set by the driver for the training command: a replay run as a job's "training" writes there."""
-
-
-def default_results_dir() -> Path:
-    """``$RL_JOB_DIR/bench`` inside a job, else ``bench/results``: a job's outputs belong in its job
-    directory, never in whatever directory it was submitted from (which Slurm makes the job's cwd)."""
-    job_dir = os.environ.get(JOB_DIR_ENV)
-    return Path(job_dir) / "bench" if job_dir else Path(DEFAULT_RESULTS_DIR)
-
-
-def job_engine_urls() -> list[str]:
-    """Inside a job (``$RL_JOB_DIR``): the engines its listings name, for the per-engine figures of a
-    ``--url`` replay. The router's ``GET /workers`` needs the admin token, which a trainer never holds;
-    the job directory is where the launcher publishes the fleet."""
-    job_dir = os.environ.get(JOB_DIR_ENV)
-    if not job_dir:
-        return []
-    from launcher.jobdir import JobDir
-
-    try:
-        listings = JobDir(Path(job_dir)).listings()
-    except (OSError, ValueError):
-        return []
-    return [e.api_url or e.url for listing in listings for e in listing.engines if e.api_url or e.url]
 
 
 def _workload_options(f: Any) -> Any:
@@ -333,9 +305,21 @@ def replay_command(
         sim_options["speed"] = sim_speed
     router_options = _kv(router_opt, "--router-opt")
 
-    progress, on_arm_start, on_session_end = _progress(console, len(trace.sessions), quiet)
     if url and not engine_urls:
         engine_urls = tuple(job_engine_urls())
+    plan = ReplayPlan(
+        config,
+        url=url,
+        label=label,
+        arms=arm_list,
+        engine_urls=list(engine_urls),
+        engines=engines,
+        repeats=repeats,
+        sim_options=sim_options,
+        sim_process=sim_process,
+        router_options=router_options,
+    )
+    progress, on_arm_start, on_session_end = progress_bar(console, len(trace.sessions), quiet)
     refit = None
     if refit_at is not None:
         if not url or refit_job_dir is None:
@@ -349,50 +333,13 @@ def replay_command(
         except (ValueError, OSError) as exc:
             raise click.ClickException(f"--refit-at: {exc}") from None
     try:
-        outcomes = _run_arms(
-            trace,
-            url=url,
-            label=label,
-            arm_list=arm_list,
-            engine_urls=list(engine_urls),
-            engines=engines,
-            repeats=repeats,
-            config=config,
-            sim_options=sim_options,
-            sim_process=sim_process,
-            router_options=router_options,
-            console=console,
-            on_arm_start=on_arm_start,
-            on_session_end=on_session_end,
-            progress=progress,
-        )
+        outcomes = run_arms(trace, plan, console, on_arm_start, on_session_end, progress)
     except (ValueError, RuntimeError, OSError) as exc:  # bad option, fleet or router failed to start
         raise click.ClickException(str(exc)) from exc
     finally:
         refit_result = refit.finish() if refit is not None else None
-    run_config: dict[str, Any] = {
-        "mode": "url" if url else ("engines" if engine_urls else "sim"),
-        "url": url,
-        "engine_urls": list(engine_urls),
-        "engines": len(engine_urls) or (None if url else engines),
-        "arms": [label] if url else arm_list,
-        "repeats": repeats,
-        "sim_options": sim_options,
-        "sim_process": sim_process,
-        "router_options": router_options,
-        "client": {
-            "model": model,
-            "max_concurrent": max_concurrent,
-            "session_header": session_header,
-            "retry_attempts": retry_attempts,
-            "retry_delay_s": retry_delay,
-            "request_timeout_s": request_timeout,
-            "max_wall_s": max_wall,
-        },
-        "trace_file": str(trace_file) if trace_file else None,
-        "refit": refit_result,
-    }
-    rows = _write_outputs(
+    run_config = plan.run_config(trace_file, refit_result)
+    rows = write_outputs(
         trace,
         stats,
         outcomes,
@@ -409,167 +356,6 @@ def replay_command(
     if any(r["sessions_ok"] == 0 for r in rows):
         console.print("[red]an arm completed no session at all[/] (see errors; is the URL right?)")
         sys.exit(1)
-
-
-def _run_arms(
-    trace: Trace,
-    *,
-    url: str | None,
-    label: str,
-    arm_list: list[str],
-    engine_urls: list[str],
-    engines: int,
-    repeats: int,
-    config: ClientConfig,
-    sim_options: dict[str, Any],
-    sim_process: bool,
-    router_options: dict[str, Any],
-    console: Any,
-    on_arm_start: Any,
-    on_session_end: Any,
-    progress: Any,
-) -> list[ArmOutcome]:
-    """The arms, ``repeats`` times over (interleaved, so drift hits every arm alike)."""
-    outcomes: list[ArmOutcome] = []
-    with progress:
-        for rep in range(repeats):
-            if url:
-                on_arm_start(label)
-                got = [
-                    run_url(
-                        trace,
-                        url,
-                        dataclasses.replace(config),
-                        engine_urls=engine_urls or None,
-                        arm=label,
-                        on_session_end=on_session_end,
-                    )
-                ]
-            elif engine_urls and arm_list in ([], [DIRECT]):
-                on_arm_start(DIRECT)
-                got = [
-                    run_direct(
-                        trace, list(engine_urls), dataclasses.replace(config), on_session_end=on_session_end
-                    )
-                ]
-            elif engine_urls:
-                console.print(
-                    "[yellow]note:[/] arms share the given engines; their caches are not reset between arms"
-                )
-                got = _compare_on_engines(
-                    trace, arm_list, list(engine_urls), config, router_options, on_arm_start, on_session_end
-                )
-            else:
-                got = run_compare(
-                    trace,
-                    arm_list,
-                    engines,
-                    config,
-                    sim_options=sim_options,
-                    router_options=router_options,
-                    sim_process=sim_process,
-                    on_arm_start=on_arm_start,
-                    on_session_end=on_session_end,
-                )
-            for o in got:
-                o.row["repeat"] = rep
-                if repeats > 1:
-                    o.arm = f"{o.arm}#{rep}"
-            outcomes.extend(got)
-
-    for o in outcomes:
-        o.row["arm"] = o.arm  # "cache_aware#1" with --repeats; "policy" keeps the bare name
-    return outcomes
-
-
-def _write_outputs(
-    trace: Trace,
-    stats: dict[str, Any],
-    outcomes: list[ArmOutcome],
-    run_config: dict[str, Any],
-    results_dir: Path,
-    json_path: Path | None,
-    csv_path: Path | None,
-    png_path: Path | None,
-    console: Any,
-) -> list[dict[str, Any]]:
-    """JSON, CSV and PNG (default paths under ``results_dir``), then the table on stdout."""
-    from rich.console import Console
-
-    rows = [o.row for o in outcomes]
-    if run_config["engines"] is None:  # --url: as many as the router's /workers listed
-        run_config["engines"] = next((r["engines"] for r in rows if r.get("engines")), None)
-    paths = default_paths(results_dir, trace.workload)
-    json_path, csv_path, png_path = (
-        json_path or paths["json"],
-        csv_path or paths["csv"],
-        png_path or paths["png"],
-    )
-    timelines = {o.arm: o.timeline for o in outcomes}
-    write_json(json_path, rows, trace_stats=stats, config=run_config, timelines=timelines)
-    write_csv(csv_path, rows)
-    title = f"{trace.workload} scale={trace.scale} seed={trace.seed}, {run_config['engines']} engines"
-    write_png(png_path, timelines, {o.arm: o.n_sessions for o in outcomes}, title)
-    out = Console()
-    if not out.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
-        out = Console(width=160)
-    out.print(render_table(rows, title=f"rollout replay: {title}"))
-    console.print(f"wrote {json_path}, {csv_path}, {png_path}")
-    return rows
-
-
-def _compare_on_engines(
-    trace: Trace,
-    arms: list[str],
-    engine_urls: list[str],
-    config: ClientConfig,
-    router_options: dict[str, Any],
-    on_arm_start: Any,
-    on_session_end: Any,
-) -> list[ArmOutcome]:
-    """Arms against engines someone else runs: a fresh router per policy arm, same engines throughout."""
-    from launcher.bench.arms import router_for
-
-    out: list[ArmOutcome] = []
-    for arm in arms:
-        on_arm_start(arm)
-        cfg = dataclasses.replace(config)
-        if arm == DIRECT:
-            out.append(run_direct(trace, engine_urls, cfg, on_session_end=on_session_end))
-        else:
-            with router_for(engine_urls, arm, router_options) as rurl:
-                out.append(
-                    run_url(trace, rurl, cfg, engine_urls=engine_urls, arm=arm, on_session_end=on_session_end)
-                )
-    return out
-
-
-def _progress(console: Any, total: int, quiet: bool) -> tuple[Any, Any, Any]:
-    """A rich progress bar (sessions ended per arm) and the two callbacks that drive it."""
-    import contextlib
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    if quiet:
-        return contextlib.nullcontext(), (lambda arm: None), (lambda rec: None)
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
-    state: dict[str, Any] = {"task": None}
-
-    def on_arm_start(arm: str) -> None:
-        state["task"] = progress.add_task(f"{arm:>18}", total=total)
-
-    def on_session_end(rec: SessionRecord) -> None:
-        if state["task"] is not None:
-            progress.advance(state["task"])
-
-    return progress, on_arm_start, on_session_end
 
 
 @bench_group.command("virtual")
@@ -605,7 +391,7 @@ def virtual_command(
     No sockets and no sleeping, so a full longtail step takes seconds of CPU and the figures do not move
     between runs: for comparing policies. Times are modelled seconds at speed 1. Confirm with `replay`.
     """
-    from launcher.bench.virtual import ORACLE, compare_virtual, mean_rows
+    from launcher.bench.virtual import ORACLE, compare_virtual_seeds, mean_lines, mean_rows, seed_line
     from launcher.engines.sim.config import SimConfig
     from router.policies import make_policy
 
@@ -646,31 +432,26 @@ def virtual_command(
                 make_policy(arm, **policy_options)
             except (TypeError, ValueError) as e:
                 raise click.BadParameter(f"{arm}: {e}", param_hint="--policy-opt") from None
-    per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arm_list}
-    for s in seed_list:
-        trace = generate(workload, s, scale, group_size, turn_scale=turn_scale, max_tokens=max_tokens)
-        for row in compare_virtual(trace, arm_list, engines, config, policy_options):
-            row["seed"] = s
-            per_arm[row["arm"]].append(row)
-            click.echo(
-                f"seed {s:<3} {row['arm']:<18} wall {row['wall_s']:8.2f}  t90 {row['t90_s'] or 0:7.2f}  "
-                f"hit {row['hit_rate']:.4f}  cv {row['load_cv'] or 0:.3f}  moves {row['moves']:4}  "
-                f"errors {row['errors']}"
-            )
+    trace_args = {
+        "workload": workload,
+        "scale": scale,
+        "group_size": group_size,
+        "turn_scale": turn_scale,
+        "max_tokens": max_tokens,
+    }
+    per_arm = compare_virtual_seeds(
+        trace_args,
+        seed_list,
+        arm_list,
+        engines,
+        config,
+        policy_options,
+        on_row=lambda row: click.echo(seed_line(row)),
+    )
     means = [mean_rows(per_arm[a]) for a in arm_list]
-    base = next((m for m in means if m["arm"] == DIRECT), None)
     click.echo(f"\nmean over {len(seed_list)} trace(s):")
-    for m in means:
-        margin = ""
-        if base is not None and m is not base and base["t90_s"] and m["t90_s"] and base["wall_s"]:
-            t90 = 100 * (m["t90_s"] / base["t90_s"] - 1)
-            wall = 100 * (m["wall_s"] / base["wall_s"] - 1)
-            hit = 100 * (m["hit_rate"] - base["hit_rate"])
-            margin = f"  vs direct: t90 {t90:+.1f}%  wall {wall:+.1f}%  hit {hit:+.2f} pt"
-        click.echo(
-            f"  {m['arm']:<18} wall {m['wall_s']:8.2f}  t90 {m['t90_s'] or 0:7.2f}  hit {m['hit_rate']:.4f}  "
-            f"cv {m['load_cv'] or 0:.3f} (max {m['load_cv_max'] or 0:.3f})  moves {m['moves']:.1f}{margin}"
-        )
+    for line in mean_lines(means):
+        click.echo(line)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         payload = {

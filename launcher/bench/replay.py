@@ -1,0 +1,245 @@
+"""Running ``rl-launch bench replay``: the arms (repeated, interleaved), the outputs, the progress bar.
+
+The command (``launcher.cli.bench``) parses options and decides what to run; this module runs it and
+writes what it found, so a test or a notebook can drive the same replay without click. Outputs default
+into the job directory when the replay runs as a job's training command: a job's files belong there,
+never in whatever directory it was submitted from (which Slurm makes the job's cwd).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher.bench.arms import DIRECT, ArmOutcome, run_compare, run_direct, run_url
+from launcher.bench.client import ClientConfig, SessionRecord
+from launcher.bench.report import default_paths, render_table, write_csv, write_json, write_png
+from launcher.bench.workload import Trace
+
+DEFAULT_RESULTS_DIR = "bench/results"
+JOB_DIR_ENV = "RL_JOB_DIR"
+"""Set by the driver for the training command: a replay run as a job's "training" writes there."""
+
+
+def default_results_dir() -> Path:
+    """``$RL_JOB_DIR/bench`` inside a job, else ``bench/results``: a job's outputs belong in its job
+    directory, never in whatever directory it was submitted from (which Slurm makes the job's cwd)."""
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    return Path(job_dir) / "bench" if job_dir else Path(DEFAULT_RESULTS_DIR)
+
+
+def job_engine_urls() -> list[str]:
+    """Inside a job (``$RL_JOB_DIR``): the engines its listings name, for the per-engine figures of a
+    ``--url`` replay. The router's ``GET /workers`` needs the admin token, which a trainer never holds;
+    the job directory is where the launcher publishes the fleet."""
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    if not job_dir:
+        return []
+    from launcher.jobdir import JobDir
+
+    try:
+        listings = JobDir(Path(job_dir)).listings()
+    except (OSError, ValueError):
+        return []
+    return [e.api_url or e.url for listing in listings for e in listing.engines if e.api_url or e.url]
+
+
+@dataclass
+class ReplayPlan:
+    """What one ``bench replay`` runs: the arms, against what, with which client (recorded in its JSON).
+
+    Against a running router (``url``: one arm, ``label``), running engines (``engine_urls``: the direct
+    arm, or each of ``arms`` through a fresh router) or fresh simulated fleets of ``engines`` each."""
+
+    client: ClientConfig
+    url: str | None = None
+    label: str = "router"
+    arms: list[str] = field(default_factory=list)
+    engine_urls: list[str] = field(default_factory=list)
+    engines: int = 8
+    repeats: int = 1
+    sim_options: dict[str, Any] = field(default_factory=dict)
+    sim_process: bool = False
+    router_options: dict[str, Any] = field(default_factory=dict)
+
+    def run_config(self, trace_file: Path | None, refit: dict[str, Any] | None) -> dict[str, Any]:
+        """The ``config`` of the JSON report."""
+        c = self.client
+        return {
+            "mode": "url" if self.url else ("engines" if self.engine_urls else "sim"),
+            "url": self.url,
+            "engine_urls": list(self.engine_urls),
+            "engines": len(self.engine_urls) or (None if self.url else self.engines),
+            "arms": [self.label] if self.url else self.arms,
+            "repeats": self.repeats,
+            "sim_options": self.sim_options,
+            "sim_process": self.sim_process,
+            "router_options": self.router_options,
+            "client": {
+                "model": c.model or None,
+                "max_concurrent": c.max_concurrent,
+                "session_header": c.session_header,
+                "retry_attempts": c.retry.attempts,
+                "retry_delay_s": c.retry.delay_s,
+                "request_timeout_s": c.request_timeout_s,
+                "max_wall_s": c.max_wall_s,
+            },
+            "trace_file": str(trace_file) if trace_file else None,
+            "refit": refit,
+        }
+
+
+def run_arms(
+    trace: Trace, plan: ReplayPlan, console: Any, on_arm_start: Any, on_session_end: Any, progress: Any
+) -> list[ArmOutcome]:
+    """The arms, ``repeats`` times over (interleaved, so drift hits every arm alike)."""
+    config, engine_urls, arm_list = plan.client, plan.engine_urls, plan.arms
+    outcomes: list[ArmOutcome] = []
+    with progress:
+        for rep in range(plan.repeats):
+            if plan.url:
+                on_arm_start(plan.label)
+                got = [
+                    run_url(
+                        trace,
+                        plan.url,
+                        dataclasses.replace(config),
+                        engine_urls=engine_urls or None,
+                        arm=plan.label,
+                        on_session_end=on_session_end,
+                    )
+                ]
+            elif engine_urls and arm_list in ([], [DIRECT]):
+                on_arm_start(DIRECT)
+                got = [
+                    run_direct(
+                        trace, list(engine_urls), dataclasses.replace(config), on_session_end=on_session_end
+                    )
+                ]
+            elif engine_urls:
+                console.print(
+                    "[yellow]note:[/] arms share the given engines; their caches are not reset between arms"
+                )
+                got = compare_on_engines(
+                    trace,
+                    arm_list,
+                    list(engine_urls),
+                    config,
+                    plan.router_options,
+                    on_arm_start,
+                    on_session_end,
+                )
+            else:
+                got = run_compare(
+                    trace,
+                    arm_list,
+                    plan.engines,
+                    config,
+                    sim_options=plan.sim_options,
+                    router_options=plan.router_options,
+                    sim_process=plan.sim_process,
+                    on_arm_start=on_arm_start,
+                    on_session_end=on_session_end,
+                )
+            for o in got:
+                o.row["repeat"] = rep
+                if plan.repeats > 1:
+                    o.arm = f"{o.arm}#{rep}"
+            outcomes.extend(got)
+
+    for o in outcomes:
+        o.row["arm"] = o.arm  # "cache_aware#1" with --repeats; "policy" keeps the bare name
+    return outcomes
+
+
+def write_outputs(
+    trace: Trace,
+    stats: dict[str, Any],
+    outcomes: list[ArmOutcome],
+    run_config: dict[str, Any],
+    results_dir: Path,
+    json_path: Path | None,
+    csv_path: Path | None,
+    png_path: Path | None,
+    console: Any,
+) -> list[dict[str, Any]]:
+    """JSON, CSV and PNG (default paths under ``results_dir``), then the table on stdout."""
+    from rich.console import Console
+
+    rows = [o.row for o in outcomes]
+    if run_config["engines"] is None:  # --url: as many as the router's /workers listed
+        run_config["engines"] = next((r["engines"] for r in rows if r.get("engines")), None)
+    paths = default_paths(results_dir, trace.workload)
+    json_path, csv_path, png_path = (
+        json_path or paths["json"],
+        csv_path or paths["csv"],
+        png_path or paths["png"],
+    )
+    timelines = {o.arm: o.timeline for o in outcomes}
+    write_json(json_path, rows, trace_stats=stats, config=run_config, timelines=timelines)
+    write_csv(csv_path, rows)
+    title = f"{trace.workload} scale={trace.scale} seed={trace.seed}, {run_config['engines']} engines"
+    write_png(png_path, timelines, {o.arm: o.n_sessions for o in outcomes}, title)
+    out = Console()
+    if not out.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
+        out = Console(width=160)
+    out.print(render_table(rows, title=f"rollout replay: {title}"))
+    console.print(f"wrote {json_path}, {csv_path}, {png_path}")
+    return rows
+
+
+def compare_on_engines(
+    trace: Trace,
+    arms: list[str],
+    engine_urls: list[str],
+    config: ClientConfig,
+    router_options: dict[str, Any],
+    on_arm_start: Any,
+    on_session_end: Any,
+) -> list[ArmOutcome]:
+    """Arms against engines someone else runs: a fresh router per policy arm, same engines throughout."""
+    from launcher.bench.arms import router_for
+
+    out: list[ArmOutcome] = []
+    for arm in arms:
+        on_arm_start(arm)
+        cfg = dataclasses.replace(config)
+        if arm == DIRECT:
+            out.append(run_direct(trace, engine_urls, cfg, on_session_end=on_session_end))
+        else:
+            with router_for(engine_urls, arm, router_options) as rurl:
+                out.append(
+                    run_url(trace, rurl, cfg, engine_urls=engine_urls, arm=arm, on_session_end=on_session_end)
+                )
+    return out
+
+
+def progress_bar(console: Any, total: int, quiet: bool) -> tuple[Any, Any, Any]:
+    """A rich progress bar (sessions ended per arm) and the two callbacks that drive it."""
+    import contextlib
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if quiet:
+        return contextlib.nullcontext(), (lambda arm: None), (lambda rec: None)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+    state: dict[str, Any] = {"task": None}
+
+    def on_arm_start(arm: str) -> None:
+        state["task"] = progress.add_task(f"{arm:>18}", total=total)
+
+    def on_session_end(rec: SessionRecord) -> None:
+        if state["task"] is not None:
+            progress.advance(state["task"])
+
+    return progress, on_arm_start, on_session_end
