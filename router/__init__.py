@@ -14,10 +14,14 @@ __all__ = ["PROXIED_ROUTES", "GenerationRouter", "RouterBindError", "RouterConfi
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("PROXIED_ROUTES", "GenerationRouter", "RouterBindError"):
-        from router import server
+    if name in ("PROXIED_ROUTES", "RouterBindError"):
+        from router import app
 
-        return getattr(server, name)
+        return getattr(app, name)
+    if name == "GenerationRouter":
+        from router.server import GenerationRouter
+
+        return GenerationRouter
     if name == "RouterConfig":
         from router.config import RouterConfig
 

@@ -10,7 +10,7 @@ per connection. So:
   before a byte is read, a body without one when it passes the cap;
 * either must be complete within ``HttpLimits.body_timeout_s``, else 408 and the connection is closed;
 * a body no handler reads (``/health`` with a body, a request refused before its body) is drained by
-  aiohttp for at most the same time (``lingering_time``, see ``router.server.handler_kwargs``) and
+  aiohttp for at most the same time (``lingering_time``, see ``router.app.handler_kwargs``) and
   never buffered.
 
 The 408 answer closes the connection once sent; aiohttp still drains what the client sends meanwhile for

@@ -10,7 +10,7 @@ Rules, each preventing a failure seen with real clients and peers:
   Small non-streaming responses with a known length are read whole first: one write instead of many,
   and a backend dying mid-body can still be retried because nothing has reached the client yet.
 * Bodies are forwarded byte-for-byte both ways: the server side does not decompress request bodies
-  (``auto_decompress`` off, see ``router.server``) and the upstream client (``router.upstream``) adds no
+  (``auto_decompress`` off, see ``router.app``) and the upstream client (``router.upstream``) adds no
   headers of its own but ``Host`` and ``Content-Length``, so ``Content-Encoding`` stays true and the
   length is that of the bytes relayed.
 * Hop-by-hop headers (RFC 9110 §7.6.1, plus those named in ``Connection``) are dropped both ways, and so

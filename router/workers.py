@@ -64,7 +64,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.admin import health
+from router.app import build_app, health, not_found, serve_guarded
 from router.auth import Access, MarkedRoute, RouteTable
 from router.config import SECRET_FIELDS, RouterConfig
 from router.decisions import DecisionService, RemoteRouting, WorkerChannel
@@ -328,8 +328,6 @@ class ParentRelay:
 def worker_routes(table: RouteTable, relay: ParentRelay, parent_routes: list[MarkedRoute]) -> None:
     """Everything but the proxied routes, in a worker: ``/health`` answered here, the parent's admin
     routes and its other open routes relayed (module doc), the router's 404 for the rest."""
-    from router.server import not_found  # the server module imports this one lazily
-
     table.add("GET", "/health", health, Access.OPEN)
     for route in parent_routes:
         if route.access is Access.ADMIN:
@@ -352,8 +350,6 @@ async def serve_worker(
     index: int,
     parent_routes: list[MarkedRoute],
 ) -> None:
-    from router.server import build_app, serve_guarded  # the server module imports this one lazily
-
     loop = asyncio.get_running_loop()
     stopped = asyncio.Event()
     policy = make_policy(config.policy, **config.policy_options)

@@ -176,8 +176,9 @@ class DynamoGateway(Gateway):
         """Our router on the reserved port, in front of the frontend: the job's key on every proxied
         route (``router.auth``), one backend that the driver owns (``health_managed``: no probing, the
         runtime's liveness is watched here)."""
+        from router.app import RouterBindError
         from router.config import RouterConfig
-        from router.server import GenerationRouter, RouterBindError
+        from router.server import GenerationRouter
 
         ctx = self.context
         try:
