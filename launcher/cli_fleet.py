@@ -1,7 +1,7 @@
 """``rl-launch fleet ...``: operations on a running job's whole fleet.
 
 ``reset-cache JOB`` flushes every engine's prefix cache after a weight update (see
-``router.cache_reset``): through our router's admin route (``router.kind: builtin``, which also clears
+``router.fleet.cache_reset``): through our router's admin route (``router.kind: builtin``, which also clears
 the router's prefix index), straight to each Dynamo worker's ``/engine/flush_cache`` (``router.kind:
 dynamo``; Dynamo's KV router drops the blocks as the workers' removal events arrive), or straight to each
 engine's ``/reset_prefix_cache`` behind a front that has no such route (``vllm-router``, ``ray-serve``:
@@ -24,7 +24,7 @@ import click
 from launcher.cli_jobs import _ROOT, resolve_job
 from launcher.http_call import bearer, open_url
 from launcher.jobdir import JobDir
-from router.cache_reset import DYNAMO_RESET_PATH, VLLM_RESET_PATH, CacheResetReport, reset_engines
+from router.fleet.cache_reset import DYNAMO_RESET_PATH, VLLM_RESET_PATH, CacheResetReport, reset_engines
 
 
 @click.group("fleet")

@@ -20,7 +20,7 @@ import click
 from launcher.cli_jobs import _ROOT, resolve_job
 from launcher.fleet_client import FleetClient
 from launcher.jobdir import JobDir
-from router.fleet_ops import PAUSE_MODES, FleetOpReport
+from router.fleet.ops import PAUSE_MODES, FleetOpReport
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the per-engine report as JSON.")
 _TIMEOUT = click.option("--timeout", "timeout_s", default=300.0, show_default=True, help="Seconds in all.")

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.backends import canonical_backend_url
+from router.state.backends import canonical_backend_url
 
 __all__ = ["PROXIED_ROUTES", "GenerationRouter", "RouterBindError", "RouterConfig", "canonical_backend_url"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("PROXIED_ROUTES", "RouterBindError"):
-        from router import app
+        from router.http import app
 
         return getattr(app, name)
     if name == "GenerationRouter":

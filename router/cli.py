@@ -173,7 +173,7 @@ def _options_json(text: str | None) -> dict[str, Any]:
 
 def _serve(config: RouterConfig, backends: tuple[str, ...]) -> None:
     # aiohttp only once the config is valid
-    from router.app import RouterBindError
+    from router.http.app import RouterBindError
     from router.server import GenerationRouter
 
     if not logging.getLogger().handlers:

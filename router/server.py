@@ -8,9 +8,9 @@ Lifecycle choices, each against a failure clients cannot recover from on their o
   connection forever.
 * The server runs on its own event loop in a background thread (``serve_in_background``), so the router
   can live inside a Ray actor whose methods are called from Ray's threads, or beside a blocking driver.
-* The socket is bound as ``router.app.bind_listening_socket`` says (``SO_REUSEADDR`` for a restarted
+* The socket is bound as ``router.http.app.bind_listening_socket`` says (``SO_REUSEADDR`` for a restarted
   process, ``bind_retry_s`` for the moment a dying one still holds it), and the application is the one
-  ``router.app`` builds and serves for every process of the router.
+  ``router.http.app`` builds and serves for every process of the router.
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
-from router.admin import AdminApi
-from router.app import bind_listening_socket, build_app, not_found, runner_kwargs, serve_guarded
-from router.auth import Access, RouteTable
-from router.backends import BackendSet, canonical_backend_url
 from router.config import RouterConfig
-from router.connections import ConnectionGate
-from router.fleet_api import FleetApi
-from router.forwarding import Forwarder, ForwardingConfig
-from router.limits import HttpLimits
-from router.metrics import RouterMetrics
-from router.pause_gate import PauseGate
+from router.fleet.admin import AdminApi
+from router.fleet.api import FleetApi
+from router.http.app import bind_listening_socket, build_app, not_found, runner_kwargs, serve_guarded
+from router.http.auth import Access, RouteTable
+from router.http.connections import ConnectionGate
+from router.http.forwarding import Forwarder, ForwardingConfig
+from router.http.limits import HttpLimits
+from router.multiprocess.workers import WorkerFleet
 from router.policies import LoadTracker, Policy, make_policy
-from router.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
-from router.routing import LocalRouting
-from router.workers import WorkerFleet
+from router.state.backends import BackendSet, canonical_backend_url
+from router.state.metrics import RouterMetrics
+from router.state.pause_gate import PauseGate
+from router.state.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
+from router.state.routing import LocalRouting
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -178,7 +178,7 @@ class GenerationRouter:
             # private Unix socket the workers relay to; the public socket is accepted on by the workers.
             self.workers.open()
             app = self._build_app()
-            # The workers relay what this application marked (router.workers.worker_routes).
+            # The workers relay what this application marked (router.multiprocess.workers.worker_routes).
             self.workers.relay_routes(RouteTable.of(app).marked())
             self._runner = web.AppRunner(app, **runner_kwargs(limits))
             await self._runner.setup()

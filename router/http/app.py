@@ -1,6 +1,6 @@
 """The router's HTTP application and how it is served, shared by every process that answers the port.
 
-The one-process router, each worker process (``router.workers``) and the launcher driver's small
+The one-process router, each worker process (``router.multiprocess.workers``) and the launcher driver's small
 listeners build and serve their applications here, so the guards are one copy: the route set with each
 route's access mark (``build_app``), the listening socket (``bind_listening_socket``) and the server
 settings with the head deadline and the connection cap (``serve_guarded``).
@@ -12,8 +12,8 @@ Binding choices, each against a failure clients cannot recover from on their own
   still fails. ``retry_s`` covers the moment where the dying process still holds the socket.
 * A failure raises ``RouterBindError`` naming host:port and what to do.
 
-It imports neither the router (``router.server``) nor its worker processes (``router.workers``): both
-build on it (before, each imported the other).
+It imports neither the router (``router.server``) nor its worker processes
+(``router.multiprocess.workers``): both build on it (before, each imported the other).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from router.auth import Access, Credentials, RouteTable
-from router.connections import ConnectionGate, GuardedSockSite
-from router.forwarding import Forwarder
-from router.limits import HttpLimits, effective_connection_cap, raise_open_file_limit
-from router.metrics import RouterMetrics
-from router.status import error_body
+from router.http.auth import Access, Credentials, RouteTable
+from router.http.connections import ConnectionGate, GuardedSockSite
+from router.http.forwarding import Forwarder
+from router.http.limits import HttpLimits, effective_connection_cap, raise_open_file_limit
+from router.http.status import error_body
+from router.state.metrics import RouterMetrics
 
 # The OpenAI/vLLM routes Gym and similar clients use. Engines are advertised as http://h:p/v1, so the
 # inbound path is appended to the backend's origin: /v1/chat/completions -> http://h:p/v1/chat/completions
@@ -112,7 +112,7 @@ def runner_kwargs(limits: HttpLimits) -> dict[str, Any]:
 
 def handler_kwargs(limits: HttpLimits) -> dict[str, Any]:
     """lingering_time: a body no handler read is drained (and discarded) for at most the body deadline,
-    then the connection is closed (``router.bodies``)."""
+    then the connection is closed (``router.http.bodies``)."""
     return {
         "access_log": None,
         "keepalive_timeout": limits.keepalive_timeout_s,
@@ -158,7 +158,7 @@ def build_app(
 ) -> web.Application:
     """The proxied routes on ``forwarder`` (client routes); ``rest`` adds everything else through the
     same ``RouteTable`` (the admin API in the router that owns the routing state, ``/health`` and the
-    relay to it in a worker process). Each route is checked as its mark says (``router.auth``), and the
+    relay to it in a worker process). Each route is checked as its mark says (``router.http.auth``), and the
     application does not start with a route registered without a mark. No middleware: each layer costs
     every request a coroutine call and a handler chain."""
     app = web.Application(client_max_size=max_request_bytes)
@@ -181,6 +181,6 @@ async def not_found(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness: 200 whenever the process serves, whatever the backends do (``router.admin``). Each
+    """Liveness: 200 whenever the process serves, whatever the backends do (``router.fleet.admin``). Each
     worker process answers it itself."""
     return web.Response(status=200, body=orjson.dumps({"status": "ok"}), content_type="application/json")

@@ -25,11 +25,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router.app import health
-from router.auth import Access, RouteTable
-from router.backends import BackendSet, canonical_backend_url
-from router.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
-from router.metrics import RouterMetrics
+from router.fleet.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
+from router.http.app import health
+from router.http.auth import Access, RouteTable
+from router.state.backends import BackendSet, canonical_backend_url
+from router.state.metrics import RouterMetrics
 
 ADD_WORKER_FAILED = "ADD_WORKER_FAILED"
 
