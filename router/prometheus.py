@@ -2,8 +2,11 @@
 ``/metrics`` answers): samples by name, each with its labels and value.
 
 Engines (vLLM and the simulator, both through ``prometheus_client``), our router and the other fronts
-speak this format, and three modules used to read it three ways, each wrong somewhere the others were
-right. So one parser, with the choices each reader needs:
+speak this format, and each reader of it had its own parser: ``prometheus_client``'s (slow, and one odd
+line fails the whole text), and two small ones that took an exemplar's number for the value or read an
+escaped backslash before ``n`` as a newline. One parser, with the choices each reader needs
+(``router.fleet.engine_counters`` reads through it; ``launcher.status.collect`` and
+``launcher.bench.metrics`` still have their own at the time of writing):
 
 * Line by line, with a prefix filter applied before any parsing (``prefixes``): a real vLLM answers
   ~100 KB, and a dashboard that scrapes 256 engines every second must not parse the families it throws
