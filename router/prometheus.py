@@ -82,18 +82,27 @@ def parse_metrics(text: str, prefixes: tuple[str, ...] | None = None, *, strict:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line or line[0] == "#" or (prefixes is not None and not line.startswith(prefixes)):
             continue
-        m = _SAMPLE.match(line)
-        labels = None if m is None else ({} if m.group(2) is None else _labels(m.group(2)))
-        try:
-            value = float(m.group(3)) if m is not None and labels is not None else None
-        except ValueError:
-            value = None
-        if m is None or labels is None or value is None:
+        sample = _sample(line)
+        if sample is None:
             if strict and line.strip():
                 raise PrometheusTextError(f"line {number} is not a Prometheus sample: {line[:120]!r}")
             continue
-        out.setdefault(m.group(1), []).append(Sample(labels, value))
+        out.setdefault(sample[0], []).append(sample[1])
     return out
+
+
+def _sample(line: str) -> tuple[str, Sample] | None:
+    """``(name, Sample)`` of one sample line; None when it is not one."""
+    m = _SAMPLE.match(line)
+    if m is None:
+        return None
+    labels = {} if m.group(2) is None else _labels(m.group(2))
+    if labels is None:
+        return None
+    try:
+        return m.group(1), Sample(labels, float(m.group(3)))
+    except ValueError:
+        return None
 
 
 def metric_sum(metrics: Metrics, name: str, **match: str) -> float | None:
