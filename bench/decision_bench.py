@@ -1,9 +1,9 @@
 """What one routing decision costs, in one process and across processes (router workers -> parent).
 
-With ``--workers N`` a worker hashes the prompt (``Policy.prepare``) and asks the parent, over a Unix
-socket, for the decision (``router.decisions``). This prints CPU time (on a shared machine wall time
-measures the neighbours), at 1,024 backends and a 20 KB Gym-shaped chat body (a growing conversation,
-~256 requests in flight):
+With ``--workers N`` a worker hashes the prompt (``Policy.prepare``) and asks the parent, over a Unix socket,
+for the decision (``router.multiprocess.decisions``). This prints CPU time (on a shared machine wall time
+measures the neighbours), at 1,024 backends and a 20 KB Gym-shaped chat body (a growing conversation, ~256
+requests in flight):
 
 * ``hash``: ``prepare`` alone (the worker's share);
 * ``in-process``: prepare + choose + commit + acquire + release, as ``--workers 1`` does per request;
@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 
 import orjson  # noqa: E402
 
-from router.backends import BackendSet  # noqa: E402
-from router.decisions import DecisionService, RemoteRouting  # noqa: E402
-from router.metrics import RouterMetrics  # noqa: E402
+from router.multiprocess.decisions import DecisionService, RemoteRouting  # noqa: E402
 from router.policies import LoadTracker, RouteRequest, make_policy  # noqa: E402
-from router.routing import LocalRouting  # noqa: E402
+from router.state.backends import BackendSet  # noqa: E402
+from router.state.metrics import RouterMetrics  # noqa: E402
+from router.state.routing import LocalRouting  # noqa: E402
 
 IN_FLIGHT = 256
 

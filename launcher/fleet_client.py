@@ -15,7 +15,7 @@ router's URL plus the admin token, and drives the whole fleet with one call per 
         for url in fleet.stale_engines():        # engines restarted meanwhile: refit, then stamp
             refit_engine(url); fleet.set_weight_version(fleet_version, engines=[url])
 
-Every call fans out to every engine behind the router (``router.fleet_api``) and raises ``FleetOpError``
+Every call fans out to every engine behind the router (``router.fleet.api``) and raises ``FleetOpError``
 (carrying the per-engine ``FleetOpReport``) when any engine did not comply, so a half-paused or
 half-stamped fleet never passes silently; ``check=False`` returns the report instead.
 The builtin router serves these routes itself; for ``router.kind: vllm-router`` the driver serves them
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.http_call import bearer, open_url
-from router.fleet_ops import PAUSE_MODES, FleetOpReport
+from router.fleet.ops import PAUSE_MODES, FleetOpReport
 
 
 class FleetOpError(RuntimeError):
@@ -153,7 +153,7 @@ class FleetClient:
         return self._op("POST", "/fleet/checksum", check=check)
 
     def reset_prefix_cache(self, check: bool = True) -> dict[str, Any]:
-        """Flush every engine's prefix cache and the router's prefix index (``router.cache_reset``)."""
+        """Flush every engine's prefix cache and the router's prefix index (``router.fleet.cache_reset``)."""
         data = self._call("POST", "/fleet/reset_prefix_cache")
         if check and not data.get("ok"):
             bad = [e for e in data.get("engines", []) if not e.get("ok")]
@@ -190,7 +190,7 @@ class FleetClient:
 
     def step_metrics(self) -> dict[str, Any]:
         """``{"step", "seconds", "fleet": {...}, "engines": {url: {...}}, "prefix_hit_rate"}``: the
-        engines' own counters since ``begin_step`` (``router.engine_counters`` names the keys)."""
+        engines' own counters since ``begin_step`` (``router.fleet.engine_counters`` names the keys)."""
         data = dict(self._call("GET", "/fleet/step"))
         if data.get("errors"):
             raise RuntimeError(f"engines' counters unreadable: {data['errors']}")

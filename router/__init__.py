@@ -8,16 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.backends import canonical_backend_url
+from router.state.backends import canonical_backend_url
 
 __all__ = ["PROXIED_ROUTES", "GenerationRouter", "RouterBindError", "RouterConfig", "canonical_backend_url"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("PROXIED_ROUTES", "GenerationRouter", "RouterBindError"):
-        from router import server
+    if name in ("PROXIED_ROUTES", "RouterBindError"):
+        from router.http import app
 
-        return getattr(server, name)
+        return getattr(app, name)
+    if name == "GenerationRouter":
+        from router.server import GenerationRouter
+
+        return GenerationRouter
     if name == "RouterConfig":
         from router.config import RouterConfig
 

@@ -5,8 +5,8 @@ when Ray restarts a dead actor it rebinds the very same host:port: the URL Gym w
 The arguments are one ``RouterConfig`` (pickled by Ray, secrets included: they travel inside Ray's object
 store, never in argv or a log) and the initial backend URLs. The port must be chosen once by the caller
 (``reserve_port``), never left to ``port=0``: a restarted actor would then come back elsewhere.
-With ``config.workers > 1`` the actor is the parent of the worker processes (router.workers): they
-inherit its socket, and when the actor dies they lose their channel to it and exit, so the restarted
+With ``config.workers > 1`` the actor is the parent of the worker processes (router.multiprocess.workers):
+they inherit its socket, and when the actor dies they lose their channel to it and exit, so the restarted
 actor can bind the port again (within ``ACTOR_MIN_BIND_RETRY_S``).
 The serving set is not persisted: the fleet controller pushes the whole set every tick, so a restarted
 router converges on the next tick.

@@ -172,7 +172,9 @@ def _options_json(text: str | None) -> dict[str, Any]:
 
 
 def _serve(config: RouterConfig, backends: tuple[str, ...]) -> None:
-    from router.server import GenerationRouter, RouterBindError  # aiohttp only once the config is valid
+    # aiohttp only once the config is valid
+    from router.http.app import RouterBindError
+    from router.server import GenerationRouter
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -40,14 +40,14 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
+from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
+from router.http.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, validate_no_healthy_status
 from router.policies import DEFAULT_POLICY, POLICIES
-from router.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, validate_no_healthy_status
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 SECRET_FIELDS = ("api_key", "admin_token", "backend_api_key")
 # Worker processes beyond this cost more in the shared decision service than they add in parsing and
-# relaying: every decision crosses one process (see router/decisions.py).
+# relaying: every decision crosses one process (see router/multiprocess/decisions.py).
 MAX_WORKERS = 64
 DEFAULT_WORKERS_CAP = 8
 
@@ -147,7 +147,7 @@ class RouterSettings(BaseModel):
     http: HttpLimits = Field(
         default=DEFAULT_HTTP_LIMITS,
         description="HTTP resource limits: head_timeout_s, keepalive_timeout_s, max_client_connections, "
-        "max_backend_header_bytes, max_error_body_bytes, body_timeout_s (see router.limits)",
+        "max_backend_header_bytes, max_error_body_bytes, body_timeout_s (see router.http.limits)",
     )
     pause_max_held: int = Field(
         default=10_000, ge=0, description="generation requests held during a fleet pause (refused above)"

@@ -25,7 +25,7 @@ from launcher.driver.listener import LISTENER_LIMITS
 from launcher.driver.status_server import StatusServer
 from launcher.gateways.fleet_endpoint import FleetEndpoint
 from launcher.jobdir import JobDir, StateWriter
-from router.limits import HttpLimits
+from router.http.limits import HttpLimits
 
 FLOOD = 300
 

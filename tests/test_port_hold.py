@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from launcher.driver.ports import PortHold
-from router.server import bind_listening_socket
+from router.http.app import bind_listening_socket
 from tests.port_stranger import stranger
 from tests.test_fleet_local import run_job
 

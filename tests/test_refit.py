@@ -24,8 +24,8 @@ from launcher.gateways.base import Gateway, GatewayView
 from launcher.jobdir import EngineEntry, EngineListing, JobDir, StateWriter
 from router import GenerationRouter
 from router.config import RouterConfig
-from router.engine_counters import delta, parse_counters
-from router.pause_gate import PauseGate
+from router.fleet.engine_counters import delta, parse_counters
+from router.state.pause_gate import PauseGate
 from tests.http_backends import router_factory
 
 TOKEN = "admin-test-token-1234"

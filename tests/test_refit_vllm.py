@@ -31,7 +31,9 @@ from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.vllm import VllmEngine
 from launcher.fleet_client import FleetClient, FleetOpError
 from router import GenerationRouter, RouterConfig
+from router.fleet.engine_counters import parse_counters
 from tests.test_engine_key_guard import KEY, PROBES, _call, expected, refused_without_key
+from tests.test_prometheus import ours, reference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 TOKEN = "refit-admin-token-5678"
@@ -292,6 +294,15 @@ def test_step_metrics_delta_matches_tokens_sent(fleet: Any) -> None:
     assert fleet_counts["finished_length"] == 4, step
     assert fleet_counts["prefix_cache_queries"] >= want_prompt - 4
     print(f"\n[refit vllm] step dict: {step['fleet']}")
+
+
+def test_one_prometheus_reader_reads_real_vllm_as_prometheus_client_does(fleet: Any) -> None:
+    """``router.prometheus`` (strict) against vLLM's own ``/metrics``, every family it exposes."""
+    for e in fleet["engines"]:
+        with urllib.request.urlopen(e.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert ours(text) == reference(text), e.url
+        assert parse_counters(text).keys() >= {"prompt_tokens", "generation_tokens", "prefix_cache_queries"}
 
 
 def test_restarted_engine_with_old_version_not_served_until_stamped(

@@ -34,11 +34,11 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from router import GenerationRouter
-from router.backends import BackendSet
 from router.cli import router_command
 from router.config import RouterConfig, RouterSettings, describe_errors
 from router.policies import LoadTracker, RoundRobin
-from router.probing import HealthProber
+from router.state.backends import BackendSet
+from router.state.probing import HealthProber
 from tests.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
 
 CHAT = "/v1/chat/completions"
@@ -548,7 +548,7 @@ class RouterWithDebugRoutes(GenerationRouter):
         if self.unmarked:
             app.router.add_get("/debug/unmarked", debug_handler)
         if hasattr(table, "add"):
-            from router.auth import Access
+            from router.http.auth import Access
 
             table.add("GET", "/debug/admin", debug_handler, Access.ADMIN)
         super()._admin_routes(table)
@@ -583,7 +583,7 @@ async def test_a_route_registered_without_a_mark_is_never_served(engines, worker
 
 
 def test_route_table_takes_only_access_marks() -> None:
-    from router.auth import RouteTable
+    from router.http.auth import RouteTable
 
     table = RouteTable(web.Application())
     with pytest.raises(TypeError, match="access must be an Access"):

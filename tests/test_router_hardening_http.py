@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router import GenerationRouter
 from router.config import RouterConfig
-from router.limits import HttpLimits
+from router.http.limits import HttpLimits
 from router.policies import (
     CacheAware,
     ConsistentHash,
@@ -528,7 +528,7 @@ async def test_affinity_records_the_retry_target_never_the_failed_backend(engine
 
 
 def test_never_answer_set_is_literal() -> None:
-    from router.status import validate_no_healthy_status
+    from router.http.status import validate_no_healthy_status
 
     for retried in (404, 408, 429, 500, 502, 503, 504, 520):
         with pytest.raises(ValueError, match=f"={retried} is retried by clients"):
@@ -544,7 +544,7 @@ def test_never_answer_set_is_literal() -> None:
 
 
 def test_error_shapes_are_literal() -> None:
-    from router.status import (
+    from router.http.status import (
         BACKEND_FAILURE_STATUS,
         DEFAULT_NO_HEALTHY_BACKEND_STATUS,
         error_body,
@@ -923,8 +923,8 @@ async def test_unasked_101_and_garbage_are_failed_attempts(raw_backends, routers
 
 
 def test_forwarding_and_limit_defaults_are_literal() -> None:
-    from router.forwarding import ForwardingConfig
-    from router.limits import DEFAULT_HTTP_LIMITS, effective_connection_cap
+    from router.http.forwarding import ForwardingConfig
+    from router.http.limits import DEFAULT_HTTP_LIMITS, effective_connection_cap
 
     config = ForwardingConfig(backend_timeout_s=1.0, connect_timeout_s=1.0, no_healthy_backend_status=409)
     assert (config.max_attempts, config.retry_on_timeout, config.health_managed) == (2, True, False)

@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from router import GenerationRouter, RouterConfig
-from router.limits import HttpLimits
+from router.http.limits import HttpLimits
 from tests.http_backends import FakeEngine, dead_url, engine_factory, router_factory
 
 CHAT = "/v1/chat/completions"
@@ -270,7 +270,7 @@ def test_parent_stop_ends_every_worker(routers) -> None:
 
 
 def test_workers_that_do_not_start_leave_nothing_behind(monkeypatch) -> None:
-    from router.workers import WorkerFleet
+    from router.multiprocess.workers import WorkerFleet
 
     monkeypatch.setattr(WorkerFleet, "start_timeout_s", 0.001)
     config = RouterConfig(host="127.0.0.1", port=0, workers=2, probe_interval_s=0, insecure_admin=True)

@@ -1,7 +1,7 @@
 """``rl-launch fleet ...``: operations on a running job's whole fleet.
 
 ``reset-cache JOB`` flushes every engine's prefix cache after a weight update (see
-``router.cache_reset``): through our router's admin route (``router.kind: builtin``, which also clears
+``router.fleet.cache_reset``): through our router's admin route (``router.kind: builtin``, which also clears
 the router's prefix index), straight to each Dynamo worker's ``/engine/flush_cache`` (``router.kind:
 dynamo``; Dynamo's KV router drops the blocks as the workers' removal events arrive), or straight to each
 engine's ``/reset_prefix_cache`` behind a front that has no such route (``vllm-router``, ``ray-serve``:
@@ -34,8 +34,8 @@ from launcher.cli.options import lookup_job, root_option
 from launcher.fleet_client import FleetClient
 from launcher.http_call import bearer, open_url
 from launcher.jobdir import JobDir
-from router.cache_reset import DYNAMO_RESET_PATH, VLLM_RESET_PATH, CacheResetReport, reset_engines
-from router.fleet_ops import PAUSE_MODES, FleetOpReport
+from router.fleet.cache_reset import DYNAMO_RESET_PATH, VLLM_RESET_PATH, CacheResetReport, reset_engines
+from router.fleet.ops import PAUSE_MODES, FleetOpReport
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the per-engine report as JSON.")
 

@@ -39,7 +39,7 @@ from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy,
 from launcher.gateways import Gateway
 from launcher.http_call import bearer, open_url
 from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
-from router.backends import canonical_backend_url
+from router.state.backends import canonical_backend_url
 
 
 def _read_engine_field(url: str, path: str, field: str, timeout_s: float, api_key: str | None) -> Any:

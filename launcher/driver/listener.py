@@ -5,7 +5,7 @@ The driver's listeners (``status_server``; the fleet endpoint beside vllm-router
 so anyone on the cluster reaches them. A listener with one thread per connection and no timeout
 (``http.server``) was held by 300 idle connections (300 threads, still there 30 s later), and an aiohttp
 ``TCPSite`` by as many descriptors, for as long as the peer liked. So these serve with the router's own
-guards, not a second copy of them (``router.server.serve_guarded``: a request head not complete
+guards, not a second copy of them (``router.http.app.serve_guarded``: a request head not complete
 ``head_timeout_s`` after the connection opened closes it, and connections above the cap are closed on
 accept), on one event loop (an idle connection costs a descriptor, never a thread), with limits sized for
 a handful of callers: a deadline no real client needs, a keep-alive long enough for a poller, and a cap
@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from router.connections import ConnectionGate
-from router.limits import HttpLimits
-from router.server import bind_listening_socket, serve_guarded
+from router.http.app import bind_listening_socket, serve_guarded
+from router.http.connections import ConnectionGate
+from router.http.limits import HttpLimits
 
 T = TypeVar("T")
 

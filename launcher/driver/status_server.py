@@ -22,8 +22,8 @@ from aiohttp import web
 
 from launcher.driver.listener import LISTENER_LIMITS, DriverListener
 from launcher.jobdir import JobDir
-from router.auth import Access, Credentials, RouteTable
-from router.limits import HttpLimits
+from router.http.auth import Access, Credentials, RouteTable
+from router.http.limits import HttpLimits
 
 
 def parse_count(raw: str) -> int | None:

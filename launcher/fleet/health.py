@@ -105,7 +105,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, TypedDict
 
-from router.backends import canonical_backend_url
+from router.state.backends import canonical_backend_url
 
 
 class EngineState(StrEnum):

@@ -174,10 +174,11 @@ class DynamoGateway(Gateway):
 
     def _start_front(self) -> str:
         """Our router on the reserved port, in front of the frontend: the job's key on every proxied
-        route (``router.auth``), one backend that the driver owns (``health_managed``: no probing, the
+        route (``router.http.auth``), one backend that the driver owns (``health_managed``: no probing, the
         runtime's liveness is watched here)."""
         from router.config import RouterConfig
-        from router.server import GenerationRouter, RouterBindError
+        from router.http.app import RouterBindError
+        from router.server import GenerationRouter
 
         ctx = self.context
         try:

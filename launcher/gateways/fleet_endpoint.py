@@ -4,7 +4,7 @@ vllm-router (managed or external) proxies to the launcher's own engines, which s
 (``/pause``, ``/update_weight_version``, ``/weight_checker`` ... or the simulator's equivalents), but it has
 no fleet-wide pause, no weight versions and would register a restarted engine that came back on the
 checkpoint's weights: stale rollouts, silently. So the driver serves the builtin router's ``/fleet/*``
-routes itself (``router.fleet_api.FleetApi`` over a ``BackendSet`` that mirrors the fleet controller's
+routes itself (``router.fleet.api.FleetApi`` over a ``BackendSet`` that mirrors the fleet controller's
 pushes), guarded by the job's admin token, and the gateway registers with the front only the engines this
 ``BackendSet`` serves: an engine that joins after a stamp stays out of the front until its
 ``/weight_info`` shows the fleet's version, exactly the builtin router's rule (same code).
@@ -26,14 +26,14 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from launcher.driver.listener import LISTENER_LIMITS, DriverListener
-from router.auth import Access, Credentials, RouteTable
-from router.backends import BackendSet, canonical_backend_url
-from router.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
-from router.fleet_api import FleetApi
-from router.limits import HttpLimits
-from router.pause_gate import PauseGate
+from router.fleet.api import FleetApi
+from router.fleet.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
+from router.http.auth import Access, Credentials, RouteTable
+from router.http.limits import HttpLimits
 from router.policies import make_policy
 from router.policies.base import LoadTracker
+from router.state.backends import BackendSet, canonical_backend_url
+from router.state.pause_gate import PauseGate
 
 
 class FleetEndpoint:

@@ -108,7 +108,8 @@ class JobDir:
 
     @property
     def cache_reset_file(self) -> Path:
-        """The last fleet-wide cache reset (``router.cache_reset.CacheResetReport``), for the dashboard."""
+        """The last fleet-wide cache reset (``router.fleet.cache_reset.CacheResetReport``), for the
+        dashboard."""
         return self.path / "cache_reset.json"
 
     def host_config_file(self, node_index: int) -> Path:

@@ -200,7 +200,7 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 def canonical_url(url: str) -> str:
     """The router keys backends by ``http://host:port`` (no ``/v1``); engine listings may carry either."""
     try:
-        from router.backends import canonical_backend_url
+        from router.state.backends import canonical_backend_url
 
         return canonical_backend_url(url)
     except (ImportError, ValueError):

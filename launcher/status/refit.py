@@ -2,7 +2,7 @@
 
 A trainer that paused the fleet and never resumed looks, from Gym's side, like a hang; an engine left
 stale looks like a fleet one engine short. Both are one line here. The pause figures come from the
-router's ``/metrics`` (``router.metrics``' pause collector); the step's figures from ``GET /fleet/step``
+router's ``/metrics`` (``router.state.metrics``' pause collector); the step's figures from ``GET /fleet/step``
 at the job's ``fleet_url`` (admin token, read from the job directory; never sent anywhere else, see
 ``launcher.status.collect``), i.e. the engines' own counters since the trainer's last ``begin_step``.
 """

@@ -14,7 +14,7 @@ one place that turns those into ours:
 Once the first byte of the body went out the status is fixed: a stream cut later ends the response
 early (the client sees a truncated body, as with our router).
 
-Only the router's proxied routes (``router.server.PROXIED_ROUTES``: the OpenAI generation routes,
+Only the router's proxied routes (``router.http.app.PROXIED_ROUTES``: the OpenAI generation routes,
 ``/tokenize``, ``/detokenize``) reach the engines, and only with the job's API key, checked here before the
 body is read; ``/health`` is the front's own. Everything else is 404: forwarding every path used to hand
 vLLM's dev routes (``/pause``, ``/collective_rpc``...) to anyone who could reach the front, and a rollout
@@ -36,7 +36,7 @@ from launcher.engines.host import read_secret
 from launcher.engines.key_guard import authorized
 from launcher.gateways.ray_serve.plan import ServePlan
 from launcher.gateways.ray_serve.request_router import RETRY_EXCLUDE, ROUTE_KEY, ROUTED
-from router.server import PROXIED_ROUTES
+from router.http.app import PROXIED_ROUTES
 
 ENGINES_DEPLOYMENT = "engines"
 INGRESS_DEPLOYMENT = "ingress"

@@ -7,10 +7,10 @@ no-healthy-backend status, which no client retries, so a trainer that never resu
 instead of a silent hang. On resume the held requests are released first-come first-served (their
 futures are completed in arrival order, and asyncio runs the waiting handlers in that order).
 
-The request path pays one attribute read (``paused``) when the fleet is not paused. All methods run on
-the router's event loop. The gate belongs to the routing state (``router.routing.LocalRouting``), not to
-the process that parsed the request: with worker processes (``router.workers``) a request is held by the
-parent while it waits for its routing decision, so ``max_held`` and ``max_wait_s`` bound the whole router
+The request path pays one attribute read (``paused``) when the fleet is not paused. All methods run on the
+router's event loop. The gate belongs to the routing state (``router.state.routing.LocalRouting``), not to the
+process that parsed the request: with worker processes (``router.multiprocess.workers``) a request is held by
+the parent while it waits for its routing decision, so ``max_held`` and ``max_wait_s`` bound the whole router
 once instead of once per worker, and a pause closes every worker's door at the same instant.
 """
 

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from router.prometheus import parse_metrics
 
 COUNTERS: dict[str, str] = {
     "vllm:prompt_tokens": "prompt_tokens",
@@ -38,21 +39,21 @@ Snapshot = dict[str, Counters]
 
 
 def parse_counters(text: str) -> Counters:
-    """vLLM Prometheus text -> ``{key: value}`` summed over labels (model, engine index)."""
+    """vLLM Prometheus text -> ``{key: value}`` summed over labels (model, engine index). Raises
+    ``ValueError`` when a line is not a sample: an engine that answered something else (an HTML page)
+    is an error of the read, not an engine that counted nothing."""
     out: Counters = {}
-    # By sample name, not family type: parsers disagree on how a ``# TYPE x counter`` line followed by
-    # ``x_total`` samples is grouped.
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.name.endswith("_total"):
-                continue
-            name = sample.name[: -len("_total")]
-            key = COUNTERS.get(name)
-            if key is not None:
-                out[key] = out.get(key, 0.0) + sample.value
-            elif name == REQUESTS_BY_REASON:
-                k = f"finished_{sample.labels.get('finished_reason', 'unknown')}"
-                out[k] = out.get(k, 0.0) + sample.value
+    # By sample name (``router.prometheus``), not family type.
+    for sample_name, samples in parse_metrics(text, strict=True).items():
+        if not sample_name.endswith("_total"):
+            continue
+        name = sample_name[: -len("_total")]
+        key = COUNTERS.get(name)
+        if key is None and name != REQUESTS_BY_REASON:
+            continue
+        for labels, value in samples:
+            k = key or f"finished_{labels.get('finished_reason', 'unknown')}"
+            out[k] = out.get(k, 0.0) + value
     return out
 
 

@@ -25,10 +25,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router.auth import Access, RouteTable
-from router.backends import BackendSet, canonical_backend_url
-from router.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
-from router.metrics import RouterMetrics
+from router.fleet.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
+from router.http.app import health
+from router.http.auth import Access, RouteTable
+from router.state.backends import BackendSet, canonical_backend_url
+from router.state.metrics import RouterMetrics
 
 ADD_WORKER_FAILED = "ADD_WORKER_FAILED"
 
@@ -39,11 +40,6 @@ def _json(status: int, payload: object) -> web.Response:
 
 def _add_failed(message: str) -> web.Response:
     return _json(400, {"success": False, "code": ADD_WORKER_FAILED, "message": message})
-
-
-async def health(request: web.Request) -> web.Response:
-    """Liveness: 200 whenever the process serves. Each worker process answers it itself."""
-    return _json(200, {"status": "ok"})
 
 
 class AdminApi:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from router.fleet_ops import fan_out
+from router.fleet.ops import fan_out
 
 VLLM_RESET_PATH = "/reset_prefix_cache"
 """vLLM (served with ``VLLM_SERVER_DEV_MODE=1``) and the simulator."""
@@ -70,7 +70,7 @@ async def reset_engines(
     urls: Sequence[str], path: str, api_key: str | None = None, timeout_s: float = 30.0
 ) -> list[EngineReset]:
     """POST ``path`` on every engine at once; an error, a timeout or a non-2xx answer is a failure.
-    Sent through ``router.fleet_ops.fan_out``, the one fan-out every fleet operation uses."""
+    Sent through ``router.fleet.ops.fan_out``, the one fan-out every fleet operation uses."""
     answers = await fan_out(
         urls, "POST", path, api_key=api_key, timeout_s=timeout_s, hint=lambda status: _hint(status, path)
     )

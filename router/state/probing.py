@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from router.backends import BackendSet
+from router.state.backends import BackendSet
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 A request asks the state three things: *where to* (``dispatch``: the policy chooses, learns the choice and
 counts the request in flight, in one step so that no other request can decide between the choice and the
-count), *done* (``release``) and *how it went* (``succeeded`` / ``failed``). ``LocalRouting`` answers in
-this process; ``router.decisions.RemoteRouting`` answers from the router's parent process, so that every
-worker process routes with the same prefix index, in-flight and byte counts and serving set: affinity and
-the load bound are then exactly those of one process.
+count), *done* (``release``) and *how it went* (``succeeded`` / ``failed``). ``LocalRouting`` answers in this
+process; ``router.multiprocess.decisions.RemoteRouting`` answers from the router's parent process, so that
+every worker process routes with the same prefix index, in-flight and byte counts and serving set: affinity
+and the load bound are then exactly those of one process.
 
 A generation request asks *where to* with ``hold``: while the fleet is paused for a weight update the
 state holds it at its ``PauseGate`` before choosing, so the one gate bounds every request of the router,
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from router.backends import BackendSet
-from router.metrics import RouterMetrics
-from router.pause_gate import PauseGate
 from router.policies.base import Policy, RouteRequest
+from router.state.backends import BackendSet
+from router.state.metrics import RouterMetrics
+from router.state.pause_gate import PauseGate
 
 # Failures of the backend's transport (not of one answer): with ``health_managed`` they take the backend
 # out of rotation at once. A 5xx is not among them: one poisoned request answered 500 by every engine

@@ -1,7 +1,7 @@
 """The router's ``/fleet/*`` admin routes: the refit window for the whole fleet through one front.
 
 Between RL steps a trainer pauses every engine, updates weights, flushes caches, stamps a new weight
-version and resumes. Each route fans one engine call out to every engine (``router.fleet_ops``) and
+version and resumes. Each route fans one engine call out to every engine (``router.fleet.ops``) and
 answers 200 only when every engine complied, else 500 with the per-engine report: a trainer must never
 go on believing the fleet was paused, stamped or resumed when one engine was not.
 
@@ -17,9 +17,9 @@ The router's own part:
   (``POST /fleet/weight_version`` with ``engines``) readmits them. Before the first stamp nothing is held
   out (every engine serves the checkpoint).
 * **Step metrics**: ``POST /fleet/step/begin`` snapshots the engines' counters, ``GET /fleet/step``
-  answers the delta since then (``router.engine_counters``).
+  answers the delta since then (``router.fleet.engine_counters``).
 
-All routes are registered as admin routes (``router.auth.Access.ADMIN``). Every call to an engine
+All routes are registered as admin routes (``router.http.auth.Access.ADMIN``). Every call to an engine
 presents the engine key (``backend_api_key``): engines take it on every route but ``/health``.
 """
 
@@ -33,10 +33,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from router.auth import Access, RouteTable
-from router.backends import BackendSet, canonical_backend_url
-from router.engine_counters import Snapshot, delta, read_snapshot, step_dict
-from router.fleet_ops import (
+from router.fleet.engine_counters import Snapshot, delta, read_snapshot, step_dict
+from router.fleet.ops import (
     PAUSE_MODES,
     EngineAnswer,
     FleetOpReport,
@@ -45,7 +43,9 @@ from router.fleet_ops import (
     fan_out,
     has,
 )
-from router.pause_gate import PauseGate
+from router.http.auth import Access, RouteTable
+from router.state.backends import BackendSet, canonical_backend_url
+from router.state.pause_gate import PauseGate
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class FleetApi:
         backends.admission = self._on_new_member
 
     def add_routes(self, target: RouteTable | web.Application) -> None:
-        """Every route here is an admin route (``router.auth``). ``target``: the router's table, or an
+        """Every route here is an admin route (``router.http.auth``). ``target``: the router's table, or an
         application of the driver's, whose table is then made on it."""
         table = target if isinstance(target, RouteTable) else RouteTable.of(target)
         for method, path, handler in (

@@ -5,19 +5,19 @@ Rules, each preventing a failure seen with real clients and peers:
 * Never a redirect. Clients do not follow them for POST bodies, and a redirect would hand out an
   engine's own URL, which dies with the engine.
 * The request body is read whole (the policy needs the prompt; a retry must resend it), within the
-  size cap and the body deadline (``router.bodies``), the response
+  size cap and the body deadline (``router.http.bodies``), the response
   is streamed chunk by chunk as it arrives (SSE included), so a long generation is never buffered.
   Small non-streaming responses with a known length are read whole first: one write instead of many,
   and a backend dying mid-body can still be retried because nothing has reached the client yet.
 * Bodies are forwarded byte-for-byte both ways: the server side does not decompress request bodies
-  (``auto_decompress`` off, see ``router.server``) and the upstream client (``router.upstream``) adds no
-  headers of its own but ``Host`` and ``Content-Length``, so ``Content-Encoding`` stays true and the
-  length is that of the bytes relayed.
+  (``auto_decompress`` off, see ``router.http.app``) and the upstream client (``router.http.upstream``) adds
+  no headers of its own but ``Host`` and ``Content-Length``, so ``Content-Encoding`` stays true and the length
+  is that of the bytes relayed.
 * Hop-by-hop headers (RFC 9110 §7.6.1, plus those named in ``Connection``) are dropped both ways, and so
   is ``Expect``: the router itself answers ``100-continue`` (aiohttp's default expect handler) before
   reading the body, so the engine must not be asked again (its interim 100 is skipped in any case).
 * A backend that refuses, resets, times out or answers 5xx is a failed attempt, answered 500 (see
-  ``router.status``) after at most one retry on a *different* backend while nothing has been sent.
+  ``router.http.status``) after at most one retry on a *different* backend while nothing has been sent.
   Generation requests are safe to repeat (no side effects beyond compute), so retry is on for every
   route by default. A 4xx is the backend's answer to this request and passes through unchanged.
 * A client that disconnects cancels its handler (``handler_cancellation``): the upstream connection is
@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.bodies import read_body
-from router.limits import DEFAULT_HTTP_LIMITS, HttpLimits
-from router.metrics import RouterMetrics
-from router.pause_gate import PauseRefused
+from router.http.bodies import read_body
+from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
+from router.http.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
+from router.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
-from router.routing import RoutingState
-from router.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
-from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from router.state.metrics import RouterMetrics
+from router.state.pause_gate import PauseRefused
+from router.state.routing import RoutingState
 
 if TYPE_CHECKING:
     from router.config import RouterConfig

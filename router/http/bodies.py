@@ -10,7 +10,7 @@ per connection. So:
   before a byte is read, a body without one when it passes the cap;
 * either must be complete within ``HttpLimits.body_timeout_s``, else 408 and the connection is closed;
 * a body no handler reads (``/health`` with a body, a request refused before its body) is drained by
-  aiohttp for at most the same time (``lingering_time``, see ``router.server.handler_kwargs``) and
+  aiohttp for at most the same time (``lingering_time``, see ``router.http.app.handler_kwargs``) and
   never buffered.
 
 The 408 answer closes the connection once sent; aiohttp still drains what the client sends meanwhile for
@@ -23,7 +23,7 @@ import asyncio
 
 from aiohttp import StreamReader, web
 
-from router.status import error_body
+from router.http.status import error_body
 
 ADMIN_MAX_BODY_BYTES = 1024 * 1024
 """The largest body an admin route accepts: a small JSON document (``/fleet/abort`` with ~20k request

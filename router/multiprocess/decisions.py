@@ -38,9 +38,9 @@ from typing import Any
 
 import orjson
 
-from router.pause_gate import PauseRefused
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
-from router.routing import LocalRouting
+from router.state.pause_gate import PauseRefused
+from router.state.routing import LocalRouting
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class WorkerChannel(_Framed):
         self._held.clear()
 
     async def ask_stats(self, timeout_s: float) -> bytes | None:
-        """The worker's own metric samples (``router.metrics.per_request_snapshot``), or None."""
+        """The worker's own metric samples (``router.state.metrics.per_request_snapshot``), or None."""
         self._next += 1
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._stats[self._next] = future

@@ -9,7 +9,7 @@ engine complied. Nothing retries: a half-applied refit must surface, not be pape
 
 This module owns the report's shape (``FleetOpReport``): the router's ``/fleet/*`` admin routes answer
 with it, ``rl-launch fleet ...`` prints it and ``launcher.fleet_client`` hands it to the trainer.
-``router.cache_reset`` keeps its own report type (the job directory records it) and sends through
+``router.fleet.cache_reset`` keeps its own report type (the job directory records it) and sends through
 ``fan_out`` here.
 
 The engine routes are vLLM 0.32's (``VLLM_SERVER_DEV_MODE=1``; ``vllm/entrypoints/rl/online/api_router.py``

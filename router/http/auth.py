@@ -14,10 +14,10 @@ Why marks and not a list of path prefixes: with a list, a route added outside it
 ``RouteTable``, with its mark, and the check the mark calls for is bound to its handler right there;
 a route someone registers straight on ``app.router`` carries no mark, and the router refuses to start
 with it, naming it: never served, open or otherwise. The worker processes relay to the router process
-exactly the routes it marked (``RouteTable.marked``; see ``router.workers``).
+exactly the routes it marked (``RouteTable.marked``; see ``router.multiprocess.workers``).
 
 The body of an admin route is read by its check, once the caller is admitted and before the handler
-runs, with the admin cap and the body deadline (``router.bodies.read_admin_body``); the handler's
+runs, with the admin cap and the body deadline (``router.http.bodies.read_admin_body``); the handler's
 ``request.read()`` returns the bytes already read. The proxied routes read theirs in the forwarder.
 
 ``RouterConfig`` refuses a router with neither an admin token nor an API key unless ``insecure_admin``
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from router.bodies import read_admin_body
-from router.status import error_body
+from router.http.bodies import read_admin_body
+from router.http.status import error_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -123,7 +123,8 @@ class RouteTable:
         if unmarked:
             raise RuntimeError(
                 f"route(s) registered without an access mark: {', '.join(unmarked)}; register every route "
-                "through router.auth.RouteTable.add with its Access (the router does not start with them)"
+                "through router.http.auth.RouteTable.add with its Access "
+                "(the router does not start with them)"
             )
 
     def access(self, route: web.AbstractRoute) -> Access | None:

@@ -62,7 +62,7 @@ class BackendSet:
         self._members: tuple[str, ...] = ()
         self._ejected: set[str] = set()
         # Members kept out of rotation because their weights are not the fleet's current version (see
-        # router.fleet_api): unlike ejection, a pushed set does not clear it, since the controller
+        # router.fleet.api): unlike ejection, a pushed set does not clear it, since the controller
         # cannot know an engine's weight version.
         self._stale: dict[str, str] = {}
         # Called with each URL that becomes a member; True holds it out as stale until verified.

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router.backends import BackendSet
-from router.pause_gate import PauseGate
+from router.state.backends import BackendSet
+from router.state.pause_gate import PauseGate
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -69,7 +69,7 @@ class _FleetCollector(Collector):
         yield decisions
 
 
-# A worker process's per-request samples, as sent to the parent (router.decisions STATS):
+# A worker process's per-request samples, as sent to the parent (router.multiprocess.decisions STATS):
 # [[family name, type, help, [[sample name, labels, value], ...]], ...]
 Snapshot = list[list[Any]]
 

@@ -1,11 +1,11 @@
 """Worker processes that share the router's port: every core parses, hashes and relays; one state decides.
 
-One Python process tops out near one core of parsing and relaying (measured in bench/README.md), and a
-rollout fleet of 64 engines sends more than that. So with ``RouterConfig.workers = N > 1`` the router
-process (the *parent*) keeps everything that must be one (the serving set, the prober, the admin API, the
-policy's prefix index, the in-flight and byte counts: ``router.routing.LocalRouting``) and starts N worker
-processes that accept on the parent's listening socket and do the per-request work. Each decision is one
-round trip to the parent over a Unix socket (``router.decisions``); everything else a worker does alone.
+One Python process tops out near one core of parsing and relaying (measured in bench/README.md), and a rollout
+fleet of 64 engines sends more than that. So with ``RouterConfig.workers = N > 1`` the router process (the
+*parent*) keeps everything that must be one (the serving set, the prober, the admin API, the policy's prefix
+index, the in-flight and byte counts: ``router.state.routing.LocalRouting``) and starts N worker processes
+that accept on the parent's listening socket and do the per-request work. Each decision is one round trip to
+the parent over a Unix socket (``router.multiprocess.decisions``); everything else a worker does alone.
 
 Choices, each against a failure:
 
@@ -13,15 +13,15 @@ Choices, each against a failure:
   inherit the descriptor (``pass_fds``) and accept on it. The URL is valid from the constructor on, and a
   dying worker never closes the port: its unaccepted connections stay queued for the others (with
   ``SO_REUSEPORT`` they would be reset with the dead worker's socket).
-* Workers are started with ``python -m router.workers`` (not ``fork``: the parent has an event loop thread,
-  and in a Ray actor, Ray's threads). The configuration, secrets included, arrives on the worker's stdin:
-  secrets never appear in argv.
+* Workers are started with ``python -m router.multiprocess.workers`` (not ``fork``: the parent has an event
+  loop thread, and in a Ray actor, Ray's threads). The configuration, secrets included, arrives on the
+  worker's stdin: secrets never appear in argv.
 * All workers hash prompts with the same ``PYTHONHASHSEED`` (chosen once per router, kept for
   replacements): the prefix index holds hashes computed by every worker, and a session's next turn parsed
   by another worker must find its own blocks.
 * A worker answers the proxied routes, ``/health`` (it is alive: that is the question) and its 404 itself.
   What it relays to the parent's application, on a private Unix socket, is decided by the marks the
-  parent registered its routes with (``router.auth.RouteTable``; the list arrives with the
+  parent registered its routes with (``router.http.auth.RouteTable``; the list arrives with the
   configuration): every *admin* route (``/workers``, ``/fleet/*``, and any added later), so each acts on
   the one routing state, and the other open routes (``/readiness``, ``/metrics``), which read the parent's
   state: only the parent knows the serving set, and ``/metrics`` must be the router's numbers summed over
@@ -29,15 +29,15 @@ Choices, each against a failure:
   far: the router does not start with one.)
 * Nothing is relayed unbounded: an admin body is read by the admin check bound to the route (the
   caller admitted first, then at most ``ADMIN_MAX_BODY_BYTES`` within the body deadline,
-  ``router.bodies``) before it is relayed; an open route's body is never read nor relayed (aiohttp
+  ``router.http.bodies``) before it is relayed; an open route's body is never read nor relayed (aiohttp
   drains it for at most the body deadline); every relay has a deadline, and the parent's answer is
   read up to ``RELAY_MAX_ANSWER_BYTES``. Before, every
   unproxied route relayed whatever body it got, read whole with no cap and no deadline: a few clients
   trickling bodies to ``/health`` held their connections for ever, and four 60 MB bodies cost 500 MB.
   Authentication is checked by both the worker and the parent.
-* The fleet pause holds requests in the parent (``router.decisions``: a generation request's decision
-  waits at the routing state's one ``PauseGate``), and ``/fleet/*`` reaches the parent through the relay
-  below like every admin route, so a pause closes every worker's door at once and the gate's bounds and
+* The fleet pause holds requests in the parent (``router.multiprocess.decisions``: a generation request's
+  decision waits at the routing state's one ``PauseGate``), and ``/fleet/*`` reaches the parent through the
+  relay below like every admin route, so a pause closes every worker's door at once and the gate's bounds and
   numbers are the router's, not a worker's.
 * A worker that exits is replaced within ``SUPERVISE_S``; what it held in flight is released by the parent
   when its channel closes. A worker whose channel closes (the parent died) exits: no orphan serves the port.
@@ -64,16 +64,16 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.admin import health
-from router.auth import Access, MarkedRoute, RouteTable
 from router.config import SECRET_FIELDS, RouterConfig
-from router.decisions import DecisionService, RemoteRouting, WorkerChannel
-from router.fleet_api import ENGINE_TIMEOUT_S
-from router.forwarding import HOP_BY_HOP, Forwarder, ForwardingConfig
-from router.metrics import RouterMetrics, Snapshot, per_request_snapshot
+from router.fleet.api import ENGINE_TIMEOUT_S
+from router.http.app import build_app, health, not_found, serve_guarded
+from router.http.auth import Access, MarkedRoute, RouteTable
+from router.http.forwarding import HOP_BY_HOP, Forwarder, ForwardingConfig
+from router.http.status import error_body
+from router.multiprocess.decisions import DecisionService, RemoteRouting, WorkerChannel
 from router.policies import make_policy
-from router.routing import LocalRouting
-from router.status import error_body
+from router.state.metrics import RouterMetrics, Snapshot, per_request_snapshot
+from router.state.routing import LocalRouting
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class WorkerFleet:
             [
                 sys.executable,
                 "-m",
-                "router.workers",
+                "router.multiprocess.workers",
                 "--listen-fd",
                 str(fd),
                 "--decisions",
@@ -239,7 +239,7 @@ class WorkerFleet:
     def pids(self) -> list[int]:
         return [p.pid if p is not None and p.poll() is None else 0 for p in self._procs]
 
-    # -- metrics (router.metrics.WorkerStats) -------------------------------------------------------------
+    # -- metrics (router.state.metrics.WorkerStats) -------------------------------------------------------
     def snapshots(self) -> dict[int, Snapshot]:
         return dict(self._snapshots)
 
@@ -328,8 +328,6 @@ class ParentRelay:
 def worker_routes(table: RouteTable, relay: ParentRelay, parent_routes: list[MarkedRoute]) -> None:
     """Everything but the proxied routes, in a worker: ``/health`` answered here, the parent's admin
     routes and its other open routes relayed (module doc), the router's 404 for the rest."""
-    from router.server import not_found  # the server module imports this one lazily
-
     table.add("GET", "/health", health, Access.OPEN)
     for route in parent_routes:
         if route.access is Access.ADMIN:
@@ -352,8 +350,6 @@ async def serve_worker(
     index: int,
     parent_routes: list[MarkedRoute],
 ) -> None:
-    from router.server import build_app, serve_guarded  # the server module imports this one lazily
-
     loop = asyncio.get_running_loop()
     stopped = asyncio.Event()
     policy = make_policy(config.policy, **config.policy_options)
