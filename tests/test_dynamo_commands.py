@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
-from launcher.engines.dynamo import DynamoPlanes, DynamoWorker, worker_command
+from launcher.engines.dynamo.worker import DynamoPlanes, DynamoWorker, worker_command
 from launcher.engines.host import EngineHostConfig, build_engine
 from launcher.spec import SpecError, parse_spec
 

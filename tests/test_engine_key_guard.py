@@ -26,7 +26,7 @@ import pytest
 from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.key_guard import OPEN_PATHS, authorized, needs_key
 from launcher.engines.sim import SimEngine
-from launcher.engines.vllm import VllmEngine
+from launcher.engines.vllm.engine import VllmEngine
 
 KEY = "engine-key-guard-test-key"
 STARTUP_TIMEOUT_S = 600.0

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from launcher.gateways import GatewayContext, GatewayError, make_gateway
-from launcher.gateways.vllm_router_admin import Registrar, VllmRouterAdmin
-from launcher.gateways.vllm_router_command import router_command, vllm_router_executable
-from launcher.gateways.vllm_router_process import VllmRouterProcess
+from launcher.gateways.vllm_router.admin import Registrar, VllmRouterAdmin
+from launcher.gateways.vllm_router.command import router_command, vllm_router_executable
+from launcher.gateways.vllm_router.process import VllmRouterProcess
 from launcher.jobdir import JobDir
 from launcher.spec import SpecError, load_resolved, load_snapshot
 

@@ -32,7 +32,7 @@ DIRECT = "direct"
 # fleet behind it and yields ``(client_url, engine_urls)``; each front's module owns how (a vllm-router
 # process in front of sim engines; a Serve deployment whose replicas start their own engines).
 FRONT_ARMS: dict[str, str] = {
-    "vllm-router": "launcher.bench.front_vllm_router:vllm_router_arm",
+    "vllm-router": "launcher.gateways.vllm_router.bench_arm:vllm_router_arm",
     "ray-serve": "launcher.gateways.ray_serve.bench_arm:ray_serve_arm",
 }
 

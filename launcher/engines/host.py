@@ -109,7 +109,7 @@ def build_engine(cfg: EngineHostConfig, index: int, gpus: list[str]) -> Engine:
         return build_dynamo_worker(cfg, gpus, api_key, log_path)
     if cfg.kind != "vllm":
         raise ValueError(f"unknown engine kind {cfg.kind!r} (vllm, sim, dynamo-vllm or dynamo-mocker)")
-    from launcher.engines.vllm import VllmEngine
+    from launcher.engines.vllm.engine import VllmEngine
 
     env = dict(cfg.env)
     if gpus:
@@ -134,7 +134,7 @@ def build_engine(cfg: EngineHostConfig, index: int, gpus: list[str]) -> Engine:
 
 def build_dynamo_worker(cfg: EngineHostConfig, gpus: list[str], api_key: str | None, log_path: str) -> Engine:
     """One Dynamo worker (one TP x PP group, on this node's GPUs) registering with the job's runtime."""
-    from launcher.engines.dynamo import DynamoPlanes, DynamoWorker, dynamo_python
+    from launcher.engines.dynamo.worker import DynamoPlanes, DynamoWorker, dynamo_python
 
     env = dict(cfg.env)
     if gpus:

@@ -9,10 +9,10 @@ from launcher.gateways.base import Gateway, GatewayContext, GatewayError, Gatewa
 # kind -> (module, class); imported on use, so a kind's heavy dependencies (Ray Serve, Dynamo) load only
 # when a job asks for that kind.
 GATEWAY_KINDS: dict[str, tuple[str, str]] = {
-    "builtin": ("launcher.gateways.builtin", "BuiltinRouterGateway"),
-    "vllm-router": ("launcher.gateways.vllm_router", "VllmRouterGateway"),
-    "dynamo": ("launcher.gateways.dynamo", "DynamoGateway"),
-    "ray-serve": ("launcher.gateways.ray_serve", "RayServeGateway"),
+    "builtin": ("launcher.gateways.builtin.gateway", "BuiltinRouterGateway"),
+    "vllm-router": ("launcher.gateways.vllm_router.gateway", "VllmRouterGateway"),
+    "dynamo": ("launcher.gateways.dynamo.gateway", "DynamoGateway"),
+    "ray-serve": ("launcher.gateways.ray_serve.gateway", "RayServeGateway"),
 }
 
 

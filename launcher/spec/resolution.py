@@ -92,7 +92,7 @@ def _router_issues(spec: JobSpec) -> list[Issue]:
     """Each kind's own fields belong to that kind (``mode``/``url``/``vllm_router``: vllm-router;
     ``dynamo``: dynamo); our router's own settings (``policy``, timeouts...) do not apply to another
     front and are refused rather than silently ignored."""
-    from launcher.gateways.vllm_router_command import check_section
+    from launcher.gateways.vllm_router.command import check_section
     from router.config import RouterSettings
 
     r = spec.router

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from launcher.gateways.vllm_router_command import VllmRouterSection
+from launcher.gateways.vllm_router.command import VllmRouterSection
 from launcher.spec.schema import Container, DynamoOptions
 from router.config import RouterSettings
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
-from launcher.gateways.vllm_router_command import VllmRouterSection
+from launcher.gateways.vllm_router.command import VllmRouterSection
 from launcher.slurm.options import check_sbatch_option, parse_sbatch_option
 from launcher.slurm.time import format_time, parse_time
 from launcher.spec.errors import Issue, SpecError

@@ -4,7 +4,7 @@ the job's API key checked in front of it.
 What the launcher runs on the driver node, all stopped at teardown:
 
 * **the runtime** (``prepare_engines``, before any worker starts): with ``discovery: etcd``, etcd and
-  ``nats-server -js`` requiring the job's own credentials (``launcher.gateways.dynamo_runtime``); with
+  ``nats-server -js`` requiring the job's own credentials (``launcher.gateways.dynamo.runtime``); with
   ``discovery: file``, only the directory ``<job>/dynamo/kv`` (``DYN_FILE_KV``, 0700) on the shared
   filesystem. The engine hosts receive where it is and which secret files to read (``DynamoPlanes``).
 * **the frontend** (``start``): ``python -m dynamo.frontend`` with the spec's ``--router-mode`` and
@@ -48,9 +48,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from launcher.engines.dynamo import DynamoPlanes, dynamo_python
+from launcher.engines.dynamo.worker import DynamoPlanes, dynamo_python
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
-from launcher.gateways.dynamo_runtime import EtcdNats, ManagedProcess, free_port, private_dir
+from launcher.gateways.dynamo.runtime import EtcdNats, ManagedProcess, free_port, private_dir
 
 if TYPE_CHECKING:
     from router.server import GenerationRouter

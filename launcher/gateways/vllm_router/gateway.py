@@ -31,9 +31,9 @@ from typing import Any
 
 from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
-from launcher.gateways.fleet_endpoint import FleetEndpoint
-from launcher.gateways.vllm_router_admin import AdminError, Registrar, VllmRouterAdmin
-from launcher.gateways.vllm_router_command import VllmRouterSection, root_url, router_command
+from launcher.gateways.vllm_router.admin import AdminError, Registrar, VllmRouterAdmin
+from launcher.gateways.vllm_router.command import VllmRouterSection, root_url, router_command
+from launcher.gateways.vllm_router.fleet_endpoint import FleetEndpoint
 
 _CALL_TIMEOUT_S = 5.0
 _START_TIMEOUT_S = 120.0
@@ -118,7 +118,7 @@ class VllmRouterGateway(Gateway):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME
-        from launcher.gateways.vllm_router_process import remote_vllm_router_actor
+        from launcher.gateways.vllm_router.process import remote_vllm_router_actor
 
         ctx = self.context
         url = f"http://{ctx.host}:{ctx.port}"
