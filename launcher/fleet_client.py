@@ -68,10 +68,13 @@ class FleetClient:
             raise ValueError(f"job directory {jd.path}: no serving router (phase: {state.get('phase')})")
         url = state.get("fleet_url")
         if not url:
+            from launcher.gateways.kinds import GATEWAY_KINDS
+
             kind = jd.read_spec().router.kind
+            having = " and ".join(name for name, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
             raise ValueError(
-                f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (the builtin router "
-                "and vllm-router have them; rl-launch fleet reset-cache works for every front)"
+                f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (router.kind {having} "
+                "have them; rl-launch fleet reset-cache works for every front)"
             )
         return cls(url, jd.read_admin_token(), timeout_s)
 

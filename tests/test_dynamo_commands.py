@@ -11,7 +11,8 @@ import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.dynamo.worker import DynamoPlanes, DynamoWorker, worker_command
-from launcher.engines.host import EngineHostConfig, build_engine
+from launcher.engines.host import build_engine
+from launcher.engines.host_config import EngineHostConfig
 from launcher.spec import SpecError, parse_spec
 
 ETCD = DynamoPlanes(

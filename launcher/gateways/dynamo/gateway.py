@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.engines.dynamo.worker import DynamoPlanes, dynamo_python
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
+from launcher.gateways.dynamo.kind import DYNAMO
 from launcher.gateways.dynamo.runtime import EtcdNats, ManagedProcess, free_port, private_dir
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def worker_instances(health: dict[str, Any]) -> dict[str, str]:
 
 
 class DynamoGateway(Gateway):
-    kind = "dynamo"
+    kind = DYNAMO.name
     binds_beside_port_hold = True  # the key-checking front is our router, in the driver
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -175,14 +176,15 @@ class DynamoGateway(Gateway):
     def _start_front(self) -> str:
         """Our router on the reserved port, in front of the frontend: the job's key on every proxied
         route (``router.auth``), one backend that the driver owns (``health_managed``: no probing, the
-        runtime's liveness is watched here)."""
-        from router.config import RouterConfig
+        runtime's liveness is watched here), with our router's default settings (the spec's router
+        settings configure our router only where it is the front; Dynamo's own are ``router.dynamo``)."""
+        from router.config import RouterConfig, RouterSettings
         from router.server import GenerationRouter, RouterBindError
 
         ctx = self.context
         try:
             config = RouterConfig.from_settings(
-                ctx.spec.router,
+                RouterSettings(),
                 host=ctx.host,
                 port=ctx.port,
                 port_held=True,  # beside the driver's placeholder (binds_beside_port_hold)
