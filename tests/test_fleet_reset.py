@@ -97,7 +97,7 @@ async def test_real_vllm_prefix_cache_is_reset_through_the_router(
     vllm_python: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     from launcher.engines.base import EngineSpec
-    from launcher.engines.vllm import VllmEngine
+    from launcher.engines.vllm.engine import VllmEngine
 
     spec = EngineSpec(
         model=str(tiny_model_dir),

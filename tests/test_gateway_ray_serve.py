@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 import yaml
 
+from launcher.engines.vllm.kind import VLLM_DEFAULT_MAX_NUM_SEQS
 from launcher.gateways.ray_serve.plan import (
     ONGOING_PER_SEQ,
-    VLLM_DEFAULT_MAX_NUM_SEQS,
     executor_args,
     max_num_seqs,
     replicas_per_node,
@@ -90,7 +90,7 @@ def test_spec_names_the_kinds(tmp_path: Path) -> None:
 
     with pytest.raises(SpecError, match="ray-serve"):
         _spec(tmp_path, {"engine": "sim"}, {"kind": "nginx"})
-    with pytest.raises(SpecError, match=r"serve_routing.*ray-serve only"):
+    with pytest.raises(SpecError, match=r"serve_routing: only for router\.kind: ray-serve, not builtin"):
         _spec(tmp_path, {"engine": "sim"}, {"kind": "builtin", "serve_routing": "power_of_two"})
 
 

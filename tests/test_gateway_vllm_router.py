@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from launcher.gateways import GatewayContext, GatewayError, make_gateway
-from launcher.gateways.vllm_router_admin import Registrar, VllmRouterAdmin
-from launcher.gateways.vllm_router_command import router_command, vllm_router_executable
-from launcher.gateways.vllm_router_process import VllmRouterProcess
+from launcher.gateways.vllm_router.admin import Registrar, VllmRouterAdmin
+from launcher.gateways.vllm_router.command import router_command, vllm_router_executable
+from launcher.gateways.vllm_router.process import VllmRouterProcess
 from launcher.jobdir import JobDir
 from launcher.spec import SpecError, load_resolved, load_snapshot
 
@@ -111,7 +111,11 @@ def _spec(tmp_path: Path, router: str) -> Path:
         ),
         ("url: http://h:1\n", r"router\.url: only for router\.kind: vllm-router"),
         ("kind: vllm-router\nurl: http://h:1\n", r"router\.url: only for router\.mode: external"),
-        ("kind: vllm-router\npolicy: cache_aware\n", r"router\.policy: configures the builtin router"),
+        (
+            "kind: vllm-router\npolicy: cache_aware\n",
+            r"router\.policy: only for router\.kind: builtin or ray-serve, not vllm-router; remove it "
+            r"\(set router\.vllm_router\.policy\)",
+        ),
         ("kind: vllm-router\nvllm_router: {policy: cache-aware}\n", r"router\.vllm_router\.policy: unknown"),
         ("kind: vllm-router\nvllm_router: {options: {port: 1}}\n", r"options: 'port' is set by the launcher"),
         (
@@ -147,7 +151,9 @@ def test_spec_resolves_and_survives_the_snapshot(tmp_path: Path, vllm_router_bin
     external = load_resolved(_spec(tmp_path, "kind: vllm-router\nmode: external\nurl: http://h:30000\n"))
     assert (external.router.mode, external.router.url) == ("external", "http://h:30000")
     builtin = load_resolved(_spec(tmp_path, "policy: round_robin\n"))
-    assert (builtin.router.kind, builtin.router.mode, builtin.router.vllm_router) == ("builtin", None, None)
+    # the builtin router's section has no vllm-router fields at all (each kind owns its section)
+    assert builtin.router.kind == "builtin"
+    assert not hasattr(builtin.router, "mode") and not hasattr(builtin.router, "vllm_router")
 
 
 def test_command_line_has_no_secret_and_a_short_startup_check() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
-from launcher.engines.vllm import VllmEngine
+from launcher.engines.vllm.engine import VllmEngine
 from launcher.fleet_client import FleetClient, FleetOpError
 from router import GenerationRouter, RouterConfig
 from router.fleet.engine_counters import parse_counters

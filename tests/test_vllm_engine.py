@@ -28,7 +28,7 @@ import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.ports import free_port
-from launcher.engines.vllm import API_SERVER_MODULE, VllmEngine, _group_pids
+from launcher.engines.vllm.engine import API_SERVER_MODULE, VllmEngine, _group_pids
 
 SECRET = "sk-test-do-not-leak-4242"
 

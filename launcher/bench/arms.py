@@ -23,17 +23,18 @@ from launcher.bench.client import ClientConfig, ReplayClient, ReplayResult, Sess
 from launcher.bench.metrics import deltas, scrape
 from launcher.bench.report import summarize
 from launcher.bench.workload import Trace
+from launcher.gateways.kinds import GATEWAY_KINDS
 
 DIRECT = "direct"
 
 # Arms of the other fronts (``launcher.gateways``), named ``<front>`` or ``<front>:<option>`` (e.g.
-# ``vllm-router:cache_aware``): front -> "module:function". The function is a context manager
-# ``(n_engines, option, sim_options, sim_process)`` that starts that front with a fresh cold simulated
-# fleet behind it and yields ``(client_url, engine_urls)``; each front's module owns how (a vllm-router
-# process in front of sim engines; a Serve deployment whose replicas start their own engines).
+# ``vllm-router:cache_aware``): front -> "module:function", each front's own (``FrontKind.bench_arm``).
+# The function is a context manager ``(n_engines, option, sim_options, sim_process)`` that starts that
+# front with a fresh cold simulated fleet behind it and yields ``(client_url, engine_urls)``; each front's
+# module owns how (a vllm-router process in front of sim engines; a Serve deployment whose replicas start
+# their own engines).
 FRONT_ARMS: dict[str, str] = {
-    "vllm-router": "launcher.bench.front_vllm_router:vllm_router_arm",
-    "ray-serve": "launcher.gateways.ray_serve.bench_arm:ray_serve_arm",
+    name: kind.bench_arm for name, kind in GATEWAY_KINDS.items() if kind.bench_arm is not None
 }
 
 

@@ -34,7 +34,7 @@ from launcher.cli.options import lookup_job, root_option
 from launcher.fleet_client import FleetClient
 from launcher.http_call import bearer, open_url
 from launcher.jobdir import JobDir
-from router.fleet.cache_reset import DYNAMO_RESET_PATH, VLLM_RESET_PATH, CacheResetReport, reset_engines
+from router.fleet.cache_reset import CacheResetReport, reset_engines
 from router.fleet.ops import PAUSE_MODES, FleetOpReport
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the per-engine report as JSON.")
@@ -88,14 +88,17 @@ def reset_cache_command(job: str | None, timeout_s: float, as_json: bool, root: 
     router_url = state.get("router_url")
     if not router_url or state.get("torn_down"):
         raise click.ClickException(f"job {jd.path.name} has no serving fleet (state: {state.get('phase')})")
-    kind = jd.read_spec().router.kind
+    from launcher.engines.kinds import engine_kind
+    from launcher.gateways.kinds import front_kind
+
+    spec = jd.read_spec()
+    route = front_kind(spec.router.kind).cache_reset(engine_kind(spec.generation.engine))
     t = time.monotonic()
-    if kind == "dynamo":
-        report = _via_engines(jd, DYNAMO_RESET_PATH, None, timeout_s)
-    elif kind == "builtin" and state.get("fleet_url"):
+    if route.via_fleet_route and state.get("fleet_url"):
         report = _via_router(jd, str(state["fleet_url"]), timeout_s)
-    else:  # a front without a fleet route: the job's engines take the job's API key
-        report = _via_engines(jd, VLLM_RESET_PATH, jd.read_api_key(), timeout_s)
+    else:  # straight at the job's engines (with the job's API key where they take it)
+        key = jd.read_api_key() if route.with_api_key else None
+        report = _via_engines(jd, route.engine_path, key, timeout_s)
     jd.write_cache_reset(report.to_json())
     jd.log_event(
         "cache_reset",
@@ -127,10 +130,13 @@ def _client(job: str | None, root: Path, timeout_s: float, op: str) -> tuple[Job
     if not state.get("router_url") or state.get("torn_down"):
         raise click.ClickException(f"job {jd.path.name} has no serving fleet (state: {state.get('phase')})")
     if not state.get("fleet_url"):
+        from launcher.gateways.kinds import GATEWAY_KINDS
+
         kind = jd.read_spec().router.kind
+        with_routes = " and ".join(n for n, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
         raise click.ClickException(
             f"fleet {op}: job {jd.path.name} runs router.kind {kind!r}, which has no fleet-wide {op} "
-            "(the builtin router and vllm-router fan the refit window out to every engine); "
+            f"({with_routes} fan the refit window out to every engine); "
             "`rl-launch fleet reset-cache` works for it"
         )
     try:

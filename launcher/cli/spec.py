@@ -12,7 +12,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 import yaml
@@ -45,7 +45,11 @@ def _load(spec: Path, overrides: tuple[str, ...] = (), as_json: bool = False) ->
 
 
 def summarize(resolved: ResolvedSpec) -> list[str]:
-    """A few lines a person can check at a glance: where, how many nodes, how many engines of what."""
+    """A few lines a person can check at a glance: where, how many nodes, how many engines of what, and
+    which front; the kinds say it themselves (``launcher.gateways.kinds``, ``launcher.engines.kinds``)."""
+    from launcher.engines.kinds import engine_kind
+    from launcher.gateways.kinds import front_kind
+
     gen, train = resolved.generation, resolved.training
     if resolved.slurm is None:
         where = "cluster: local (this machine)"
@@ -56,36 +60,16 @@ def summarize(resolved: ResolvedSpec) -> list[str]:
             else f"heterogeneous job, {resolved.total_nodes} nodes"
         )
         where = f"cluster: slurm, {layout}, time {resolved.slurm.time}"
-    if gen.engine == "vllm":
-        what = f"vllm {gen.model}"
-        if gen.gpus_per_engine:
-            what += (
-                f" (TP {gen.tensor_parallel_size} x PP {gen.pipeline_parallel_size} = "
-                f"{gen.gpus_per_engine} GPUs each)"
-            )
-        else:
-            what += " (on CPUs)"
-    else:
-        what = "sim"
+    what = engine_kind(gen.engine).label(gen)
     command = train.command if len(train.command) <= 70 else train.command[:67] + "..."
     return [
         f"  name: {resolved.name}",
         f"  {where}",
         f"  training: {train.nodes} node(s): {command}",
-        f"  generation: {gen.nodes} node(s) x {gen.engines_per_node} engine(s) = {gen.num_engines} {what}, "
+        f"  generation: {gen.nodes} node(s) x {gen.engines_per_node} engine(s) = {what}, "
         f"served as {gen.served_model_name!r}",
-        f"  router: {_router_line(resolved.router)}",
+        f"  router: {front_kind(resolved.router.kind).summary(resolved.router)}",
     ]
-
-
-def _router_line(r: Any) -> str:
-    lo, hi = r.port_range
-    if r.kind == "vllm-router" and r.mode == "external":
-        return f"vllm-router (external) at {r.url}"
-    if r.kind == "vllm-router":
-        policy = r.vllm_router.policy if r.vllm_router else "cache_aware"
-        return f"vllm-router (managed), policy {policy}, port in {lo}-{hi}"
-    return f"{r.policy}, port in {lo}-{hi}"
 
 
 @click.command("validate")

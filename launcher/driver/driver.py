@@ -53,10 +53,11 @@ from launcher.driver.ports import PortHold, free_port, reserve_port
 from launcher.driver.ray_cluster import RayCluster, driver_process_env
 from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
-from launcher.engines.host import EngineHostConfig
-from launcher.engines.sim.cli import options_to_flags
+from launcher.engines.host_config import EngineHostConfig
+from launcher.engines.kinds import engine_kind
 from launcher.fleet import HealthPolicy
 from launcher.gateways import Gateway, GatewayContext, GatewayError, gateway_class, make_gateway
+from launcher.gateways.kinds import front_kind
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks, write_text_atomic
 from launcher.slurm.request import container_srun_args
 from launcher.spec import ResolvedSpec
@@ -208,6 +209,8 @@ class Driver:
         self, spec: ResolvedSpec, job_dir: Path, training_nodes: list[str], generation_nodes: list[str]
     ) -> None:
         self.spec = spec
+        self.front = front_kind(spec.router.kind)
+        """What the front kind declares (``launcher.gateways.front.FrontKind``)."""
         self.job = JobDir(job_dir).create()
         self.state = StateWriter(self.job)
         self.local = spec.cluster == "local"
@@ -403,18 +406,14 @@ class Driver:
             served_name=gen.served_model_name,
             tensor_parallel_size=gen.tensor_parallel_size,
             pipeline_parallel_size=gen.pipeline_parallel_size,
-            extra_args=list(gen.vllm_args),
-            sim_args=options_to_flags(gen.sim),
             env=dict(gen.env),
             startup_timeout_s=gen.startup_timeout_s,
             log_dir=str(self.job.logs),
             job_dir=str(self.job.path),
             api_key_file=str(self.job.api_key_file),
-            vllm_python=os.environ.get("RL_LAUNCH_VLLM_PYTHON"),
             node_index=index,
-            dynamo=dict(self.engine_runtime),
-            dynamo_python=os.environ.get("RL_LAUNCH_DYNAMO_PYTHON"),
-            dynamo_worker_args=list(self.spec.router.dynamo.worker_args),
+            **engine_kind(gen.engine).host_fields(gen, os.environ),
+            **self.front.engine_host_fields(self.spec.router, self.engine_runtime),
         )
 
     def _launch_host(self, index: int) -> Step:
@@ -480,12 +479,12 @@ class Driver:
 
     def _start_fleet(self) -> None:
         """Engine hosts on the generation nodes, the gateway in front, our fleet controller; or, for a
-        gateway that owns its engines (``Gateway.owns_engines``, e.g. ray-serve), the gateway alone: it
+        gateway that owns its engines (``FrontKind.owns_engines``, e.g. ray-serve), the gateway alone: it
         starts, checks and replaces its engines itself, so no engine hosts and no fleet controller (whose
         engine restarts do not apply); a watcher copies its view and engines to the job directory."""
         self._make_gateway()
         assert self.gateway is not None
-        if self.gateway.owns_engines:
+        if self.front.owns_engines:
             self._start_router([])
             assert self.gateway is not None
             self.controller = GatewayFleetWatcher(self.job, self.state, self.gateway).start()
@@ -548,16 +547,16 @@ class Driver:
         fleet_url = self.gateway.fleet_url()
         if fleet_url:
             self.state.update(fleet_url=fleet_url)
-        policy = getattr(self.gateway, "policy_label", r.policy)  # a front with its own policies says which
+        label = self.front.label(r)
         self.state.event(
-            "router_serving", f"router serving {url}/v1", router_url=url, policy=policy, gateway=r.kind
+            "router_serving",
+            f"router serving {url}/v1",
+            router_url=url,
+            policy=self.front.policy(r),
+            gateway=r.kind,
+            front=label,
         )
-        label = {
-            "builtin": r.policy,
-            "ray-serve": f"ray-serve: {r.policy}",
-            "dynamo": f"dynamo: --router-mode {r.dynamo.router_mode}",
-        }.get(r.kind, f"{r.kind}: {self.gateway.view().detail}")
-        engines = "engines of its own" if self.gateway.owns_engines else f"{len(api_urls)} engines"
+        engines = "engines of its own" if self.front.owns_engines else f"{len(api_urls)} engines"
         self._say(f"router serving {url}/v1 ({label}, {engines})")
         return url
 
@@ -655,8 +654,9 @@ class Driver:
         t = time.monotonic()
         self.hosts.close()
         parts: list[tuple[str, Any]] = [("training", self._stop_training)]
-        if not hurry or self.spec.router.kind != "builtin":
-            # Hurried, the builtin router actor goes with the Ray head; other fronts are our processes.
+        if not hurry or not self.front.dies_with_ray:
+            # Hurried, a front that lives only as a Ray actor (FrontKind.dies_with_ray) goes with the Ray
+            # head; the others are our processes.
             parts.append(("router", self._stop_router))
         if self.controller is not None:
             parts.append(("fleet-controller", self.controller.stop))

@@ -18,7 +18,6 @@ environment: never in argv (world-readable in ``/proc``), never in the config, n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -26,44 +25,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from launcher.engines.base import Engine, EngineSpec, EngineStartError
-from launcher.jobdir import EngineEntry, EngineListing, JobDir, write_json_atomic
-
-
-@dataclass
-class EngineHostConfig:
-    kind: str  # "vllm" | "sim" | "dynamo-vllm" | "dynamo-mocker"
-    count: int
-    host: str
-    model: str
-    served_name: str | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    gpus: list[str] | None = None  # None: take CUDA_VISIBLE_DEVICES of the step (may be empty)
-    extra_args: list[str] = field(default_factory=list)
-    sim_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    startup_timeout_s: float = 900.0
-    log_dir: str = "."
-    job_dir: str = "."
-    api_key_file: str | None = None
-    vllm_python: str | None = None
-    node_index: int = 0
-    dynamo: dict[str, Any] = field(default_factory=dict)
-    """Dynamo workers: ``DynamoPlanes`` as a dict (discovery, request plane, runtime env)."""
-    dynamo_python: str | None = None
-    dynamo_worker_args: list[str] = field(default_factory=list)
-
-    @classmethod
-    def load(cls, path: str | Path) -> EngineHostConfig:
-        return cls(**json.loads(Path(path).read_text()))
-
-    def dump(self, path: str | Path) -> None:
-        write_json_atomic(Path(path), self.__dict__)
+from launcher.engines.base import Engine, EngineStartError
+from launcher.engines.host_config import EngineHostConfig
+from launcher.engines.kinds import engine_kind
+from launcher.jobdir import EngineEntry, EngineListing, JobDir
 
 
 def split_gpus(gpus: Sequence[str], count: int, per_engine: int) -> list[list[str]]:
@@ -86,79 +53,12 @@ def read_secret(path: str | None) -> str | None:
 
 def build_engine(cfg: EngineHostConfig, index: int, gpus: list[str]) -> Engine:
     """Engine ``index`` of this node (a fresh object each time: a restart starts a new process on a
-    new port, on the same GPUs)."""
+    new port, on the same GPUs), built by its kind (``EngineKind.build``)."""
     api_key = read_secret(cfg.api_key_file)
     log_dir = Path(cfg.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = str(JobDir(cfg.job_dir).engine_log(cfg.node_index, index))
-    if cfg.kind == "sim":
-        from launcher.engines.sim.process import SimEngine
-
-        spec = EngineSpec(
-            model=cfg.served_name or cfg.model,
-            host=cfg.host,
-            api_key=api_key,
-            extra_args=list(cfg.sim_args),
-            env=dict(cfg.env),
-            log_path=log_path,
-            startup_timeout_s=cfg.startup_timeout_s,
-        )
-        # One process per simulated engine, like vLLM, so one engine can die and be restarted alone.
-        return SimEngine(spec, engines=1)
-    if cfg.kind in ("dynamo-vllm", "dynamo-mocker"):
-        return build_dynamo_worker(cfg, gpus, api_key, log_path)
-    if cfg.kind != "vllm":
-        raise ValueError(f"unknown engine kind {cfg.kind!r} (vllm, sim, dynamo-vllm or dynamo-mocker)")
-    from launcher.engines.vllm import VllmEngine
-
-    env = dict(cfg.env)
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    extra = list(cfg.extra_args)
-    if cfg.pipeline_parallel_size > 1:
-        extra = ["--pipeline-parallel-size", str(cfg.pipeline_parallel_size), *extra]
-    spec = EngineSpec(
-        model=cfg.model,
-        served_name=cfg.served_name,
-        host=cfg.host,
-        port=0,
-        api_key=api_key,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        extra_args=extra,
-        env=env,
-        log_path=log_path,
-        startup_timeout_s=cfg.startup_timeout_s,
-    )
-    return VllmEngine(spec, python=cfg.vllm_python)
-
-
-def build_dynamo_worker(cfg: EngineHostConfig, gpus: list[str], api_key: str | None, log_path: str) -> Engine:
-    """One Dynamo worker (one TP x PP group, on this node's GPUs) registering with the job's runtime."""
-    from launcher.engines.dynamo import DynamoPlanes, DynamoWorker, dynamo_python
-
-    env = dict(cfg.env)
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    spec = EngineSpec(
-        model=cfg.model,
-        served_name=cfg.served_name,
-        host=cfg.host,
-        api_key=api_key,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        extra_args=list(cfg.extra_args) if cfg.kind == "dynamo-vllm" else [],
-        env=env,
-        log_path=log_path,
-        startup_timeout_s=cfg.startup_timeout_s,
-    )
-    return DynamoWorker(
-        spec,
-        cfg.kind,  # type: ignore[arg-type]
-        DynamoPlanes(**cfg.dynamo),
-        python=dynamo_python(cfg.dynamo_python),
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        pipeline_parallel_size=cfg.pipeline_parallel_size,
-        worker_args=cfg.dynamo_worker_args,
-    )
+    return engine_kind(cfg.kind).build(cfg, gpus, api_key, log_path)
 
 
 def gpu_groups(cfg: EngineHostConfig) -> list[list[str]]:
@@ -166,7 +66,7 @@ def gpu_groups(cfg: EngineHostConfig) -> list[list[str]]:
     if gpus is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         gpus = [g for g in visible.split(",") if g]
-    if cfg.kind in ("sim", "dynamo-mocker"):
+    if not engine_kind(cfg.kind).uses_gpus:
         return [[] for _ in range(cfg.count)]
     return split_gpus(gpus, cfg.count, cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
 

@@ -16,10 +16,13 @@ without the controller having to know that it restarted.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from launcher.gateways.kinds import UnknownFront, front_kind
 
 if TYPE_CHECKING:
     from launcher.jobdir import EngineListing, JobDir
@@ -94,9 +97,6 @@ class Gateway(ABC):
     """Whether the front binds ``port`` with ``SO_REUSEPORT`` beside the driver's placeholder
     (``launcher.driver.ports.PortHold``, ``RouterConfig.port_held``), so the port stays the job's for its
     whole life; else the driver releases the port just before ``start``."""
-    owns_engines: ClassVar[bool] = False
-    """True when the front starts, health-checks and replaces the engines itself (ray-serve): the driver
-    then starts no engine hosts and no fleet controller, and ``view`` is the fleet view status shows."""
     guards_weight_version: ClassVar[bool] = False
     """True when the front itself holds out engines on another weight version (the builtin router's
     ``/fleet`` API): the controller then also hands it the STALE engines, so the trainer can list and
@@ -162,11 +162,28 @@ class Gateway(ABC):
         """The front's own view of the fleet (``rl-launch status`` shows it next to the controller's)."""
 
     def engine_listings(self) -> list[EngineListing]:
-        """The engines a front that owns them runs, one listing per node, for the dashboard (the
-        driver writes them where engine hosts would); ``[]`` for fronts that do not own engines."""
+        """The engines a front that owns them (``FrontKind.owns_engines``) runs, one listing per node, for
+        the dashboard (the driver writes them where engine hosts would); ``[]`` for the others."""
         return []
 
     @abstractmethod
     def stop(self) -> None:
         """Stop what the launcher started (and deregister from a front it only attached to); idempotent,
         bounded in time."""
+
+
+def gateway_class(kind: str) -> type[Gateway]:
+    """The running class of front kind ``kind`` (``FrontKind.gateway``), imported now: a kind's heavy
+    dependencies (Ray Serve, Dynamo) load only when a job asks for that kind."""
+    try:
+        module, _, name = front_kind(kind).gateway.partition(":")
+    except UnknownFront as exc:
+        raise GatewayError(str(exc)) from None
+    cls: type[Gateway] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def make_gateway(kind: str, context: GatewayContext) -> Gateway:
+    gateway = gateway_class(kind)(context)
+    assert isinstance(gateway, Gateway)
+    return gateway

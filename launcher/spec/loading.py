@@ -1,4 +1,4 @@
-"""Loading a spec: YAML with line numbers, pydantic errors rewritten for people.
+"""Loading a spec: YAML with line numbers, pydantic errors rewritten for people (``messages``).
 
 YAML note: the loader keeps ``4:00:00`` a string. PyYAML's YAML 1.1 rules would read it as the base-60
 integer 14400, which as minutes would be a 10-day job.
@@ -7,21 +7,19 @@ integer 14400, which as minutes would be a 10-day job.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from launcher.spec.errors import Issue, SpecError
+from launcher.spec.job import JobSpec
+from launcher.spec.messages import dotted, issue_of, line_for, spec_path
 from launcher.spec.resolved import ResolvedSpec
-from launcher.spec.schema import JobSpec
 
 
 class _NoSexagesimal:
@@ -62,7 +60,7 @@ def _line_map(node: yaml.Node) -> tuple[dict[tuple[Any, ...], int], list[Issue]]
                 if key in seen:
                     dups.append(
                         Issue(
-                            _dotted(sub),
+                            dotted(sub),
                             "given twice; keep one (YAML would silently use the last)",
                             key_node.start_mark.line + 1,
                         )
@@ -77,100 +75,6 @@ def _line_map(node: yaml.Node) -> tuple[dict[tuple[Any, ...], int], list[Issue]]
 
     walk(node, ())
     return lines, dups
-
-
-def _dotted(loc: Sequence[Any]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _line_for(lines: Mapping[tuple[Any, ...], int], loc: Sequence[Any]) -> int | None:
-    loc = tuple(loc)
-    while loc:
-        if loc in lines:
-            return lines[loc]
-        loc = loc[:-1]
-    return None
-
-
-def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
-    """The model class of the section at ``loc`` (to list its fields in an unknown-field error)."""
-    model: type[BaseModel] = JobSpec
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return None
-        candidates = [field.annotation]
-        if (
-            isinstance(field.annotation, types.UnionType)
-            or typing.get_origin(field.annotation) is typing.Union
-        ):
-            candidates = list(typing.get_args(field.annotation))
-        sub = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if sub is None:
-            return None
-        model = sub
-    return model
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _describe(err: Mapping[str, Any]) -> str:
-    """A pydantic error rewritten as what is wrong and what to do."""
-    kind, ctx, loc, got = err["type"], err.get("ctx") or {}, err["loc"], err.get("input")
-    if kind == "extra_forbidden":
-        model = _model_at(loc[:-1])
-        if model is None:
-            return "unknown field; remove it"
-        known = list(model.model_fields)
-        hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
-        did = f"did you mean {hint[0]!r}? " if hint else ""
-        return f"unknown field; {did}known fields here: {', '.join(known)}"
-    if kind == "missing":
-        model = _model_at(loc[:-1])
-        field = model.model_fields.get(str(loc[-1])) if model else None
-        what = f" ({field.description})" if field and field.description else ""
-        return f"required field is missing; add it{what}"
-    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-    if kind in bounds:
-        limit = next(iter(ctx.values()))
-        return f"must be {bounds[kind]} {limit} (got {_show(got)})"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')} (got {_show(got)})"
-    quote_hint = "; quote it if you meant text" if isinstance(got, int | float | bool) else ""
-    type_words = {
-        "int_type": "an integer",
-        "int_from_float": "a whole number",
-        "float_type": "a number",
-        "bool_type": "true or false",
-        "string_type": "a string",
-        "dict_type": "a mapping (key: value lines)",
-        "list_type": "a list",
-        "tuple_type": "a list",
-        "model_type": "a section (a mapping of fields)",
-        "model_attributes_type": "a section (a mapping of fields)",
-    }
-    if kind in type_words:
-        hint = quote_hint if kind == "string_type" else ""
-        if (
-            kind in {"int_type", "float_type"}
-            and isinstance(got, str)
-            and re.fullmatch(r"\s*[-+]?[\d.]+\s*", got)
-        ):
-            hint = "; remove the quotes"
-        return f"must be {type_words[kind]} (got {_show(got)}){hint}"
-    if kind in {"value_error", "assertion_error"}:
-        msg = str(err["msg"])
-        return msg.split(", ", 1)[1] if msg.startswith(("Value error, ", "Assertion failed, ")) else msg
-    return f"{err['msg']} (got {_show(got)})"
 
 
 def parse_spec(
@@ -191,12 +95,11 @@ def parse_spec(
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         issues = [
-            Issue(_dotted(e["loc"]), _describe(e), _line_for(lines, e["loc"]))
-            for e in exc.errors(include_url=False)
+            issue_of(e, lines) for e in exc.errors(include_url=False)
         ]
         raise SpecError(source, issues) from None
     issues = [
-        dataclasses.replace(i, line=_line_for(lines, _path_loc(i.path))) if i.line is None else i
+        dataclasses.replace(i, line=line_for(lines, _path_loc(i.path))) if i.line is None else i
         for i in spec.check()
     ]
     if issues:
@@ -435,7 +338,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> ResolvedSpec:
         return ResolvedSpec.model_validate(data)
     except ValidationError as exc:
         issues = [
-            Issue(_dotted(e["loc"]), f"{e['msg']} (a snapshot from another rl-launch version?)")
+            Issue(dotted(spec_path(e["loc"])), f"{e['msg']} (a snapshot from another rl-launch version?)")
             for e in exc.errors(include_url=False)
         ]
         raise SpecError(source, issues) from None

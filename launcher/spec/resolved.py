@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from launcher.gateways.vllm_router_command import VllmRouterSection
-from launcher.spec.schema import Container, DynamoOptions
-from router.config import RouterSettings
+from launcher.engines.kinds import engine_settings
+from launcher.spec.schema import Container, EngineName, RouterSection
 
 
 class _Resolved(BaseModel):
@@ -57,13 +56,15 @@ class ResolvedTraining(_Resolved):
     """``None`` with ``cluster: local``."""
 
 
-class ResolvedGeneration(_Resolved):
+class _SharedResolvedGeneration(_Resolved):
+    """The resolved fields of ``generation`` every engine kind has."""
+
     nodes: int
-    engine: Literal["vllm", "sim", "dynamo-vllm", "dynamo-mocker"]
+    engine: EngineName
     model: str | None
     served_model_name: str
-    """What clients (Gym) send as ``model``: ``served_model_name`` or ``model``, ``sim`` for a sim engine
-    without either."""
+    """What clients (Gym) send as ``model``: ``served_model_name`` or ``model``, else the engine kind's
+    default (``sim`` for a sim engine without either)."""
     tensor_parallel_size: int
     pipeline_parallel_size: int
     gpus_per_engine: int
@@ -71,31 +72,22 @@ class ResolvedGeneration(_Resolved):
     engines_per_node: int
     num_engines: int
     """nodes x engines_per_node: the fleet size the router starts with."""
-    vllm_args: tuple[str, ...]
     startup_timeout_s: float
     restarts_per_engine: int
     restarts_per_run: int | None
-    allow_cpu: bool
-    sim: dict[str, Any]
     env: dict[str, str]
     resources: ResolvedResources | None
 
 
-class ResolvedRouter(RouterSettings):
-    """The router settings as validated by ``RouterSettings`` (read back from a snapshot, they are checked
-    again by the same rules), plus the port range the driver reserves from."""
+class ResolvedGeneration(*engine_settings(), _SharedResolvedGeneration):  # type: ignore[misc]
+    """The fleet, sized; with every engine kind's own fields as the spec gave them (``vllm_args``...)."""
 
-    # Not strict: a snapshot is YAML, where the port range comes back as a list.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
-    kind: Literal["builtin", "vllm-router", "dynamo", "ray-serve"]
-    serve_routing: Literal["policy", "power_of_two"] = "policy"
-    port_range: tuple[int, int]
-    mode: Literal["managed", "external"] | None = None
-    """``managed`` or ``external`` for vllm-router; ``None`` for the other kinds."""
-    url: str | None = None
-    vllm_router: VllmRouterSection | None = None
-    dynamo: DynamoOptions
+
+ResolvedRouter = RouterSection
+"""The front's section as the spec gave it: the same model, checked by the same rules when a snapshot is
+read back (its port range comes back from YAML as a list, which the section's own validator takes)."""
 
 
 class ResolvedGym(_Resolved):

@@ -38,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from launcher.gateways.kinds import GATEWAY_KINDS
 from launcher.http_call import bearer
 from launcher.jobdir import FINAL_PHASES, STOPPED, JobDir, engine_id
 
@@ -589,13 +590,15 @@ class StatusCollector:
         if key_problem is not None and scrape:
             problems.append(key_problem)
         gateway = _gateway_view(state.get("gateway"), engines)
-        foreign = gateway["extra"] if gateway is not None and gateway["kind"] == "vllm-router" else []
+        front = GATEWAY_KINDS.get(str(gateway["kind"])) if gateway is not None else None
+        foreign = gateway["extra"] if gateway is not None and front and front.forwards_client_key else []
         if foreign and not done and not gateway["final"]:  # type: ignore[index]
-            # vllm-router passes each client's Authorization on to the worker it picks: a worker the job
-            # does not own receives its rollouts and its API key (a managed router removes such workers
-            # on the next fleet tick; an external one is its owner's to clean up).
+            # A front that passes each client's Authorization on to the worker it picks
+            # (``FrontKind.forwards_client_key``): a worker the job does not own receives its rollouts and
+            # its API key (a managed front removes such workers on the next fleet tick; an external one is
+            # its owner's to clean up).
             problems.append(
-                f"vllm-router routes to {len(foreign)} worker(s) this job does not own "
+                f"{gateway['kind']} routes to {len(foreign)} worker(s) this job does not own "  # type: ignore[index]
                 f"({', '.join(foreign[:3])}): rollouts sent there carry the job's API key"
             )
 

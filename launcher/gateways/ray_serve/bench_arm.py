@@ -1,4 +1,4 @@
-"""The bench's ``ray-serve[:POLICY]`` arm (``launcher.bench.arms.FRONT_ARMS``): a fresh, cold Serve
+"""The bench's ``ray-serve[:POLICY]`` arm (``kind.RayServeFront.bench_arm``): a fresh, cold Serve
 application of simulated engines on a local Ray, torn down after the arm.
 
 ``ray-serve`` is Serve's own request routing (power of two choices); ``ray-serve:cache_aware`` (or any of
@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from launcher.engines.sim.kind import SIM
 from launcher.gateways.ray_serve.gateway import (
     APP_NAME,
     POWER_OF_TWO,
@@ -24,7 +25,7 @@ from launcher.gateways.ray_serve.gateway import (
     start_serve,
     wait_healthy,
 )
-from launcher.gateways.ray_serve.plan import ONGOING_PER_SEQ, ServePlan, max_num_seqs
+from launcher.gateways.ray_serve.plan import ONGOING_PER_SEQ, ServePlan
 
 SIM_MODEL = "sim-model"
 
@@ -37,9 +38,9 @@ def local_plan(
     return ServePlan(
         num_replicas=n_engines,
         max_replicas_per_node=n_engines,
-        max_ongoing_requests=ONGOING_PER_SEQ * max_num_seqs("sim", [], sim_options),
+        max_ongoing_requests=ONGOING_PER_SEQ * SIM.max_num_seqs({"sim": sim_options}),
         engine={
-            "kind": "sim",
+            "kind": SIM.name,
             "count": 1,
             "host": "127.0.0.1",
             "model": SIM_MODEL,

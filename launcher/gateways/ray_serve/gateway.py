@@ -8,27 +8,28 @@
 * ``ingress``: one replica behind Serve's HTTP proxy on the reserved port (``ingress.GatewayIngress``),
   keeping the 500 / no-healthy status contract.
 
-Because the gateway owns the engines (``owns_engines``), the driver starts no engine hosts and no fleet
-controller: Serve's controller health-checks replicas and replaces a failed one (its engine with it);
-our controller's engine restarts do not apply. ``set_serving`` is therefore a no-op, and ``view`` is the
-source of the fleet view ``rl-launch status`` shows. Serve's proxy and controller are restarted by Ray
-in place; the proxy rebinds the same port, so the URL stays.
+Because the gateway owns the engines (``kind.RayServeFront.owns_engines``), the driver starts no engine
+hosts and no fleet controller: Serve's controller health-checks replicas and replaces a failed one (its
+engine with it); our controller's engine restarts do not apply. ``set_serving`` is therefore a no-op, and
+``view`` is the source of the fleet view ``rl-launch status`` shows. Serve's proxy and controller are
+restarted by Ray in place; the proxy rebinds the same port, so the URL stays.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from launcher.engines.kinds import engine_kind
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
 from launcher.gateways.ray_serve.ingress import ENGINES_DEPLOYMENT, INGRESS_DEPLOYMENT, GatewayIngress
+from launcher.gateways.ray_serve.kind import RAY_SERVE
 from launcher.gateways.ray_serve.plan import (
     ONGOING_PER_SEQ,
     ServePlan,
     executor_args,
-    max_num_seqs,
     replicas_per_node,
 )
 from launcher.gateways.ray_serve.replica import EngineReplica, registry_dir
@@ -50,13 +51,13 @@ def plan_from_spec(
     job_dir: str,
     api_key_file: str | None,
     local: bool,
-    vllm_python: str | None,
+    engine_env: Mapping[str, str] | None,
     generation_nodes: Sequence[str] = (),
 ) -> ServePlan:
-    """The deployment plan of a resolved spec (see ``plan.ServePlan``)."""
-    from launcher.engines.sim.cli import options_to_flags
-
+    """The deployment plan of a resolved spec (see ``plan.ServePlan``); ``engine_env``: the environment
+    the engine kind reads its interpreter from (the driver's), ``None`` for none."""
     gen = spec.generation
+    kind = engine_kind(gen.engine)
     r = spec.router
     gpus = gen.resources.gpus_per_node if gen.resources is not None else 0
     tp, pp = gen.tensor_parallel_size, gen.pipeline_parallel_size
@@ -68,19 +69,17 @@ def plan_from_spec(
         "served_name": gen.served_model_name,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
-        "extra_args": list(gen.vllm_args),
-        "sim_args": options_to_flags(gen.sim),
         "env": dict(gen.env),
         "startup_timeout_s": gen.startup_timeout_s,
         "log_dir": f"{job_dir}/logs",
         "job_dir": job_dir,
         "api_key_file": api_key_file,
-        "vllm_python": vllm_python,
+        **kind.host_fields(gen, engine_env or {}),
     }
     return ServePlan(
         num_replicas=gen.num_engines,
         max_replicas_per_node=replicas_per_node(gpus, tp, pp, gen.engines_per_node),
-        max_ongoing_requests=ONGOING_PER_SEQ * max_num_seqs(gen.engine, list(gen.vllm_args), dict(gen.sim)),
+        max_ongoing_requests=ONGOING_PER_SEQ * kind.max_num_seqs(gen.model_dump()),
         engine=engine,
         executor_args=executor_args("cuda" if gpus > 0 else "cpu", tp, pp),
         local=local,
@@ -201,8 +200,7 @@ def wait_healthy(url: str, timeout_s: float) -> None:
 
 
 class RayServeGateway(Gateway):
-    kind = "ray-serve"
-    owns_engines: ClassVar[bool] = True
+    kind = RAY_SERVE.name
     ray_env: ClassVar[dict[str, str]] = SERVE_RAY_ENV
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -221,7 +219,7 @@ class RayServeGateway(Gateway):
             str(ctx.job.path),
             str(ctx.job.api_key_file),
             ctx.spec.cluster == "local",
-            os.environ.get("RL_LAUNCH_VLLM_PYTHON"),
+            os.environ,
             ctx.generation_nodes,
         )
         plan = self.plan

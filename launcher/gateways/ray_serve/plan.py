@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# vLLM's own default (``SchedulerConfig.max_num_seqs``) when the spec's vllm_args do not set it.
-VLLM_DEFAULT_MAX_NUM_SEQS = 256
+from launcher.engines import kinds as engine_kinds
+
 # Requests a replica may hold per sequence slot of its engine: one running batch plus one waiting
 # batch, so the engine's scheduler has the next requests at hand when sequences finish (no round trip
 # through Serve's queue), and affinity survives a full batch instead of spilling to the fallback rank.
@@ -51,20 +51,9 @@ class ServePlan:
 
 
 def max_num_seqs(engine_kind: str, vllm_args: list[str], sim: dict[str, Any]) -> int:
-    """The engine's batch size: ``--max-num-seqs`` from vllm_args (either spelling), the simulator's
-    ``max_num_seqs`` option, else the engine's own default."""
-    if engine_kind == "sim":
-        from launcher.engines.sim.config import SimConfig
-
-        value = sim.get("max_num_seqs", SimConfig().max_num_seqs)
-        return int(value)
-    args = list(vllm_args)
-    for i, a in enumerate(args):
-        if a == "--max-num-seqs" and i + 1 < len(args):
-            return int(args[i + 1])
-        if a.startswith("--max-num-seqs="):
-            return int(a.split("=", 1)[1])
-    return VLLM_DEFAULT_MAX_NUM_SEQS
+    """The engine's batch size, by its kind (``EngineKind.max_num_seqs``): ``--max-num-seqs`` from
+    vllm_args (either spelling), the simulator's ``max_num_seqs`` option, else the engine's own default."""
+    return engine_kinds.engine_kind(engine_kind).max_num_seqs({"vllm_args": vllm_args, "sim": sim})
 
 
 def replicas_per_node(gpus_per_node: int, tp: int, pp: int, engines_per_node: int) -> int:

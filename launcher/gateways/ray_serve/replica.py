@@ -72,7 +72,9 @@ class EngineReplica:
     def __init__(self, plan: dict[str, Any]) -> None:
         from ray import serve
 
-        from launcher.engines.host import EngineHostConfig, build_engine
+        from launcher.engines.host import build_engine
+        from launcher.engines.host_config import EngineHostConfig
+        from launcher.engines.kinds import engine_kind
 
         self.plan = ServePlan(**plan)
         context = serve.get_replica_context()
@@ -81,7 +83,7 @@ class EngineReplica:
         rank = context.rank.rank if context.rank is not None else -1
         fields = {**self.plan.engine, **self.plan.engine_overrides.get(rank, {})}
         fields["host"] = engine_host_address(self.plan.local)
-        if fields.get("kind") == "vllm":
+        if engine_kind(fields["kind"]).spans_nodes_with_ray:
             fields["extra_args"] = [*self.plan.executor_args, *fields.get("extra_args", [])]
             if self.plan.executor_args and "RAY_ADDRESS" not in fields.get("env", {}):
                 import ray

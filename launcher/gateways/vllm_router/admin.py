@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from launcher.gateways.vllm_router_command import root_url
+from launcher.gateways.vllm_router.command import root_url
 from launcher.http_call import open_url
 
 _CALL_TIMEOUT_S = 5.0

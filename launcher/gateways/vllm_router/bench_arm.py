@@ -1,7 +1,7 @@
 """Bench arms ``vllm-router[:POLICY]``: a fresh vllm-router process in front of a fresh cold simulated fleet.
 
 The router is started with the same command line a job's managed vllm-router gets
-(``launcher.gateways.vllm_router_command.router_command``) and the engines are registered the same way
+(``launcher.gateways.vllm_router.command.router_command``) and the engines are registered the same way
 (``POST /workers``, ``Registrar``), so the arm measures the front a job would run, not a hand-tuned one.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from launcher.bench.arms import sim_fleet
-from launcher.gateways.vllm_router_admin import Registrar, VllmRouterAdmin
-from launcher.gateways.vllm_router_command import VLLM_ROUTER_POLICIES, VllmRouterSection, router_command
-from launcher.gateways.vllm_router_process import VllmRouterProcess
+from launcher.gateways.vllm_router.admin import Registrar, VllmRouterAdmin
+from launcher.gateways.vllm_router.command import VLLM_ROUTER_POLICIES, VllmRouterSection, router_command
+from launcher.gateways.vllm_router.process import VllmRouterProcess
 
 _REGISTER_TIMEOUT_S = 60.0
 

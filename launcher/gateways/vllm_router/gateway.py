@@ -31,9 +31,10 @@ from typing import Any
 
 from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
-from launcher.gateways.fleet_endpoint import FleetEndpoint
-from launcher.gateways.vllm_router_admin import AdminError, Registrar, VllmRouterAdmin
-from launcher.gateways.vllm_router_command import VllmRouterSection, root_url, router_command
+from launcher.gateways.vllm_router.admin import AdminError, Registrar, VllmRouterAdmin
+from launcher.gateways.vllm_router.command import VllmRouterSection, root_url, router_command
+from launcher.gateways.vllm_router.fleet_endpoint import FleetEndpoint
+from launcher.gateways.vllm_router.kind import VLLM_ROUTER
 
 _CALL_TIMEOUT_S = 5.0
 _START_TIMEOUT_S = 120.0
@@ -60,14 +61,14 @@ def _metrics_port(port_range: tuple[int, int], taken: int) -> int:
 
 
 class VllmRouterGateway(Gateway):
-    kind = "vllm-router"
+    kind = VLLM_ROUTER.name
     guards_weight_version = True  # the fleet endpoint holds stale engines out of the registration
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         r = self.context.spec.router
-        self.mode: str = getattr(r, "mode", None) or "managed"
-        self.section: VllmRouterSection = getattr(r, "vllm_router", None) or VllmRouterSection()
+        self.mode: str = r.mode
+        self.section: VllmRouterSection = r.vllm_router or VllmRouterSection()
         self.actor: Any = None
         self._url = ""
         self.registrar: Registrar | None = None
@@ -118,7 +119,7 @@ class VllmRouterGateway(Gateway):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME
-        from launcher.gateways.vllm_router_process import remote_vllm_router_actor
+        from launcher.gateways.vllm_router.process import remote_vllm_router_actor
 
         ctx = self.context
         url = f"http://{ctx.host}:{ctx.port}"
@@ -156,11 +157,6 @@ class VllmRouterGateway(Gateway):
                     f"vllm-router at {url} has no healthy worker after registering the engines"
                 )
             time.sleep(0.2)
-
-    @property
-    def policy_label(self) -> str:
-        """What ``rl-launch status`` shows as the policy: vllm-router's, not our router's default."""
-        return self.section.policy if self.mode == "managed" else "external (its owner's policy)"
 
     # -- the run ----------------------------------------------------------------------------------------
     def base_url(self) -> str:

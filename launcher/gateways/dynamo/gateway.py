@@ -4,7 +4,7 @@ the job's API key checked in front of it.
 What the launcher runs on the driver node, all stopped at teardown:
 
 * **the runtime** (``prepare_engines``, before any worker starts): with ``discovery: etcd``, etcd and
-  ``nats-server -js`` requiring the job's own credentials (``launcher.gateways.dynamo_runtime``); with
+  ``nats-server -js`` requiring the job's own credentials (``launcher.gateways.dynamo.runtime``); with
   ``discovery: file``, only the directory ``<job>/dynamo/kv`` (``DYN_FILE_KV``, 0700) on the shared
   filesystem. The engine hosts receive where it is and which secret files to read (``DynamoPlanes``).
 * **the frontend** (``start``): ``python -m dynamo.frontend`` with the spec's ``--router-mode`` and
@@ -48,9 +48,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from launcher.engines.dynamo import DynamoPlanes, dynamo_python
+from launcher.engines.dynamo.worker import DynamoPlanes, dynamo_python
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
-from launcher.gateways.dynamo_runtime import EtcdNats, ManagedProcess, free_port, private_dir
+from launcher.gateways.dynamo.kind import DYNAMO
+from launcher.gateways.dynamo.runtime import EtcdNats, ManagedProcess, free_port, private_dir
 
 if TYPE_CHECKING:
     from router.server import GenerationRouter
@@ -78,7 +79,7 @@ def worker_instances(health: dict[str, Any]) -> dict[str, str]:
 
 
 class DynamoGateway(Gateway):
-    kind = "dynamo"
+    kind = DYNAMO.name
     binds_beside_port_hold = True  # the key-checking front is our router, in the driver
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -175,15 +176,16 @@ class DynamoGateway(Gateway):
     def _start_front(self) -> str:
         """Our router on the reserved port, in front of the frontend: the job's key on every proxied
         route (``router.http.auth``), one backend that the driver owns (``health_managed``: no probing, the
-        runtime's liveness is watched here)."""
-        from router.config import RouterConfig
+        runtime's liveness is watched here), with our router's default settings (the spec's router
+        settings configure our router only where it is the front; Dynamo's own are ``router.dynamo``)."""
+        from router.config import RouterConfig, RouterSettings
         from router.http.app import RouterBindError
         from router.server import GenerationRouter
 
         ctx = self.context
         try:
             config = RouterConfig.from_settings(
-                ctx.spec.router,
+                RouterSettings(),
                 host=ctx.host,
                 port=ctx.port,
                 port_held=True,  # beside the driver's placeholder (binds_beside_port_hold)

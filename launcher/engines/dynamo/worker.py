@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from launcher.engines.base import EngineSpec, EngineStartError
-from launcher.engines.vllm import VllmEngine, _connect_host
+from launcher.engines.vllm.engine import VllmEngine, _connect_host
 
 DynamoEngineKind = Literal["dynamo-vllm", "dynamo-mocker"]
 DYNAMO_PYTHON_ENV = "RL_LAUNCH_DYNAMO_PYTHON"

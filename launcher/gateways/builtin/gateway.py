@@ -13,12 +13,13 @@ from typing import Any
 
 from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
+from launcher.gateways.builtin.kind import BUILTIN
 
 _CALL_TIMEOUT_S = 5.0
 
 
 class BuiltinRouterGateway(Gateway):
-    kind = "builtin"
+    kind = BUILTIN.name
     binds_beside_port_hold = True  # the actor's restarts rebind a port no other user can take
     guards_weight_version = True
 

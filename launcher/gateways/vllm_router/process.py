@@ -9,7 +9,7 @@ constructor arguments, and it starts vllm-router on the very same port again. Th
 restarted actor could not bind it.
 
 A restarted vllm-router comes back with no workers: the fleet controller's next push registers them
-again (``launcher.gateways.vllm_router_admin.Registrar``).
+again (``launcher.gateways.vllm_router.admin.Registrar``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from launcher.gateways.vllm_router_admin import VllmRouterAdmin
+from launcher.gateways.vllm_router.admin import VllmRouterAdmin
 
 _PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 30.0

@@ -1,0 +1,2 @@
+"""``router.kind: builtin``: rl-launch's own router (``gateway``), its spec section and what it declares
+(``kind``)."""

@@ -1,0 +1,278 @@
+"""``JobSpec``: the whole spec as written, its cross-field rules (each issue names the field to change) and
+its resolution into ``ResolvedSpec``.
+
+The rules of one kind are that kind's (``FrontKind.rules``, ``EngineKind.rules``, and the settings one
+engine kind owns are refused under another: ``EngineSettings.refused_elsewhere``); what is left here holds
+for every kind, or relates the front to the engines by what each declares (``engine_api``, ``api``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr, field_validator
+
+from launcher.engines.kind import EngineKind, Placement
+from launcher.engines.kinds import DEFAULT_ENGINE_KIND, ENGINE_KINDS, engine_kind, engine_settings
+from launcher.gateways.front import FrontKind
+from launcher.gateways.kinds import DEFAULT_GATEWAY_KIND, GATEWAY_KINDS, front_kind
+from launcher.slurm.time import format_time, parse_time, time_minutes
+from launcher.spec.errors import Issue, SpecError
+from launcher.spec.resolved import (
+    ResolvedGeneration,
+    ResolvedGym,
+    ResolvedResources,
+    ResolvedSlurm,
+    ResolvedSpec,
+    ResolvedTraining,
+)
+from launcher.spec.schema import (
+    DEFAULT_JOB_ROOT,
+    GenerationSection,
+    GymSection,
+    RoleSlurm,
+    RouterSection,
+    SlurmSection,
+    TrainingSection,
+)
+from launcher.spec.section import Section
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class JobSpec(Section):
+    """The job spec as written (defaults not yet derived). Use ``resolved()`` for a runnable view."""
+
+    name: str = Field(description="job name, e.g. grpo-qwen3-8b ([A-Za-z0-9._-], at most 64 characters)")
+    cluster: Literal["slurm", "local"] = "slurm"
+    job_root: str = DEFAULT_JOB_ROOT
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
+    training: TrainingSection
+    generation: GenerationSection = Field(default_factory=GenerationSection)
+    router: RouterSection = Field(default_factory=GATEWAY_KINDS[DEFAULT_GATEWAY_KIND].section)
+    gym: GymSection = Field(default_factory=GymSection)
+
+    _source: Path | None = PrivateAttr(default=None)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.fullmatch(v):
+            raise ValueError(
+                f"{v!r} must be 1-64 characters of letters, digits, '.', '_' or '-', starting with a letter "
+                "or digit (it names the Slurm job and the job directory)"
+            )
+        return v
+
+    @field_validator("job_root")
+    @classmethod
+    def _job_root(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("is empty; give a directory (default ~/rl-launch/jobs)")
+        if any(ch.isspace() for ch in v):
+            raise ValueError(f"{v!r} contains whitespace, which Slurm's #SBATCH --output cannot take")
+        return v
+
+    @property
+    def source(self) -> Path | None:
+        """The file this spec was loaded from (absolute), if any."""
+        return self._source
+
+    def check(self) -> list[Issue]:
+        """Cross-field rules that a single field cannot express."""
+        return semantic_issues(self)
+
+    def resolved(self) -> ResolvedSpec:
+        """Every default filled and every rule checked; raises ``SpecError`` if the spec cannot run."""
+        issues = self.check()
+        if issues:
+            raise SpecError(str(self._source) if self._source else "<spec>", issues)
+        return resolve(self)
+
+
+def _role_resources(spec: JobSpec, override: RoleSlurm | None) -> ResolvedResources:
+    base, o = spec.slurm, override or RoleSlurm()
+    return ResolvedResources(
+        partition=o.partition if o.partition is not None else base.partition,
+        qos=o.qos if o.qos is not None else base.qos,
+        constraint=o.constraint if o.constraint is not None else base.constraint,
+        gpus_per_node=o.gpus_per_node if o.gpus_per_node is not None else base.gpus_per_node,
+        gpu_request=base.gpu_request,
+        cpus_per_task=o.cpus_per_task if o.cpus_per_task is not None else base.cpus_per_task,
+        mem=o.mem if o.mem is not None else base.mem,
+        exclusive=o.exclusive if o.exclusive is not None else base.exclusive,
+        extra_sbatch=tuple(base.extra_sbatch) + tuple(o.extra_sbatch),
+    )
+
+
+def _gpus_field(spec: JobSpec) -> str:
+    g = spec.generation.slurm
+    return "generation.slurm.gpus_per_node" if g and g.gpus_per_node is not None else "slurm.gpus_per_node"
+
+
+def _pairing_issues(front: FrontKind[Any], engine: EngineKind, spec: JobSpec) -> list[Issue]:
+    """A front reaches only engines of its ``engine_api``: the issue blames the side that chose the
+    unusual one (a front that routes only to its own kind of workers, or workers only one front reaches)."""
+    if engine.api == front.engine_api:
+        return []
+    gen, kind = spec.generation.engine, spec.router.kind
+    if front.engine_api != ENGINE_KINDS[DEFAULT_ENGINE_KIND].api:
+        fits = " or ".join(f"{n} ({k.runs_on})" for n, k in ENGINE_KINDS.items() if k.api == front.engine_api)
+        return [
+            Issue(
+                "generation.engine",
+                f"is {gen!r} but router.kind is {kind!r}, which routes only to {front.routes_to}: use "
+                f"{fits}, or another router.kind",
+            )
+        ]
+    fronts = " or ".join(n for n, f in GATEWAY_KINDS.items() if f.engine_api == engine.api)
+    return [
+        Issue(
+            "router.kind",
+            f"is {kind!r} but generation.engine is {gen!r}, whose workers only {engine.reached_by} can "
+            f"reach: set router.kind: {fronts}",
+        )
+    ]
+
+
+def _foreign_settings(gen: GenerationSection, engine: EngineKind) -> list[Issue]:
+    """A field another engine kind owns, set (to anything but its default) under this one: refused in its
+    owner's words, or this kind's own (``EngineKind.refusals``)."""
+    own = {name for model in engine.settings for name in model.model_fields}
+    issues = []
+    for model in engine_settings():
+        for name, message in model.refused_elsewhere.items():
+            field = model.model_fields[name]
+            if name in own or getattr(gen, name) == field.get_default(call_default_factory=True):
+                continue
+            issues.append(Issue(f"generation.{name}", engine.refusals.get(name, message)))
+    return issues
+
+
+def semantic_issues(spec: JobSpec) -> list[Issue]:
+    """Rules across fields. Each issue names the field to change, so the fix is obvious."""
+    gen = spec.generation
+    front, engine = front_kind(spec.router.kind), engine_kind(gen.engine)
+    footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
+    gen_res = _role_resources(spec, gen.slurm)
+    local = spec.cluster == "local"
+    place = Placement(spec.cluster, 0 if local else gen_res.gpus_per_node, _gpus_field(spec))
+
+    issues: list[Issue] = front.rules(spec.router, spec.cluster)
+    issues += _pairing_issues(front, engine, spec)
+    issues += _foreign_settings(gen, engine)
+    issues += engine.rules(gen, place)
+
+    if local:
+        for role in ("training", "generation"):
+            nodes = getattr(spec, role).nodes
+            if nodes != 1:
+                issues.append(
+                    Issue(
+                        f"{role}.nodes",
+                        f"must be 1 with cluster: local (got {nodes}): everything runs on this machine; "
+                        "use generation.engines_per_node for more engines",
+                    )
+                )
+        return issues
+
+    if spec.slurm.time is None:
+        issues.append(
+            Issue(
+                "slurm.time",
+                "required with cluster: slurm (the wall time, e.g. '04:00:00'); without it the partition "
+                "default applies, and submitit's is 5 minutes",
+            )
+        )
+    gpus, gpus_field = place.gpus_per_node, place.gpus_field
+    if gpus > 0 and footprint > gpus:
+        issues.append(
+            Issue(
+                "generation.tensor_parallel_size",
+                f"tensor_parallel_size x pipeline_parallel_size = {gen.tensor_parallel_size} x "
+                f"{gen.pipeline_parallel_size} = {footprint} GPUs per engine, more than the {gpus} GPUs of "
+                f"one node ({gpus_field}); engines spanning nodes are not supported yet: lower TP/PP or "
+                "use nodes with more GPUs",
+            )
+        )
+    elif engine.uses_gpus and gpus > 0 and gen.engines_per_node is not None:
+        need = gen.engines_per_node * footprint
+        if need > gpus:
+            issues.append(
+                Issue(
+                    "generation.engines_per_node",
+                    f"{gen.engines_per_node} engines x {footprint} GPUs each = {need} GPUs, more than the "
+                    f"{gpus} of one node ({gpus_field}); use at most {gpus // footprint} or leave it unset",
+                )
+            )
+    return issues
+
+
+def resolve(spec: JobSpec) -> ResolvedSpec:
+    gen = spec.generation
+    footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
+    served = gen.served_model_name or gen.model or engine_kind(gen.engine).default_served_name
+    job_root = os.path.abspath(os.path.expanduser(spec.job_root))
+    slurm: ResolvedSlurm | None = None
+    train_res = gen_res = None
+    if spec.cluster == "slurm":
+        train_res = _role_resources(spec, spec.training.slurm)
+        gen_res = _role_resources(spec, gen.slurm)
+        assert spec.slurm.time is not None  # checked in semantic_issues
+        seconds = parse_time(spec.slurm.time)
+        slurm = ResolvedSlurm(
+            account=spec.slurm.account,
+            time=format_time(seconds),
+            time_min=time_minutes(seconds),
+            container=spec.slurm.container,
+            layout="single" if train_res == gen_res else "hetjob",
+        )
+        gpus = gen_res.gpus_per_node
+        if gen.engines_per_node is not None:
+            per_node = gen.engines_per_node
+        elif gpus > 0:
+            per_node = gpus // footprint
+        else:  # CPU nodes (sim, or vllm with allow_cpu): one engine unless told otherwise
+            per_node = 1
+        total_nodes = spec.training.nodes + gen.nodes
+    else:
+        per_node = gen.engines_per_node or 1
+        total_nodes = 1
+        gpus = 0
+    kind_settings = {name: getattr(gen, name) for model in engine_settings() for name in model.model_fields}
+    return ResolvedSpec(
+        name=spec.name,
+        cluster=spec.cluster,
+        spec_path=str(spec.source) if spec.source else None,
+        job_root=job_root,
+        total_nodes=total_nodes,
+        slurm=slurm,
+        training=ResolvedTraining(
+            nodes=spec.training.nodes,
+            command=spec.training.command,
+            env=spec.training.env,
+            resources=train_res,
+        ),
+        generation=ResolvedGeneration(
+            nodes=gen.nodes,
+            engine=gen.engine,
+            model=gen.model,
+            served_model_name=served,
+            tensor_parallel_size=gen.tensor_parallel_size,
+            pipeline_parallel_size=gen.pipeline_parallel_size,
+            gpus_per_engine=footprint if gpus > 0 else 0,
+            engines_per_node=per_node,
+            num_engines=per_node * gen.nodes,
+            startup_timeout_s=gen.startup_timeout_s,
+            restarts_per_engine=gen.restarts_per_engine,
+            restarts_per_run=gen.restarts_per_run,
+            env=gen.env,
+            resources=gen_res,
+            **kind_settings,
+        ),
+        router=spec.router,
+        gym=ResolvedGym(overlay=spec.gym.overlay, model_name=spec.gym.model_name or served),
+    )
