@@ -120,6 +120,7 @@ def submit_slurm(spec: ResolvedSpec) -> tuple[str, Path]:
                 t=submitted,
                 spec_snapshot=str(job.spec_file),
                 job_dir=str(job.path),
+                **spec.kind_labels(),
             )
         )
         job.log_event("submitted", f"Slurm job {job_id} submitted", slurm_job_id=job_id)

@@ -66,6 +66,33 @@ def test_cli_validate_names_the_front_and_engine_kind(example: Path) -> None:
     assert f"= {engine.label(r.generation)}, served as {r.generation.served_model_name!r}" in result.stdout
 
 
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_list_and_status_name_the_front_and_engine_kind_of_a_queued_job(
+    example: Path, tmp_path: Path
+) -> None:
+    """``list`` and ``status`` said only the router's policy: a Dynamo or Ray Serve job looked like our
+    router's. They show the labels ``submit`` records (the driver records the same once the job runs)."""
+    import json
+    import time
+
+    from launcher.cli.main import main
+    from launcher.jobdir import JobDir, SubmittedJob
+
+    r = load_resolved(example)
+    job = JobDir(tmp_path / "jobs" / f"{r.name}-local-1").create()
+    record = SubmittedJob(job_id="", name=r.name, cluster="local", t=time.time(), **r.kind_labels())
+    job.write_submitted(record)
+    want = (LABELS[example.name][0], LABELS[example.name][1])
+    listed = CliRunner().invoke(main, ["list", "--json", "--root", str(tmp_path / "jobs")])
+    assert listed.exit_code == 0, listed.output
+    (row,) = json.loads(listed.stdout)
+    assert (row["front"], row["engines"]) == want
+    status = CliRunner().invoke(main, ["status", str(job.path), "--json"])
+    assert status.exit_code == 0, status.output
+    snap = json.loads(status.stdout)
+    assert (snap["job"]["front"], snap["job"]["engines"]) == want
+
+
 def test_declarations_name_their_kind_and_running_class() -> None:
     for name, front in GATEWAY_KINDS.items():
         assert front.name == name and front.section.model_fields["kind"].default == name

@@ -58,6 +58,7 @@ def job_summary(d: Path) -> dict[str, Any]:
         phase = result.outcome or phase
     elif driver_gone(job, slurm if job_id else None):
         phase, detail = "lost", f"ended without a result (last phase {phase}); rl-launch logs {d.name}"
+    submitted = job.read_submitted()
     return {
         "job": d.name,
         "job_id": job_id,
@@ -65,6 +66,8 @@ def job_summary(d: Path) -> dict[str, Any]:
         "slurm": slurm,
         "phase": phase,
         "detail": detail,
+        "front": state.get("front") or (submitted.front if submitted is not None else None),
+        "engines": state.get("engines") or (submitted.engines if submitted is not None else None),
         "router_url": state.get("router_url"),
         "exit_code": result.exit_code if result is not None else None,
         "submitted": created_at(d),
@@ -85,7 +88,7 @@ def list_command(as_json: bool, root: Path) -> None:
     from rich.table import Table
 
     table = Table()
-    for column in ("job", "slurm", "phase", "detail", "router", "updated"):
+    for column in ("job", "slurm", "phase", "detail", "front", "engines", "router", "updated"):
         table.add_column(column, no_wrap=column != "detail")
     for row in rows:
         updated = row["updated"] or row["submitted"]
@@ -94,6 +97,8 @@ def list_command(as_json: bool, root: Path) -> None:
             row["slurm"],
             row["phase"],
             row["detail"][:60],
+            str(row["front"] or "-"),
+            str(row["engines"] or "-"),
             str(row["router_url"] or ""),
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(updated)) if updated else "-",
         )

@@ -47,9 +47,6 @@ def _load(spec: Path, overrides: tuple[str, ...] = (), as_json: bool = False) ->
 def summarize(resolved: ResolvedSpec) -> list[str]:
     """A few lines a person can check at a glance: where, how many nodes, how many engines of what, and
     which front; the kinds say it themselves (``launcher.gateways.kinds``, ``launcher.engines.kinds``)."""
-    from launcher.engines.kinds import engine_kind
-    from launcher.gateways.kinds import front_kind
-
     gen, train = resolved.generation, resolved.training
     if resolved.slurm is None:
         where = "cluster: local (this machine)"
@@ -60,13 +57,15 @@ def summarize(resolved: ResolvedSpec) -> list[str]:
             else f"heterogeneous job, {resolved.total_nodes} nodes"
         )
         where = f"cluster: slurm, {layout}, time {resolved.slurm.time}"
-    what = engine_kind(gen.engine).label(gen)
+    from launcher.gateways.kinds import front_kind
+
+    labels = resolved.kind_labels()
     command = train.command if len(train.command) <= 70 else train.command[:67] + "..."
     return [
         f"  name: {resolved.name}",
         f"  {where}",
         f"  training: {train.nodes} node(s): {command}",
-        f"  generation: {gen.nodes} node(s) x {gen.engines_per_node} engine(s) = {what}, "
+        f"  generation: {gen.nodes} node(s) x {gen.engines_per_node} engine(s) = {labels['engines']}, "
         f"served as {gen.served_model_name!r}",
         f"  router: {front_kind(resolved.router.kind).summary(resolved.router)}",
     ]

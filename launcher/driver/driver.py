@@ -259,6 +259,7 @@ class Driver:
                 driver_pid=os.getpid(),
                 driver_start_ticks=start_ticks(os.getpid()),
                 driver_host=socket.gethostname(),
+                **self.spec.kind_labels(),
                 slurm_job_id=os.environ.get("SLURM_JOB_ID") if not self.local else None,
             )
             if not self.local:

@@ -151,6 +151,10 @@ class SubmittedJob:
     t: float
     spec_snapshot: str = ""
     job_dir: str = ""
+    front: str = ""
+    """The front and the engines in a few words (the kinds' labels), for ``list`` and ``status`` while
+    the job is queued; the driver records the same in ``state.json`` once it runs."""
+    engines: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -164,4 +168,6 @@ class SubmittedJob:
             t=float(d.get("t") or 0.0),
             spec_snapshot=str(d.get("spec_snapshot") or ""),
             job_dir=str(d.get("job_dir") or ""),
+            front=str(d.get("front") or ""),
+            engines=str(d.get("engines") or ""),
         )

@@ -116,6 +116,17 @@ class ResolvedSpec(_Resolved):
         """``<job_root>/<name>-<job_id>``; the sbatch template builds the same path from SLURM_JOB_ID."""
         return Path(self.job_root) / f"{self.name}-{job_id}"
 
+    def kind_labels(self) -> dict[str, str]:
+        """The front and the engines in the kinds' own words (``validate``, ``list``, ``status``):
+        recorded by ``submit`` (queued jobs) and by the driver (``state.json``)."""
+        from launcher.engines.kinds import engine_kind
+        from launcher.gateways.kinds import front_kind
+
+        return {
+            "front": front_kind(self.router.kind).label(self.router),
+            "engines": engine_kind(self.generation.engine).label(self.generation),
+        }
+
     def gym_overlay_path(self, job_dir: str | os.PathLike[str]) -> Path:
         """Where the Gym overlay goes: ``gym.overlay`` if absolute, else inside ``job_dir``."""
         overlay = Path(os.path.expanduser(self.gym.overlay))

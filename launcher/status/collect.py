@@ -534,6 +534,7 @@ class StatusCollector:
         now = time.time()
         jd = JobDir(self.job_dir) if self.job_dir is not None else None
         state = jd.read_state() if jd is not None else {}
+        submitted = jd.read_submitted() if jd is not None else None
         result = _read_json(jd.result_file) if jd is not None else None
         start_t, events = read_event_log(jd.events_file, self.events) if jd is not None else (None, [])
         engines, source, problems = fleet_engines(state, self.job_dir)
@@ -623,6 +624,8 @@ class StatusCollector:
             "elapsed_s": _round(elapsed, 1),
             "router_url": router_url,
             "policy": state.get("policy"),
+            "front": state.get("front") or (submitted.front if submitted is not None else None),
+            "engines": state.get("engines") or (submitted.engines if submitted is not None else None),
         }
         fleet_extra = state.get("fleet") if isinstance(state.get("fleet"), dict) else None
         return {

@@ -106,10 +106,15 @@ def _job_header(snap: dict[str, Any]) -> Text:
             shown = ",".join(map(str, names[:4])) + (f",+{len(names) - 4}" if len(names) > 4 else "")
             t.append(f"  {role} ", style="dim")
             t.append(shown)
+    if job.get("front") or job.get("engines"):  # the kinds' own words (launcher.gateways.front ...)
+        t.append("\nfront ", style="dim")
+        t.append(str(job.get("front") or "-"))
+        t.append("  engines ", style="dim")
+        t.append(str(job.get("engines") or "-"))
     if job.get("router_url"):
         t.append("\nrouter url ", style="dim")
         t.append(str(job["router_url"]), style="underline")
-        if job.get("policy"):
+        if job.get("policy") and not job.get("front"):
             t.append(f"  policy {job['policy']}", style="dim")
     return t
 
