@@ -299,7 +299,8 @@ def test_step_metrics_delta_matches_tokens_sent(fleet: Any) -> None:
 def test_one_prometheus_reader_reads_real_vllm_as_prometheus_client_does(fleet: Any) -> None:
     """``router.prometheus`` (strict) against vLLM's own ``/metrics``, every family it exposes."""
     for e in fleet["engines"]:
-        with urllib.request.urlopen(e.url + "/metrics", timeout=10) as r:
+        req = urllib.request.Request(e.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
             text = r.read().decode()
         assert ours(text) == reference(text), e.url
         assert parse_counters(text).keys() >= {"prompt_tokens", "generation_tokens", "prefix_cache_queries"}
