@@ -32,7 +32,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the project's own modules
+
+from router.ports import free_port  # noqa: E402  (after the path, on purpose)
+
 N_BACKENDS = 8
 FIXED_REPLY = (
     '{"id":"chatcmpl-1","object":"chat.completion","model":"m","choices":[{"index":0,'
@@ -147,12 +150,6 @@ def gym_mean_request_bytes() -> float:
     chat = base + per_turn * (GYM_TURNS - 1) / 2
     stream = len('{"model":"m","stream":true,"prompt":"task 100 "}') + reply
     return 0.9 * chat + 0.1 * stream
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout_s: float = 20.0) -> None:
@@ -350,7 +347,6 @@ def decision_cost_us(n_backends: int, policy_name: str, n: int = 20000) -> float
 
 
 def parse_workers(values: list[str]) -> list[int]:
-    sys.path.insert(0, str(ROOT))
     from router.config import default_worker_count
 
     out: list[int] = []

@@ -4,7 +4,7 @@ Everything is built in ``__init__`` (policy, socket, serving thread) from constr
 when Ray restarts a dead actor it rebinds the very same host:port: the URL Gym was given stays valid.
 The arguments are one ``RouterConfig`` (pickled by Ray, secrets included: they travel inside Ray's object
 store, never in argv or a log) and the initial backend URLs. The port must be chosen once by the caller
-(``reserve_port``), never left to ``port=0``: a restarted actor would then come back elsewhere.
+(``router.ports.free_port``), never left to ``port=0``: a restarted actor would then come back elsewhere.
 With ``config.workers > 1`` the actor is the parent of the worker processes (router.multiprocess.workers):
 they inherit its socket, and when the actor dies they lose their channel to it and exit, so the restarted
 actor can bind the port again (within ``ACTOR_MIN_BIND_RETRY_S``).
@@ -15,7 +15,6 @@ router converges on the next tick.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 from router.config import RouterConfig
@@ -82,10 +81,3 @@ def remote_router_actor(num_cpus: float = 1.0, **options: Any) -> Any:
     return ray.remote(num_cpus=num_cpus, max_restarts=-1, max_task_retries=-1, **options)(
         GenerationRouterActor
     )
-
-
-def reserve_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now, to be handed to the actor once for the life of the run."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

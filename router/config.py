@@ -209,7 +209,7 @@ class RouterConfig(RouterSettings):
     )
     port_held: bool = Field(
         default=False,
-        description="the launcher holds this port for the job's life (launcher.driver.ports.PortHold): bind "
+        description="the launcher holds this port for the job's life (router.ports.PortHold): bind "
         "beside its placeholder with SO_REUSEPORT, so no other user can take the port while the router "
         "restarts",
     )

@@ -99,12 +99,9 @@ class FakeEngine:
 
 def dead_url() -> str:
     """A URL on which nothing listens (a port bound then released)."""
-    import socket
+    from router.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
+    return f"http://127.0.0.1:{free_port()}/v1"
 
 
 @contextlib.asynccontextmanager

@@ -14,8 +14,9 @@ import urllib.request
 
 import pytest
 
-from router.actor import remote_router_actor, reserve_port
+from router.actor import remote_router_actor
 from router.config import RouterConfig
+from router.ports import free_port as reserve_port
 
 pytestmark = pytest.mark.ray
 

@@ -12,7 +12,6 @@ import csv
 import gzip
 import hashlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ from launcher.bench.workload import (
     trace_stats,
 )
 from launcher.cli.bench import bench_group
+from router.ports import free_port
 
 FAST_RETRY = RetryPolicy(attempts=3, delay_s=0.05)
 
@@ -182,9 +182,7 @@ def tiny_trace(n_sessions: int = 3, turns: int = 3, group_size: int = 1) -> Trac
 
 def closed_port() -> int:
     """A port nothing listens on (bound by us a moment ago and released): connections are refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 # ----------------------------------------------------------------------------------------------------

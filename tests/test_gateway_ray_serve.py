@@ -129,8 +129,8 @@ def _fault(engine_url: str, mode: str) -> None:
 
 @contextlib.contextmanager
 def _serve(tmp_path: Path, n: int, routing: str, **sim: Any) -> Iterator[tuple[str, str]]:
-    from launcher.engines.ports import free_port
     from launcher.gateways.ray_serve.bench_arm import local_plan, local_ray, serve_app
+    from router.ports import free_port
 
     job_dir = str(tmp_path / "job")
     os.makedirs(job_dir, exist_ok=True)
@@ -256,9 +256,9 @@ def test_no_running_engine_replica_is_answered_409_and_its_engine_is_reaped(tmp_
 
     from ray import serve
 
-    from launcher.engines.ports import free_port
     from launcher.gateways.ray_serve.bench_arm import local_ray
     from launcher.gateways.ray_serve.gateway import APP_NAME, build_app, start_serve
+    from router.ports import free_port
 
     marker = tmp_path / "never-ready.sh"  # stands in for vLLM's python: runs, never serves /health
     marker.write_text(f"#!/bin/sh\nexec sleep {_sleep_arg()}\n")
@@ -299,8 +299,8 @@ def test_ingress_serves_only_the_proxied_routes_and_only_with_the_key(tmp_path: 
     Now only the proxied routes pass, and only with the job's key; the engine behind stays unpaused."""
     import dataclasses
 
-    from launcher.engines.ports import free_port
     from launcher.gateways.ray_serve.bench_arm import local_plan, local_ray, serve_app
+    from router.ports import free_port
 
     key_file = tmp_path / "api_key"
     key_file.write_text("serve-key\n")
@@ -416,8 +416,8 @@ def test_one_real_vllm_cpu_replica_among_simulated_ones(
     ranks 1-2 the simulator under the same served name: both kinds answer, streamed, through one app."""
     import dataclasses
 
-    from launcher.engines.ports import free_port
     from launcher.gateways.ray_serve.bench_arm import local_plan, local_ray, serve_app
+    from router.ports import free_port
 
     job_dir = str(tmp_path / "job")
     os.makedirs(job_dir)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,6 +28,7 @@ from launcher.gateways.vllm_router.command import router_command, vllm_router_ex
 from launcher.gateways.vllm_router.process import VllmRouterProcess
 from launcher.jobdir import JobDir
 from launcher.spec import SpecError, load_resolved, load_snapshot
+from router.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +51,6 @@ def slurm() -> None:
         pytest.skip(f"no Slurm cluster reachable: {reason} (run on its login node: slurm/cluster.sh exec)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _until(check: Callable[[], bool], timeout_s: float = 15.0, what: str = "") -> float:
     """Poll ``check`` (bounded); return how long it took."""
     t0 = time.monotonic()
@@ -76,11 +70,11 @@ def engines() -> Iterator[list[str]]:
 
 @pytest.fixture
 def router(vllm_router_bin: str, tmp_path: Path) -> Iterator[VllmRouterProcess]:
-    port = _free_port()
+    port = free_port()
     cmd = router_command(
         host="127.0.0.1",
         port=port,
-        metrics_port=_free_port(),
+        metrics_port=free_port(),
         policy="round_robin",
         executable=vllm_router_bin,
     )
@@ -308,7 +302,7 @@ def test_external_gateway_registers_replaces_and_leaves_the_router_running(
     gw.stop()
     assert router.admin.live() and router.admin.worker_urls() == set()  # ours gone, its router running
 
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     spec = load_resolved(_spec(tmp_path, f"kind: vllm-router\nmode: external\nurl: {dead}\n"))
     with pytest.raises(GatewayError, match=rf"router\.url {dead}: vllm-router does not answer"):
         make_gateway("vllm-router", GatewayContext(spec, job, "127.0.0.1", 0, "k", "t")).start(engines)

@@ -3,7 +3,7 @@
 The attack: another user of the node (here uid 65534, so these tests need root, as CI runs) binds the
 router's port the moment the router's Ray actor dies, before Ray restarts it. The restarted router then
 cannot bind, and Gym's next requests, each with the job's API key in ``Authorization``, go to the
-stranger. The driver now holds the port with a placeholder socket (``launcher.driver.ports.PortHold``)
+stranger. The driver now holds the port with a placeholder socket (``router.ports.PortHold``)
 that the router binds beside (``SO_REUSEPORT``, same user only).
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.driver.ports import PortHold
 from router.http.app import bind_listening_socket
+from router.ports import PortHold
 from tests.port_stranger import stranger
 from tests.test_fleet_local import run_job
 

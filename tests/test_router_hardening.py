@@ -17,7 +17,6 @@ import asyncio
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from router import GenerationRouter
 from router.cli import router_command
 from router.config import RouterConfig, RouterSettings, describe_errors
 from router.policies import LoadTracker, RoundRobin
+from router.ports import free_port
 from router.state.backends import BackendSet
 from router.state.probing import HealthProber
 from tests.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
@@ -513,9 +513,7 @@ async def test_secrets_from_file_and_env_work_and_a_flag_warns(engines, tmp_path
 def test_actor_takes_one_config_and_keeps_its_port(workers: int) -> None:
     from router.actor import GenerationRouterActor
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(ValueError, match="fixed port"):
         GenerationRouterActor(RouterConfig(admin_token="a"), [])
     config = RouterConfig(port=port, health_managed=True, workers=workers, admin_token="a")

@@ -37,16 +37,14 @@ from launcher.status.collect import (
 from launcher.status.render import render_snapshot, sparkline
 from router import GenerationRouter
 from router.config import RouterConfig
+from router.ports import free_port
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running. " * 8  # ~130 tokens: 8 blocks
 
 
 def _refused_url() -> str:
     """An address nothing listens on (bound, then released): connecting is refused at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def frame_text(snap: dict[str, Any], max_rows: int | None = None) -> str:

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
-from launcher.engines.ports import free_port
 from launcher.engines.vllm.engine import API_SERVER_MODULE, VllmEngine, _group_pids
+from router.ports import free_port
 
 SECRET = "sk-test-do-not-leak-4242"
 

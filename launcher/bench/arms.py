@@ -279,15 +279,14 @@ def _router_process(
     engine_urls: Sequence[str], policy: str, router_options: Mapping[str, Any] | None
 ) -> Iterator[str]:
     import json
-    import socket
     import subprocess
     import sys
     import time
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from router.ports import free_port
+
+    port = free_port("127.0.0.1")
     cmd = [sys.executable, "-m", "launcher.cli", "router", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--policy", policy, "--options-json", json.dumps(dict(router_options or {}))]
     for u in engine_urls:

@@ -49,7 +49,6 @@ from typing import Any
 import yaml
 
 from launcher.driver.fleet_controller import FleetController
-from launcher.driver.ports import PortHold, free_port, reserve_port
 from launcher.driver.ray_cluster import RayCluster, driver_process_env
 from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
@@ -61,6 +60,7 @@ from launcher.gateways.kinds import front_kind
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks, write_text_atomic
 from launcher.slurm.request import container_srun_args
 from launcher.spec import ResolvedSpec
+from router.ports import PortHold, free_port, reserve_port
 
 # The signals that stop a job; SIGUSR2 is Slurm's warning before the time limit.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
@@ -508,7 +508,7 @@ class Driver:
 
     def _make_gateway(self) -> None:
         """The front in front of the fleet (``router.kind``; see ``launcher.gateways``), on a port
-        reserved once from the spec's range and held (``launcher.driver.ports``), so a restarted front
+        reserved once from the spec's range and held (``router.ports.PortHold``), so a restarted front
         rebinds the same URL and nobody else can take it meanwhile. Made before the engines because some
         kinds run what the engines register with (Dynamo's runtime)."""
         t = time.monotonic()

@@ -95,7 +95,7 @@ class Gateway(ABC):
     e.g. Serve's controller's proxy health-check period)."""
     binds_beside_port_hold: ClassVar[bool] = False
     """Whether the front binds ``port`` with ``SO_REUSEPORT`` beside the driver's placeholder
-    (``launcher.driver.ports.PortHold``, ``RouterConfig.port_held``), so the port stays the job's for its
+    (``router.ports.PortHold``, ``RouterConfig.port_held``), so the port stays the job's for its
     whole life; else the driver releases the port just before ``start``."""
     guards_weight_version: ClassVar[bool] = False
     """True when the front itself holds out engines on another weight version (the builtin router's

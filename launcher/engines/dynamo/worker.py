@@ -23,8 +23,6 @@ Dynamo installed; the interpreter is the Dynamo venv's (``RL_LAUNCH_DYNAMO_PYTHO
 from __future__ import annotations
 
 import os
-import random
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Literal
 
 from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.vllm.engine import VllmEngine, _connect_host
+from router.ports import NoFreePort, free_port_in
 
 DynamoEngineKind = Literal["dynamo-vllm", "dynamo-mocker"]
 DYNAMO_PYTHON_ENV = "RL_LAUNCH_DYNAMO_PYTHON"
@@ -102,19 +101,12 @@ STATUS_PORT_RANGE = (21000, 32000)
 
 
 def status_port(host: str, port_range: tuple[int, int] = STATUS_PORT_RANGE) -> int:
-    """A port free on ``host`` now in ``port_range``, starting at a random offset (workers of one node
-    start at once; the same small race as ``free_port``, and a clash fails that worker's start loudly)."""
-    lo, hi = port_range
-    start = random.randrange(hi - lo + 1)
-    for i in range(hi - lo + 1):
-        port = lo + (start + i) % (hi - lo + 1)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise EngineStartError(f"no free port in {lo}-{hi} on {host} for a Dynamo worker's status server")
+    """A port free on ``host`` now in ``port_range``, from a random offset (workers of one node start at
+    once; ``router.ports``' race, and a clash fails that worker's start loudly)."""
+    try:
+        return free_port_in(host, port_range, order="random", what="a Dynamo worker's status server")
+    except NoFreePort as exc:
+        raise EngineStartError(str(exc)) from None
 
 
 def dynamo_python(configured: str | None = None) -> str:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Literal
 
 from launcher.engines.base import Engine, EngineSpec, EngineStartError
 from launcher.engines.key_guard import GUARD_DIR, GUARD_IMPORT_PATH
-from launcher.engines.ports import free_port
+from router.ports import free_port
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -142,7 +142,7 @@ class VllmEngine(Engine):
 
     Args:
         spec: what to serve and where. ``spec.port == 0`` means "pick a free port at ``start()``"
-            (see :mod:`launcher.engines.ports` for the small race and why it is acceptable).
+            (see :mod:`router.ports` for the small race and why it is acceptable).
         python: interpreter with vLLM installed; implies ``launch="module"`` under ``"auto"``.
         launch: ``"console"``, ``"module"`` or ``"auto"`` (see module docstring).
         vllm_bin: the console script for ``launch="console"`` (a name on PATH or a path).

@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 from launcher.engines.dynamo.worker import DynamoPlanes, dynamo_python
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
 from launcher.gateways.dynamo.kind import DYNAMO
-from launcher.gateways.dynamo.runtime import EtcdNats, ManagedProcess, free_port, private_dir
+from launcher.gateways.dynamo.runtime import EtcdNats, ManagedProcess, private_dir
+from router.ports import free_port
 
 if TYPE_CHECKING:
     from router.server import GenerationRouter

@@ -52,18 +52,13 @@ from typing import Any
 
 from launcher.gateways.base import GatewayError
 from launcher.jobdir import JobDir
+from router.ports import free_port
 
 ETCD_USER = "rl-launch"
 ETCD_PASSWORD_SECRET = "dynamo_etcd_password"
 NATS_TOKEN_SECRET = "dynamo_nats_token"
 # Longer than any job runs (10 years): see the module docstring.
 ETCD_TOKEN_TTL_S = 10 * 365 * 24 * 3600
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class ManagedProcess:

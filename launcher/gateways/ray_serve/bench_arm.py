@@ -130,7 +130,7 @@ def ray_serve_arm(
 ) -> Iterator[tuple[str, list[str]]]:
     """FRONT_ARMS entry: yields (the ingress URL, the engines' URLs). Engines are always processes here
     (each replica starts one), so ``sim_process`` changes nothing."""
-    from launcher.engines.ports import free_port
+    from router.ports import free_port
 
     job_dir = tempfile.mkdtemp(prefix="rl-launch-serve-arm-")
     try:

@@ -8,7 +8,6 @@ The router is started with the same command line a job's managed vllm-router get
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -18,14 +17,9 @@ from launcher.bench.arms import sim_fleet
 from launcher.gateways.vllm_router.admin import Registrar, VllmRouterAdmin
 from launcher.gateways.vllm_router.command import VLLM_ROUTER_POLICIES, VllmRouterSection, router_command
 from launcher.gateways.vllm_router.process import VllmRouterProcess
+from router.ports import free_port
 
 _REGISTER_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -41,10 +35,10 @@ def vllm_router_arm(
             f"choose one of: {', '.join(VLLM_ROUTER_POLICIES)}"
         ) from None
     with sim_fleet(n_engines, sim_options, process=sim_process) as engines:
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         command = router_command(
-            host="127.0.0.1", port=port, metrics_port=_free_port(), policy=section.policy
+            host="127.0.0.1", port=port, metrics_port=free_port(), policy=section.policy
         )
         router = VllmRouterProcess(command, url).start()
         try:

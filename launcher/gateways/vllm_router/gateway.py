@@ -44,20 +44,15 @@ _READY_TIMEOUT_S = 30.0
 def _metrics_port(port_range: tuple[int, int], taken: int) -> int:
     """A port for vllm-router's Prometheus listener on 127.0.0.1, from the router's range (not the
     ephemeral range: a restart must find it free again) and not the router's own port, which is reserved
-    but not yet bound."""
-    import socket
+    but not yet bound: from the top, away from where the driver reserves."""
+    from router.ports import NoFreePort, free_port_in
 
-    lo, hi = port_range
-    for port in range(hi, lo - 1, -1):  # from the top: the driver reserves from an offset upward
-        if port == taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise GatewayError(f"router.port_range {lo}-{hi}: no free port left for vllm-router's metrics")
+    try:
+        return free_port_in(
+            "127.0.0.1", port_range, order="top", exclude=(taken,), what="vllm-router's metrics"
+        )
+    except NoFreePort as exc:
+        raise GatewayError(f"router.port_range: {exc}") from None
 
 
 class VllmRouterGateway(Gateway):
