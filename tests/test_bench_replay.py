@@ -37,17 +37,16 @@ from launcher.bench.report import (
     write_json,
     write_png,
 )
-from launcher.bench.workload import (
-    MAX_CONTEXT_TOKENS,
+from launcher.bench.trace import (
     TEMPLATE_TOKENS_PER_TURN,
     Session,
     Trace,
     Turn,
-    generate,
     load_trace,
     save_trace,
     trace_stats,
 )
+from launcher.bench.workload import MAX_CONTEXT_TOKENS, generate
 from launcher.cli.bench import bench_group
 from router.ports import free_port
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from launcher.bench.trace import session_work
 from launcher.bench.virtual import VirtualClockLoop, compare_virtual, oracle_placement, run_virtual_arm
-from launcher.bench.workload import generate, session_work
+from launcher.bench.workload import generate
 from launcher.cli.main import main
 from launcher.engines.sim.config import SimConfig
 

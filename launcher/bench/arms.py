@@ -22,7 +22,7 @@ import aiohttp
 from launcher.bench.client import ClientConfig, ReplayClient, ReplayResult, SessionRecord
 from launcher.bench.metrics import deltas, scrape
 from launcher.bench.report import summarize
-from launcher.bench.workload import Trace
+from launcher.bench.trace import Trace
 from launcher.gateways.kinds import GATEWAY_KINDS
 
 DIRECT = "direct"

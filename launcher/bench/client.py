@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from launcher.bench.workload import Session, Trace
+from launcher.bench.trace import Session, Trace
 
 GYM_RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504, 520, 404, 408})
 

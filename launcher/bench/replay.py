@@ -17,7 +17,7 @@ from typing import Any
 from launcher.bench.arms import DIRECT, ArmOutcome, run_compare, run_direct, run_url
 from launcher.bench.client import ClientConfig, SessionRecord
 from launcher.bench.report import default_paths, render_table, write_csv, write_json, write_png
-from launcher.bench.workload import Trace
+from launcher.bench.trace import Trace
 
 DEFAULT_RESULTS_DIR = "bench/results"
 JOB_DIR_ENV = "RL_JOB_DIR"

@@ -29,7 +29,8 @@ import orjson
 from launcher.bench.arms import DIRECT
 from launcher.bench.client import gym_chat_payload, gym_pin
 from launcher.bench.report import load_stats, time_to_fraction
-from launcher.bench.workload import Session, Trace, generate, session_work
+from launcher.bench.trace import Session, Trace, session_work
+from launcher.bench.workload import generate
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.protocol import parse_generation, plan_output
 from launcher.engines.sim.scheduler import ReqState, Scheduler, SimRequest

@@ -25,15 +25,8 @@ from launcher.bench.replay import (
     run_arms,
     write_outputs,
 )
-from launcher.bench.workload import (
-    MAX_TOKENS,
-    WORKLOADS,
-    Trace,
-    generate,
-    load_trace,
-    save_trace,
-    trace_stats,
-)
+from launcher.bench.trace import Trace, load_trace, save_trace, trace_stats
+from launcher.bench.workload import MAX_TOKENS, WORKLOADS, generate
 
 
 def _workload_options(f: Any) -> Any:
