@@ -5,7 +5,7 @@ Layout (on the shared filesystem, so every node and the login node see it)::
     <job_dir>/
       submitted.json          SubmittedJob, by ``rl-launch submit`` (a Slurm job is known while queued)
       spec.resolved.yaml      the resolved spec the job runs (written by submit; no secrets)
-      state.json              the job state (phase, figures, fleet snapshot): the driver's StateWriter only
+      state.json              the job state (phase, figures, FleetSnapshot, GatewaySnapshot): StateWriter only
       events.jsonl            append-only: phase changes, fleet events, restarts
       driver.log              the driver's own log
       gym_overlay.yaml        policy_base_url / policy_api_key / policy_model_name for NeMo-Gym
