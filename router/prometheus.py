@@ -5,8 +5,7 @@ Engines (vLLM and the simulator, both through ``prometheus_client``), our router
 speak this format, and each reader of it had its own parser: ``prometheus_client``'s (slow, and one odd
 line fails the whole text), and two small ones that took an exemplar's number for the value or read an
 escaped backslash before ``n`` as a newline. One parser, with the choices each reader needs
-(``router.fleet.engine_counters`` reads through it; ``launcher.status.collect`` and
-``launcher.bench.metrics`` still have their own at the time of writing):
+(``router.fleet.engine_counters``, ``launcher.status`` and ``launcher.bench.metrics`` read through it):
 
 * Line by line, with a prefix filter applied before any parsing (``prefixes``): a real vLLM answers
   ~100 KB, and a dashboard that scrapes 256 engines every second must not parse the families it throws
@@ -136,3 +135,27 @@ def histogram_buckets(metrics: Metrics, name: str) -> list[tuple[float, float]]:
         if not math.isnan(le):
             sums[le] = sums.get(le, 0.0) + value
     return sorted(sums.items())
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' ``histogram_quantile`` over cumulative ``(le, count)`` buckets (``histogram_buckets``):
+    linear interpolation inside the bucket holding rank ``q*n``.
+
+    The lowest bucket interpolates from 0; a rank in the ``+Inf`` bucket returns the highest finite
+    bound (nothing better is known). None when the histogram holds no observation."""
+    if not buckets or not 0.0 <= q <= 1.0:
+        return None
+    total = buckets[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower_le, lower_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank and count > 0:
+            if math.isinf(le):
+                return lower_le
+            if count == lower_count:
+                return le
+            return lower_le + (le - lower_le) * (rank - lower_count) / (count - lower_count)
+        lower_le, lower_count = (le if not math.isinf(le) else lower_le), count
+    return lower_le

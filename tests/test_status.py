@@ -27,17 +27,19 @@ from rich.console import Console
 from launcher.cli.main import main
 from launcher.engines.sim import SimFleet
 from launcher.jobdir import JobDir
-from launcher.status import collect as status_collect
-from launcher.status.collect import (
-    StatusCollector,
-    collect_snapshot,
-    histogram_quantile,
-    parse_metrics,
-)
+from launcher.status.collect import StatusCollector, collect_snapshot
+from launcher.status.figures import lowest_bucket_bound
 from launcher.status.render import render_snapshot, sparkline
 from router import GenerationRouter
 from router.config import RouterConfig
 from router.ports import free_port
+from router.prometheus import (
+    histogram_buckets,
+    histogram_quantile,
+    metric_by_label,
+    metric_sum,
+    parse_metrics,
+)
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running. " * 8  # ~130 tokens: 8 blocks
 
@@ -572,8 +574,8 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
     assert histogram_quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * (39.6 - 30) / 10)
     assert histogram_quantile(0.5, [(1.0, 0.0), (float("inf"), 4.0)]) == 1.0  # in +Inf: highest bound
     assert histogram_quantile(0.5, [(1.0, 0.0), (float("inf"), 0.0)]) is None
-    assert status_collect.lowest_bucket_bound(0.25, buckets) == 0.1
-    assert status_collect.lowest_bucket_bound(0.5, buckets) is None
+    assert lowest_bucket_bound(0.25, buckets) == 0.1
+    assert lowest_bucket_bound(0.5, buckets) is None
 
 
 def test_parse_metrics_reads_router_and_vllm_names() -> None:
@@ -589,10 +591,10 @@ def test_parse_metrics_reads_router_and_vllm_names() -> None:
         ]
     )
     m = parse_metrics(text)
-    assert status_collect.metric_sum(m, "rl_router_requests_total") == 14
-    assert status_collect.metric_by_label(m, "rl_router_requests_total", "status") == {"200": 12, "500": 2}
+    assert metric_sum(m, "rl_router_requests_total") == 14
+    assert metric_by_label(m, "rl_router_requests_total", "status") == {"200": 12, "500": 2}
     assert m["vllm:prefix_cache_hits_total"][0][0]["model_name"] == 'm "x"'
-    assert status_collect.histogram_buckets(m, "vllm:e2e_request_latency_seconds") == [(float("inf"), 4.0)]
+    assert histogram_buckets(m, "vllm:e2e_request_latency_seconds") == [(float("inf"), 4.0)]
     only = parse_metrics(text, ("vllm:",))
     assert set(only) == {"vllm:prefix_cache_hits_total", "vllm:e2e_request_latency_seconds_bucket"}
 

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from router.prometheus import metric_sum, parse_metrics
+
 WATCHED: tuple[str, ...] = (
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
@@ -24,29 +26,14 @@ WATCHED: tuple[str, ...] = (
 
 
 def parse_prometheus(text: str, names: Sequence[str] = WATCHED) -> dict[str, float]:
-    """Sum each wanted metric over all its label sets (e.g. ``finished_reason``, ``model_name``).
-
-    A deliberately small parser: sample lines are ``name{labels} value [timestamp]`` and label values
-    may contain spaces, so the value is taken after the last ``}``.
-    """
-    wanted = set(names)
+    """Sum each wanted metric over all its label sets (e.g. ``finished_reason``, ``model_name``); a
+    metric the text does not hold is left out. Read by ``router.prometheus``, only the wanted lines."""
+    metrics = parse_metrics(text, tuple(names))
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        if brace >= 0:
-            name = line[:brace].strip()
-            rest = line[line.rfind("}") + 1 :].split()
-        else:
-            parts = line.split()
-            name, rest = (parts[0], parts[1:]) if parts else ("", [])
-        if name not in wanted or not rest:
-            continue
-        try:
-            out[name] = out.get(name, 0.0) + float(rest[0])
-        except ValueError:
-            continue
+    for name in names:
+        total = metric_sum(metrics, name)
+        if total is not None:
+            out[name] = total
     return out
 
 

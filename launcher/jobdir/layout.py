@@ -5,7 +5,7 @@ Layout (on the shared filesystem, so every node and the login node see it)::
     <job_dir>/
       submitted.json          SubmittedJob, by ``rl-launch submit`` (a Slurm job is known while queued)
       spec.resolved.yaml      the resolved spec the job runs (written by submit; no secrets)
-      state.json              the job state (phase, figures, fleet snapshot): the driver's StateWriter only
+      state.json              the job state (phase, figures, FleetSnapshot, GatewaySnapshot): StateWriter only
       events.jsonl            append-only: phase changes, fleet events, restarts
       driver.log              the driver's own log
       gym_overlay.yaml        policy_base_url / policy_api_key / policy_model_name for NeMo-Gym
@@ -27,11 +27,13 @@ and the fleet controller's ids name the same engine from 11 nodes on.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +50,23 @@ if TYPE_CHECKING:
     from launcher.spec import ResolvedSpec
 
 _LISTING = re.compile(r"^node-(\d+)\.urls\.json$")
+
+
+def _event_records(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The events in ``lines`` of ``events.jsonl``; a line that is not a JSON object (one being appended
+    right now, or a torn tail) is skipped."""
+    out = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
 
 
 class JobDir:
@@ -208,21 +227,35 @@ class JobDir:
         return read_json(self.state_file) or {}
 
     def read_events(self) -> list[dict[str, Any]]:
-        import json
-
         try:
             lines = self.events_file.read_text().splitlines()
         except OSError:
             return []
-        out = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line being appended right now
-            if isinstance(record, dict):
-                out.append(record)
-        return out
+        return _event_records(lines)
+
+    def read_event_tail(self, last: int, tail_bytes: int = 256 * 1024) -> tuple[float | None, list[dict]]:
+        """``(start time, last events)`` from ``events.jsonl`` without reading it whole: a multi-day run
+        with a fleet controller appends for days, and the dashboard re-reads it every frame. The start
+        time is the first ``starting`` event, which sits in the file's first lines."""
+        path = self.events_file
+        try:
+            size = path.stat().st_size
+            with path.open("rb") as f:
+                head_bytes = f.read(64 * 1024)
+                if size <= len(head_bytes):
+                    tail_bytes_read = head_bytes
+                else:
+                    f.seek(max(0, size - tail_bytes))
+                    tail_bytes_read = f.read()
+        except OSError:
+            return None, []
+        head = head_bytes.decode(errors="replace").splitlines()
+        lines = tail_bytes_read.decode(errors="replace").splitlines()
+        if size > tail_bytes:
+            lines = lines[1:]  # the first line of a tail read is most likely cut
+        start = next((e.get("t") for e in _event_records(head) if e.get("phase") == "starting"), None)
+        events = _event_records(lines)
+        return (float(start) if isinstance(start, int | float) else None), events[-last:] if last > 0 else []
 
     def log_event(self, kind: str, detail: str = "", **fields: Any) -> None:
         """Append an event that changes no state (any process may; lines never interleave)."""

@@ -1,9 +1,11 @@
 """The typed records that processes exchange through the job directory.
 
 One module owns each shape: the engine host writes ``EngineListing``, the fleet controller writes
-``ControlRequests``, the driver writes ``JobResult`` and the job state, ``rl-launch submit`` writes
-``SubmittedJob``. Readers parse with ``from_dict``, which tolerates missing keys (a file written by an
-older launcher) instead of raising in a dashboard.
+``ControlRequests`` and, in the job state, ``FleetSnapshot`` and ``GatewaySnapshot`` (the driver's
+gateway watcher writes the latter too, for a front that owns its engines), the driver writes
+``JobResult`` and the job state, ``rl-launch submit`` writes ``SubmittedJob``. Readers parse with
+``from_dict`` (``from_state`` for the parts of the job state), which tolerates missing keys (a file
+written by an older launcher) instead of raising in a dashboard.
 """
 
 from __future__ import annotations
@@ -170,4 +172,117 @@ class SubmittedJob:
             job_dir=str(d.get("job_dir") or ""),
             front=str(d.get("front") or ""),
             engines=str(d.get("engines") or ""),
+        )
+
+
+@dataclass
+class FleetEngineRecord:
+    """One engine in the fleet controller's snapshot (``state.json["fleet"]["engines"]``, written from
+    ``launcher.fleet.FleetHealth.snapshot``): the fields a reader of the job directory shows."""
+
+    id: str | int
+    """As written: the controller writes ``engine_id`` (``node0-1``); a file written by hand or an older
+    launcher may hold an index."""
+    node: str = ""
+    url: str = ""
+    """The engine's URL (its ``api_url`` when only that was written)."""
+    state: str = ""
+    """The controller's ``EngineState`` word; empty when none was written."""
+    restarts: int = 0
+    last_reason: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], index: int) -> FleetEngineRecord:
+        """``index``: the entry's position, its id when the entry names none."""
+        return cls(
+            id=d.get("id", index),
+            node=str(d.get("node") or ""),
+            url=str(d.get("url") or d.get("api_url") or ""),
+            state=str(d.get("state") or ""),
+            restarts=int(d.get("restarts") or 0),
+            last_reason=str(d.get("last_reason") or ""),
+        )
+
+
+@dataclass
+class FleetSnapshot:
+    """``state.json["fleet"]``: the fleet controller's last snapshot of the fleet (engines, totals,
+    restart budget, policy, recent events), marked ``final`` once the job is over.
+
+    ``engines`` is None when the snapshot holds no engine list (a reader then lists the engines from
+    the engine listings); ``figures`` is everything else as written, for a reader that shows it whole."""
+
+    engines: list[FleetEngineRecord] | None
+    fatal: str | None = None
+    """Why the controller gave up on the fleet (the restart budget is spent), or None."""
+    final: bool = False
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> FleetSnapshot | None:
+        """The snapshot in a job state (``JobDir.read_state``); None before the controller wrote one."""
+        d = state.get("fleet")
+        if not isinstance(d, dict) or not d:
+            return None
+        raw = d.get("engines")
+        engines = (
+            [FleetEngineRecord.from_dict(e, i) for i, e in enumerate(raw) if isinstance(e, dict)]
+            if isinstance(raw, list)
+            else None
+        )
+        fatal = d.get("fatal")
+        return cls(
+            engines=engines,
+            fatal=str(fatal) if fatal else None,
+            final=bool(d.get("final")),
+            figures={k: v for k, v in d.items() if k != "engines"},
+        )
+
+
+@dataclass
+class GatewayMemberRecord:
+    """One backend in the gateway's own view (``launcher.gateways.GatewayMember``)."""
+
+    url: str
+    healthy: bool | None = None
+    """None when the gateway does not report health per backend, or the job is over."""
+    detail: str = ""
+
+
+@dataclass
+class GatewaySnapshot:
+    """``state.json["gateway"]``: the front's own view of the fleet (``launcher.gateways.GatewayView``),
+    written every tick by the fleet controller or the driver's gateway watcher, and marked ``final``
+    (stopped, no member healthy) once the job is over.
+
+    ``kind``, ``base_url`` and ``reachable`` are None when not written: the watcher's view of a failed
+    tick names only the kind, and a reader must not invent the rest."""
+
+    kind: str | None = None
+    base_url: str | None = None
+    reachable: bool | None = None
+    detail: str = ""
+    final: bool = False
+    members: list[GatewayMemberRecord] = field(default_factory=list)
+    """The members that name a URL (an entry without one cannot be matched to an engine)."""
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> GatewaySnapshot | None:
+        """The view in a job state (``JobDir.read_state``); None when no gateway view was written."""
+        d = state.get("gateway")
+        if not isinstance(d, dict):
+            return None
+        return cls(
+            kind=d.get("kind"),
+            base_url=d.get("base_url"),
+            reachable=d.get("reachable"),
+            detail=str(d.get("detail") or ""),
+            final=bool(d.get("final")),
+            members=[
+                GatewayMemberRecord(
+                    url=str(m["url"]), healthy=m.get("healthy"), detail=str(m.get("detail") or "")
+                )
+                for m in d.get("members") or []
+                if isinstance(m, dict) and m.get("url")
+            ],
         )

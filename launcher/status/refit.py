@@ -16,7 +16,7 @@ import aiohttp
 from rich.text import Text
 
 from launcher.http_call import bearer
-from launcher.status.collect import metric_sum, parse_metrics
+from router.prometheus import metric_sum, parse_metrics
 
 _GAUGES = {
     "paused": "rl_router_fleet_paused",
