@@ -25,8 +25,8 @@ class EngineHostSteps:
     """The engine-host step of every generation node, restartable one at a time (the fleet controller
     restarts the host of a node whose step died)."""
 
-    def __init__(self, start: Any) -> None:
-        self._start = start  # node index -> Step
+    def __init__(self, start: Callable[[int], Step]) -> None:
+        self._start = start  # node index -> its started step
         self.steps: dict[int, Step] = {}
         self._lock = threading.Lock()
         self._closed = False

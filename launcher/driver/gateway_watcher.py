@@ -1,6 +1,7 @@
 """The job directory's view of a gateway that owns its engines (``FrontKind.owns_engines``, e.g.
-ray-serve): it starts, checks and replaces its engines itself, so the driver runs no fleet controller for
-it, only this watcher, so that ``rl-launch status`` still shows the gateway and its engines."""
+ray-serve). Such a gateway starts, checks and replaces its engines itself, so the driver runs no fleet
+controller for it; without this watcher ``rl-launch status`` would show neither the gateway nor its
+engines."""
 
 from __future__ import annotations
 
