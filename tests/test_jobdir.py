@@ -348,7 +348,7 @@ def test_gym_overlay_replaces_a_planted_symlink_and_a_loose_mode(tmp_path: Path)
     import os
     import stat
 
-    from launcher.driver.driver import write_gym_overlay
+    from launcher.driver.gym_wiring import write_gym_overlay
 
     loose = tmp_path / "loose.yaml"
     loose.write_text("old\n")

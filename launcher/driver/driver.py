@@ -4,33 +4,21 @@ Phases, each bounded and each recorded in the job directory (``state.json``, ``e
 
 1. **Ray**: the head here, a worker step on every other node; all alive before the deadline, or fail
    naming the node whose step died.
-2. **Engines**: one engine-host step per generation node (``launcher.engines.host``) with the node's GPUs;
-   each publishes its engines' URLs when all are healthy; a host that dies or misses the startup
-   deadline fails the job with the engine log tail.
+2. **Engines** (``launcher.driver.engine_hosts``): one engine-host step per generation node
+   (``launcher.engines.host``) with the node's GPUs; each publishes its engines' URLs when all are
+   healthy; a host that dies or misses the startup deadline fails the job with the engine log tail.
 3. **Router**: a ``GenerationRouterActor`` pinned to this node with ``max_restarts=-1``, on a port
    reserved once from the spec's range (a restart rebinds the same URL).
-4. **Gym wiring**: the overlay (``policy_base_url`` = router + ``/v1``, ``policy_api_key``,
-   ``policy_model_name``; mode 0600) and the same values as environment variables for the training
-   command.
-5. **Training**: the command runs here (``bash -c``), its output teed to the job log; its exit code is the
-   job's.
+4. **Gym wiring** (``launcher.driver.gym_wiring``): the overlay (``policy_base_url`` = router + ``/v1``,
+   ``policy_api_key``, ``policy_model_name``; mode 0600) and the same values as environment variables
+   for the training command.
+5. **Training** (``launcher.driver.training``): the command runs here (``bash -c``), its output teed to
+   the job log; its exit code is the job's.
 
-Stopping, every way, through one teardown (training, router, engine hosts, which stop their engines'
-process groups, Ray workers, Ray head; nothing of the job is left running on any node):
-
-* the job ends by itself (training exits, the fleet is gone, a phase fails): ``finished`` / ``failed``;
-* SIGTERM (``scancel``, ``rl-launch cancel``, Slurm at the time limit) or SIGINT (Ctrl-C): ``cancelled``,
-  or ``time limit`` when the SIGTERM comes at the allocation's end time;
-* SIGUSR2, Slurm's warning before the time limit (``--signal=B:USR2@<s>``, sent to the batch step
-  only): ``time limit``, torn down while there is still time to do it in order;
-* the allocation's end time (``squeue %e``) minus a margin (``stop_margin_s``), even when no warning
-  signal arrives: ``time limit``, exit 124.
-
-``ray.init`` installs Ray's own SIGTERM handlers (a Python one that calls ``sys.exit`` and a C++ one that
-prints a stack dump), which used to win over the driver's: the driver is why the handlers are installed
-again right after ``ray.init``. On a signal the result is recorded before the teardown starts (Slurm
-sends SIGKILL ``KillWait`` seconds after SIGTERM, which may come before the teardown ends) and again,
-with the teardown's duration, once it has ended.
+Stopping, every way (the job ends, a stop signal, the allocation's end time), goes through one teardown:
+training, router, engine hosts, which stop their engines' process groups, Ray workers, Ray head; nothing
+of the job is left running on any node. ``launcher.driver.stopping`` says how each way is told apart and
+why the driver installs its signal handlers again after ``ray.init``.
 """
 
 from __future__ import annotations
@@ -39,172 +27,33 @@ import functools
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from launcher.driver.engine_hosts import EngineHostLauncher
 from launcher.driver.fleet_controller import FleetController
+from launcher.driver.gateway_watcher import GatewayFleetWatcher
+from launcher.driver.gym_wiring import wire_gym
 from launcher.driver.ray_cluster import RayCluster, driver_process_env
 from launcher.driver.status_server import StatusServer
-from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
-from launcher.engines.host_config import EngineHostConfig
-from launcher.engines.kinds import engine_kind
+from launcher.driver.steps import LocalSteps, SrunSteps, node_address
+from launcher.driver.stopping import TIME_LIMIT_EXIT, JobFailed, StopSignals, Terminated, TimeLimitReached
+from launcher.driver.training import TrainingCommand
 from launcher.fleet import HealthPolicy
 from launcher.gateways import Gateway, GatewayContext, GatewayError, gateway_class, make_gateway
 from launcher.gateways.kinds import front_kind
-from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks, write_text_atomic
+from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks
 from launcher.slurm.request import container_srun_args
 from launcher.spec import ResolvedSpec
 from router.ports import PortHold, free_port, reserve_port
 
-# The signals that stop a job; SIGUSR2 is Slurm's warning before the time limit.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
-
-
-class JobFailed(RuntimeError):
-    """The job could not run; the message is the reason recorded in result.json and events.jsonl."""
-
-
-class Terminated(BaseException):
-    """A stop signal arrived (scancel, cancel, Ctrl-C, the time limit): unwind through teardown.
-
-    A ``BaseException`` so no ``except Exception`` on the way (a phase's retry loop) swallows it."""
-
-    def __init__(self, signum: int, outcome: str) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.outcome = outcome
-
-    @property
-    def reason(self) -> str:
-        name = signal.Signals(self.signum).name
-        if self.outcome == "time limit" and self.signum == signal.SIGUSR2:
-            return f"time limit: Slurm's warning before the end of the allocation ({name})"
-        if self.outcome == "time limit":
-            return f"time limit: Slurm ended the allocation ({name} at its end time)"
-        return f"cancelled by {name}"
-
-
-class TimeLimitReached(Exception):
-    """The allocation's end is near: stop in order now rather than be killed at the limit."""
-
-
-# Exit status of a job the driver stopped itself before the time limit (as coreutils' ``timeout``).
-TIME_LIMIT_EXIT = 124
-
-
-def stop_margin_s(allocation_s: float) -> float:
-    """How long before the allocation's end the driver starts its teardown on its own: enough for an
-    orderly teardown (a few seconds) with room for a slow node, never more than a tenth of a short job."""
-    return min(90.0, max(10.0, 0.1 * allocation_s))
-
-
-def slurm_end_time(job_id: str | None) -> float | None:
-    """The allocation's end time (epoch seconds) from ``squeue``, or None (no Slurm, unlimited)."""
-    if not job_id:
-        return None
-    from launcher.slurm.queue import job_end_time
-
-    return job_end_time(job_id)
-
-
-class EngineHostSteps:
-    """The engine-host step of every generation node, restartable one at a time (the fleet controller
-    restarts the host of a node whose step died)."""
-
-    def __init__(self, start: Any) -> None:
-        self._start = start  # node index -> Step
-        self.steps: dict[int, Step] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def close(self) -> None:
-        """Teardown has begun: no host may be started again (a fleet tick still in flight would see the
-        hosts the teardown stops as dead, and restart them into orphans)."""
-        with self._lock:
-            self._closed = True
-
-    def launch(self, node_index: int) -> Step:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the job is being torn down; no engine host is started")
-            step = self._start(node_index)
-            self.steps[node_index] = step
-        return step
-
-    def exited(self, node_index: int) -> int | None:
-        with self._lock:
-            step = self.steps.get(node_index)
-        return None if step is None or step.alive() else step.returncode()
-
-    def restart(self, node_index: int) -> None:
-        with self._lock:
-            old = self.steps.get(node_index)
-        if old is not None:
-            old.stop(grace_s=5)
-        self.launch(node_index)
-
-    def describe(self, node_index: int) -> str:
-        with self._lock:
-            step = self.steps.get(node_index)
-        if step is None:
-            return "never started"
-        return f"node {step.node}; log {step.log}:\n{step.log_tail(10)}"
-
-    def all(self) -> list[Step]:
-        with self._lock:
-            return [self.steps[i] for i in sorted(self.steps)]
-
-
-class GatewayFleetWatcher:
-    """For a gateway that owns its engines: every ``period_s`` its own view and its engines (as
-    listings) go to the job directory, where ``rl-launch status`` reads them; the last view is kept,
-    marked stopped, when the job ends."""
-
-    def __init__(self, job: JobDir, state: StateWriter, gateway: Gateway, period_s: float = 2.0) -> None:
-        self.job, self.state, self.gateway, self.period_s = job, state, gateway, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="gateway-fleet-watcher", daemon=True)
-
-    def start(self) -> GatewayFleetWatcher:
-        self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception as exc:  # a view that fails this tick is retried on the next
-                view = {"kind": self.gateway.kind, "reachable": False, "detail": repr(exc)}
-                self.state.update(gateway=view)
-            self._stop.wait(self.period_s)
-
-    def tick(self) -> None:
-        self.state.update(gateway=self.gateway.view().to_json())
-        for listing in self.gateway.engine_listings():
-            self.job.write_listing(listing)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        last = dict(self.state.snapshot().get("gateway") or {})
-        if last:
-            self.state.update(gateway={**last, "reachable": False, "detail": "stopped"})
-
-
-def node_address(node: str, local: bool) -> str:
-    """The address other nodes reach ``node`` at (local mode: loopback only)."""
-    if local:
-        return "127.0.0.1"
-    return socket.gethostbyname(node)
-
 
 class Driver:
+    """The phase script of one job, run on its allocation (or locally): ``run`` is the whole job."""
+
     def __init__(
         self, spec: ResolvedSpec, job_dir: Path, training_nodes: list[str], generation_nodes: list[str]
     ) -> None:
@@ -220,18 +69,16 @@ class Driver:
             LocalSteps() if self.local else SrunSteps(container_srun_args(spec))
         )
         self.ray: RayCluster | None = None
-        self.hosts = EngineHostSteps(self._launch_host)
-        self.end_time: float | None = None
-        self.stop_at: float | None = None
+        self.engines = EngineHostLauncher(
+            spec, self.job, self.state, self.steps, generation_nodes, self.front, self.local, self._say
+        )
+        self.stops = StopSignals()
         self.gateway: Gateway | None = None
-        self.engine_runtime: dict[str, Any] = {}
-        """What the engines need of the gateway's runtime (Dynamo: discovery and planes); see
-        ``Gateway.prepare_engines``."""
         self.router_port: PortHold | None = None
         """The front's port, held for the job's life where the front binds beside the hold."""
         self.controller: FleetController | GatewayFleetWatcher | None = None
         self.status_server: StatusServer | None = None
-        self.training: subprocess.Popen[bytes] | None = None
+        self.training = TrainingCommand(spec.training.command, self.job.training_log)
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
 
@@ -241,8 +88,7 @@ class Driver:
             return self._run()
 
     def _run(self) -> int:
-        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-        self._install_stop_handlers()
+        self.stops.take_over()
         code = 1
         reason = ""
         outcome = "failed"
@@ -263,13 +109,12 @@ class Driver:
                 slurm_job_id=os.environ.get("SLURM_JOB_ID") if not self.local else None,
             )
             if not self.local:
-                self.end_time = slurm_end_time(os.environ.get("SLURM_JOB_ID"))
-                if self.end_time is not None:
-                    self.stop_at = self.end_time - stop_margin_s(self.end_time - time.time())
+                self.stops.watch_allocation_end(os.environ.get("SLURM_JOB_ID"))
             self._start_ray()
             self._start_fleet()
             self._start_status_endpoint()
-            env = self._wire_gym(self.state.snapshot()["router_url"])
+            ray_client_env = self.ray.client_env() if self.ray is not None else {}
+            env = wire_gym(self.spec, self.job, self.state.snapshot()["router_url"], ray_client_env)
             code = self._run_training(env)
             reason = "training finished" if code == 0 else f"training command exited with {code}"
             outcome = "finished" if code == 0 else "failed"
@@ -282,8 +127,7 @@ class Driver:
             code = 1
             reason = str(exc)
         finally:
-            for s in previous:  # a second signal during teardown must not abort it half-way
-                signal.signal(s, signal.SIG_IGN)
+            self.stops.ignore()  # a second signal during teardown must not abort it half-way
         result = JobResult(code, reason, outcome, signame, self.timings, time.time(), torn_down=False)
         phase = {"finished": "finished", "failed": "failed"}.get(outcome, "cancelled")
         if signame is not None:
@@ -295,8 +139,7 @@ class Driver:
         try:
             self._teardown(hurry=signame is not None)
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            self.stops.restore()
         result.timings = self.timings
         result.torn_down = True
         if signame is None:
@@ -316,23 +159,6 @@ class Driver:
             sys.stderr.flush()
             os._exit(code)
         return code
-
-    def _install_stop_handlers(self) -> None:
-        """The driver's handlers for every stop signal. Called again right after ``ray.init``, which
-        replaces the SIGTERM handler with Ray's (``sys.exit`` plus a C++ stack dump, exit 134)."""
-
-        def on_signal(signum: int, frame: object) -> None:
-            raise Terminated(signum, self._outcome_of(signum))
-
-        for s in STOP_SIGNALS:
-            signal.signal(s, on_signal)
-
-    def _outcome_of(self, signum: int) -> str:
-        if signum == signal.SIGUSR2:
-            return "time limit"
-        if signum == signal.SIGTERM and self.end_time is not None and time.time() >= self.end_time - 10:
-            return "time limit"  # Slurm's SIGTERM at the end of the allocation, not a scancel
-        return "cancelled"
 
     def _say(self, message: str) -> None:
         line = f"[rl-launch {time.monotonic() - self.t0:6.1f}s] {message}"
@@ -382,98 +208,16 @@ class Driver:
             # the worker steps running. It is our stop signal, and it unwinds like one.
             if exc.code != signal.SIGTERM:
                 raise
-            raise Terminated(signal.SIGTERM, self._outcome_of(signal.SIGTERM)) from None
+            raise Terminated(signal.SIGTERM, self.stops.outcome_of(signal.SIGTERM)) from None
         finally:
-            self._install_stop_handlers()  # ray.init replaced the SIGTERM handler with Ray's
+            self.stops.install()  # ray.init replaced the SIGTERM handler with Ray's
         self._mark("ray_start_s", t)
         self.state.event("ray_up", f"{1 + len(others)} Ray node(s) alive at {self.ray.address}")
         self._say(f"Ray up: {1 + len(others)} node(s) in {self.timings['ray_start_s']} s")
 
-    def _engine_start_error(self, indices: list[int]) -> str | None:
-        """The first error an engine host wrote into its listing, naming its node; None if none did."""
-        for i in indices:
-            listing = self.job.read_listing(i)
-            if listing is not None and listing.error:
-                return f"engines on node {self.generation_nodes[i]} failed to start:\n{listing.error}"
-        return None
-
-    def _engine_config(self, index: int, node: str) -> EngineHostConfig:
-        gen = self.spec.generation
-        return EngineHostConfig(
-            kind=gen.engine,
-            count=gen.engines_per_node,
-            host=node_address(node, self.local),
-            model=gen.model or gen.served_model_name,
-            served_name=gen.served_model_name,
-            tensor_parallel_size=gen.tensor_parallel_size,
-            pipeline_parallel_size=gen.pipeline_parallel_size,
-            env=dict(gen.env),
-            startup_timeout_s=gen.startup_timeout_s,
-            log_dir=str(self.job.logs),
-            job_dir=str(self.job.path),
-            api_key_file=str(self.job.api_key_file),
-            node_index=index,
-            **engine_kind(gen.engine).host_fields(gen, os.environ),
-            **self.front.engine_host_fields(self.spec.router, self.engine_runtime),
-        )
-
-    def _launch_host(self, index: int) -> Step:
-        """Start (or start again) generation node ``index``'s engine host step."""
-        gen = self.spec.generation
-        resources = gen.resources
-        gpus = resources.gpus_per_node if resources is not None else 0
-        het_group = 1 if self.spec.slurm is not None and self.spec.slurm.layout == "hetjob" else None
-        node = self.generation_nodes[index]
-        path = self.job.host_config_file(index)
-        if not path.exists():
-            self._engine_config(index, node).dump(path)
-        argv = [sys.executable, "-m", "launcher.engines.host", "--config", str(path)]
-        return self.steps.start(
-            node,
-            f"engines-{node}",
-            argv,
-            os.environ,
-            self.job.engine_host_log(index),
-            gpus=gpus,
-            het_group=het_group,
-        )
-
     def _start_engines(self) -> list[str]:
         t = time.monotonic()
-        gen = self.spec.generation
-        indices = list(range(len(self.generation_nodes)))
-        self._say(f"starting {gen.num_engines} {gen.engine} engine(s) on {len(indices)} node(s)")
-        for i in indices:
-            self.hosts.launch(i)
-        steps = self.hosts.all()
-        deadline = time.monotonic() + gen.startup_timeout_s + 30
-        urls: list[str] = []
-        for i, step in zip(indices, steps, strict=True):
-            try:
-                wait_for_file(self.job.listing_file(i), steps, deadline)
-            except TimeoutError:
-                raise JobFailed(
-                    f"engines on node {step.node} not ready within {gen.startup_timeout_s:g} s; "
-                    f"log {step.log}:\n{step.log_tail()}"
-                ) from None
-            except RuntimeError as exc:
-                # A host that gives up writes its reason before exiting; report that reason (it names
-                # the deadline and carries the engine's log tail) rather than the bare exit, whichever
-                # node's listing the loop happened to be waiting on when the other host died.
-                reason = self._engine_start_error(indices) or f"engines failed to start: {exc}"
-                raise JobFailed(reason) from None
-            error = self._engine_start_error([i])
-            if error:
-                raise JobFailed(error)
-            listing = self.job.read_listing(i)
-            assert listing is not None
-            urls += [e.api_url for e in sorted(listing.engines, key=lambda e: e.index)]
-            self.state.event(
-                "engines_ready",
-                f"{len(urls)}/{gen.num_engines} engines ready",
-                engines_ready=len(urls),
-                engines_total=gen.num_engines,
-            )
+        urls = self.engines.start()
         self._mark("engine_start_s", t)
         self._say(f"engines ready: {len(urls)} in {self.timings['engine_start_s']} s")
         return urls
@@ -498,10 +242,8 @@ class Driver:
             self.state,
             self.gateway,
             len(self.generation_nodes),
-            HealthPolicy(
-                restarts_per_engine=gen.restarts_per_engine, restarts_per_run=gen.restarts_per_run
-            ),
-            hosts=self.hosts,
+            HealthPolicy(restarts_per_engine=gen.restarts_per_engine, restarts_per_run=gen.restarts_per_run),
+            hosts=self.engines.hosts,
             restart_timeout_s=gen.startup_timeout_s + 30,
             say=self._say,
         ).start()
@@ -528,10 +270,10 @@ class Driver:
         )
         try:
             self.gateway = make_gateway(r.kind, context)
-            self.engine_runtime = self.gateway.prepare_engines()
+            self.engines.engine_runtime = self.gateway.prepare_engines()
         except GatewayError as exc:
             raise JobFailed(str(exc)) from None
-        if self.engine_runtime:
+        if self.engines.engine_runtime:
             self._mark("gateway_runtime_start_s", t)
 
     def _start_router(self, api_urls: list[str]) -> str:
@@ -573,75 +315,25 @@ class Driver:
             status_url=self.status_server.url,
         )
 
-    def _wire_gym(self, router_url: str) -> dict[str, str]:
-        key = self.job.read_api_key()
-        overlay = self.spec.gym_overlay_path(self.job.path)
-        write_gym_overlay(
-            overlay,
-            {
-                "policy_base_url": f"{router_url}/v1",
-                "policy_api_key": key,
-                "policy_model_name": self.spec.gym.model_name,
-            },
-        )
-        env = dict(os.environ)
-        # The training command sees the same rl-launch/python that runs the driver, even when the user
-        # started it by path without activating the venv.
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        env.update(self.spec.training.env)
-        env.update(
-            {
-                "RL_POLICY_BASE_URL": f"{router_url}/v1",
-                "RL_POLICY_API_KEY": key,
-                "RL_POLICY_MODEL_NAME": self.spec.gym.model_name,
-                "RL_GYM_OVERLAY": str(overlay),
-                "RL_JOB_DIR": str(self.job.path),
-                "RL_ROUTER_URL": router_url,
-            }
-        )
-        if self.ray is not None:
-            env.update(self.ray.client_env())
-        return env
-
     def _run_training(self, env: dict[str, str]) -> int:
         t = time.monotonic()
         self.state.event("training", "training command running")
         self._say(f"training: {self.spec.training.command}")
-        log_path = self.job.training_log
-        self.training = subprocess.Popen(
-            ["bash", "-c", self.spec.training.command],
-            env=env,
-            cwd=os.getcwd(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        tee = threading.Thread(target=_tee, args=(self.training, log_path), daemon=True)
-        tee.start()
-        while True:
-            try:
-                code = self.training.wait(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                if isinstance(self.controller, FleetController) and self.controller.fatal:
-                    # No engine can serve and none is coming back: fail now, instead of leaving the
-                    # trainer to retry against an empty fleet until the allocation's time limit.
-                    raise JobFailed(self.controller.fatal) from None
-                failure = self.gateway.failed() if self.gateway is not None else None
-                if failure:
-                    # A launcher-owned front (Dynamo's frontend, etcd, NATS) died: every request fails.
-                    raise JobFailed(f"the {self.spec.router.kind} gateway failed: {failure}") from None
-                if self.stop_at is not None and time.time() >= self.stop_at:
-                    # The warning signal may never reach this process (with --signal=B:USR2 it goes to
-                    # the batch shell, which must pass it on); the end time alone is reason enough.
-                    assert self.end_time is not None
-                    left = self.end_time - time.time()
-                    raise TimeLimitReached(
-                        f"time limit: the allocation ends in {left:.0f} s; stopped before Slurm kills it"
-                    ) from None
-        tee.join(5)
+        code = self.training.run(env, check=self._check_while_training)
         self._mark("training_s", t)
         return code
+
+    def _check_while_training(self) -> None:
+        """Why the job cannot go on, raised while the training command runs; nothing while it can."""
+        if isinstance(self.controller, FleetController) and self.controller.fatal:
+            # No engine can serve and none is coming back: fail now, instead of leaving the trainer to
+            # retry against an empty fleet until the allocation's time limit.
+            raise JobFailed(self.controller.fatal) from None
+        failure = self.gateway.failed() if self.gateway is not None else None
+        if failure:
+            # A launcher-owned front (Dynamo's frontend, etcd, NATS) died: every request fails.
+            raise JobFailed(f"the {self.spec.router.kind} gateway failed: {failure}") from None
+        self.stops.check_time_limit()
 
     # -- teardown --------------------------------------------------------------------------------------
     def _teardown(self, hurry: bool = False) -> None:
@@ -653,8 +345,8 @@ class Driver:
         with the rest instead of after the router's orderly stop, which only waits on a head that Slurm
         is taking down anyway (the router actor goes with it)."""
         t = time.monotonic()
-        self.hosts.close()
-        parts: list[tuple[str, Any]] = [("training", self._stop_training)]
+        self.engines.hosts.close()
+        parts: list[tuple[str, Any]] = [("training", self.training.stop)]
         if not hurry or not self.front.dies_with_ray:
             # Hurried, a front that lives only as a Ray actor (FrontKind.dies_with_ray) goes with the Ray
             # head; the others are our processes.
@@ -663,7 +355,7 @@ class Driver:
             parts.append(("fleet-controller", self.controller.stop))
         if self.status_server is not None:
             parts.append(("status-endpoint", self.status_server.stop))
-        parts += [(f"engines-{s.node}", s.stop) for s in self.hosts.all()]
+        parts += [(f"engines-{s.node}", s.stop) for s in self.engines.hosts.all()]
         if self.ray is not None:
             parts += [(f"ray-worker-{s.node}", s.stop) for s in self.ray.workers]
             if hurry:
@@ -692,36 +384,6 @@ class Driver:
         self._mark("teardown_s", t)
         self._say(f"torn down in {self.timings['teardown_s']} s")
 
-    def _stop_training(self) -> None:
-        if self.training is None or self.training.poll() is not None:
-            return
-        try:
-            os.killpg(self.training.pid, signal.SIGTERM)
-            self.training.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.training.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
     def _stop_router(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
-
-
-def write_gym_overlay(path: Path, values: dict[str, str]) -> None:
-    """The Gym overlay (it holds the client key): a new 0600 file renamed into place, so an existing
-    file's looser mode is not kept and a symlink planted at ``path`` is replaced, never written through
-    (the old in-place write did both)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, yaml.safe_dump(values, sort_keys=False), mode=0o600)
-
-
-def _tee(proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    assert proc.stdout is not None
-    with log_path.open("ab") as log:
-        for line in iter(proc.stdout.readline, b""):
-            log.write(line)
-            log.flush()
-            sys.stdout.buffer.write(line)
-            sys.stdout.flush()

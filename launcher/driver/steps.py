@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -131,3 +132,10 @@ def wait_for_file(path: Path, steps: Sequence[Step], deadline: float, poll_s: fl
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path.name} did not appear before the deadline")
         time.sleep(poll_s)
+
+
+def node_address(node: str, local: bool) -> str:
+    """The address other nodes reach ``node`` at (local mode: loopback only)."""
+    if local:
+        return "127.0.0.1"
+    return socket.gethostbyname(node)

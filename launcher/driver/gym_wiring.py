@@ -1,0 +1,56 @@
+"""The Gym wiring phase: the overlay (``policy_base_url`` = router + ``/v1``, ``policy_api_key``,
+``policy_model_name``; mode 0600) and the same values as environment variables for the training command."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from launcher.jobdir import JobDir, write_text_atomic
+from launcher.spec import ResolvedSpec
+
+
+def write_gym_overlay(path: Path, values: dict[str, str]) -> None:
+    """The Gym overlay (it holds the client key): a new 0600 file renamed into place, so an existing
+    file's looser mode is not kept and a symlink planted at ``path`` is replaced, never written through
+    (the old in-place write did both)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, yaml.safe_dump(values, sort_keys=False), mode=0o600)
+
+
+def wire_gym(
+    spec: ResolvedSpec, job: JobDir, router_url: str, ray_client_env: dict[str, str]
+) -> dict[str, str]:
+    """Write the job's Gym overlay; return the training command's environment: the driver's own, the
+    spec's ``training.env``, the policy's URL, key and model name, the job's paths, and ``ray_client_env``
+    (what attaches to the job's Ray; empty without one)."""
+    key = job.read_api_key()
+    overlay = spec.gym_overlay_path(job.path)
+    write_gym_overlay(
+        overlay,
+        {
+            "policy_base_url": f"{router_url}/v1",
+            "policy_api_key": key,
+            "policy_model_name": spec.gym.model_name,
+        },
+    )
+    env = dict(os.environ)
+    # The training command sees the same rl-launch/python that runs the driver, even when the user
+    # started it by path without activating the venv.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(spec.training.env)
+    env.update(
+        {
+            "RL_POLICY_BASE_URL": f"{router_url}/v1",
+            "RL_POLICY_API_KEY": key,
+            "RL_POLICY_MODEL_NAME": spec.gym.model_name,
+            "RL_GYM_OVERLAY": str(overlay),
+            "RL_JOB_DIR": str(job.path),
+            "RL_ROUTER_URL": router_url,
+        }
+    )
+    env.update(ray_client_env)
+    return env
