@@ -7,8 +7,9 @@ Phases, each bounded and each recorded in the job directory (``state.json``, ``e
 2. **Engines** (``launcher.driver.engine_hosts``): one engine-host step per generation node
    (``launcher.engines.host``) with the node's GPUs; each publishes its engines' URLs when all are
    healthy; a host that dies or misses the startup deadline fails the job with the engine log tail.
-3. **Router**: a ``GenerationRouterActor`` pinned to this node with ``max_restarts=-1``, on a port
-   reserved once from the spec's range (a restart rebinds the same URL).
+3. **Router**: the front ``router.kind`` names (``launcher.gateways``: our router as a Ray actor with
+   ``max_restarts=-1``, vllm-router, Ray Serve, Dynamo), on a port reserved once from the spec's range
+   and held for the job's life (a restarted front rebinds the same URL).
 4. **Gym wiring** (``launcher.driver.gym_wiring``): the overlay (``policy_base_url`` = router + ``/v1``,
    ``policy_api_key``, ``policy_model_name``; mode 0600) and the same values as environment variables
    for the training command.
