@@ -15,11 +15,11 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from launcher.driver.fleet_controller import FleetController
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.server import SimServer
 from launcher.fleet import EngineState, HealthPolicy
-from launcher.fleet_client import FleetClient, FleetOpError, flatten
+from launcher.fleet.client import FleetClient, FleetOpError, flatten
+from launcher.fleet.controller import FleetController
 from launcher.gateways.base import Gateway, GatewayView
 from launcher.jobdir import EngineEntry, EngineListing, JobDir, StateWriter
 from router import GenerationRouter

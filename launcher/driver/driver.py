@@ -48,13 +48,13 @@ from typing import Any
 
 import yaml
 
-from launcher.driver.fleet_controller import FleetController
 from launcher.driver.ray_cluster import RayCluster, driver_process_env
 from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, Step, wait_for_file
 from launcher.engines.host_config import EngineHostConfig
 from launcher.engines.kinds import engine_kind
 from launcher.fleet import HealthPolicy
+from launcher.fleet.controller import FleetController
 from launcher.gateways import Gateway, GatewayContext, GatewayError, gateway_class, make_gateway
 from launcher.gateways.kinds import front_kind
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks, write_text_atomic

@@ -149,7 +149,7 @@ class Gateway(ABC):
 
     def fleet_url(self) -> str | None:
         """Where the ``/fleet/*`` routes of the refit window are served for this front (the admin token
-        guards them), ``None`` when the kind has none; ``launcher.fleet_client`` and ``rl-launch fleet``
+        guards them), ``None`` when the kind has none; ``launcher.fleet.client`` and ``rl-launch fleet``
         use it (the driver records it in the job state)."""
         return None
 

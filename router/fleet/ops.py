@@ -8,7 +8,7 @@ an answer that does not say what the operation asked for), and the report's ``ok
 engine complied. Nothing retries: a half-applied refit must surface, not be papered over.
 
 This module owns the report's shape (``FleetOpReport``): the router's ``/fleet/*`` admin routes answer
-with it, ``rl-launch fleet ...`` prints it and ``launcher.fleet_client`` hands it to the trainer.
+with it, ``rl-launch fleet ...`` prints it and ``launcher.fleet.client`` hands it to the trainer.
 ``router.fleet.cache_reset`` keeps its own report type (the job directory records it) and sends through
 ``fan_out`` here.
 

@@ -3,7 +3,7 @@
 A trainer imports this (standard library only: no Ray, no aiohttp), points it at a job directory or at the
 router's URL plus the admin token, and drives the whole fleet with one call per operation::
 
-    from launcher.fleet_client import FleetClient
+    from launcher.fleet.client import FleetClient
 
     fleet = FleetClient.from_job_dir("~/rl-launch/jobs/1234")   # or FleetClient(url, admin_token)
     for step in range(steps):
