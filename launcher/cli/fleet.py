@@ -35,7 +35,8 @@ from launcher.fleet.client import FleetClient
 from launcher.http_call import bearer, open_url
 from launcher.jobdir import JobDir
 from router.fleet.cache_reset import CacheResetReport, reset_engines
-from router.fleet.ops import PAUSE_MODES, FleetOpReport
+from router.fleet.engine import PAUSE_MODES
+from router.fleet.ops import FleetOpReport
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the per-engine report as JSON.")
 

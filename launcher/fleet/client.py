@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.http_call import bearer, open_url
-from router.fleet.ops import PAUSE_MODES, FleetOpReport
+from router.fleet.engine import PAUSE_MODES
+from router.fleet.ops import FleetOpReport
 
 
 class FleetOpError(RuntimeError):

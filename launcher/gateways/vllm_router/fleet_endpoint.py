@@ -27,7 +27,8 @@ from aiohttp import web
 
 from launcher.driver.listener import LISTENER_LIMITS, DriverListener
 from router.fleet.api import FleetApi
-from router.fleet.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
+from router.fleet.cache_reset import CacheResetReport, reset_engines
+from router.fleet.engine import VLLM_RESET_PATH
 from router.http.auth import Access, Credentials, RouteTable
 from router.http.limits import HttpLimits
 from router.policies import make_policy
