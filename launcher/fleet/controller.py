@@ -19,6 +19,11 @@ Two failures the probes alone would handle late or never:
   cancel what it started), so this loop gives each restart ``restart_timeout_s`` and then reports it
   failed: no engine waits in RESTARTING forever.
 
+Weight versions are judged by the front alone (``router.fleet.api.FleetApi``, for the builtin router and
+vllm-router's fleet endpoint): each tick reads the engines it holds out as stale (``Gateway.stale_engines``)
+into the state machine's STALE state, and never reads an engine's version itself, so the two can never
+disagree on which engines are stale.
+
 State changes, restarts and router restarts go to ``events.jsonl``; the fleet snapshot goes to the job
 state for ``rl-launch status``. When nothing can serve any more, ``fatal`` is set and the driver fails
 the job with that reason instead of hanging. ``stop`` writes the final snapshot: every engine STOPPED.
@@ -113,7 +118,9 @@ class FleetController:
         self.gateway = gateway
         self.view_every = view_every
         self._ticks = 0
-        self._version: str | None = None
+        self.last_version: str | None = None
+        """The fleet's weight version as the front last reported it: kept only to re-seed a front that
+        restarted and forgot it (``_reseed_version``), never to judge an engine."""
         try:
             self._engine_key: str | None = job.read_api_key()
         except OSError:  # a job without one (tests): engines without a key
@@ -173,7 +180,7 @@ class FleetController:
         }
 
     def final_snapshot(self) -> dict[str, Any]:
-        snap = self.fleet.snapshot()
+        snap = self.snapshot()
         for e in snap["engines"]:
             e["state_at_end"] = e["state"]
             e["state"] = STOPPED
@@ -229,8 +236,8 @@ class FleetController:
             outcomes = self.gateway.drain_outcomes()
         except Exception:  # the gateway is restarting: probes alone this tick
             outcomes = {}
-        versions = self._weight_versions()
-        result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes, versions=versions))
+        stale = self._front_stale()
+        result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes, stale=stale))
         push = list(result.serving_urls)
         if self.gateway.guards_weight_version:
             push += result.stale_urls  # held out by the front itself, listed for the trainer
@@ -273,27 +280,37 @@ class FleetController:
                 **dict(event),
             )
         if not self._stop.is_set():  # stop() writes the final snapshot; a late tick must not undo it
-            self.state.update(fleet=self.fleet.snapshot())
+            self.state.update(fleet=self.snapshot())
         if result.fatal and self.fatal is None:
             self.fatal = result.fatal
 
-    def _weight_versions(self) -> dict[str, str]:
-        """The fleet's version from the front (re-seeded into a front that restarted and forgot it), and
-        the versions of the engines the state machine asks about (RECOVERING and STALE ones only)."""
+    def _front_stale(self) -> dict[str, str] | None:
+        """The engines the front holds out as stale (``{url: why}``), after re-seeding a front that forgot
+        the fleet's version; ``None`` when the front did not answer (no evidence this tick)."""
+        self._reseed_version()
+        try:
+            return dict(self.gateway.stale_engines())
+        except Exception:  # the gateway is restarting: STALE engines stay STALE this tick
+            return None
+
+    def _reseed_version(self) -> None:
+        """The front (``router.fleet.api.FleetApi``) is the one judge of weight versions; this loop never
+        compares them. It keeps the last version the front reported only to give it back to a front that
+        restarted and forgot it (a router actor restart): without it the restarted front would admit
+        every engine that joins, stale ones included, until the trainer's next stamp."""
         try:
             version = self.gateway.weight_version()
-            if version is None and self._version is not None and self.gateway.guards_weight_version:
-                self.gateway.restore_weight_version(self._version)
-                version = self._version
+            if version is None and self.last_version is not None and self.gateway.guards_weight_version:
+                self.gateway.restore_weight_version(self.last_version)
+                version = self.last_version
         except Exception:  # the gateway is restarting: keep the last known version
-            version = self._version
-        self._version = version
-        self.fleet.set_current_version(version)
-        targets = list(self.fleet.version_targets().values())
-        if not targets:
-            return {}
-        got = fan_out_now(targets, lambda e, u: e.weight_version(u), self.probe_timeout_s, self._engine_key)
-        return {r.url: r.value for r in got if r.value is not None}
+            return
+        self.last_version = version
+
+    def snapshot(self) -> dict[str, Any]:
+        """The fleet's snapshot for the job state, with the fleet's weight version as the front last
+        reported it (for the dashboard; nothing here judges by it)."""
+        return {**self.fleet.snapshot(), "current_version": self.last_version}
 
     def _engines_of(self, node_index: int) -> list[str]:
         return [eid for eid, (n, _) in self.where.items() if n == node_index]

@@ -96,6 +96,15 @@ class FleetEndpoint:
     def weight_version(self) -> str | None:
         return self.api.current_version if self.api is not None else None
 
+    def stale(self) -> dict[str, str]:
+        """``{url: why}`` for the members held out as stale, read on the listener's loop (which owns the
+        ``BackendSet``: a read from the controller's thread could meet the dict mid-change)."""
+
+        async def read() -> dict[str, str]:
+            return self.backends.stale
+
+        return dict(self.listener.run(read()))
+
     def stop(self) -> None:
         """Close the listener and end the loop's thread; idempotent."""
         self.listener.stop()
