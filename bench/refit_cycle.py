@@ -29,7 +29,7 @@ from launcher.engines.base import EngineSpec
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.server import SimServer
 from launcher.engines.vllm.engine import VllmEngine
-from launcher.fleet_client import FleetClient
+from launcher.fleet.client import FleetClient
 from router import GenerationRouter
 from router.config import RouterConfig
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launcher.driver.fleet_controller import FleetController
 from launcher.fleet import EngineState, HealthPolicy, TickInput
+from launcher.fleet.controller import FleetController
 from launcher.jobdir import EngineEntry, EngineListing, JobDir, StateWriter
 
 

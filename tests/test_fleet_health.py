@@ -460,72 +460,63 @@ def test_policy_is_validated(bad: dict[str, object]) -> None:
         HealthPolicy(**bad)  # type: ignore[arg-type]
 
 
-# -- STALE: one weight version for the whole fleet ------------------------------------------------------
+# -- STALE: the front's verdict on weight versions, followed -------------------------------------------
 ST = EngineState.STALE
+NEW = "http://10.0.0.1:9100"
+OLD_WEIGHTS = "serves version 'default', the fleet is on 'step-7'"
 
 
-def versioned_tick(fleet: FleetHealth, clock: Clock, versions: dict[str, str]) -> TickResult:
+def front_tick(fleet: FleetHealth, clock: Clock, stale: dict[str, str] | None) -> TickResult:
+    """One tick with every probe passing and the front holding ``stale`` out (``None``: no answer)."""
     clock.t += 1.0
     probes: dict[str, ProbeResult | bool] = {u: True for u in fleet.probe_targets().values()}
-    return fleet.observe(TickInput(probes=probes, versions=versions))
+    return fleet.observe(TickInput(probes=probes, stale=stale))
 
 
-def restart_e0(fleet: FleetHealth, clock: Clock, new_url: str = "http://10.0.0.1:9100") -> None:
+def restart_e0(fleet: FleetHealth, clock: Clock, new_url: str = NEW) -> None:
     kill(fleet, clock, "e0")
     fleet.restarted("e0", new_url + "/v1")
 
 
-def test_no_version_rule_before_the_first_stamp() -> None:
+def test_nothing_is_stale_while_the_front_holds_nothing_out() -> None:
     fleet, clock = make(2)
-    assert fleet.version_targets() == {}
     restart_e0(fleet, clock)
-    versioned_tick(fleet, clock, {"http://10.0.0.1:9100": "default"})
-    r = versioned_tick(fleet, clock, {"http://10.0.0.1:9100": "default"})
-    assert fleet.state("e0") is H and "http://10.0.0.1:9100" in r.serving_urls
+    front_tick(fleet, clock, {})
+    r = front_tick(fleet, clock, {})
+    assert fleet.state("e0") is H and NEW in r.serving_urls and r.stale_urls == []
+    r = front_tick(fleet, clock, None)  # the front did not answer: nothing changes on that
+    assert fleet.state("e0") is H and NEW in r.serving_urls
 
 
-def test_restarted_engine_on_an_old_version_is_stale_until_stamped() -> None:
+def test_restarted_engine_held_out_by_the_front_is_stale_until_stamped() -> None:
     fleet, clock = make(2)
-    fleet.set_current_version("step-7")
     restart_e0(fleet, clock)
-    new = "http://10.0.0.1:9100"
-    assert fleet.version_targets() == {"e0": new}
-    versioned_tick(fleet, clock, {new: "default"})
-    r = versioned_tick(fleet, clock, {new: "default"})  # readmission due, but the wrong version
-    assert transitions(r) == [("e0", "RECOVERING", "STALE")] and r.stale_urls == [new]
-    assert new not in r.serving_urls and "'default'" in r.events[0]["reason"]
+    front_tick(fleet, clock, {})
+    r = front_tick(fleet, clock, {})  # readmission due: pushed, and the front checks its version
+    assert transitions(r) == [("e0", "RECOVERING", "HEALTHY")] and NEW in r.serving_urls
+    r = front_tick(fleet, clock, {NEW + "/v1": "weight version not verified yet"})
+    assert transitions(r) == [("e0", "HEALTHY", "STALE")] and r.stale_urls == [NEW]
+    assert NEW not in r.serving_urls and "not verified yet" in r.events[0]["reason"]
     assert r.events[0]["level"] == "warning" and r.fatal is None
-    assert fleet.probe_targets()["e0"] == new  # still probed
-    r = versioned_tick(fleet, clock, {new: "default"})
-    assert fleet.state("e0") is ST and r.events == []
-    r = versioned_tick(fleet, clock, {})  # no answer about its version: no evidence, stays out
-    assert fleet.state("e0") is ST
-    r = versioned_tick(fleet, clock, {new: "step-7"})  # the trainer refit and stamped it
-    assert transitions(r) == [("e0", "STALE", "HEALTHY")] and new in r.serving_urls and r.stale_urls == []
+    assert fleet.probe_targets()["e0"] == NEW  # still probed
+    r = front_tick(fleet, clock, {NEW: OLD_WEIGHTS})  # the front's verdict: the reason follows it
+    assert fleet.state("e0") is ST and r.events == [] and NEW not in r.serving_urls
+    assert "'default'" in fleet.engine("e0").last_reason
+    r = front_tick(fleet, clock, None)  # the front did not answer: no evidence, stays out
+    assert fleet.state("e0") is ST and r.events == [] and NEW not in r.serving_urls
+    r = front_tick(fleet, clock, {})  # the trainer refit and stamped it: the front readmitted it
+    assert transitions(r) == [("e0", "STALE", "HEALTHY")] and NEW in r.serving_urls and r.stale_urls == []
     assert fleet.snapshot()["totals"]["STALE"] == 0
 
 
-def test_recovering_without_version_evidence_waits_not_readmitted() -> None:
-    fleet, clock = make(2)
-    fleet.set_current_version("v2")
-    restart_e0(fleet, clock)
-    for _ in range(4):
-        r = versioned_tick(fleet, clock, {})
-    assert fleet.state("e0") is RC and "http://10.0.0.1:9100" not in r.serving_urls
-    r = versioned_tick(fleet, clock, {"http://10.0.0.1:9100": "v2"})
-    assert transitions(r) == [("e0", "RECOVERING", "HEALTHY")]
-
-
-def test_serving_engine_reporting_another_version_goes_stale_and_stale_can_die() -> None:
+def test_serving_engine_held_out_goes_stale_and_stale_can_die() -> None:
     fleet, clock = make(3)
-    fleet.set_current_version("v2")
-    r = versioned_tick(fleet, clock, {url(1): "v1", url(0): "v2"})
+    r = front_tick(fleet, clock, {url(1): OLD_WEIGHTS})
     assert transitions(r) == [("e1", "HEALTHY", "STALE")] and url(1) not in r.serving_urls
     for _ in range(3):
         clock.t += 1.0
-        r = fleet.observe(TickInput(probes={url(1): FAIL, url(0): True, url(2): True}))
+        r = fleet.observe(TickInput(probes={url(1): FAIL, url(0): True, url(2): True}, stale={url(1): "x"}))
     assert ("e1", "STALE", "DEAD") in transitions(r) and r.to_restart == ["e1"]
     fleet2, clock2 = make(1)
-    fleet2.set_current_version("v2")
-    versioned_tick(fleet2, clock2, {url(0): "v1"})
+    front_tick(fleet2, clock2, {url(0): OLD_WEIGHTS})
     assert fleet2.state("e0") is ST and fleet2.mark_dead("e0", "process exited")

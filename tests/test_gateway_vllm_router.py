@@ -279,7 +279,7 @@ def test_external_gateway_registers_replaces_and_leaves_the_router_running(
     assert view.reachable and {(m.url, m.healthy) for m in view.members} == {(e, True) for e in engines[:2]}
     assert gw.drain_outcomes() == {} and gw.instance() is None
     # the refit window beside it (the driver's fleet endpoint), with the admin token
-    from launcher.fleet_client import FleetClient
+    from launcher.fleet.client import FleetClient
 
     fleet = FleetClient(gw.fleet_url() or "", "t")
     assert fleet.weight_version().result["engines"] == {e: "default" for e in engines[:2]}
@@ -529,7 +529,7 @@ def test_slurm_managed_vllm_router_process_killed_is_back_on_the_same_url(
 REFIT_TRAINER = textwrap.dedent(
     """\
     import glob, json, os, threading, time, urllib.request
-    from launcher.fleet_client import FleetClient
+    from launcher.fleet.client import FleetClient
     job, key = os.environ["RL_JOB_DIR"], os.environ["RL_POLICY_API_KEY"]
     base, router = os.environ["RL_POLICY_BASE_URL"], os.environ["RL_ROUTER_URL"]
     def post(url, body, headers=None):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from launcher.fleet_client import FleetClient
+from launcher.fleet.client import FleetClient
 from launcher.jobdir import JobDir, StateWriter
 from tests.recording_server import RecordingServer
 

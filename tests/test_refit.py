@@ -15,11 +15,11 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from launcher.driver.fleet_controller import FleetController
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.server import SimServer
 from launcher.fleet import EngineState, HealthPolicy
-from launcher.fleet_client import FleetClient, FleetOpError, flatten
+from launcher.fleet.client import FleetClient, FleetOpError, flatten
+from launcher.fleet.controller import FleetController
 from launcher.gateways.base import Gateway, GatewayView
 from launcher.jobdir import EngineEntry, EngineListing, JobDir, StateWriter
 from router import GenerationRouter
@@ -305,6 +305,9 @@ class RouterGateway(Gateway):
     def restore_weight_version(self, version: str) -> None:
         self.router.restore_weight_version(version)
 
+    def stale_engines(self) -> dict[str, str]:
+        return self.router.stale_backends()
+
     identity = "1"
     """Its process identity; a test changes it to stand for a restart."""
 
@@ -337,7 +340,7 @@ async def test_controller_keeps_restarted_engine_stale_until_stamped(sims, route
     url = router.base_url()
     assert (await admin(url, "POST", "/fleet/weight_version", {"version": "v1"}))[0] == 200
     await in_thread(controller.tick)
-    assert controller.fleet.current_version == "v1"
+    assert controller.last_version == "v1" and job.read_state()["fleet"]["current_version"] == "v1"
     # Engine 1 dies and comes back on the checkpoint's version (the replacement sim says "default").
     controller.fleet.mark_dead("node0-1", "process exited")
     await in_thread(controller.tick)

@@ -29,7 +29,7 @@ import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.vllm.engine import VllmEngine
-from launcher.fleet_client import FleetClient, FleetOpError
+from launcher.fleet.client import FleetClient, FleetOpError
 from router import GenerationRouter, RouterConfig
 from router.fleet.engine_counters import parse_counters
 from tests.test_engine_key_guard import KEY, PROBES, _call, expected, refused_without_key

@@ -3,7 +3,7 @@
 A real RL step ends in a weight update while Gym's last sessions are still running; the local job shows
 that window by pausing the fleet (``keep``) once a fraction of the replay's sessions has ended, holding
 it for ``hold_s`` (the weight transfer stands in), flushing the caches, stamping a version and resuming,
-all through the trainer's client (``launcher.fleet_client``). The replay's sessions must all still
+all through the trainer's client (``launcher.fleet.client``). The replay's sessions must all still
 complete: requests sent during the pause are held by the router, in-flight ones frozen by the engines.
 The figures (pause->resume time, requests held, their longest wait) are printed and kept in ``result``.
 """
@@ -50,7 +50,7 @@ class MidStepRefit:
         return counted
 
     def start(self) -> None:
-        from launcher.fleet_client import FleetClient
+        from launcher.fleet.client import FleetClient
 
         self.client = FleetClient.from_job_dir(self.job_dir)  # fail before the replay, not mid-way
         self._thread.start()

@@ -10,7 +10,7 @@ to age out). The report is recorded in the job directory, where ``rl-launch stat
 ran.
 
 ``pause|resume|is-paused|abort|version|checksum|step JOB`` open the refit window by hand: the same
-operations a trainer drives through ``launcher.fleet_client`` (each through the ``/fleet/*`` routes, which
+operations a trainer drives through ``launcher.fleet.client`` (each through the ``/fleet/*`` routes, which
 fan out to every engine: the builtin router's own, or the driver's fleet endpoint beside vllm-router), for
 an operator or a shell-scripted trainer. Each prints one line per engine and exits 1 when any engine did
 not comply. Fronts with no such routes (Dynamo, Ray Serve: their engines do not serve vLLM's dev routes)
@@ -31,11 +31,12 @@ from typing import Any
 import click
 
 from launcher.cli.options import lookup_job, root_option
-from launcher.fleet_client import FleetClient
+from launcher.fleet.client import FleetClient
 from launcher.http_call import bearer, open_url
 from launcher.jobdir import JobDir
 from router.fleet.cache_reset import CacheResetReport, reset_engines
-from router.fleet.ops import PAUSE_MODES, FleetOpReport
+from router.fleet.engine import PAUSE_MODES
+from router.fleet.ops import FleetOpReport
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the per-engine report as JSON.")
 
@@ -119,7 +120,7 @@ def reset_cache_command(job: str | None, timeout_s: float, as_json: bool, root: 
         raise click.ClickException(f"{len(failed)} of {len(report.engines)} engine(s) did not flush: {why}")
 
 
-# The refit window by hand: the operations a trainer drives through launcher.fleet_client.
+# The refit window by hand: the operations a trainer drives through launcher.fleet.client.
 
 _TIMEOUT = click.option("--timeout", "timeout_s", default=300.0, show_default=True, help="Seconds in all.")
 

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from launcher.driver.engine_hosts import EngineHostLauncher
-from launcher.driver.fleet_controller import FleetController
 from launcher.driver.gateway_watcher import GatewayFleetWatcher
 from launcher.driver.gym_wiring import wire_gym
 from launcher.driver.ray_cluster import RayCluster, driver_process_env
@@ -44,6 +43,7 @@ from launcher.driver.steps import LocalSteps, SrunSteps, node_address
 from launcher.driver.stopping import TIME_LIMIT_EXIT, JobFailed, StopSignals, Terminated, TimeLimitReached
 from launcher.driver.training import TrainingCommand
 from launcher.fleet import HealthPolicy
+from launcher.fleet.controller import FleetController
 from launcher.gateways import Gateway, GatewayContext, GatewayError, gateway_class, make_gateway
 from launcher.gateways.kinds import front_kind
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks

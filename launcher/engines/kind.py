@@ -125,6 +125,6 @@ class EngineKind:
 
     def cache_reset(self) -> tuple[str, bool]:
         """The route that flushes one engine's prefix cache, and whether it takes the job's API key."""
-        from router.fleet.cache_reset import VLLM_RESET_PATH
+        from router.fleet.engine import VLLM_RESET_PATH
 
         return VLLM_RESET_PATH, True

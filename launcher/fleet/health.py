@@ -34,12 +34,15 @@ RECOVERING     no       The replacement is up on its new URL but not readmitted 
                         (the router sends it nothing, and anything the router reports for that URL
                         belongs to a previous owner of the port).
 RETIRED        no       Terminal: a restart budget is spent. The run continues with fewer engines.
-STALE          no       Up and answering, but serving another weight version than the fleet's current
-                        one (``set_current_version``): a restarted engine comes back with the
+STALE          no       Up and answering, but held out by the front because it serves another weight
+                        version than the fleet's current one: a restarted engine comes back with the
                         checkpoint's weights while the rest serve newer ones, and rollouts from it would
-                        silently come from a stale policy. Kept out until its reported version
-                        (``TickInput.versions``, the engine's ``/weight_info``) is the current one, i.e.
-                        until the trainer refit and stamped it. Still probed, and may die like any other.
+                        silently come from a stale policy. The front is the one judge of that
+                        (``router.fleet.api.FleetApi``: it knows the version the trainer stamped and
+                        checks every engine that joins); this state only follows its verdict
+                        (``TickInput.stale``), so the controller and the front never disagree on which
+                        engines are stale. Left when the front no longer holds it out (the trainer refit
+                        and stamped it). Still probed, and may die like any other.
 =============  =======  ==================================================================================
 
 Transitions (thresholds are ``HealthPolicy`` fields; defaults in brackets)
@@ -63,11 +66,10 @@ DEAD                        RETIRED      next ``observe()``, when either budget 
                                          ``TickResult.retired`` (the driver stops what is left of it)
 RESTARTING                  RECOVERING   ``restarted(id, new_url)``: the replacement is ready on ``new_url``
 RESTARTING                  DEAD         ``restart_failed(id, reason)``
-RECOVERING                  HEALTHY      ``recovered_after`` [2] consecutive passing probes: readmitted (with
-                                         a current version set: only when it reports that version)
-RECOVERING                  STALE        readmission due, but it reports another version than the current one
-HEALTHY/SUSPECT             STALE        it reports another version than the current one
-STALE                       HEALTHY      it reports the current version (refit and stamped by the trainer)
+RECOVERING                  HEALTHY      ``recovered_after`` [2] consecutive passing probes: readmitted
+                                         (pushed to the front, which checks its weight version on admission)
+HEALTHY/SUSPECT             STALE        the front holds it out as stale (``TickInput.stale`` names it)
+STALE                       HEALTHY      the front answered and no longer holds it out (refit and stamped)
 STALE                       DEAD         ``dead_after`` [3] failing probes, or ``mark_dead``
 RECOVERING                  DEAD         ``dead_after`` [3] failing probes since the restart, or
                                          ``recovery_timeout_s`` [300] without readmission
@@ -282,8 +284,10 @@ class TickInput:
 
     probes: Mapping[str, ProbeResult | bool] = field(default_factory=dict)
     outcomes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
-    versions: Mapping[str, str] = field(default_factory=dict)
-    """Weight versions the engines reported (``GET /weight_info``); an engine absent: no evidence."""
+    stale: Mapping[str, str] | None = None
+    """``{url: why}`` for the engines the front holds out as stale (``Gateway.stale_engines``; a front
+    that does not guard weight versions holds none). ``None``: the front did not answer this tick, which
+    is no evidence: no engine enters or leaves STALE on it (a restarting front must not readmit them)."""
 
 
 @dataclass
@@ -332,7 +336,6 @@ class FleetHealth:
         self._check_unique_urls()
         self.run_budget = self.policy.run_budget(len(self._engines))
         self.run_restarts = 0
-        self.current_version: str | None = None
         self._pending: list[FleetEvent] = []
         self._recent: deque[FleetEvent] = deque(maxlen=self.RECENT_EVENTS)
 
@@ -357,21 +360,6 @@ class FleetHealth:
         with self._lock:
             return self._serving()
 
-    def version_targets(self) -> dict[str, str]:
-        """``{engine id: url}`` whose weight version the driver should read this tick (none before a
-        current version is set): the engines about to be readmitted and the stale ones."""
-        with self._lock:
-            if self.current_version is None:
-                return {}
-            wanted = (EngineState.RECOVERING, EngineState.STALE)
-            return {r.id: r.url for r in self._engines.values() if r.state in wanted}
-
-    def set_current_version(self, version: str | None) -> None:
-        """The fleet's weight version (the trainer's last stamp, as the front reports it); ``None``:
-        no version rule (before the first stamp every engine serves the checkpoint)."""
-        with self._lock:
-            self.current_version = version
-
     # -- the tick ------------------------------------------------------------------------------------
     def observe(self, tick: TickInput) -> TickResult:
         """Judge one tick for every engine and say what to do. Events include those of the driver's
@@ -380,20 +368,20 @@ class FleetHealth:
             now = self._clock()
             probes = _by_url_probes(tick.probes)
             outcomes = _by_url_outcomes(tick.outcomes)
-            versions = {canonical_backend_url(u): v for u, v in tick.versions.items()}
+            stale = _by_url_stale(tick.stale)
             for rec in self._engines.values():
-                version = versions.get(rec.url)
+                held_out = stale.get(rec.url) if stale is not None else None
                 if rec.state in SERVING_STATES:
                     window = outcomes.get(rec.url, (0, 0))
                     rec.last_window = window
                     self._judge_serving(rec, judge_tick(probes.get(rec.url), window, self.policy), now)
-                    if rec.state in SERVING_STATES and self._off_version(version):
-                        self._move(rec, EngineState.STALE, self._stale_reason(version), now)
+                    if rec.state in SERVING_STATES and held_out is not None:
+                        self._move(rec, EngineState.STALE, f"held out by the front: {held_out}", now)
                 elif rec.state is EngineState.RECOVERING:
-                    evidence = judge_tick(probes.get(rec.url), None, self.policy)
-                    self._judge_recovering(rec, evidence, version, now)
+                    self._judge_recovering(rec, judge_tick(probes.get(rec.url), None, self.policy), now)
                 elif rec.state is EngineState.STALE:
-                    self._judge_stale(rec, judge_tick(probes.get(rec.url), None, self.policy), version, now)
+                    evidence = judge_tick(probes.get(rec.url), None, self.policy)
+                    self._judge_stale(rec, evidence, stale is not None and held_out is None, held_out, now)
             to_restart: list[str] = []
             retired: list[str] = []
             for rec in self._engines.values():
@@ -487,7 +475,6 @@ class FleetHealth:
             return {
                 "time": self._clock(),
                 "fatal": self._fatal(),
-                "current_version": self.current_version,
                 "engines": engines,
                 "totals": totals,
                 "budget": {
@@ -579,30 +566,24 @@ class FleetHealth:
                     now,
                 )
 
-    def _off_version(self, version: str | None) -> bool:
-        return self.current_version is not None and version is not None and version != self.current_version
-
-    def _stale_reason(self, version: str | None) -> str:
-        return f"serves weight version {version!r}, the fleet is on {self.current_version!r}: awaiting refit"
-
-    def _judge_stale(self, rec: EngineRecord, evidence: Evidence, version: str | None, now: float) -> None:
+    def _judge_stale(
+        self, rec: EngineRecord, evidence: Evidence, readmitted: bool, held_out: str | None, now: float
+    ) -> None:
+        """``readmitted``: the front answered and no longer holds it out; ``held_out``: its reason now
+        (the front's verdict replaces "not verified yet" once it checked the engine's version)."""
         self._count(rec, evidence)
         if evidence.verdict is Verdict.FAIL and rec.strikes >= self.policy.dead_after:
             self._move(rec, EngineState.DEAD, f"stale engine failed {rec.strikes} health checks", now)
-        elif self.current_version is None or version == self.current_version:
+        elif readmitted:
             self._reset_counters(rec)
-            self._move(rec, EngineState.HEALTHY, f"refit: serves the current version {version!r}", now)
+            self._move(rec, EngineState.HEALTHY, "readmitted by the front: refit to the fleet's version", now)
+        elif held_out is not None and evidence.verdict is not Verdict.FAIL:
+            rec.last_reason = f"held out by the front: {held_out}"
 
-    def _judge_recovering(
-        self, rec: EngineRecord, evidence: Evidence, version: str | None, now: float
-    ) -> None:
+    def _judge_recovering(self, rec: EngineRecord, evidence: Evidence, now: float) -> None:
         p = self.policy
         self._count(rec, evidence)
         if evidence.verdict is Verdict.PASS and rec.consecutive_successes >= p.recovered_after:
-            if self.current_version is not None and version != self.current_version:
-                if version is not None:  # unknown yet: wait (recovery_timeout_s still bounds it)
-                    self._move(rec, EngineState.STALE, self._stale_reason(version), now)
-                return
             rec.strikes = 0
             self._move(
                 rec,
@@ -700,3 +681,7 @@ def _by_url_outcomes(outcomes: Mapping[str, tuple[int, int]]) -> dict[str, tuple
         ps, pf = out.get(key, (0, 0))
         out[key] = (ps + int(s), pf + int(f))
     return out
+
+
+def _by_url_stale(stale: Mapping[str, str] | None) -> dict[str, str] | None:
+    return None if stale is None else {canonical_backend_url(u): why for u, why in stale.items()}

@@ -98,9 +98,10 @@ class Gateway(ABC):
     (``router.ports.PortHold``, ``RouterConfig.port_held``), so the port stays the job's for its
     whole life; else the driver releases the port just before ``start``."""
     guards_weight_version: ClassVar[bool] = False
-    """True when the front itself holds out engines on another weight version (the builtin router's
-    ``/fleet`` API): the controller then also hands it the STALE engines, so the trainer can list and
-    stamp them through the front. Otherwise STALE engines are simply never pushed."""
+    """True when the front itself holds out engines on another weight version (``router.fleet.api``'s
+    ``FleetApi``, the fleet's one judge of staleness): the controller reads its verdict
+    (``stale_engines``) into the STALE state and also hands it the STALE engines, so the trainer can list
+    and stamp them through the front. Otherwise no engine is ever STALE."""
 
     def __init__(self, context: GatewayContext) -> None:
         self.context = context
@@ -142,6 +143,12 @@ class Gateway(ABC):
         """Tell a front that restarted and forgot it the fleet's version (no-op for kinds without one)."""
         return None
 
+    def stale_engines(self) -> dict[str, str]:
+        """``{engine url: why}`` for the engines the front holds out because their weights are not the
+        fleet's version (kinds that ``guards_weight_version``); ``{}`` for the others. Raises when the
+        front cannot be asked (the controller then keeps its STALE engines as they are)."""
+        return {}
+
     def restore_pause(self) -> bool:
         """Hold requests again in a front that restarted while the engines were paused (kinds whose front
         holds requests during a pause); True if it was not holding. No-op (False) for other kinds."""
@@ -149,7 +156,7 @@ class Gateway(ABC):
 
     def fleet_url(self) -> str | None:
         """Where the ``/fleet/*`` routes of the refit window are served for this front (the admin token
-        guards them), ``None`` when the kind has none; ``launcher.fleet_client`` and ``rl-launch fleet``
+        guards them), ``None`` when the kind has none; ``launcher.fleet.client`` and ``rl-launch fleet``
         use it (the driver records it in the job state)."""
         return None
 

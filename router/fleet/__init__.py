@@ -1,5 +1,6 @@
-"""The router's operations on the fleet of engines behind it: the ``/fleet/*`` refit routes (``api``), the
-fan-out of one engine call with its report (``ops``), the engines' counters per step
+"""The router's operations on the fleet of engines behind it: the engine's HTTP contract, one client for
+every call to an engine (``engine``), the ``/fleet/*`` refit routes (``api``), the fan-out of one engine
+call with its report (``ops``), the engines' counters per step
 (``engine_counters``), the fleet-wide cache reset (``cache_reset``) and vllm-router's ``/workers``
 membership API with the router's readiness and metrics routes (``admin``). The launcher's fleet commands
 and the vllm-router front's fleet endpoint use them too.

@@ -25,7 +25,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router.fleet.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
+from router.fleet.cache_reset import CacheResetReport, reset_engines
+from router.fleet.engine import VLLM_RESET_PATH
 from router.http.app import health
 from router.http.auth import Access, RouteTable
 from router.state.backends import BackendSet, canonical_backend_url

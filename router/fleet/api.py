@@ -20,7 +20,11 @@ The router's own part:
   answers the delta since then (``router.fleet.engine_counters``).
 
 All routes are registered as admin routes (``router.http.auth.Access.ADMIN``). Every call to an engine
-presents the engine key (``backend_api_key``): engines take it on every route but ``/health``.
+goes through ``router.fleet.engine.EngineClient``, which presents the engine key (``backend_api_key``).
+
+This is the fleet's one judge of staleness: the fleet controller (``launcher.fleet.controller``) does not
+compare versions itself; its STALE state follows what this API holds out (``BackendSet.stale``), read
+through the front (``Gateway.stale_engines``).
 """
 
 from __future__ import annotations
@@ -28,21 +32,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from router.fleet.engine_counters import Snapshot, delta, read_snapshot, step_dict
-from router.fleet.ops import (
-    PAUSE_MODES,
-    EngineAnswer,
-    FleetOpReport,
-    compare_checksums,
-    expect,
-    fan_out,
-    has,
-)
+from router.fleet.engine import PAUSE_MODES, EngineAnswer, EngineClient
+from router.fleet.engine_counters import Snapshot, delta, step_dict
+from router.fleet.ops import FleetOpReport, compare_checksums, fan_out
 from router.http.auth import Access, RouteTable
 from router.state.backends import BackendSet, canonical_backend_url
 from router.state.pause_gate import PauseGate
@@ -52,6 +50,8 @@ log = logging.getLogger(__name__)
 
 ENGINE_TIMEOUT_S = 120.0
 """How long one fleet operation waits for the engines' answers."""
+COUNTERS_TIMEOUT_S = 15.0
+"""How long a read of the engines' counters waits (a step's metrics must not stall the trainer long)."""
 
 
 def _json(status: int, payload: object) -> web.Response:
@@ -109,12 +109,23 @@ class FleetApi:
             table.add(method, path, handler, Access.ADMIN)
 
     # -- helpers ----------------------------------------------------------------------------------
-    async def _fan(self, op: str, urls: list[str], method: str, path: str, **kw: Any) -> FleetOpReport:
+    async def _fan(
+        self, op: str, urls: list[str], call: Callable[[EngineClient, str], Awaitable[EngineAnswer]]
+    ) -> FleetOpReport:
         t0 = time.monotonic()
-        answers = await fan_out(
-            urls, method, path, api_key=self.backend_api_key, timeout_s=self.engine_timeout_s, **kw
-        )
+        answers = await fan_out(urls, call, api_key=self.backend_api_key, timeout_s=self.engine_timeout_s)
         return FleetOpReport(op, answers, took_s=round(time.monotonic() - t0, 4))
+
+    async def _snapshot(self) -> tuple[Snapshot, dict[str, str]]:
+        """Every engine's counters now, and ``{url: why}`` for those that could not be read."""
+        reads = await fan_out(
+            self._all_engines(),
+            lambda e, u: e.counters(u),
+            api_key=self.backend_api_key,
+            timeout_s=COUNTERS_TIMEOUT_S,
+        )
+        snapshot = {r.url: r.value for r in reads if r.value is not None}
+        return snapshot, {r.url: r.error for r in reads if r.value is None}
 
     def _all_engines(self) -> list[str]:
         """Serving engines plus those held out as stale (they are paused and resumed like the rest)."""
@@ -137,13 +148,13 @@ class FleetApi:
         if mode not in PAUSE_MODES:
             return _bad(f"mode={mode!r}: choose one of {', '.join(PAUSE_MODES)}")
         self.gate.close(mode)
-        report = await self._fan("pause", self._all_engines(), "POST", "/pause", params={"mode": mode})
+        report = await self._fan("pause", self._all_engines(), lambda e, u: e.pause(u, mode))
         report.result = {"mode": mode, "router_holding": self.holds_requests}
         log.info("fleet pause (%s): ok=%s in %.3f s", mode, report.ok, report.took_s)
         return _answer(report)
 
     async def resume(self, request: web.Request) -> web.Response:
-        report = await self._fan("resume", self._all_engines(), "POST", "/resume")
+        report = await self._fan("resume", self._all_engines(), lambda e, u: e.resume(u))
         held = self.gate.stats()
         # Released even when an engine failed to resume: holding every request forever is worse, and
         # the 500 below tells the trainer which engine is still paused.
@@ -158,9 +169,7 @@ class FleetApi:
         return _answer(report)
 
     async def is_paused(self, request: web.Request) -> web.Response:
-        report = await self._fan(
-            "is_paused", self._all_engines(), "GET", "/is_paused", check=has("is_paused")
-        )
+        report = await self._fan("is_paused", self._all_engines(), lambda e, u: e.paused_answer(u))
         engines = {a.url: bool(a.body.get("is_paused")) for a in report.engines if a.ok}
         s = self.gate.stats()
         report.result = {
@@ -181,9 +190,7 @@ class FleetApi:
                 raise ValueError("request_ids must be a list of strings")
         except ValueError as exc:
             return _bad(str(exc))
-        report = await self._fan(
-            "abort", self._all_engines(), "POST", "/abort_requests", json_body={"request_ids": ids}
-        )
+        report = await self._fan("abort", self._all_engines(), lambda e, u: e.abort(u, ids))
         per_engine = {a.url: int(a.body.get("aborted", 0)) for a in report.engines if a.ok and a.body}
         report.result = {
             # Abort-all counts what each engine actually held; an abort by ids is acknowledged per id by
@@ -196,9 +203,7 @@ class FleetApi:
 
     # -- weight version ----------------------------------------------------------------------------
     async def get_version(self, request: web.Request) -> web.Response:
-        report = await self._fan(
-            "weight_version", self._all_engines(), "GET", "/weight_info", check=has("weight_version")
-        )
+        report = await self._fan("weight_version", self._all_engines(), lambda e, u: e.weight_info(u))
         versions = {a.url: a.body["weight_version"] for a in report.engines if a.ok}
         report.result = {
             "current": self.current_version,
@@ -238,14 +243,7 @@ class FleetApi:
                 )
         else:
             targets = list(self.backends.serving)
-        report = await self._fan(
-            "set_weight_version",
-            targets,
-            "POST",
-            "/update_weight_version",
-            json_body={"new_version": version},
-            check=expect("new_version", version),
-        )
+        report = await self._fan("set_weight_version", targets, lambda e, u: e.stamp(u, version))
         if not any(a.ok for a in report.engines):
             # No engine took it (e.g. none runs in dev mode): holding every engine out would take the
             # whole fleet down for a configuration error; nothing changes and the 500 says why.
@@ -281,15 +279,8 @@ class FleetApi:
 
     async def _verify(self, url: str) -> None:
         wanted = self.current_version
-        answers: list[EngineAnswer] = await fan_out(
-            [url],
-            "GET",
-            "/weight_info",
-            check=has("weight_version"),
-            api_key=self.backend_api_key,
-            timeout_s=self.engine_timeout_s,
-        )
-        a = answers[0]
+        async with EngineClient.open(self.backend_api_key, self.engine_timeout_s) as engines:
+            a = await engines.weight_info(url)
         if url not in self.backends.members:
             return
         if a.ok and a.body["weight_version"] == wanted == self.current_version:
@@ -302,14 +293,7 @@ class FleetApi:
 
     # -- checksums -----------------------------------------------------------------------------------
     async def checksum(self, request: web.Request) -> web.Response:
-        report = await self._fan(
-            "checksum",
-            list(self.backends.serving),
-            "POST",
-            "/weight_checker",
-            json_body={"action": "checksum"},
-            check=has("checksums"),
-        )
+        report = await self._fan("checksum", list(self.backends.serving), lambda e, u: e.checksum(u))
         report.result, report.error = compare_checksums(report.engines)
         for a in report.engines:
             a.body = None  # the per-parameter tables are large; the groups say what matters
@@ -317,11 +301,11 @@ class FleetApi:
 
     # -- counters and steps ----------------------------------------------------------------------------
     async def counters(self, request: web.Request) -> web.Response:
-        snap, errors = await read_snapshot(self._all_engines(), api_key=self.backend_api_key)
+        snap, errors = await self._snapshot()
         return _json(200 if not errors else 500, {**step_dict(snap), "errors": errors})
 
     async def step_begin(self, request: web.Request) -> web.Response:
-        snap, errors = await read_snapshot(self._all_engines(), api_key=self.backend_api_key)
+        snap, errors = await self._snapshot()
         self._step += 1
         self._step_started = time.time()
         self._step_snapshot = snap
@@ -330,7 +314,7 @@ class FleetApi:
     async def step(self, request: web.Request) -> web.Response:
         if self._step_snapshot is None:
             return _json(409, {"ok": False, "error": "no step begun: POST /fleet/step/begin first"})
-        now, errors = await read_snapshot(self._all_engines(), api_key=self.backend_api_key)
+        now, errors = await self._snapshot()
         out = step_dict(delta(self._step_snapshot, now))
         out.update(step=self._step, started_at=self._step_started, seconds=time.time() - self._step_started)
         return _json(200 if not errors else 500, {**out, "errors": errors})

@@ -18,11 +18,6 @@ from typing import Any
 
 from router.fleet.ops import fan_out
 
-VLLM_RESET_PATH = "/reset_prefix_cache"
-"""vLLM (served with ``VLLM_SERVER_DEV_MODE=1``) and the simulator."""
-DYNAMO_RESET_PATH = "/engine/flush_cache"
-"""A ``dynamo.vllm`` worker's system server (the RL admin route)."""
-
 
 @dataclass
 class EngineReset:
@@ -58,25 +53,14 @@ class CacheResetReport:
         )
 
 
-def _hint(status: int, path: str) -> str:
-    if status == 404 and path == VLLM_RESET_PATH:
-        return " (vLLM serves it only with VLLM_SERVER_DEV_MODE=1 in generation.env)"
-    if status == 404:
-        return " (this engine has no cache-invalidation route)"
-    return ""
-
-
 async def reset_engines(
     urls: Sequence[str], path: str, api_key: str | None = None, timeout_s: float = 30.0
 ) -> list[EngineReset]:
-    """POST ``path`` on every engine at once; an error, a timeout or a non-2xx answer is a failure.
+    """POST ``path`` (the engine kind's route: ``router.fleet.engine.VLLM_RESET_PATH`` or
+    ``DYNAMO_RESET_PATH``) on every engine at once; an error, a timeout or a non-2xx answer is a failure.
     Sent through ``router.fleet.ops.fan_out``, the one fan-out every fleet operation uses."""
-    answers = await fan_out(
-        urls, "POST", path, api_key=api_key, timeout_s=timeout_s, hint=lambda status: _hint(status, path)
-    )
-    return [
-        EngineReset(a.url, a.ok, a.status, _said(a.body) if a.ok else a.detail) for a in answers
-    ]
+    answers = await fan_out(urls, lambda e, u: e.reset_cache(u, path), api_key=api_key, timeout_s=timeout_s)
+    return [EngineReset(a.url, a.ok, a.status, _said(a.body) if a.ok else a.detail) for a in answers]
 
 
 def _said(body: object) -> str:

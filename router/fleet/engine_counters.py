@@ -8,16 +8,14 @@ cost every request. A snapshot is ``{engine url: {counter: value}}``; a delta su
 engine by engine (an engine that restarted in between, whose counters went down, counts from zero) and
 sums the fleet.
 
-This module owns the counter names of the step dict (``COUNTERS`` and ``finished_<reason>``).
+This module owns the counter names of the step dict (``COUNTERS`` and ``finished_<reason>``) and their
+arithmetic; ``router.fleet.engine.EngineClient.counters`` reads one engine's (with the engine key, since
+``/metrics`` is not open).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
 from typing import Any
-
-import aiohttp
 
 from router.prometheus import parse_metrics
 
@@ -55,37 +53,6 @@ def parse_counters(text: str) -> Counters:
             k = key or f"finished_{labels.get('finished_reason', 'unknown')}"
             out[k] = out.get(k, 0.0) + value
     return out
-
-
-async def read_snapshot(
-    urls: Sequence[str], *, api_key: str | None = None, timeout_s: float = 15.0
-) -> tuple[Snapshot, dict[str, str]]:
-    """Read every engine's counters at once; returns (snapshot, {url: error}) for engines that failed.
-    ``api_key``: the engine key, which the job's engines require on every route but ``/health``
-    (``/metrics`` included); a redirect is an answer (an error here), never followed."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    errors: dict[str, str] = {}
-
-    async def one(session: aiohttp.ClientSession, url: str) -> tuple[str, Counters | None]:
-        try:
-            async with session.get(url + "/metrics", allow_redirects=False) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    errors[url] = f"HTTP {resp.status}"
-                    return url, None
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            errors[url] = f"{type(exc).__name__}: {exc}"
-            return url, None
-        try:
-            return url, parse_counters(text)
-        except ValueError as exc:
-            errors[url] = f"unparsable /metrics: {exc}"
-            return url, None
-
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
-        got = await asyncio.gather(*(one(session, u) for u in urls))
-    return {u: c for u, c in got if c is not None}, errors
 
 
 def fleet_total(snapshot: Snapshot) -> Counters:

@@ -8,41 +8,23 @@ an answer that does not say what the operation asked for), and the report's ``ok
 engine complied. Nothing retries: a half-applied refit must surface, not be papered over.
 
 This module owns the report's shape (``FleetOpReport``): the router's ``/fleet/*`` admin routes answer
-with it, ``rl-launch fleet ...`` prints it and ``launcher.fleet_client`` hands it to the trainer.
+with it, ``rl-launch fleet ...`` prints it and ``launcher.fleet.client`` hands it to the trainer.
 ``router.fleet.cache_reset`` keeps its own report type (the job directory records it) and sends through
-``fan_out`` here.
-
-The engine routes are vLLM 0.32's (``VLLM_SERVER_DEV_MODE=1``; ``vllm/entrypoints/rl/online/api_router.py``
-and the dev routes), which the simulator (``launcher.engines.sim``) serves with the same semantics.
+``fan_out`` here. What one engine call is and how its answer is judged belongs to ``router.fleet.engine``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-import aiohttp
+from router.fleet.engine import EngineAnswer, EngineClient
 
-PAUSE_MODES = ("abort", "wait", "keep")
-"""vLLM's ``PauseMode``: abort in-flight requests, wait for them to finish, or freeze them until resume."""
-
-Check = Callable[[Any], str | None]
-"""Judges a parsed 2xx body: ``None`` when it shows the engine complied, else why not."""
-
-
-@dataclass
-class EngineAnswer:
-    url: str
-    ok: bool
-    status: int | None
-    detail: str = ""
-    body: Any = None
-    """The engine's parsed JSON answer (``None`` when it sent none)."""
+T = TypeVar("T")
 
 
 @dataclass
@@ -89,69 +71,18 @@ class FleetOpReport:
         )
 
 
-def dev_mode_hint(status: int) -> str:
-    if status == 404:
-        return " (vLLM serves the RL routes only with VLLM_SERVER_DEV_MODE=1 in generation.env)"
-    return ""
-
-
 async def fan_out(
     urls: Sequence[str],
-    method: str,
-    path: str,
+    call: Callable[[EngineClient, str], Awaitable[T]],
     *,
-    json_body: Any = None,
-    params: dict[str, str] | None = None,
-    check: Check | None = None,
     api_key: str | None = None,
     timeout_s: float = 60.0,
-    hint: Callable[[int], str] = dev_mode_hint,
-) -> list[EngineAnswer]:
-    """Send ``method path`` to every engine at once; an error, a timeout, a non-2xx answer, an
-    ``"error"`` key in the body or a failed ``check`` is a failure of that engine."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-
-    async def one(session: aiohttp.ClientSession, url: str) -> EngineAnswer:
-        try:
-            async with session.request(
-                method, url + path, json=json_body, params=params, headers=headers, allow_redirects=False
-            ) as resp:
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return EngineAnswer(url, False, None, f"{type(exc).__name__}: {exc}")
-        try:
-            body = json.loads(text) if text else None
-        except ValueError:
-            body = None
-        if not 200 <= resp.status < 300:
-            why = f"HTTP {resp.status}{hint(resp.status)}: {text[:300]}"
-            return EngineAnswer(url, False, resp.status, why)
-        if isinstance(body, dict) and "error" in body:
-            return EngineAnswer(url, False, resp.status, f"engine error: {str(body['error'])[:300]}", body)
-        why = check(body) if check is not None else None
-        if why is not None:
-            return EngineAnswer(url, False, resp.status, why, body)
-        return EngineAnswer(url, True, resp.status, "", body)
-
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        return list(await asyncio.gather(*(one(session, u) for u in urls)))
-
-
-# -- what each engine route must answer --------------------------------------------------------------
-def expect(key: str, value: Any) -> Check:
-    def check(body: Any) -> str | None:
-        got = body.get(key) if isinstance(body, dict) else None
-        return None if got == value else f"answered {key}={got!r}, expected {value!r}"
-
-    return check
-
-
-def has(key: str) -> Check:
-    def check(body: Any) -> str | None:
-        return None if isinstance(body, dict) and key in body else f"answer lacks {key!r}: {body!r}"[:300]
-
-    return check
+) -> list[T]:
+    """``call(engines, url)`` on every engine at once, over one session of its own; answers in ``urls``'
+    order. Each call is judged by ``router.fleet.engine`` (an error, a timeout, a non-2xx answer, an
+    ``"error"`` in the body or an answer that does not say what was asked fails that engine)."""
+    async with EngineClient.open(api_key, timeout_s) as engines:
+        return await engines.each(urls, call)
 
 
 def checksum_digest(checksums: dict[str, str]) -> str:

@@ -77,7 +77,7 @@ class DynamoWorkerKind(EngineKind):
 
     def cache_reset(self) -> tuple[str, bool]:
         """The worker's system server's ``/engine/flush_cache`` (Dynamo checks no key there)."""
-        from router.fleet.cache_reset import DYNAMO_RESET_PATH
+        from router.fleet.engine import DYNAMO_RESET_PATH
 
         return DYNAMO_RESET_PATH, False
 

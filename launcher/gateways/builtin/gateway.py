@@ -81,6 +81,9 @@ class BuiltinRouterGateway(Gateway):
     def restore_weight_version(self, version: str) -> None:
         self._get(self.actor.restore_weight_version.remote(version))
 
+    def stale_engines(self) -> dict[str, str]:
+        return dict(self._get(self.actor.stale_backends.remote()))
+
     def restore_pause(self) -> bool:
         return bool(self._get(self.actor.restore_pause.remote("keep")))
 

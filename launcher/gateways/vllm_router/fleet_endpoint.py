@@ -27,7 +27,8 @@ from aiohttp import web
 
 from launcher.driver.listener import LISTENER_LIMITS, DriverListener
 from router.fleet.api import FleetApi
-from router.fleet.cache_reset import VLLM_RESET_PATH, CacheResetReport, reset_engines
+from router.fleet.cache_reset import CacheResetReport, reset_engines
+from router.fleet.engine import VLLM_RESET_PATH
 from router.http.auth import Access, Credentials, RouteTable
 from router.http.limits import HttpLimits
 from router.policies import make_policy
@@ -94,6 +95,15 @@ class FleetEndpoint:
     @property
     def weight_version(self) -> str | None:
         return self.api.current_version if self.api is not None else None
+
+    def stale(self) -> dict[str, str]:
+        """``{url: why}`` for the members held out as stale, read on the listener's loop (which owns the
+        ``BackendSet``: a read from the controller's thread could meet the dict mid-change)."""
+
+        async def read() -> dict[str, str]:
+            return self.backends.stale
+
+        return dict(self.listener.run(read()))
 
     def stop(self) -> None:
         """Close the listener and end the loop's thread; idempotent."""

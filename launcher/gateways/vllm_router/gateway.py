@@ -104,6 +104,9 @@ class VllmRouterGateway(Gateway):
     def weight_version(self) -> str | None:
         return self.fleet.weight_version if self.fleet is not None else None
 
+    def stale_engines(self) -> dict[str, str]:
+        return self.fleet.stale() if self.fleet is not None else {}
+
     def _note(self, action: str, url: str, why: str) -> None:
         level = "warning" if action in ("removed", "foreign") else "info"
         detail = f"vllm-router: {url} {action}: {why}"

@@ -3,7 +3,7 @@
 A trainer imports this (standard library only: no Ray, no aiohttp), points it at a job directory or at the
 router's URL plus the admin token, and drives the whole fleet with one call per operation::
 
-    from launcher.fleet_client import FleetClient
+    from launcher.fleet.client import FleetClient
 
     fleet = FleetClient.from_job_dir("~/rl-launch/jobs/1234")   # or FleetClient(url, admin_token)
     for step in range(steps):
@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.http_call import bearer, open_url
-from router.fleet.ops import PAUSE_MODES, FleetOpReport
+from router.fleet.engine import PAUSE_MODES
+from router.fleet.ops import FleetOpReport
 
 
 class FleetOpError(RuntimeError):

@@ -19,6 +19,11 @@ Two failures the probes alone would handle late or never:
   cancel what it started), so this loop gives each restart ``restart_timeout_s`` and then reports it
   failed: no engine waits in RESTARTING forever.
 
+Weight versions are judged by the front alone (``router.fleet.api.FleetApi``, for the builtin router and
+vllm-router's fleet endpoint): each tick reads the engines it holds out as stale (``Gateway.stale_engines``)
+into the state machine's STALE state, and never reads an engine's version itself, so the two can never
+disagree on which engines are stale.
+
 State changes, restarts and router restarts go to ``events.jsonl``; the fleet snapshot goes to the job
 state for ``rl-launch status``. When nothing can serve any more, ``fatal`` is set and the driver fails
 the job with that reason instead of hanging. ``stop`` writes the final snapshot: every engine STOPPED.
@@ -26,52 +31,51 @@ the job with that reason instead of hanging. ``stop`` writes the final snapshot:
 
 from __future__ import annotations
 
-import json
+import asyncio
 import threading
 import time
-import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy, ProbeResult, TickInput
+from launcher.fleet.health import (
+    EngineRecord,
+    EngineState,
+    FleetHealth,
+    HealthPolicy,
+    ProbeResult,
+    TickInput,
+)
 from launcher.gateways import Gateway
-from launcher.http_call import bearer, open_url
 from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
+from router.fleet.engine import EngineClient
 from router.state.backends import canonical_backend_url
 
-
-def _read_engine_field(url: str, path: str, field: str, timeout_s: float, api_key: str | None) -> Any:
-    """One field of an engine's JSON answer to ``GET path`` (vLLM dev mode, the simulator); None on any
-    failure. ``api_key``: the job's engines take it on every route but ``/health`` (without it a restarted
-    engine's version was never known, and it waited in RECOVERING instead of being judged)."""
-    try:
-        req = urllib.request.Request(url + path, headers=bearer(api_key))
-        with open_url(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read()).get(field)
-    except Exception:
-        return None
+T = TypeVar("T")
 
 
-def read_weight_version(url: str, timeout_s: float, api_key: str | None = None) -> str | None:
-    """The engine's ``GET /weight_info`` version; None when unknown."""
-    version = _read_engine_field(url, "/weight_info", "weight_version", timeout_s, api_key)
-    return str(version) if version is not None else None
+def fan_out_now(
+    urls: Sequence[str],
+    call: Callable[[EngineClient, str], Awaitable[T]],
+    timeout_s: float,
+    api_key: str | None = None,
+) -> list[T]:
+    """``call`` on every engine at once, from the controller's thread: one event loop for the call
+    (``asyncio.run``), each engine bounded by ``timeout_s``, so a tick waits for its slowest engine at
+    most that long (a hung engine is a failed probe, never a stalled tick)."""
+    if not urls:
+        return []
+
+    async def gather() -> list[T]:
+        async with EngineClient.open(api_key, timeout_s) as engines:
+            return await engines.each(urls, call)
+
+    return asyncio.run(gather())
 
 
-def read_paused(url: str, timeout_s: float, api_key: str | None = None) -> bool | None:
-    """The engine's ``GET /is_paused``; None when unknown."""
-    paused = _read_engine_field(url, "/is_paused", "is_paused", timeout_s, api_key)
-    return bool(paused) if paused is not None else None
-
-
-def probe(url: str, timeout_s: float) -> ProbeResult:
-    try:
-        with open_url(url + "/health", timeout=timeout_s) as resp:
-            return ProbeResult(200 <= resp.status < 300, f"HTTP {resp.status}")
-    except Exception as exc:  # refused, reset, timeout: all failures of this probe
-        return ProbeResult(False, f"probe failed: {exc}")
+async def _probe(engines: EngineClient, url: str) -> ProbeResult:
+    health = await engines.health(url)
+    return ProbeResult(health.ok, health.detail)
 
 
 class EngineHosts(Protocol):
@@ -114,7 +118,9 @@ class FleetController:
         self.gateway = gateway
         self.view_every = view_every
         self._ticks = 0
-        self._version: str | None = None
+        self.last_version: str | None = None
+        """The fleet's weight version as the front last reported it: kept only to re-seed a front that
+        restarted and forgot it (``_reseed_version``), never to judge an engine."""
         try:
             self._engine_key: str | None = job.read_api_key()
         except OSError:  # a job without one (tests): engines without a key
@@ -142,7 +148,6 @@ class FleetController:
         self.fatal: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool = ThreadPoolExecutor(max_workers=min(32, max(1, len(records))))
         self._gateway_instance: str | None = None
 
     def start(self) -> FleetController:
@@ -161,7 +166,6 @@ class FleetController:
             # A tick may sit in a ray.get whose head is gone already (scancel signals every step): do
             # not wait long for it; its late state write is suppressed once the stop is set.
             self._thread.join(2)
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _final_gateway_view(self) -> dict[str, Any]:
         """The gateway as a finished job shows it: stopped, no member serving (its last view is kept
@@ -176,7 +180,7 @@ class FleetController:
         }
 
     def final_snapshot(self) -> dict[str, Any]:
-        snap = self.fleet.snapshot()
+        snap = self.snapshot()
         for e in snap["engines"]:
             e["state_at_end"] = e["state"]
             e["state"] = STOPPED
@@ -194,9 +198,8 @@ class FleetController:
         """A front that restarted in the middle of a refit pause comes back open: requests would pile up
         on the paused engines without the router's bounds, and the trainer's resume would release nothing
         it counts. If any serving engine is paused, close the restarted front's gate again."""
-        key = self._engine_key
-        answers = self._pool.map(lambda u: read_paused(u, self.probe_timeout_s, key), serving)
-        paused = [u for u, p in zip(serving, answers, strict=True) if p]
+        answers = fan_out_now(serving, lambda e, u: e.is_paused(u), self.probe_timeout_s, self._engine_key)
+        paused = [a.url for a in answers if a.value]
         if not paused:
             return
         try:
@@ -227,14 +230,14 @@ class FleetController:
         self._collect_restarts()
         self._expire_restarts()
         targets = self.fleet.probe_targets()
-        results = list(self._pool.map(lambda u: probe(u, self.probe_timeout_s), targets.values()))
-        probes = dict(zip(targets.values(), results, strict=True))
+        urls = list(targets.values())
+        probes = dict(zip(urls, fan_out_now(urls, _probe, self.probe_timeout_s), strict=True))
         try:
             outcomes = self.gateway.drain_outcomes()
         except Exception:  # the gateway is restarting: probes alone this tick
             outcomes = {}
-        versions = self._weight_versions()
-        result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes, versions=versions))
+        stale = self._front_stale()
+        result = self.fleet.observe(TickInput(probes=probes, outcomes=outcomes, stale=stale))
         push = list(result.serving_urls)
         if self.gateway.guards_weight_version:
             push += result.stale_urls  # held out by the front itself, listed for the trainer
@@ -277,28 +280,37 @@ class FleetController:
                 **dict(event),
             )
         if not self._stop.is_set():  # stop() writes the final snapshot; a late tick must not undo it
-            self.state.update(fleet=self.fleet.snapshot())
+            self.state.update(fleet=self.snapshot())
         if result.fatal and self.fatal is None:
             self.fatal = result.fatal
 
-    def _weight_versions(self) -> dict[str, str]:
-        """The fleet's version from the front (re-seeded into a front that restarted and forgot it), and
-        the versions of the engines the state machine asks about (RECOVERING and STALE ones only)."""
+    def _front_stale(self) -> dict[str, str] | None:
+        """The engines the front holds out as stale (``{url: why}``), after re-seeding a front that forgot
+        the fleet's version; ``None`` when the front did not answer (no evidence this tick)."""
+        self._reseed_version()
+        try:
+            return dict(self.gateway.stale_engines())
+        except Exception:  # the gateway is restarting: STALE engines stay STALE this tick
+            return None
+
+    def _reseed_version(self) -> None:
+        """The front (``router.fleet.api.FleetApi``) is the one judge of weight versions; this loop never
+        compares them. It keeps the last version the front reported only to give it back to a front that
+        restarted and forgot it (a router actor restart): without it the restarted front would admit
+        every engine that joins, stale ones included, until the trainer's next stamp."""
         try:
             version = self.gateway.weight_version()
-            if version is None and self._version is not None and self.gateway.guards_weight_version:
-                self.gateway.restore_weight_version(self._version)
-                version = self._version
+            if version is None and self.last_version is not None and self.gateway.guards_weight_version:
+                self.gateway.restore_weight_version(self.last_version)
+                version = self.last_version
         except Exception:  # the gateway is restarting: keep the last known version
-            version = self._version
-        self._version = version
-        self.fleet.set_current_version(version)
-        targets = list(self.fleet.version_targets().values())
-        if not targets:
-            return {}
-        key = self._engine_key
-        got = self._pool.map(lambda u: read_weight_version(u, self.probe_timeout_s, key), targets)
-        return {u: v for u, v in zip(targets, got, strict=True) if v is not None}
+            return
+        self.last_version = version
+
+    def snapshot(self) -> dict[str, Any]:
+        """The fleet's snapshot for the job state, with the fleet's weight version as the front last
+        reported it (for the dashboard; nothing here judges by it)."""
+        return {**self.fleet.snapshot(), "current_version": self.last_version}
 
     def _engines_of(self, node_index: int) -> list[str]:
         return [eid for eid, (n, _) in self.where.items() if n == node_index]

@@ -1,0 +1,285 @@
+"""The engine's HTTP contract, in one place: its routes, the key it takes, how its answers read.
+
+Every part of the launcher and the router that talks to an engine directly (the fleet controller's health
+probes and pause check, the router's ``/fleet/*`` fan-outs, the cache reset, the per-step counters) goes
+through ``EngineClient``. Before, each caller spelled the paths, the ``Authorization`` header and the
+answer's parsing on its own, and they drifted: one reader forgot the engine key and a restarted engine's
+version was never known, another followed redirects and would have sent the key elsewhere. Here:
+
+* **Auth**: the job's engines take the engine key on every route but ``/health`` (a load balancer's
+  probe carries none); ``health`` sends none, every other call sends it.
+* **No redirect is followed**: a redirect is an answer (a failure here), so the key never leaves for
+  another host.
+* **One judgement of an answer** (``EngineAnswer``): a transport error or timeout, a non-2xx status, an
+  ``"error"`` key in the body, or a body that does not say what the call asked for fails that engine,
+  with a one-line reason.
+* **Typed results**: ``Health`` for a probe, ``Reading`` for a value read (version, paused, counters),
+  ``EngineAnswer`` for an operation (it goes into ``router.fleet.ops.FleetOpReport`` as is).
+
+The routes are vLLM 0.32's (``VLLM_SERVER_DEV_MODE=1``; ``vllm/entrypoints/rl/online/api_router.py`` and
+the dev routes), which the simulator (``launcher.engines.sim``) serves with the same semantics, plus a
+``dynamo.vllm`` worker's cache flush.
+
+The client is async and takes an ``aiohttp.ClientSession`` (``EngineClient.open`` owns one): the router
+and the driver's fleet endpoint call it on their loops, the fleet controller's thread runs one
+``asyncio.run`` per tick, and ``rl-launch status`` can hand it its own session. Each call is bounded by
+the client's ``timeout_s`` on its own, whatever the session's default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import aiohttp
+
+from router.fleet.engine_counters import Counters, parse_counters
+
+HEALTH_PATH = "/health"
+WEIGHT_INFO_PATH = "/weight_info"
+IS_PAUSED_PATH = "/is_paused"
+PAUSE_PATH = "/pause"
+RESUME_PATH = "/resume"
+ABORT_PATH = "/abort_requests"
+UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
+WEIGHT_CHECKER_PATH = "/weight_checker"
+METRICS_PATH = "/metrics"
+VLLM_RESET_PATH = "/reset_prefix_cache"
+"""vLLM (served with ``VLLM_SERVER_DEV_MODE=1``) and the simulator."""
+DYNAMO_RESET_PATH = "/engine/flush_cache"
+"""A ``dynamo.vllm`` worker's system server (the RL admin route)."""
+
+PAUSE_MODES = ("abort", "wait", "keep")
+"""vLLM's ``PauseMode``: abort in-flight requests, wait for them to finish, or freeze them until resume."""
+
+Check = Callable[[Any], str | None]
+"""Judges a parsed 2xx body: ``None`` when it shows the engine complied, else why not."""
+Hint = Callable[[int], str]
+"""Says more about a non-2xx status of one route (a 404 from vLLM without dev mode)."""
+
+T = TypeVar("T")
+
+
+@dataclass
+class EngineAnswer:
+    """One engine's answer to one call, judged (the shape ``FleetOpReport`` carries per engine)."""
+
+    url: str
+    ok: bool
+    status: int | None
+    detail: str = ""
+    body: Any = None
+    """The engine's parsed JSON answer (``None`` when it sent none)."""
+
+
+@dataclass(frozen=True)
+class Health:
+    """One ``GET /health``: ``ok`` for a 2xx in time; ``detail`` says what came back or why not."""
+
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Reading(Generic[T]):
+    """One value read from one engine: ``value`` is ``None`` exactly when the read failed (``error``)."""
+
+    url: str
+    value: T | None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.value is not None
+
+
+def dev_mode_hint(status: int) -> str:
+    if status == 404:
+        return " (vLLM serves the RL routes only with VLLM_SERVER_DEV_MODE=1 in generation.env)"
+    return ""
+
+
+def reset_hint(path: str) -> Hint:
+    """What a 404 on a cache-reset route means, per route."""
+
+    def hint(status: int) -> str:
+        if status == 404 and path == VLLM_RESET_PATH:
+            return " (vLLM serves it only with VLLM_SERVER_DEV_MODE=1 in generation.env)"
+        if status == 404:
+            return " (this engine has no cache-invalidation route)"
+        return ""
+
+    return hint
+
+
+def expect(key: str, value: Any) -> Check:
+    def check(body: Any) -> str | None:
+        got = body.get(key) if isinstance(body, dict) else None
+        return None if got == value else f"answered {key}={got!r}, expected {value!r}"
+
+    return check
+
+
+def has(key: str) -> Check:
+    def check(body: Any) -> str | None:
+        return None if isinstance(body, dict) and key in body else f"answer lacks {key!r}: {body!r}"[:300]
+
+    return check
+
+
+class EngineClient:
+    """Calls to the job's engines over one session. ``api_key``: the engine key (``None``: engines
+    without one, as in some tests); ``timeout_s`` bounds each call."""
+
+    def __init__(self, session: aiohttp.ClientSession, api_key: str | None = None, timeout_s: float = 60.0):
+        self.session = session
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, api_key: str | None = None, timeout_s: float = 60.0) -> AsyncIterator[EngineClient]:
+        """A client with a session of its own, closed on exit. No cap on connections: a fleet-wide call
+        goes to every engine at once, and a capped pool would make the last engines wait out their
+        timeout in the queue."""
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            yield cls(session, api_key, timeout_s)
+
+    async def each(self, urls: Sequence[str], call: Callable[[EngineClient, str], Awaitable[T]]) -> list[T]:
+        """``call(self, url)`` for every engine at once, answers in ``urls``' order."""
+        return list(await asyncio.gather(*(call(self, u) for u in urls)))
+
+    # -- the one transport --------------------------------------------------------------------------
+    async def call(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: dict[str, str] | None = None,
+        check: Check | None = None,
+        hint: Hint = dev_mode_hint,
+    ) -> EngineAnswer:
+        """``method path`` on one engine, with the key; an error, a timeout, a non-2xx answer, an
+        ``"error"`` key in the body or a failed ``check`` is a failure of that engine."""
+        got = await self._send(url, method, path, json_body=json_body, params=params, key=True)
+        if isinstance(got, str):
+            return EngineAnswer(url, False, None, got)
+        status, text = got
+        try:
+            body = json.loads(text) if text else None
+        except ValueError:
+            body = None
+        if not 200 <= status < 300:
+            return EngineAnswer(url, False, status, f"HTTP {status}{hint(status)}: {text[:300]}")
+        if isinstance(body, dict) and "error" in body:
+            return EngineAnswer(url, False, status, f"engine error: {str(body['error'])[:300]}", body)
+        why = check(body) if check is not None else None
+        if why is not None:
+            return EngineAnswer(url, False, status, why, body)
+        return EngineAnswer(url, True, status, "", body)
+
+    async def _send(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: dict[str, str] | None = None,
+        key: bool,
+    ) -> tuple[int, str] | str:
+        """``(status, text)``, or why nothing came back."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if key and self.api_key else {}
+        try:
+            async with self.session.request(
+                method,
+                url + path,
+                json=json_body,
+                params=params,
+                headers=headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            ) as resp:
+                return resp.status, await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    # -- reads ----------------------------------------------------------------------------------------
+    async def health(self, url: str) -> Health:
+        """``GET /health``, without the key (the one route the engines serve open)."""
+        got = await self._send(url, "GET", HEALTH_PATH, key=False)
+        if isinstance(got, str):
+            return Health(False, f"probe failed: {got}")
+        status, _ = got
+        return Health(200 <= status < 300, f"HTTP {status}")
+
+    async def weight_info(self, url: str) -> EngineAnswer:
+        """``GET /weight_info``, judged: the answer must carry ``weight_version``."""
+        return await self.call(url, "GET", WEIGHT_INFO_PATH, check=has("weight_version"))
+
+    async def weight_version(self, url: str) -> Reading[str]:
+        answer = await self.weight_info(url)
+        if not answer.ok or answer.body["weight_version"] is None:
+            return Reading(url, None, answer.detail or "no weight version")
+        return Reading(url, str(answer.body["weight_version"]))
+
+    async def paused_answer(self, url: str) -> EngineAnswer:
+        """``GET /is_paused``, judged: the answer must carry ``is_paused``."""
+        return await self.call(url, "GET", IS_PAUSED_PATH, check=has("is_paused"))
+
+    async def is_paused(self, url: str) -> Reading[bool]:
+        answer = await self.paused_answer(url)
+        if not answer.ok:
+            return Reading(url, None, answer.detail)
+        return Reading(url, bool(answer.body["is_paused"]))
+
+    async def counters(self, url: str) -> Reading[Counters]:
+        """The engine's counters from ``GET /metrics`` (``router.fleet.engine_counters`` names them). An
+        answer that is not Prometheus text (an HTML page) is an error of the read, not zero counts."""
+        got = await self._send(url, "GET", METRICS_PATH, key=True)
+        if isinstance(got, str):
+            return Reading(url, None, got)
+        status, text = got
+        if status != 200:
+            return Reading(url, None, f"HTTP {status}")
+        try:
+            return Reading(url, parse_counters(text))
+        except ValueError as exc:
+            return Reading(url, None, f"unparsable /metrics: {exc}")
+
+    # -- operations ------------------------------------------------------------------------------------
+    async def pause(self, url: str, mode: str) -> EngineAnswer:
+        return await self.call(url, "POST", PAUSE_PATH, params={"mode": mode})
+
+    async def resume(self, url: str) -> EngineAnswer:
+        return await self.call(url, "POST", RESUME_PATH)
+
+    async def abort(self, url: str, request_ids: list[str]) -> EngineAnswer:
+        """Abort the named requests, or every one with ``[]``."""
+        return await self.call(url, "POST", ABORT_PATH, json_body={"request_ids": request_ids})
+
+    async def stamp(self, url: str, version: str) -> EngineAnswer:
+        """Set the engine's weight version; it must answer with the version it now reports."""
+        return await self.call(
+            url,
+            "POST",
+            UPDATE_WEIGHT_VERSION_PATH,
+            json_body={"new_version": version},
+            check=expect("new_version", version),
+        )
+
+    async def checksum(self, url: str) -> EngineAnswer:
+        """The engine's per-parameter weight checksums (``body["checksums"]``)."""
+        return await self.call(
+            url, "POST", WEIGHT_CHECKER_PATH, json_body={"action": "checksum"}, check=has("checksums")
+        )
+
+    async def reset_cache(self, url: str, path: str = VLLM_RESET_PATH) -> EngineAnswer:
+        """Flush the engine's prefix cache (``path``: the engine kind's route)."""
+        return await self.call(url, "POST", path, hint=reset_hint(path))
