@@ -50,6 +50,7 @@ from launcher.status.figures import (
 )
 from launcher.status.refit import fetch_step, pause_view
 from launcher.status.samples import EngineSample, RouterSample, Scrape, canonical_url, fetch_metrics
+from router.fleet.engine import EngineClient
 from router.prometheus import histogram_quantile
 
 SNAPSHOT_VERSION = 1
@@ -129,9 +130,15 @@ class StatusCollector:
             )
         return self._session
 
-    async def _fetch(self, base_url: str, key: str | None = None) -> Scrape:
-        """One ``GET /metrics`` on the shared session (``samples.fetch_metrics``: never raises)."""
-        return await fetch_metrics(self._http(), base_url, key, self.timeout_s)
+    async def _fetch_router(self, base_url: str) -> Scrape:
+        """The front's ``GET /metrics`` on the shared session (``samples.fetch_metrics``: never raises)."""
+        return await fetch_metrics(self._http(), base_url, self.timeout_s)
+
+    async def _fetch_engine(self, engines: EngineClient, url: str) -> Scrape:
+        """An engine's ``GET /metrics`` through the engine client (the job's key, no redirect, a short
+        reason when nothing came back)."""
+        got = await engines.metrics_text(url.rstrip("/"))
+        return got.value, got.error or None, time.monotonic()
 
     async def _slurm_state(self) -> str | None:
         if self.slurm_job_id is None:
@@ -169,9 +176,10 @@ class StatusCollector:
         # else's job by now, and a queued one has none.
         scrape = not done
         key, key_problem = self._engine_key(jd) if scrape and engines and jd is not None else (None, None)
-        router_task = self._fetch(router_url) if scrape and router_url else self._nothing()
+        router_task = self._fetch_router(router_url) if scrape and router_url else self._nothing()
+        client = EngineClient(self._http(), key, self.timeout_s)
         engine_tasks = [
-            self._fetch(e["url"], key) if scrape and e["url"] else self._nothing() for e in engines
+            self._fetch_engine(client, e["url"]) if scrape and e["url"] else self._nothing() for e in engines
         ]
         slurm, router_got, *engine_got = await asyncio.gather(self._slurm_state(), router_task, *engine_tasks)
 

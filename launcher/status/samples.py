@@ -9,13 +9,12 @@ rates and windowed latencies (``launcher.status.figures``).
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from launcher.http_call import bearer
+from router.fleet.engine import describe_failure
 from router.prometheus import histogram_buckets, metric_by_label, metric_sum, parse_metrics
 
 # Only these families are parsed from an engine's /metrics: a real vLLM exposes ~100 KB per engine, and
@@ -39,37 +38,19 @@ Scrape = tuple[str | None, str | None, float]
 """``(body, error, monotonic time)`` of one ``GET /metrics``: a body or the reason there is none."""
 
 
-async def fetch_metrics(
-    session: aiohttp.ClientSession, base_url: str, key: str | None, timeout_s: float
-) -> Scrape:
-    """``GET base_url/metrics`` (with ``key`` as a bearer token: only ever the job's API key to the job's
-    own engines); never raises, never outlasts the timeout, never follows a redirect (a 3xx shows as the
-    row's error, and the key goes nowhere the job's files do not name)."""
+async def fetch_metrics(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> Scrape:
+    """``GET base_url/metrics`` of the front, which serves it open (engines are read through
+    ``router.fleet.engine``'s client, which owns their routes and their key); never raises, never
+    outlasts the timeout, never follows a redirect (a 3xx shows as the row's error)."""
     url = f"{base_url.rstrip('/')}/metrics"
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.get(url, headers=bearer(key), allow_redirects=False) as resp:
+            async with session.get(url, allow_redirects=False) as resp:
                 if resp.status != 200:
                     return None, f"HTTP {resp.status} from /metrics", time.monotonic()
                 return await resp.text(errors="replace"), None, time.monotonic()
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-        return None, _describe(exc, timeout_s), time.monotonic()
-
-
-def _describe(exc: BaseException, timeout_s: float) -> str:
-    """A short reason for a failed scrape: the dashboard row has room for a few words, not a traceback."""
-    if isinstance(exc, TimeoutError):
-        return f"no answer within {timeout_s:g} s"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        err = exc.os_error
-        if isinstance(err, ConnectionRefusedError):
-            return "cannot connect (connection refused)"
-        if isinstance(err, socket.gaierror):
-            return f"cannot connect (unknown host {exc.host})"
-        return f"cannot connect ({getattr(err, 'strerror', None) or type(err).__name__})"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "disconnected"
-    return f"{type(exc).__name__}: {exc}"[:120]
+        return None, describe_failure(exc, timeout_s), time.monotonic()
 
 
 def canonical_url(url: str) -> str:

@@ -1,10 +1,11 @@
 """The engine's HTTP contract, in one place: its routes, the key it takes, how its answers read.
 
 Every part of the launcher and the router that talks to an engine directly (the fleet controller's health
-probes and pause check, the router's ``/fleet/*`` fan-outs, the cache reset, the per-step counters) goes
-through ``EngineClient``. Before, each caller spelled the paths, the ``Authorization`` header and the
-answer's parsing on its own, and they drifted: one reader forgot the engine key and a restarted engine's
-version was never known, another followed redirects and would have sent the key elsewhere. Here:
+probes and pause check, the router's ``/fleet/*`` fan-outs, the cache reset, the per-step counters,
+``rl-launch status``'s engine rows) goes through ``EngineClient``. Before, each caller spelled the paths,
+the ``Authorization`` header and the answer's parsing on its own, and they drifted: one reader forgot the
+engine key and a restarted engine's version was never known, another followed redirects and would have
+sent the key elsewhere. Here:
 
 * **Auth**: the job's engines take the engine key on every route but ``/health`` (a load balancer's
   probe carries none); ``health`` sends none, every other call sends it.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -131,6 +133,24 @@ def has(key: str) -> Check:
     return check
 
 
+def describe_failure(exc: BaseException, timeout_s: float) -> str:
+    """A short reason a call got no answer ("no answer within 2 s", "cannot connect (connection
+    refused)"): it lands in a dashboard row, an event or a health record, which have room for a few
+    words, not a traceback (aiohttp's timeout error has no message at all)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout_s:g} s"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        err = exc.os_error
+        if isinstance(err, ConnectionRefusedError):
+            return "cannot connect (connection refused)"
+        if isinstance(err, socket.gaierror):
+            return f"cannot connect (unknown host {exc.host})"
+        return f"cannot connect ({getattr(err, 'strerror', None) or type(err).__name__})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "disconnected"
+    return f"{type(exc).__name__}: {exc}"[:120]
+
+
 class EngineClient:
     """Calls to the job's engines over one session. ``api_key``: the engine key (``None``: engines
     without one, as in some tests); ``timeout_s`` bounds each call."""
@@ -193,8 +213,11 @@ class EngineClient:
         json_body: Any = None,
         params: dict[str, str] | None = None,
         key: bool,
+        brief: bool = False,
     ) -> tuple[int, str] | str:
-        """``(status, text)``, or why nothing came back."""
+        """``(status, text)``, or why nothing came back: the exception's type and message for the
+        reports the trainer logs (``ClientConnectorError: ...``), or with ``brief`` the few words a
+        dashboard row has room for (``describe_failure``)."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if key and self.api_key else {}
         try:
             async with self.session.request(
@@ -206,9 +229,9 @@ class EngineClient:
                 allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             ) as resp:
-                return resp.status, await resp.text()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return f"{type(exc).__name__}: {exc}"
+                return resp.status, await resp.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            return describe_failure(exc, self.timeout_s) if brief else f"{type(exc).__name__}: {exc}"
 
     # -- reads ----------------------------------------------------------------------------------------
     async def health(self, url: str) -> Health:
@@ -252,6 +275,17 @@ class EngineClient:
             return Reading(url, parse_counters(text))
         except ValueError as exc:
             return Reading(url, None, f"unparsable /metrics: {exc}")
+
+    async def metrics_text(self, url: str) -> Reading[str]:
+        """The engine's whole ``GET /metrics`` text, for a reader that wants more than the counters
+        (``rl-launch status``'s load, cache and latency figures)."""
+        got = await self._send(url, "GET", METRICS_PATH, key=True, brief=True)
+        if isinstance(got, str):
+            return Reading(url, None, got)
+        status, text = got
+        if status != 200:
+            return Reading(url, None, f"HTTP {status} from /metrics")
+        return Reading(url, text)
 
     # -- operations ------------------------------------------------------------------------------------
     async def pause(self, url: str, mode: str) -> EngineAnswer:
