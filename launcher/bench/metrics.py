@@ -9,11 +9,9 @@ whatever the engine did before (warm-up, an earlier arm on a shared fleet).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
-import aiohttp
-
+from router.fleet.engine import EngineClient
 from router.prometheus import metric_sum, parse_metrics
 
 WATCHED: tuple[str, ...] = (
@@ -40,21 +38,12 @@ def parse_prometheus(text: str, names: Sequence[str] = WATCHED) -> dict[str, flo
 async def scrape(
     engine_urls: Sequence[str], timeout_s: float = 10.0, api_key: str | None = None
 ) -> list[dict[str, float] | None]:
-    """``GET {url}/metrics`` of every engine (URL without ``/v1``); None where it could not be read.
-    ``api_key``: a job's engines take it on every route but ``/health`` (``launcher.engines.key_guard``)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    async def one(http: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
-        try:
-            async with http.get(url.rstrip("/") + "/metrics", headers=headers, allow_redirects=False) as resp:
-                if resp.status != 200:
-                    return None
-                return parse_prometheus(await resp.text())
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-            return None
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-        return list(await asyncio.gather(*(one(http, u) for u in engine_urls)))
+    """``GET {url}/metrics`` of every engine (URL without ``/v1``) through the engine client, which
+    sends ``api_key`` (a job's engines take it on every route but ``/health``) and follows no redirect;
+    None where it could not be read."""
+    async with EngineClient.open(api_key, timeout_s) as engines:
+        got = await engines.each([u.rstrip("/") for u in engine_urls], EngineClient.metrics_text)
+    return [None if r.value is None else parse_prometheus(r.value) for r in got]
 
 
 def deltas(
