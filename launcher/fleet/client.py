@@ -1,7 +1,8 @@
 """The trainer's handle on the generation fleet: the refit window and per-step metrics, through the front.
 
-A trainer imports this (standard library only: no Ray, no aiohttp), points it at a job directory or at the
-router's URL plus the admin token, and drives the whole fleet with one call per operation::
+A trainer imports this (no Ray; its calls are blocking urllib calls, so no event loop is needed, though the
+report types it shares with the router import aiohttp), points it at a job directory or at the router's URL
+plus the admin token, and drives the whole fleet with one call per operation::
 
     from launcher.fleet.client import FleetClient
 

@@ -432,8 +432,8 @@ class FleetHealth:
 
     def mark_dead(self, engine_id: str, reason: str) -> bool:
         """Condemn at once on certain knowledge (the driver saw the process exit) instead of waiting
-        ``dead_after`` ticks. False, and nothing changes, when the engine is not HEALTHY, SUSPECT or
-        RECOVERING: an exit while RESTARTING belongs to ``restart_failed``."""
+        ``dead_after`` ticks. False, and nothing changes, when the engine is not HEALTHY, SUSPECT,
+        RECOVERING or STALE: an exit while RESTARTING belongs to ``restart_failed``."""
         with self._lock:
             rec = self._get(engine_id)
             if rec.state not in (*SERVING_STATES, EngineState.RECOVERING, EngineState.STALE):
