@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from router.fleet.engine import EngineClient
+from router.fleet.ops import fan_out
 from router.prometheus import metric_sum, parse_metrics
 
 WATCHED: tuple[str, ...] = (
@@ -41,8 +42,8 @@ async def scrape(
     """``GET {url}/metrics`` of every engine (URL without ``/v1``) through the engine client, which
     sends ``api_key`` (a job's engines take it on every route but ``/health``) and follows no redirect;
     None where it could not be read."""
-    async with EngineClient.open(api_key, timeout_s) as engines:
-        got = await engines.each([u.rstrip("/") for u in engine_urls], EngineClient.metrics_text)
+    urls = [u.rstrip("/") for u in engine_urls]
+    got = await fan_out(urls, EngineClient.metrics_text, api_key=api_key, timeout_s=timeout_s)
     return [None if r.value is None else parse_prometheus(r.value) for r in got]
 
 

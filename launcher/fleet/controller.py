@@ -49,6 +49,7 @@ from launcher.fleet.health import (
 from launcher.gateways import Gateway
 from launcher.jobdir import STOPPED, JobDir, StateWriter, engine_id
 from router.fleet.engine import EngineClient
+from router.fleet.ops import fan_out
 from router.state.backends import canonical_backend_url
 
 T = TypeVar("T")
@@ -60,17 +61,12 @@ def fan_out_now(
     timeout_s: float,
     api_key: str | None = None,
 ) -> list[T]:
-    """``call`` on every engine at once, from the controller's thread: one event loop for the call
-    (``asyncio.run``), each engine bounded by ``timeout_s``, so a tick waits for its slowest engine at
-    most that long (a hung engine is a failed probe, never a stalled tick)."""
+    """``router.fleet.ops.fan_out`` from the controller's thread (one ``asyncio.run``): every engine at
+    once, each bounded by ``timeout_s``, so a tick waits for its slowest engine at most that long (a hung
+    engine is a failed probe, never a stalled tick)."""
     if not urls:
         return []
-
-    async def gather() -> list[T]:
-        async with EngineClient.open(api_key, timeout_s) as engines:
-            return await engines.each(urls, call)
-
-    return asyncio.run(gather())
+    return asyncio.run(fan_out(urls, call, api_key=api_key, timeout_s=timeout_s))
 
 
 async def _probe(engines: EngineClient, url: str) -> ProbeResult:

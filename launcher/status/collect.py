@@ -177,9 +177,10 @@ class StatusCollector:
         scrape = not done
         key, key_problem = self._engine_key(jd) if scrape and engines and jd is not None else (None, None)
         router_task = self._fetch_router(router_url) if scrape and router_url else self._nothing()
-        client = EngineClient(self._http(), key, self.timeout_s)
+        client = EngineClient(self._http(), key, self.timeout_s) if scrape and engines else None
         engine_tasks = [
-            self._fetch_engine(client, e["url"]) if scrape and e["url"] else self._nothing() for e in engines
+            self._fetch_engine(client, e["url"]) if client is not None and e["url"] else self._nothing()
+            for e in engines
         ]
         slurm, router_got, *engine_got = await asyncio.gather(self._slurm_state(), router_task, *engine_tasks)
 
