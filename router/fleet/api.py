@@ -250,8 +250,13 @@ class FleetApi:
             report.error = f"no engine accepted version {version!r}; the fleet's version is unchanged"
             report.result = {"current": self.current_version, "stale": self.backends.stale}
             return _answer(report)
+        versions = self.backends.versions
+        for a in report.engines:
+            if a.ok:
+                versions.stamped(a.url, version)
         if engines is None:
             self.current_version = version
+            versions.fleet_moved_to(version)
         for a in report.engines:
             if a.ok:
                 self.backends.clear_stale(a.url)
@@ -283,6 +288,8 @@ class FleetApi:
             a = await engines.weight_info(url)
         if url not in self.backends.members:
             return
+        if a.ok and a.body["weight_version"] is not None:
+            self.backends.versions.stamped(url, str(a.body["weight_version"]))
         if a.ok and a.body["weight_version"] == wanted == self.current_version:
             self.backends.clear_stale(url)
             log.info("engine %s serves the current weight version %r: admitted", url, wanted)
@@ -309,6 +316,7 @@ class FleetApi:
         self._step += 1
         self._step_started = time.time()
         self._step_snapshot = snap
+        self.backends.versions.begin_step()
         return _json(200 if not errors else 500, {"step": self._step, "errors": errors})
 
     async def step(self, request: web.Request) -> web.Response:
@@ -317,4 +325,6 @@ class FleetApi:
         now, errors = await self._snapshot()
         out = step_dict(delta(self._step_snapshot, now))
         out.update(step=self._step, started_at=self._step_started, seconds=time.time() - self._step_started)
+        # Requests that straddled a weight change this step (router.state.versions), by request id.
+        out["straddled"] = self.backends.versions.step_straddlers()
         return _json(200 if not errors else 500, {**out, "errors": errors})

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 from router.policies.base import LoadTracker, Policy
+from router.state.versions import WeightVersions
 
 
 def canonical_backend_url(url: str) -> str:
@@ -70,6 +71,9 @@ class BackendSet:
         # Called with (url, ok) on every recorded outcome, on the recording thread (the router's loop):
         # the prober counts proxied attempts as evidence between its probes.
         self.outcome_listener: Callable[[str, bool], None] | None = None
+        # Each member's weight version and the fleet's stamp order (router.state.versions): the response
+        # header, gated requests and straddlers read it; the fleet API writes it.
+        self.versions = WeightVersions()
 
     # -- members and the serving set ---------------------------------------------------------------
     @property
@@ -114,10 +118,13 @@ class BackendSet:
     def _sync(self) -> None:
         for url in [u for u in self._stale if u not in self._members]:
             del self._stale[url]
+        for url in [u for u in self.versions.of if u not in self._members]:
+            self.versions.forget(url)
         serving = tuple(u for u in self._members if u not in self._ejected and u not in self._stale)
         if serving != self.load.backends:
             self.load.set_backends(serving)
             self.policy.on_backends_changed(serving)
+            self.versions.changed()  # a request gated on a version may now have an engine
 
     def replace(self, urls: Iterable[str]) -> tuple[str, ...]:
         """Make ``urls`` the members, serving at once (a pushed set is the controller's verdict)."""
