@@ -267,7 +267,9 @@ async def test_client_refit_cycle_and_loud_failure(sims, router_over) -> None:
         return time.perf_counter() - t0
 
     took = await in_thread(cycle)
-    assert took < 5 and client.last_resume is not None and client.last_resume.ok
+    txn = client.last_refit
+    assert took < 5 and txn is not None and txn["ok"] and txn["phase"] == "done", txn
+    assert [s["phase"] for s in txn["steps"]] == ["pausing", "verifying", "resetting", "stamping", "resuming"]
     assert all(e.rl.weight_version == "v2" for e in engines)
     assert (await in_thread(client.weight_version)).result["current"] == "v2"
     await engines[1].stop()  # one engine gone: every operation now fails loudly, naming it
@@ -455,19 +457,39 @@ async def test_fleet_cli_drives_the_window_and_refuses_other_kinds(sims, tmp_pat
         router.stop()
 
 
-async def test_refit_resumes_even_when_the_pause_failed(sims, router_over) -> None:
+async def test_refit_quarantines_an_engine_that_cannot_pause_and_moves_the_rest(sims, router_over) -> None:
     engines = await sims(2)
     r = router_over([e.url for e in engines])
     client = FleetClient(r.base_url(), TOKEN)
     await engines[1].stop()
 
-    def failing_refit() -> None:
-        with client.refit("v3"):
-            raise AssertionError("the body must not run when the pause failed")
+    def refit() -> dict:
+        with client.refit("v3") as handle:
+            assert list(handle.begun["quarantined"]) == [engines[1].url]
+        assert handle.result is not None
+        return handle.result
 
-    with pytest.raises(FleetOpError, match="pause failed"):
-        await in_thread(failing_refit)
+    txn = await in_thread(refit)
+    assert txn["moved"] and not txn["ok"] and txn["verified"] == [engines[0].url]
+    assert "did not pause" in txn["quarantined"][engines[1].url]
+    assert engines[1].url in r.backends.stale and engines[0].rl.weight_version == "v3"
     assert not r.gate.paused and not engines[0].scheduler.gen_paused  # nothing left holding requests
+
+
+async def test_a_body_that_raises_aborts_the_refit_and_keeps_the_touched_engines_out(sims, router_over) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    client = FleetClient(r.base_url(), TOKEN)
+
+    def failing_refit() -> None:
+        with client.refit("v4"):  # source "external": the trainer's own push touched every engine
+            raise RuntimeError("the trainer's NCCL push failed")
+
+    with pytest.raises(RuntimeError, match="NCCL push failed"):
+        await in_thread(failing_refit)
+    assert client.last_refit is not None and client.last_refit["phase"] == "aborted"
+    assert set(r.backends.stale) == {e.url for e in engines} and not r.backends.serving
+    assert not r.gate.paused and not any(e.scheduler.gen_paused for e in engines)
 
 
 async def test_fleet_routes_present_the_engines_key(router_over) -> None:

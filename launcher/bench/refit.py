@@ -3,7 +3,8 @@
 A real RL step ends in a weight update while Gym's last sessions are still running; the local job shows
 that window by pausing the fleet (``keep``) once a fraction of the replay's sessions has ended, holding
 it for ``hold_s`` (the weight transfer stands in), flushing the caches, stamping a version and resuming,
-all through the trainer's client (``launcher.fleet.client``). The replay's sessions must all still
+all through the trainer's client (``launcher.fleet.client``: one refit transaction, the weights moved by
+"the trainer's own means", here a sleep). The replay's sessions must all still
 complete: requests sent during the pause are held by the router, in-flight ones frozen by the engines.
 The figures (pause->resume time, requests held, their longest wait) are printed and kept in ``result``.
 """
@@ -71,26 +72,27 @@ class MidStepRefit:
         client = self.client
         t0 = time.perf_counter()
         try:
-            with client.refit(self.version, mode="keep") as paused:
+            with client.refit(self.version, mode="keep") as handle:
                 t_paused = time.perf_counter()
                 time.sleep(self.hold_s)
                 t_update = time.perf_counter()
-            resumed = client.last_resume
-            assert resumed is not None
+            txn = client.last_refit
+            assert txn is not None
             t1 = time.perf_counter()
             self.result = {
-                "ok": True,
+                "ok": bool(txn.get("ok")),
                 "after_sessions": self.at,
-                "engines": len(paused.engines),
+                "engines": len(handle.begun["engines"]),
                 "pause_s": round(t_paused - t0, 4),
                 "hold_s": self.hold_s,
                 "cache_reset_stamp_resume_s": round(t1 - t_update, 4),
                 "pause_to_resume_s": round(t1 - t0, 4),
                 "overhead_s": round(t1 - t0 - self.hold_s, 4),
-                "held_released": resumed.result.get("released"),
-                "held_longest_wait_s": resumed.result.get("held_longest_wait_s"),
+                "held_released": txn["held"].get("released"),
+                "held_longest_wait_s": txn["held"].get("longest_wait_s"),
                 "version": self.version,
-                "router_holding": paused.result.get("router_holding", True),
+                "quarantined": txn.get("quarantined"),
+                "router_holding": txn.get("router_holding", True),
             }
             r = self.result
             self.say(

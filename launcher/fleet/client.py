@@ -28,6 +28,7 @@ hold the requests that arrive during a pause). ``from_job_dir`` finds the right 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -39,6 +40,7 @@ from typing import Any
 from launcher.http_call import bearer, open_url
 from router.fleet.engine import PAUSE_MODES
 from router.fleet.ops import FleetOpReport
+from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S
 
 
 class FleetOpError(RuntimeError):
@@ -49,6 +51,71 @@ class FleetOpError(RuntimeError):
         self.report = report
 
 
+class RefitError(RuntimeError):
+    """A refit transaction that did not move the fleet to its version; ``txn`` is the router's report."""
+
+    def __init__(self, txn: dict[str, Any]) -> None:
+        bad = txn.get("quarantined") or {}
+        super().__init__(
+            f"refit to {txn.get('version')!r} did not move the fleet ({txn.get('phase')}): "
+            f"{txn.get('error') or txn.get('detail')}; quarantined: {bad}"
+        )
+        self.txn = txn
+
+
+class RefitHandle:
+    """The body's side of ``FleetClient.refit``: move the weights inside the transaction."""
+
+    def __init__(self, client: FleetClient, txn: dict[str, Any]) -> None:
+        self._client = client
+        self.id: str = txn["id"]
+        self.begun = txn
+        """The transaction as it stood after the pause (``engines``, ``quarantined``...)."""
+        self.result: dict[str, Any] | None = None
+        """The transaction's end, set on exit."""
+
+    def load_weights(self, path: str | Path) -> dict[str, Any]:
+        """Every engine still in the transaction reloads from ``path`` (checked before it is sent)."""
+        body = {"id": self.id, "from": str(Path(path).expanduser().absolute())}
+        return self._client._txn_call("/fleet/refit/load", body, check=False)
+
+    def update_weights(
+        self, names: list[str], dtype_names: list[str], shapes: list[list[int]], **extra: Any
+    ) -> dict[str, Any]:
+        """One streamed round (``source="stream"``): the engines receive while the trainer broadcasts, so
+        call this from a thread and broadcast from rank 0 meanwhile."""
+        info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, **extra}
+        return self._client._txn_call(
+            "/fleet/refit/update", {"id": self.id, "update_info": info}, check=False
+        )
+
+
+class _LeaseRenewer:
+    """Renews a transaction's lease every third of it while the trainer's body runs."""
+
+    def __init__(self, client: FleetClient, txn_id: str, lease_s: float) -> None:
+        self._client, self._id, self._every = client, txn_id, max(0.2, lease_s / 3)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="refit-lease", daemon=True)
+        self.error: str = ""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self._client.timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self._client._call("POST", "/fleet/refit/lease", {"id": self._id})
+            except RuntimeError as exc:  # the transaction ended (expired) or the router is gone
+                self.error = str(exc)
+                return
+
+
 class FleetClient:
     def __init__(self, url: str, admin_token: str | None, timeout_s: float = 300.0) -> None:
         self.url = url.rstrip("/")
@@ -56,8 +123,8 @@ class FleetClient:
             self.url = self.url[:-3]
         self._token = admin_token
         self.timeout_s = timeout_s
-        self.last_resume: FleetOpReport | None = None
-        """The resume report of the last ``refit`` (released requests, their longest wait)."""
+        self.last_refit: dict[str, Any] | None = None
+        """The last ``refit`` transaction as the router reported its end (``router.fleet.refit``)."""
 
     @classmethod
     def from_job_dir(cls, path: str | Path, timeout_s: float = 300.0) -> FleetClient:
@@ -167,23 +234,110 @@ class FleetClient:
             )
         return dict(data)
 
+    # -- the refit transaction (router.fleet.refit) -----------------------------------------------------
+    def load_weights(
+        self,
+        path: str | Path,
+        version: str,
+        expected_checksum: str | None = None,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        mode: str = "keep",
+        reset_cache: bool = True,
+        check: bool = True,
+    ) -> dict[str, Any]:
+        """The whole refit from a checkpoint directory every node sees, run by the router in one call:
+        pause -> every engine reloads from ``path`` -> verify checksums (equal, and equal to
+        ``expected_checksum`` when given) -> reset prefix caches -> stamp ``version`` -> resume. Engines
+        that fail a step or miss ``deadline_s`` are quarantined (``result["quarantined"]``: url -> why)
+        and the others serve ``version``. A bad directory is refused before anything pauses
+        (``ValueError``). Raises ``RefitError`` when the fleet did not move to ``version`` (``check``)."""
+        body: dict[str, Any] = {
+            "version": version,
+            "from": str(Path(path).expanduser().absolute()),
+            "deadline_s": deadline_s,
+            "mode": mode,
+            "reset_cache": reset_cache,
+        }
+        if expected_checksum is not None:
+            body["expected_checksum"] = expected_checksum
+        return self._txn_call("/fleet/refit", body, check)
+
     @contextmanager
-    def refit(self, version: str, mode: str = "keep", reset_cache: bool = True) -> Iterator[FleetOpReport]:
-        """Pause; (the body updates the weights); flush caches, stamp ``version``, resume. The fleet is
-        resumed even when the body raises, so a failed update never leaves rollouts hanging."""
-        done = False
+    def refit(
+        self,
+        version: str,
+        mode: str = "keep",
+        reset_cache: bool = True,
+        source: str = "external",
+        lease_s: float = DEFAULT_LEASE_S,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        expected_checksum: str | None = None,
+    ) -> Iterator[RefitHandle]:
+        """A refit transaction the trainer drives: the fleet pauses on entry, the body moves the weights
+        (``handle.load_weights(dir)``, ``handle.update_weights(...)`` for a stream, or the trainer's own
+        means with ``source="external"``), and on exit the router verifies, resets caches, stamps
+        ``version`` and resumes (``handle.result``). The pause is a lease this client renews from a
+        thread while the body runs: a trainer that dies lets it run out, and the router then resumes on
+        its own, keeping out every engine whose weights were touched and not verified. A body that raises
+        aborts the transaction the same way (nothing unverified serves), and the exception propagates."""
+        txn = self._txn_call(
+            "/fleet/refit/begin",
+            {
+                "version": version,
+                "source": source,
+                "mode": mode,
+                "lease_s": lease_s,
+                "deadline_s": deadline_s,
+            },
+            check=False,
+        )
+        handle = RefitHandle(self, txn)
+        renewer = _LeaseRenewer(self, txn["id"], lease_s)
+        renewer.start()
+        committed = False
         try:
-            # Inside the try: a pause that failed on some engine has still closed the router's gate and
-            # paused the others, so the fleet must be resumed either way.
-            report = self.pause(mode)
-            yield report
-            if reset_cache:
-                self.reset_prefix_cache()
-            self.set_weight_version(version)
-            done = True
+            yield handle
+            renewer.stop()
+            body: dict[str, Any] = {"id": txn["id"], "reset_cache": reset_cache}
+            if expected_checksum is not None:
+                body["expected_checksum"] = expected_checksum
+            committed = True
+            handle.result = self._txn_call("/fleet/refit/commit", body, check=True)
         finally:
-            resumed = self.resume(check=done)
-            self.last_resume = resumed
+            renewer.stop()
+            if not committed:
+                handle.result = self._txn_call("/fleet/refit/abort", {"id": txn["id"]}, check=False)
+            self.last_refit = handle.result
+
+    def refit_state(self) -> dict[str, Any]:
+        """``{"active", "last", "current", "known_versions"}``: the transaction running now and the last."""
+        return dict(self._call("GET", "/fleet/refit"))
+
+    def weight_transfer_plan(self) -> dict[str, Any]:
+        """The NCCL rank plan over the serving engines: ``{"trainer_rank": 0, "world_size", "engines":
+        [{"url", "world_size", "rank_offset"}]}``. Refused (``RuntimeError``) when an engine runs on the
+        CPU or without ``--weight-transfer-config``, before anything is sent to any engine."""
+        return dict(self._call("GET", "/fleet/weight_transfer/plan"))
+
+    def init_weight_transfer(
+        self, master_address: str, master_port: int, init_info: dict[str, Any] | None = None
+    ) -> FleetOpReport:
+        """Every serving engine joins the trainer's NCCL group at its rank offset; the trainer must join
+        as rank 0 (``world_size`` from ``weight_transfer_plan``) at the same time, e.g. from a thread,
+        since the engines wait for it. ``init_info``: the trainer's wire parameters (``packed``...)."""
+        body = {"master_address": master_address, "master_port": master_port, "init_info": init_info or {}}
+        return self._op("POST", "/fleet/weight_transfer/init", body)
+
+    def _txn_call(self, path: str, body: dict[str, Any], check: bool) -> dict[str, Any]:
+        try:
+            data = self._call("POST", path, body)
+        except RuntimeError as exc:
+            if "HTTP 400" in str(exc):
+                raise ValueError(str(exc)) from None
+            raise
+        if check and not data.get("moved"):
+            raise RefitError(data)
+        return dict(data)
 
     # -- per-step metrics -------------------------------------------------------------------------------
     def begin_step(self) -> int:

@@ -41,6 +41,8 @@ from aiohttp import web
 from router.fleet.engine import PAUSE_MODES, EngineAnswer, EngineClient
 from router.fleet.engine_counters import Snapshot, delta, step_dict
 from router.fleet.ops import FleetOpReport, compare_checksums, fan_out
+from router.fleet.refit import RefitCoordinator
+from router.fleet.refit_routes import RefitRoutes
 from router.http.auth import Access, RouteTable
 from router.state.backends import BackendSet, canonical_backend_url
 from router.state.pause_gate import PauseGate
@@ -88,6 +90,19 @@ class FleetApi:
         self._step_started: float = 0.0
         self._step_snapshot: Snapshot | None = None
         backends.admission = self._on_new_member
+        self.refit = RefitCoordinator(
+            backends,
+            gate,
+            self._fan,
+            self._all_engines,
+            moved=self._moved_to,
+            current=lambda: self.current_version,
+            holds_requests=holds_requests,
+        )
+        self.refit_routes = RefitRoutes(self, self.refit)
+
+    def _moved_to(self, version: str) -> None:
+        self.current_version = version
 
     def add_routes(self, target: RouteTable | web.Application) -> None:
         """Every route here is an admin route (``router.http.auth``). ``target``: the router's table, or an
@@ -107,13 +122,19 @@ class FleetApi:
             ("GET", "/fleet/step", self.step),
         ):
             table.add(method, path, handler, Access.ADMIN)
+        self.refit_routes.add_routes(table)
 
     # -- helpers ----------------------------------------------------------------------------------
     async def _fan(
-        self, op: str, urls: list[str], call: Callable[[EngineClient, str], Awaitable[EngineAnswer]]
+        self,
+        op: str,
+        urls: list[str],
+        call: Callable[[EngineClient, str], Awaitable[EngineAnswer]],
+        timeout_s: float | None = None,
     ) -> FleetOpReport:
         t0 = time.monotonic()
-        answers = await fan_out(urls, call, api_key=self.backend_api_key, timeout_s=self.engine_timeout_s)
+        timeout = self.engine_timeout_s if timeout_s is None else min(timeout_s, self.engine_timeout_s)
+        answers = await fan_out(urls, call, api_key=self.backend_api_key, timeout_s=timeout)
         return FleetOpReport(op, answers, took_s=round(time.monotonic() - t0, 4))
 
     async def _snapshot(self) -> tuple[Snapshot, dict[str, str]]:
@@ -147,6 +168,8 @@ class FleetApi:
         mode = request.query.get("mode", "keep")
         if mode not in PAUSE_MODES:
             return _bad(f"mode={mode!r}: choose one of {', '.join(PAUSE_MODES)}")
+        if (busy := self.refit.busy()) is not None:
+            return _json(409, {"ok": False, "error": busy})
         self.gate.close(mode)
         report = await self._fan("pause", self._all_engines(), lambda e, u: e.pause(u, mode))
         report.result = {"mode": mode, "router_holding": self.holds_requests}
@@ -154,6 +177,8 @@ class FleetApi:
         return _answer(report)
 
     async def resume(self, request: web.Request) -> web.Response:
+        if (busy := self.refit.busy()) is not None:
+            return _json(409, {"ok": False, "error": busy})
         report = await self._fan("resume", self._all_engines(), lambda e, u: e.resume(u))
         held = self.gate.stats()
         # Released even when an engine failed to resume: holding every request forever is worse, and
@@ -232,6 +257,8 @@ class FleetApi:
             targets = [canonical_backend_url(u) for u in engines] if engines is not None else None
         except ValueError as exc:
             return _bad(str(exc))
+        if (busy := self.refit.busy()) is not None:
+            return _json(409, {"ok": False, "error": busy})
         if targets is not None:
             unknown = [u for u in targets if u not in self.backends.members]
             if unknown:

@@ -50,6 +50,15 @@ ABORT_PATH = "/abort_requests"
 UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
 WEIGHT_CHECKER_PATH = "/weight_checker"
 METRICS_PATH = "/metrics"
+COLLECTIVE_RPC_PATH = "/collective_rpc"
+"""vLLM's dev route that runs one method on every worker of the engine (``reload_weights`` here)."""
+WORLD_SIZE_PATH = "/get_world_size"
+SERVER_INFO_PATH = "/server_info"
+MODELS_PATH = "/v1/models"
+INIT_TRANSFER_PATH = "/init_weight_transfer_engine"
+START_UPDATE_PATH = "/start_weight_update"
+UPDATE_WEIGHTS_PATH = "/update_weights"
+FINISH_UPDATE_PATH = "/finish_weight_update"
 VLLM_RESET_PATH = "/reset_prefix_cache"
 """vLLM (served with ``VLLM_SERVER_DEV_MODE=1``) and the simulator."""
 DYNAMO_RESET_PATH = "/engine/flush_cache"
@@ -313,6 +322,65 @@ class EngineClient:
         return await self.call(
             url, "POST", WEIGHT_CHECKER_PATH, json_body={"action": "checksum"}, check=has("checksums")
         )
+
+    async def reload_weights(self, url: str, weights_path: str) -> EngineAnswer:
+        """Reload the engine's weights in place from ``weights_path`` on every one of its workers (vLLM's
+        ``collective_rpc`` of ``reload_weights``). On vLLM 0.32 a failed reload kills the engine core: the
+        engine is then dead, not merely on old weights."""
+        return await self.call(
+            url,
+            "POST",
+            COLLECTIVE_RPC_PATH,
+            json_body={"method": "reload_weights", "kwargs": {"weights_path": weights_path}},
+        )
+
+    async def world_size(self, url: str) -> Reading[int]:
+        """The engine's TP x PP size (its ranks in a weight-transfer group), without data parallelism."""
+        answer = await self.call(
+            url, "GET", WORLD_SIZE_PATH, params={"include_dp": "false"}, check=has("world_size")
+        )
+        if not answer.ok:
+            return Reading(url, None, answer.detail)
+        try:
+            return Reading(url, int(answer.body["world_size"]))
+        except (TypeError, ValueError):
+            return Reading(url, None, f"world_size is not a number: {answer.body['world_size']!r}")
+
+    async def server_info(self, url: str) -> Reading[dict[str, Any]]:
+        """``GET /server_info?config_format=json``: the engine's whole configuration (dev mode)."""
+        answer = await self.call(
+            url, "GET", SERVER_INFO_PATH, params={"config_format": "json"}, check=has("vllm_config")
+        )
+        if not answer.ok:
+            return Reading(url, None, answer.detail)
+        config = answer.body["vllm_config"]
+        if not isinstance(config, dict):
+            return Reading(url, None, "vllm_config is not an object (an engine older than vLLM 0.32?)")
+        return Reading(url, config)
+
+    async def model_root(self, url: str) -> Reading[str]:
+        """Where the served model was loaded from (``root`` of the first ``/v1/models`` entry)."""
+        answer = await self.call(url, "GET", MODELS_PATH, check=has("data"))
+        if not answer.ok:
+            return Reading(url, None, answer.detail)
+        data = answer.body["data"]
+        root = data[0].get("root") if isinstance(data, list) and data and isinstance(data[0], dict) else None
+        return Reading(url, str(root)) if root else Reading(url, None, "/v1/models names no root")
+
+    async def init_weight_transfer(self, url: str, init_info: dict[str, Any]) -> EngineAnswer:
+        """Join the trainer's weight-transfer group (NCCL: the engine's ranks from ``rank_offset``)."""
+        return await self.call(url, "POST", INIT_TRANSFER_PATH, json_body={"init_info": init_info})
+
+    async def start_weight_update(self, url: str) -> EngineAnswer:
+        return await self.call(url, "POST", START_UPDATE_PATH)
+
+    async def update_weights(self, url: str, update_info: dict[str, Any]) -> EngineAnswer:
+        """Receive one round of weights (the trainer broadcasts them meanwhile)."""
+        return await self.call(url, "POST", UPDATE_WEIGHTS_PATH, json_body={"update_info": update_info})
+
+    async def finish_weight_update(self, url: str) -> EngineAnswer:
+        """End the update (the version is stamped by the transaction after it verified the weights)."""
+        return await self.call(url, "POST", FINISH_UPDATE_PATH, json_body={})
 
     async def reset_cache(self, url: str, path: str = VLLM_RESET_PATH) -> EngineAnswer:
         """Flush the engine's prefix cache (``path``: the engine kind's route)."""

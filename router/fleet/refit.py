@@ -1,0 +1,519 @@
+"""The refit transaction: new weights into every engine, verified, stamped and resumed as one unit.
+
+What it prevents, each a failure users of RL stacks report: a failed sync that leaves the fleet paused
+with some engines updated and some not; an engine serving new weights under the old version (or the
+reverse, the stamp racing the load); a trainer that dies mid-refit and leaves every rollout hanging; an
+engine that missed the update serving again after resume. So one transaction runs, under one deadline:
+
+    pause (keep) -> load (from a directory) or receive (streamed by the trainer) -> verify (every engine's
+    checksum equal, and equal to the trainer's expected one when given) -> reset prefix caches -> stamp
+    the version -> resume
+
+* An engine that fails any step, or misses the deadline, is **quarantined**: held out of routing as
+  STALE with the reason (the same hold-out ``router.fleet.api`` keeps for restarted engines, so every
+  front that reads the stale list drops it), its in-flight requests aborted (they would finish on weights
+  nobody verified), and named in the report. The others resume on the new version.
+* **The pause is a lease** the router holds. A trainer-driven transaction (``begin`` ... ``commit``)
+  renews it; if the trainer dies or stops renewing, the router ends the transaction itself when the lease
+  runs out: the engines the transaction touched (sent weights to) and did not verify stay out, the
+  untouched ones resume on the old version, and held requests are released. A directory load run by
+  the router alone holds the lease itself and is bounded by the deadline only.
+* Steps run as tasks of the router's own, shielded from the HTTP handler: a trainer that disconnects
+  mid-call does not cancel a load half-way.
+
+The transaction's JSON (``RefitTxn.to_json``) is what ``GET /fleet/refit`` answers and what
+``rl-launch status`` shows while it runs; this module owns that shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.fleet.engine import EngineAnswer, EngineClient
+from router.fleet.ops import FleetOpReport, checksum_digest
+from router.state.backends import BackendSet
+from router.state.pause_gate import PauseGate
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("directory", "stream", "external")
+"""Where the weights come from: a checkpoint directory the router loads; a stream from the trainer
+(vLLM's weight-transfer API, ``update_weights`` through the router); or the trainer's own means (the
+router cannot tell which engines were touched, so every engine counts as touched)."""
+DEFAULT_LEASE_S = 30.0
+DEFAULT_DEADLINE_S = 900.0
+
+Fan = Callable[
+    [str, list[str], Callable[[EngineClient, str], Awaitable[EngineAnswer]], float], Awaitable[FleetOpReport]
+]
+"""``fan(op, urls, call, timeout_s)``: one engine call fanned out, judged (``FleetApi._fan``)."""
+
+
+class RefitRefused(ValueError):
+    """A transaction request refused before anything was paused or sent (the HTTP answer is 400/409)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class EngineRefit:
+    """One engine's part: ``state`` moves pending -> loaded -> verified, or to quarantined (``reason``)."""
+
+    url: str
+    state: str = "pending"
+    touched: bool = False
+    reason: str = ""
+    checksum: str | None = None
+    load_s: float | None = None
+
+
+@dataclass
+class RefitTxn:
+    id: str
+    version: str
+    source: str
+    mode: str
+    deadline_s: float
+    lease_s: float
+    path: str | None = None
+    expected_checksum: str | None = None
+    phase: str = "pausing"
+    started_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    engines: dict[str, EngineRefit] = field(default_factory=dict)
+    previous_version: str | None = None
+    previous_checksum: str | None = None
+    checksum: str | None = None
+    error: str = ""
+    moved: bool = False
+    router_holding: bool = True
+    """False where the front holds no request during the pause (vllm-router: the engines hold them)."""
+    released: dict[str, Any] = field(default_factory=dict)
+    """What the router held during the pause: ``released`` requests and their ``longest_wait_s``."""
+    """True once the fleet's version is ``version`` (some engine verified and stamped)."""
+    _t0: float = field(default_factory=time.monotonic, repr=False)
+    _lease_until: float = 0.0
+
+    @property
+    def deadline(self) -> float:
+        return self._t0 + self.deadline_s
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ("done", "failed", "expired", "aborted")
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def live(self) -> list[str]:
+        """Engines still in the transaction (not quarantined)."""
+        return [u for u, e in self.engines.items() if e.state != "quarantined"]
+
+    def quarantine(self, url: str, reason: str) -> None:
+        e = self.engines[url]
+        if e.state != "quarantined":
+            e.state, e.reason = "quarantined", reason
+
+    def to_json(self) -> dict[str, Any]:
+        quarantined = {u: e.reason for u, e in self.engines.items() if e.state == "quarantined"}
+        return {
+            "id": self.id,
+            "version": self.version,
+            "source": self.source,
+            "path": self.path,
+            "mode": self.mode,
+            "phase": self.phase,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "elapsed_s": round((self.ended_at or time.time()) - self.started_at, 4),
+            "deadline_s": self.deadline_s,
+            "lease_s": self.lease_s,
+            "lease_left_s": round(max(0.0, self._lease_until - time.monotonic()), 3) if not self.ended else 0,
+            "steps": list(self.steps),
+            "engines": {
+                u: {"state": e.state, "reason": e.reason, "checksum": e.checksum, "load_s": e.load_s}
+                for u, e in self.engines.items()
+            },
+            "verified": [u for u, e in self.engines.items() if e.state == "verified"],
+            "quarantined": quarantined,
+            "previous_version": self.previous_version,
+            "checksum": self.checksum,
+            "previous_checksum": self.previous_checksum,
+            "expected_checksum": self.expected_checksum,
+            "error": self.error,
+            "moved": self.moved,
+            "held": self.released,
+            "router_holding": self.router_holding,
+            "ok": self.moved and not quarantined,
+        }
+
+
+class RefitCoordinator:
+    """Runs at most one transaction at a time for one fleet (the router's, or the fleet endpoint's)."""
+
+    def __init__(
+        self,
+        backends: BackendSet,
+        gate: PauseGate,
+        fan: Fan,
+        engines: Callable[[], list[str]],
+        moved: Callable[[str], None],
+        current: Callable[[], str | None],
+        holds_requests: bool = True,
+    ) -> None:
+        """``engines``: the fleet's engines now (serving and stale); ``moved(v)``: the fleet's version is
+        now ``v``; ``current()``: the fleet's version before the transaction."""
+        self.backends = backends
+        self.gate = gate
+        self._fan = fan
+        self._engines = engines
+        self._moved = moved
+        self._current = current
+        self.holds_requests = holds_requests
+        self.active: RefitTxn | None = None
+        self.last: RefitTxn | None = None
+        self._lock = asyncio.Lock()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[Any]] = set()
+
+    # -- the public steps (each shielded from its caller's cancellation) -------------------------------
+    async def run(self, coro: Awaitable[Any]) -> Any:
+        """Run one step as a task of the coordinator's: a caller that goes away does not cancel it."""
+        task = asyncio.ensure_future(coro)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return await asyncio.shield(task)
+
+    def find(self, txn_id: str | None) -> RefitTxn:
+        txn = self.active
+        if txn is None or txn.ended:
+            last = self.last
+            if last is not None and txn_id == last.id:
+                raise RefitRefused(f"refit {last.id} already ended ({last.phase}): {last.error}", 409)
+            raise RefitRefused("no refit in progress", 409)
+        if txn_id is not None and txn_id != txn.id:
+            raise RefitRefused(f"refit {txn_id} is not the one in progress ({txn.id})", 409)
+        return txn
+
+    def busy(self) -> str | None:
+        """Why a plain pause/resume/stamp must wait (a transaction owns the fleet), or None."""
+        txn = self.active
+        if txn is None or txn.ended:
+            return None
+        return (
+            f"refit {txn.id} to {txn.version!r} is in progress ({txn.phase}); it owns pause, resume "
+            "and stamps"
+        )
+
+    async def begin(
+        self,
+        version: str,
+        source: str,
+        mode: str = "keep",
+        lease_s: float = DEFAULT_LEASE_S,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        path: str | None = None,
+        expected_checksum: str | None = None,
+        held_by_router: bool = False,
+    ) -> RefitTxn:
+        """Pause the fleet for a transaction towards ``version``. Refused (nothing paused) when another
+        runs or no engine is in the fleet. ``held_by_router``: the router itself runs every step (a
+        directory load in one call), so no trainer renews the lease: only the deadline bounds it."""
+        async with self._lock:
+            reason = self.busy()
+            if reason is not None:
+                raise RefitRefused(reason, 409)
+            targets = self._engines()
+            if not targets:
+                raise RefitRefused("no engine is in the fleet: nothing to refit", 409)
+            txn = RefitTxn(
+                id=secrets.token_hex(6),
+                version=version,
+                source=source,
+                mode=mode,
+                deadline_s=deadline_s,
+                lease_s=deadline_s if held_by_router else lease_s,
+                path=path,
+                expected_checksum=expected_checksum,
+                previous_version=self._current(),
+                previous_checksum=self.last.checksum if self.last is not None else None,
+                router_holding=self.holds_requests,
+            )
+            txn.engines = {u: EngineRefit(u, touched=source == "external") for u in targets}
+            txn._lease_until = time.monotonic() + txn.lease_s
+            self.active = txn
+            self.backends.versions.announce(version)
+            self.gate.close(mode)
+            report = await self._step(txn, "pausing", "pause", txn.live(), lambda e, u: e.pause(u, mode))
+            for a in report.failures():
+                txn.quarantine(a.url, f"did not pause: {a.detail}")
+            txn.phase = "paused"
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch(txn))
+            log.info("refit %s to %r begun (%s, %d engines)", txn.id, version, source, len(targets))
+            return txn
+
+    def renew(self, txn_id: str) -> RefitTxn:
+        txn = self.find(txn_id)
+        txn._lease_until = min(txn.deadline, time.monotonic() + txn.lease_s)
+        return txn
+
+    async def load(self, txn_id: str, path: str) -> RefitTxn:
+        """Every engine still in the transaction reloads its weights from ``path`` (checked by the caller
+        before the pause), each bounded by what is left of the deadline."""
+        async with self._lock:
+            txn = self.find(txn_id)
+            txn.path = path
+            self._hold_lease(txn)
+            urls = txn.live()
+            for u in urls:
+                txn.engines[u].touched = True
+            t0 = time.monotonic()
+            report = await self._step(
+                txn, "loading", "reload_weights", urls, lambda e, u: e.reload_weights(u, path)
+            )
+            took = round(time.monotonic() - t0, 4)
+            for a in report.engines:
+                if a.ok:
+                    txn.engines[a.url].state, txn.engines[a.url].load_s = "loaded", took
+                else:
+                    txn.quarantine(a.url, f"reload from {path} failed: {a.detail}")
+            self._renew_after(txn)
+            return txn
+
+    async def receive(self, txn_id: str, update_info: dict[str, Any], group: set[str]) -> RefitTxn:
+        """One streamed round (vLLM's weight transfer): each engine of the trainer's ``group`` starts an
+        update, receives the round the trainer broadcasts meanwhile, and finishes it. An engine outside
+        the group (it joined the fleet after the group formed) is quarantined without a call: on vLLM a
+        weight update without a transfer engine fails in the worker and kills the engine core."""
+        async with self._lock:
+            txn = self.find(txn_id)
+            self._hold_lease(txn)
+            for u in txn.live():
+                if u not in group:
+                    txn.quarantine(u, "not in the trainer's weight-transfer group (joined after it formed)")
+            urls = txn.live()
+            for u in urls:
+                txn.engines[u].touched = True
+
+            async def one(e: EngineClient, u: str) -> EngineAnswer:
+                for call in (
+                    lambda: e.start_weight_update(u),
+                    lambda: e.update_weights(u, update_info),
+                    lambda: e.finish_weight_update(u),
+                ):
+                    a = await call()
+                    if not a.ok:
+                        return a
+                return a
+
+            report = await self._step(txn, "receiving", "update_weights", urls, one)
+            for a in report.engines:
+                if a.ok:
+                    txn.engines[a.url].state = "loaded"
+                else:
+                    txn.quarantine(a.url, f"weight update failed: {a.detail}")
+            self._renew_after(txn)
+            return txn
+
+    async def commit(
+        self, txn_id: str, expected_checksum: str | None = None, reset_cache: bool = True
+    ) -> RefitTxn:
+        """Verify, reset caches, stamp and resume; the transaction ends here whatever happens."""
+        async with self._lock:
+            txn = self.find(txn_id)
+            if expected_checksum is not None:
+                txn.expected_checksum = expected_checksum
+            self._hold_lease(txn)
+            try:
+                await self._verify(txn)
+                if reset_cache:
+                    await self._reset(txn)
+                await self._stamp(txn)
+            finally:
+                await self._end(txn, "done" if txn.moved else "failed")
+            return txn
+
+    async def abort(self, txn_id: str | None, why: str) -> RefitTxn:
+        """End the transaction without moving the fleet: touched engines stay out, the rest resume."""
+        async with self._lock:
+            txn = self.find(txn_id)
+            txn.error = why
+            await self._end(txn, "aborted")
+            return txn
+
+    # -- the steps -----------------------------------------------------------------------------------
+    async def _step(
+        self,
+        txn: RefitTxn,
+        phase: str,
+        op: str,
+        urls: list[str],
+        call: Callable[[EngineClient, str], Awaitable[EngineAnswer]],
+    ) -> FleetOpReport:
+        txn.phase = phase
+        t0 = time.monotonic()
+        left = txn.remaining()
+        if left <= 0:
+            report = FleetOpReport(
+                op, [EngineAnswer(u, False, None, "the refit's deadline passed") for u in urls]
+            )
+        elif not urls:
+            report = FleetOpReport(op, error="no engine left in the refit")
+        else:
+            report = await self._fan(op, urls, call, left)
+            for a in report.engines:
+                if not a.ok and a.status is None and "Timeout" in a.detail:
+                    a.detail = f"missed the refit's deadline ({txn.deadline_s:g} s): {a.detail}"
+        txn.steps.append(
+            {
+                "phase": phase,
+                "took_s": round(time.monotonic() - t0, 4),
+                "engines": len(urls),
+                "failed": {a.url: a.detail for a in report.failures()},
+            }
+        )
+        return report
+
+    async def _verify(self, txn: RefitTxn) -> None:
+        urls = [u for u in txn.live() if txn.engines[u].state == "loaded" or txn.source == "external"]
+        for u in txn.live():
+            if u not in urls:
+                txn.quarantine(u, "received no weights in this refit")
+        report = await self._step(txn, "verifying", "checksum", urls, lambda e, u: e.checksum(u))
+        groups: dict[str, list[str]] = {}
+        for a in report.engines:
+            if not a.ok:
+                txn.quarantine(a.url, f"checksum unreadable: {a.detail}")
+                continue
+            digest = checksum_digest(a.body.get("checksums") or {})
+            txn.engines[a.url].checksum = digest
+            groups.setdefault(digest, []).append(a.url)
+        winner: str | None = None
+        if txn.expected_checksum is not None:
+            winner = txn.expected_checksum if txn.expected_checksum in groups else None
+            why = f"expected checksum {txn.expected_checksum}"
+        elif groups:
+            ranked = sorted(groups.values(), key=len, reverse=True)
+            if len(ranked) == 1 or len(ranked[0]) > len(ranked[1]):
+                winner = next(d for d, us in groups.items() if us is ranked[0])
+            why = "no checksum held by a majority of the engines; pass expected_checksum to decide"
+        for digest, members in groups.items():
+            if digest != winner:
+                for u in members:
+                    reason = why if winner is None else f"checksum {digest} differs from the fleet's {winner}"
+                    txn.quarantine(u, reason)
+        for u in txn.live():
+            txn.engines[u].state = "verified"
+        txn.checksum = winner
+        if winner is None and not txn.error:
+            txn.error = f"no engine verified: {why}" if groups else "no engine verified"
+
+    async def _reset(self, txn: RefitTxn) -> None:
+        report = await self._step(
+            txn, "resetting", "reset_prefix_cache", txn.live(), lambda e, u: e.reset_cache(u)
+        )
+        for a in report.failures():
+            txn.quarantine(a.url, f"prefix cache not reset (it would serve the old weights' KV): {a.detail}")
+        self.backends.policy.reset_cache_state()
+
+    async def _stamp(self, txn: RefitTxn) -> None:
+        v = txn.version
+        report = await self._step(
+            txn, "stamping", "set_weight_version", txn.live(), lambda e, u: e.stamp(u, v)
+        )
+        for a in report.failures():
+            txn.quarantine(a.url, f"version {v!r} not stamped: {a.detail}")
+        versions = self.backends.versions
+        for u in txn.live():
+            versions.stamped(u, v)
+            self.backends.clear_stale(u)
+        if txn.live():
+            txn.moved = True
+            self._moved(v)
+            versions.fleet_moved_to(v)
+        elif not txn.error:
+            txn.error = "no engine took the new version"
+
+    async def _end(self, txn: RefitTxn, phase: str) -> None:
+        """Hold out what is not verified, abort its frozen requests, resume every engine, open the gate."""
+        if txn.ended:
+            return
+        out = {
+            u: e
+            for u, e in txn.engines.items()
+            if e.state == "quarantined" or (e.touched and e.state != "verified")
+        }
+        for u, e in out.items():
+            if e.state != "quarantined":
+                txn.quarantine(
+                    u,
+                    f"refit {txn.id} ended ({phase}: {txn.error or 'lease ran out'}) before its weights "
+                    "were verified",
+                )
+            self.backends.hold_out_stale(u, f"refit {txn.id} to {txn.version!r}: {txn.engines[u].reason}")
+        if out:
+            # In keep mode their requests are frozen mid-generation on weights nobody verified: abort them
+            # (vLLM answers them 200 with finish_reason "abort"), then resume so no engine stays paused.
+            await self._step(txn, "resuming", "abort", list(out), lambda e, u: e.abort(u, []))
+        await self._step(txn, "resuming", "resume", list(txn.engines), lambda e, u: e.resume(u))
+        txn.phase = phase
+        txn.ended_at = time.time()
+        held = self.gate.stats()
+        released = self.gate.open()
+        after = self.gate.stats()
+        txn.released = {
+            "released": released,
+            "longest_wait_s": round(max(held.longest_wait_s, after.last_max_wait_s), 4),
+            "paused_for_s": round(after.last_pause_s, 4),
+        }
+        if self.backends.versions.pending == txn.version:
+            self.backends.versions.announce(None)
+        self.last, self.active = txn, None
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+        self._watchdog = None
+        log.info(
+            "refit %s to %r %s in %.3f s: %d verified, %d quarantined %s",
+            txn.id,
+            txn.version,
+            phase,
+            txn.ended_at - txn.started_at,
+            sum(e.state == "verified" for e in txn.engines.values()),
+            len(out),
+            {u: txn.engines[u].reason for u in out},
+        )
+
+    # -- the lease --------------------------------------------------------------------------------------
+    def _hold_lease(self, txn: RefitTxn) -> None:
+        """While the router itself works on a step the lease cannot run out (the deadline still bounds)."""
+        txn._lease_until = txn.deadline
+
+    def _renew_after(self, txn: RefitTxn) -> None:
+        txn._lease_until = min(txn.deadline, time.monotonic() + txn.lease_s)
+
+    async def _watch(self, txn: RefitTxn) -> None:
+        """End ``txn`` when its lease or deadline runs out (a trainer that died, hung or forgot)."""
+        while True:
+            wait = min(txn._lease_until, txn.deadline) - time.monotonic()
+            if wait <= 0:
+                break
+            await asyncio.sleep(min(wait, 1.0))
+        async with self._lock:
+            if txn.ended or self.active is not txn:
+                return
+            late = "deadline" if time.monotonic() >= txn.deadline else "lease"
+            txn.error = (
+                f"the refit's {late} ran out ({txn.deadline_s if late == 'deadline' else txn.lease_s:g} s) "
+                "before it was committed"
+            )
+            log.warning("refit %s: %s; resuming the fleet", txn.id, txn.error)
+            await self._end(txn, "expired")

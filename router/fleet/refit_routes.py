@@ -1,0 +1,347 @@
+"""The refit transaction's admin routes (``/fleet/refit*``) and the weight-transfer set-up.
+
+The set-up routes are ``/fleet/weight_transfer/*``.
+
+One call per trainer step loads a checkpoint directory into every engine (``POST /fleet/refit``); a
+trainer that streams its weights drives the same transaction in steps (``begin``, ``update`` once per
+round, ``commit``; ``lease`` keeps it alive between them, ``abort`` gives up). Bad input is refused here,
+before anything is paused: a version that is not a non-empty string, a directory that is missing,
+unreadable or of another model (``router.fleet.checkpoint``), a lease or deadline that is not a positive
+number. A transaction that ran answers 200 when the fleet moved to the new version (engines quarantined
+on the way are listed; ``ok`` is then false) and 500 when it did not.
+
+The weight-transfer set-up checks every engine before anything is sent to it, because on vLLM 0.32 a
+failed ``init_weight_transfer_engine`` kills the engine core: an engine on the CPU (the NCCL backend needs
+GPUs) or one started without ``--weight-transfer-config`` is refused with the reason, and nothing is sent
+to any engine. The rank plan gives the trainer rank 0 and each engine ``rank_offset`` = 1 + the TP x PP
+sizes of the engines before it, in the serving set's order; the group's ``world_size`` is 1 + their sum.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from router.fleet.checkpoint import CheckpointRefused, check_against, reference_config
+from router.fleet.engine import PAUSE_MODES, EngineClient
+from router.fleet.ops import fan_out
+from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S, SOURCES, RefitCoordinator, RefitRefused
+from router.http.auth import Access, RouteTable
+
+if TYPE_CHECKING:
+    from router.fleet.api import FleetApi
+
+PLAN_TIMEOUT_S = 60.0
+"""How long the set-up waits for each engine's ``/server_info`` (vLLM collects its environment once)."""
+INIT_TIMEOUT_S = 600.0
+"""How long ``init_weight_transfer_engine`` may take: the engines wait there for the trainer to join."""
+
+
+def _json(status: int, payload: object) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _refused(exc: RefitRefused | CheckpointRefused | ValueError) -> web.Response:
+    status = exc.status if isinstance(exc, RefitRefused) else 400
+    return _json(status, {"ok": False, "error": str(exc)})
+
+
+def _positive(body: dict[str, Any], key: str, default: float) -> float:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f'"{key}" must be a positive number of seconds, got {value!r}')
+    return float(value)
+
+
+def _text(body: dict[str, Any], key: str, required: bool = True) -> str | None:
+    value = body.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f'body needs "{key}": a non-empty string')
+    return value
+
+
+def device_of(config: dict[str, Any]) -> str:
+    """The engine's device type from its ``/server_info`` config (``cpu``, ``cuda``...; ``?`` unknown)."""
+    device = config.get("device_config") or {}
+    if isinstance(device, dict):
+        for key in ("device_type", "device"):
+            value = device.get(key)
+            if isinstance(value, str) and value and value != "auto":
+                return value
+    return "?"
+
+
+class RefitRoutes:
+    def __init__(self, api: FleetApi, coordinator: RefitCoordinator) -> None:
+        self.api = api
+        self.refit = coordinator
+        self.plan: dict[str, Any] | None = None
+        """The weight-transfer group the engines joined (``init``), or None."""
+
+    def add_routes(self, table: RouteTable) -> None:
+        for method, path, handler in (
+            ("POST", "/fleet/refit", self.refit_from_directory),
+            ("GET", "/fleet/refit", self.state),
+            ("POST", "/fleet/refit/begin", self.begin),
+            ("POST", "/fleet/refit/lease", self.lease),
+            ("POST", "/fleet/refit/load", self.load),
+            ("POST", "/fleet/refit/update", self.update),
+            ("POST", "/fleet/refit/commit", self.commit),
+            ("POST", "/fleet/refit/abort", self.abort),
+            ("GET", "/fleet/weight_transfer/plan", self.transfer_plan),
+            ("POST", "/fleet/weight_transfer/init", self.transfer_init),
+        ):
+            table.add(method, path, handler, Access.ADMIN)
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        return await self.api._body(request)
+
+    async def _checked_directory(self, path: str | None) -> str:
+        """``path`` checked against the served model, or ``CheckpointRefused`` (nothing paused yet)."""
+        if path is None:
+            raise CheckpointRefused('body needs "from": the checkpoint directory to load')
+        root, reference = await self._reference()
+        check_against(path, reference, root or "?")
+        return path
+
+    async def _reference(self) -> tuple[str | None, dict[str, Any] | None]:
+        """The served model's config: from the directory the engines loaded it from (``/v1/models`` root),
+        else from the directory the last refit loaded; ``(None, None)`` when neither can be read here."""
+        urls = list(self.api.backends.serving) or self.api._all_engines()
+        if urls:
+            async with EngineClient.open(self.api.backend_api_key, 15.0) as engines:
+                got = await engines.model_root(urls[0])
+            config = reference_config(got.value)
+            if config is not None:
+                return got.value, config
+        last = self.refit.last
+        if last is not None and last.moved and last.path:
+            config = reference_config(last.path)
+            if config is not None:
+                return f"{last.path} (the last refit's)", config
+        return None, None
+
+    def _answer(self, txn_json: dict[str, Any], moved_or_open: bool) -> web.Response:
+        return _json(200 if moved_or_open else 500, txn_json)
+
+    # -- the one-call refit from a directory --------------------------------------------------------------
+    async def refit_from_directory(self, request: web.Request) -> web.Response:
+        """``{"version", "from", "expected_checksum"?, "deadline_s"?, "mode"?, "reset_cache"?}``: the whole
+        transaction, run by the router (a trainer killed meanwhile does not stop it)."""
+        try:
+            body = await self._body(request)
+            version = _text(body, "version")
+            path = await self._checked_directory(_text(body, "from", required=False))
+            expected = _text(body, "expected_checksum", required=False)
+            deadline_s = _positive(body, "deadline_s", DEFAULT_DEADLINE_S)
+            mode = self._mode(body)
+            reset_cache = bool(body.get("reset_cache", True))
+        except (ValueError, CheckpointRefused) as exc:
+            return _refused(exc)
+        assert version is not None
+
+        async def whole() -> dict[str, Any]:
+            txn = await self.refit.begin(
+                version, "directory", mode, deadline_s=deadline_s, path=path, held_by_router=True
+            )
+            await self.refit.load(txn.id, path)
+            await self.refit.commit(txn.id, expected, reset_cache)
+            return txn.to_json()
+
+        try:
+            result = await self.refit.run(whole())
+        except RefitRefused as exc:
+            return _refused(exc)
+        return self._answer(result, result["moved"])
+
+    @staticmethod
+    def _mode(body: dict[str, Any]) -> str:
+        mode = body.get("mode", "keep")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r}: choose one of {', '.join(PAUSE_MODES)}")
+        return str(mode)
+
+    # -- the transaction in steps ---------------------------------------------------------------------
+    async def state(self, request: web.Request) -> web.Response:
+        active, last = self.refit.active, self.refit.last
+        return _json(
+            200,
+            {
+                "active": active.to_json() if active is not None else None,
+                "last": last.to_json() if last is not None else None,
+                "current": self.api.current_version,
+                "known_versions": self.api.backends.versions.known(),
+            },
+        )
+
+    async def begin(self, request: web.Request) -> web.Response:
+        """``{"version", "source": "stream"|"external"|"directory", "lease_s"?, "deadline_s"?, "mode"?}``."""
+        try:
+            body = await self._body(request)
+            version = _text(body, "version")
+            source = body.get("source", "external")
+            if source not in SOURCES:
+                raise ValueError(f"source={source!r}: choose one of {', '.join(SOURCES)}")
+            if source == "stream" and self.plan is None:
+                raise RefitRefused(
+                    "source 'stream' needs the engines in a weight-transfer group first "
+                    "(POST /fleet/weight_transfer/init)",
+                    409,
+                )
+            lease_s = _positive(body, "lease_s", DEFAULT_LEASE_S)
+            deadline_s = _positive(body, "deadline_s", DEFAULT_DEADLINE_S)
+            mode = self._mode(body)
+        except (ValueError, RefitRefused) as exc:
+            return _refused(exc)
+        assert version is not None
+        try:
+            txn = await self.refit.run(
+                self.refit.begin(version, str(source), mode, lease_s=lease_s, deadline_s=deadline_s)
+            )
+        except RefitRefused as exc:
+            return _refused(exc)
+        return _json(200, txn.to_json())
+
+    async def lease(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            txn = self.refit.renew(str(_text(body, "id")))
+        except (ValueError, RefitRefused) as exc:
+            return _refused(exc)
+        return _json(200, txn.to_json())
+
+    async def load(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            txn_id = str(_text(body, "id"))
+            self.refit.find(txn_id)
+            path = await self._checked_directory(_text(body, "from", required=False))
+            txn = await self.refit.run(self.refit.load(txn_id, path))
+        except (ValueError, RefitRefused, CheckpointRefused) as exc:
+            return _refused(exc)
+        return _json(200 if txn.live() else 500, txn.to_json())
+
+    async def update(self, request: web.Request) -> web.Response:
+        """``{"id", "update_info": {...}}``: one streamed round; the trainer broadcasts meanwhile."""
+        try:
+            body = await self._body(request)
+            txn_id = str(_text(body, "id"))
+            info = body.get("update_info")
+            if not isinstance(info, dict):
+                raise ValueError('body needs "update_info": the round\'s names, dtype_names and shapes')
+            txn = self.refit.find(txn_id)
+            if txn.source != "stream":
+                raise RefitRefused(f"refit {txn_id} takes its weights from {txn.source!r}, not a stream", 409)
+            group = {e["url"] for e in (self.plan or {}).get("engines", [])}
+            txn = await self.refit.run(self.refit.receive(txn_id, info, group))
+        except (ValueError, RefitRefused) as exc:
+            return _refused(exc)
+        return _json(200 if txn.live() else 500, txn.to_json())
+
+    async def commit(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            txn_id = str(_text(body, "id"))
+            expected = _text(body, "expected_checksum", required=False)
+            reset_cache = bool(body.get("reset_cache", True))
+            txn = await self.refit.run(self.refit.commit(txn_id, expected, reset_cache))
+        except (ValueError, RefitRefused) as exc:
+            return _refused(exc)
+        return self._answer(txn.to_json(), txn.moved)
+
+    async def abort(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            txn_id = _text(body, "id", required=False)
+            why = str(body.get("why") or "aborted by the trainer")
+            txn = await self.refit.run(self.refit.abort(txn_id, why))
+        except (ValueError, RefitRefused) as exc:
+            return _refused(exc)
+        return _json(200, txn.to_json())
+
+    # -- the weight-transfer group ------------------------------------------------------------------------
+    async def _plan(self) -> dict[str, Any]:
+        """The rank plan over the serving engines, or ``RefitRefused`` naming every engine that cannot
+        join an NCCL group (nothing is sent to any engine then)."""
+        urls = list(self.api.backends.serving)
+        if not urls:
+            raise RefitRefused("no engine is serving: no weight-transfer group to form", 409)
+        key = self.api.backend_api_key
+        infos = await fan_out(urls, lambda e, u: e.server_info(u), api_key=key, timeout_s=PLAN_TIMEOUT_S)
+        sizes = await fan_out(urls, lambda e, u: e.world_size(u), api_key=key, timeout_s=PLAN_TIMEOUT_S)
+        problems = []
+        for info, size in zip(infos, sizes, strict=True):
+            if info.value is None:
+                problems.append(f"{info.url}: /server_info unreadable ({info.error})")
+                continue
+            device = device_of(info.value)
+            if device == "cpu":
+                problems.append(
+                    f"{info.url} runs on the CPU: NCCL weight transfer needs GPU engines "
+                    '(load a checkpoint directory instead: POST /fleet/refit with "from")'
+                )
+            if not info.value.get("weight_transfer_config"):
+                problems.append(
+                    f"{info.url} was started without --weight-transfer-config "
+                    "(generation.weight_transfer in the job spec)"
+                )
+            if size.value is None:
+                problems.append(f"{size.url}: /get_world_size unreadable ({size.error})")
+        if problems:
+            raise RefitRefused("weight transfer refused: " + "; ".join(problems), 409)
+        engines, offset = [], 1
+        for size in sizes:
+            assert size.value is not None
+            engines.append({"url": size.url, "world_size": size.value, "rank_offset": offset})
+            offset += size.value
+        return {"trainer_rank": 0, "world_size": offset, "engines": engines}
+
+    async def transfer_plan(self, request: web.Request) -> web.Response:
+        try:
+            plan = await self._plan()
+        except RefitRefused as exc:
+            return _refused(exc)
+        return _json(200, plan)
+
+    async def transfer_init(self, request: web.Request) -> web.Response:
+        """``{"master_address", "master_port", "init_info"?}``: every serving engine joins the trainer's
+        group at its rank offset (the trainer joins as rank 0 meanwhile); ``init_info`` passes the
+        trainer's wire parameters (``packed``, buffer sizes) through."""
+        try:
+            body = await self._body(request)
+            address = _text(body, "master_address")
+            port = body.get("master_port")
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(f'"master_port" must be a port number, got {port!r}')
+            extra = body.get("init_info") or {}
+            if not isinstance(extra, dict):
+                raise ValueError('"init_info" must be an object')
+            if busy := self.refit.busy():
+                raise RefitRefused(busy, 409)
+            plan = await self._plan()
+        except (ValueError, RefitRefused) as exc:
+            return _refused(exc)
+        offsets = {e["url"]: e["rank_offset"] for e in plan["engines"]}
+
+        def init(e: EngineClient, u: str) -> Any:
+            info = {
+                **extra,
+                "master_address": address,
+                "master_port": port,
+                "rank_offset": offsets[u],
+                "world_size": plan["world_size"],
+            }
+            return e.init_weight_transfer(u, info)
+
+        report = await self.refit.run(
+            self.api._fan("init_weight_transfer", list(offsets), init, INIT_TIMEOUT_S)
+        )
+        report.result = plan
+        if report.ok:
+            self.plan = plan
+        return _json(200 if report.ok else 500, report.to_json())
