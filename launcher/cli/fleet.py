@@ -230,9 +230,7 @@ def is_paused_command(job: str | None, timeout_s: float, as_json: bool, root: Pa
 @_TIMEOUT
 @_JSON
 @root_option
-def abort_command(
-    job: str | None, ids: tuple[str, ...], timeout_s: float, as_json: bool, root: Path
-) -> None:
+def abort_command(job: str | None, ids: tuple[str, ...], timeout_s: float, as_json: bool, root: Path) -> None:
     """Abort in-flight requests on every engine (all, or the given ids)."""
     jd, client = _client(job, root, timeout_s, "abort")
     report = _run(jd, "abort", lambda: client.abort(list(ids), check=False), as_json)
@@ -262,9 +260,7 @@ def version_command(
         raise click.ClickException("--engine needs --set VERSION (the fleet's current version)")
     if new_version is not None:
         targets = list(engines) if engines else None
-        report = _run(
-            jd, "version", lambda: client.set_weight_version(new_version, targets, False), as_json
-        )
+        report = _run(jd, "version", lambda: client.set_weight_version(new_version, targets, False), as_json)
     else:
         report = _run(jd, "version", lambda: client.weight_version(check=False), as_json)
     r: dict[str, Any] = report.result
@@ -304,3 +300,57 @@ def step_command(job: str | None, begin: bool, timeout_s: float, root: Path) -> 
             click.echo(json.dumps(client.step_metrics(), indent=2))
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@fleet_group.command("refit")
+@click.argument("job", required=False)
+@click.option("--from", "directory", required=True, help="Checkpoint directory every node sees (absolute).")
+@click.option("--version", "version", required=True, help="The weight version the fleet moves to.")
+@click.option("--expected-checksum", default=None, help="The checksum every engine must end on.")
+@click.option(
+    "--deadline", "deadline_s", default=900.0, show_default=True, help="Seconds for the whole refit."
+)
+@_JSON
+@root_option
+def refit_command(
+    job: str | None,
+    directory: str,
+    version: str,
+    expected_checksum: str | None,
+    deadline_s: float,
+    as_json: bool,
+    root: Path,
+) -> None:
+    """Load a checkpoint directory into every engine as one transaction: pause, reload, verify the
+    checksums, reset the prefix caches, stamp VERSION, resume. Engines that fail are quarantined (held out,
+    named with the reason); a bad directory is refused before anything pauses."""
+    jd, client = _client(job, root, deadline_s + 60, "refit")
+    t = time.monotonic()
+    try:
+        txn = client.load_weights(directory, version, expected_checksum, deadline_s, check=False)
+    except (ValueError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    bad = txn.get("quarantined") or {}
+    jd.log_event(
+        "fleet_refit",
+        f"{version}: {txn['phase']}",
+        ok=bool(txn.get("ok")),
+        took_s=round(time.monotonic() - t, 3),
+        quarantined=sorted(bad),
+    )
+    if as_json:
+        click.echo(json.dumps(txn, indent=2))
+    else:
+        for s in txn.get("steps", []):
+            click.echo(f"  {s['phase']:<10} {s['took_s']:8.3f} s  {s['engines']} engine(s)")
+        for u in txn.get("verified", []):
+            click.echo(f"ok   {u}  {version}")
+        for u, why in bad.items():
+            click.echo(f"OUT  {u}  {why}")
+        click.echo(
+            f"refit {txn['id']} {txn['phase']} in {txn['elapsed_s']:.3f} s: "
+            f"{len(txn.get('verified', []))} engine(s) on {version!r}, {len(bad)} quarantined; "
+            f"checksum {txn.get('checksum')}"
+        )
+    if not txn.get("moved"):
+        raise click.ClickException(f"fleet refit: the fleet did not move to {version!r}: {txn.get('error')}")

@@ -48,7 +48,7 @@ from launcher.status.figures import (
     rounded,
     windowed_ratio,
 )
-from launcher.status.refit import fetch_step, pause_view
+from launcher.status.refit import fetch_refit, fetch_step, pause_view
 from launcher.status.samples import EngineSample, RouterSample, Scrape, canonical_url, fetch_metrics
 from router.fleet.engine import EngineClient
 from router.prometheus import histogram_quantile
@@ -291,17 +291,20 @@ class StatusCollector:
             return None
         ours = bool(fleet_url and router_url and router_url.rstrip("/") == fleet_url.rstrip("/"))
         pause = pause_view(router_metrics) if ours else None
-        step = None
+        step = txn = None
         if fleet_url is not None:
             try:
                 token = jd.read_admin_token()
             except (OSError, ValueError):
                 token = None
             if token:
-                step = await fetch_step(self._http(), fleet_url, token, self.timeout_s)
-        if pause is None and step is None:
+                step, txn = await asyncio.gather(
+                    fetch_step(self._http(), fleet_url, token, self.timeout_s),
+                    fetch_refit(self._http(), fleet_url, token, self.timeout_s),
+                )
+        if pause is None and step is None and txn is None:
             return None
-        return {"pause": pause, "step": step}
+        return {"pause": pause, "step": step, "transaction": txn}
 
     @staticmethod
     def _engine_key(jd: JobDir) -> tuple[str | None, str | None]:

@@ -1,4 +1,5 @@
-"""The refit window on the dashboard: pause, held requests, stale engines, and the current step's figures.
+"""The refit window on the dashboard: the refit transaction's steps, pause, held requests, stale engines,
+and the current step's figures.
 
 A trainer that paused the fleet and never resumed looks, from Gym's side, like a hang; an engine left
 stale looks like a fleet one engine short. Both are one line here. The pause figures come from the
@@ -42,10 +43,22 @@ def pause_view(router_metrics: str | None) -> dict[str, Any] | None:
 async def fetch_step(session: aiohttp.ClientSession, fleet_url: str, token: str, timeout_s: float) -> Any:
     """``GET /fleet/step`` at the job's own ``fleet_url`` (None when no step was begun, or on any error,
     a redirect included, which is never followed: the dashboard never fails)."""
+    return await _fetch(session, fleet_url, "/fleet/step", token, timeout_s)
+
+
+async def fetch_refit(session: aiohttp.ClientSession, fleet_url: str, token: str, timeout_s: float) -> Any:
+    """``GET /fleet/refit``: the refit transaction running now and the last one (``router.fleet.refit``
+    owns the shape), or None on any error."""
+    return await _fetch(session, fleet_url, "/fleet/refit", token, timeout_s)
+
+
+async def _fetch(
+    session: aiohttp.ClientSession, fleet_url: str, path: str, token: str, timeout_s: float
+) -> Any:
     try:
         async with asyncio.timeout(timeout_s):
             async with session.get(
-                f"{fleet_url.rstrip('/')}/fleet/step", headers=bearer(token), allow_redirects=False
+                f"{fleet_url.rstrip('/')}{path}", headers=bearer(token), allow_redirects=False
             ) as resp:
                 if resp.status not in (200, 500):
                     return None
@@ -54,10 +67,43 @@ async def fetch_step(session: aiohttp.ClientSession, fleet_url: str, token: str,
         return None
 
 
-def refit_line(pause: dict[str, Any] | None, step: dict[str, Any] | None) -> Text | None:
-    if not pause and not step:
+def transaction_text(state: dict[str, Any] | None) -> Text | None:
+    """The refit transaction: while it runs, its phase and each step so far; after it, how it ended."""
+    if not state:
+        return None
+    txn = state.get("active") or state.get("last")
+    if not txn:
         return None
     t = Text()
+    running = state.get("active") is not None
+    t.append(f"refit {txn.get('version')!r} ", style="bold")
+    phase = str(txn.get("phase"))
+    style = "bold yellow" if running else ("bold green" if txn.get("ok") else "bold red")
+    t.append(phase.upper() if running else phase, style=style)
+    t.append(f" {float(txn.get('elapsed_s') or 0):.2f} s", style="dim")
+    steps = txn.get("steps") or []
+    if steps:
+        t.append("  " + " > ".join(f"{s['phase']} {float(s['took_s']):.2f}s" for s in steps), style="dim")
+    if running and txn.get("lease_left_s") is not None:
+        t.append(f"  lease {float(txn['lease_left_s']):.0f} s left", style="dim")
+    engines = txn.get("engines") or {}
+    verified = len(txn.get("verified") or [])
+    t.append(f"  {verified}/{len(engines)} verified", style="bold")
+    for url, why in (txn.get("quarantined") or {}).items():
+        t.append(f"  OUT {url}: {str(why)[:80]}", style="bold red")
+    return t
+
+
+def refit_line(
+    pause: dict[str, Any] | None, step: dict[str, Any] | None, transaction: dict[str, Any] | None = None
+) -> Text | None:
+    txn_text = transaction_text(transaction)
+    if not pause and not step and txn_text is None:
+        return None
+    t = Text()
+    if txn_text is not None:
+        t.append_text(txn_text)
+        t.append("  ")
     if pause:
         if pause.get("paused"):
             t.append("fleet PAUSED ", style="bold yellow")
@@ -86,4 +132,7 @@ def refit_line(pause: dict[str, Any] | None, step: dict[str, Any] | None) -> Tex
             t.append("  finished " + " ".join(f"{k} {v}" for k, v in sorted(finished.items())), style="dim")
         if f.get("preemptions"):
             t.append(f"  preemptions {f['preemptions']}", style="yellow")
+        straddled = (step.get("straddled") or {}).get("count")
+        if straddled:
+            t.append(f"  {straddled} straddled a refit", style="yellow")
     return t

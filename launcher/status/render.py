@@ -410,7 +410,7 @@ def render_snapshot(
     if snap.get("cache_reset"):
         parts.append(_cache_reset_line(snap["cache_reset"]))
     refit = snap.get("refit") or {}
-    refit_text = refit_line(refit.get("pause"), refit.get("step"))
+    refit_text = refit_line(refit.get("pause"), refit.get("step"), refit.get("transaction"))
     if refit_text is not None and refit_text.plain:
         parts.append(refit_text)
     if snap.get("engines"):

@@ -287,8 +287,8 @@ class RefitRoutes:
                 )
             if not info.value.get("weight_transfer_config"):
                 problems.append(
-                    f"{info.url} was started without --weight-transfer-config "
-                    "(generation.weight_transfer in the job spec)"
+                    f"{info.url} was started without --weight-transfer-config (add "
+                    "[--weight-transfer-config, '{\"backend\": \"nccl\"}'] to generation.vllm_args)"
                 )
             if size.value is None:
                 problems.append(f"{size.url}: /get_world_size unreadable ({size.error})")
