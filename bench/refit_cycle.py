@@ -9,6 +9,15 @@ at most --clients concurrent requests, each at most 60 s.
     .venv/bin/python bench/refit_cycle.py --engines 4 --cycles 5 --hold 0.5
     .venv/bin/python bench/refit_cycle.py --engine-url http://127.0.0.1:8001 ...   # real engines
 
+With --checkpoint each cycle is one refit transaction from a checkpoint directory instead
+(``FleetClient.load_weights``: pause, every engine reloads, verify checksums, reset caches, stamp, resume),
+alternating between two directories so every cycle really changes the weights; it prints the load step's
+time and the transaction's own overhead beyond it. The directories: --from-dir A --from-dir B, or two
+safetensors checkpoints of --checkpoint-mb each that the bench writes to a temporary directory (the
+simulator reads and hashes them as its load; vLLM needs real ones, e.g. the tests' tiny model and a copy).
+
+    .venv/bin/python bench/refit_cycle.py --engines 4 --cycles 10 --checkpoint
+
 With --engine-url the engines are real (vLLM with VLLM_SERVER_DEV_MODE=1) and only the router is started;
 with --vllm-model DIR the bench starts --engines real vLLM CPU engines itself (python from
 $RL_LAUNCH_VLLM_PYTHON; e.g. the tests' tiny model) and stops them at the end.
@@ -18,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
+import struct
 import tempfile
 import time
 
@@ -87,7 +98,14 @@ async def main() -> None:
     p.add_argument("--hold", type=float, default=0.5)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--vllm-model", default=None, help="start --engines real vLLM CPU engines on this model")
+    p.add_argument("--checkpoint", action="store_true", help="refit from checkpoint directories")
+    p.add_argument("--from-dir", action="append", default=[], help="a checkpoint directory (give two)")
+    p.add_argument("--checkpoint-mb", type=float, default=8.0, help="size of each written checkpoint")
     args = p.parse_args()
+    if args.checkpoint and not args.from_dir:
+        args.from_dir = write_checkpoints(args.checkpoint_mb)
+    if args.checkpoint and len(args.from_dir) != 2:
+        p.error("--checkpoint needs two --from-dir directories (or none: the bench writes two)")
     sims: list[SimServer] = []
     real: list[VllmEngine] = []
     try:  # every engine this bench started is stopped however it ends
@@ -140,6 +158,50 @@ def start_vllm(model_dir: str, name: str, n: int) -> list[VllmEngine]:
     return engines
 
 
+def write_checkpoints(mb: float) -> list[str]:
+    """Two checkpoint directories of one ``mb``-sized float32 tensor each (different bytes), in the
+    safetensors layout a loader reads: an 8-byte header length, a JSON header, the data."""
+    root = tempfile.mkdtemp(prefix="refit-checkpoints-")
+    n = max(1, int(mb * 1024 * 1024) // 4)
+    out = []
+    for tag in ("a", "b"):
+        d = os.path.join(root, tag)
+        os.makedirs(d)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({"architectures": ["SimForCausalLM"], "model_type": "sim", "hidden_size": 64}, f)
+        header = json.dumps(
+            {"lm_head.weight": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}
+        ).encode()
+        with open(os.path.join(d, "model.safetensors"), "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            f.write((tag.encode() * 4) * n)
+        out.append(d)
+    return out
+
+
+def checkpoint_cycles(client: FleetClient, n: int, dirs: list[str]) -> list[dict[str, float]]:
+    out = []
+    for i in range(n):
+        time.sleep(0.5)  # let load build up between refits
+        t0 = time.perf_counter()
+        txn = client.load_weights(dirs[i % 2], f"bench-{i}")
+        took = time.perf_counter() - t0
+        steps = {s["phase"]: s["took_s"] for s in txn["steps"]}
+        out.append(
+            {
+                "refit_s": took,
+                "load_s": steps["loading"],
+                "overhead_s": took - steps["loading"],
+                "verify_s": steps["verifying"],
+                "pause_s": steps["pausing"],
+                "held": txn["held"]["released"],
+                "longest_wait_s": txn["held"]["longest_wait_s"],
+                "quarantined": len(txn["quarantined"]),
+            }
+        )
+    return out
+
+
 async def measure(urls: list[str], args: argparse.Namespace, kind: str) -> None:
     router = GenerationRouter(
         RouterConfig(host="127.0.0.1", port=0, admin_token=TOKEN, policy="round_robin", probe_interval_s=0),
@@ -151,16 +213,20 @@ async def measure(urls: list[str], args: argparse.Namespace, kind: str) -> None:
     load_task = asyncio.create_task(load(router.base_url(), args.model, args.clients, stop, counts))
     try:
         client = FleetClient(router.base_url(), TOKEN)
-        result = await asyncio.to_thread(cycles, client, args.cycles, args.hold)
+        if args.checkpoint:
+            result = await asyncio.to_thread(checkpoint_cycles, client, args.cycles, args.from_dir)
+        else:
+            result = await asyncio.to_thread(cycles, client, args.cycles, args.hold)
     finally:
         stop.set()
         await asyncio.wait_for(load_task, 120)
         router.stop()
+    what = f"refit from {args.from_dir}" if args.checkpoint else f"hold {args.hold:g} s"
     print(
-        f"{len(urls)} engines ({kind}), {args.clients} clients, "
-        f"hold {args.hold:g} s, {args.cycles} cycles; answers by status: {counts}"
+        f"{len(urls)} engines ({kind}), {args.clients} clients, {what}, {args.cycles} cycles; "
+        f"answers by status: {counts}"
     )
-    for k in ("pause_s", "reset_and_stamp_s", "resume_s", "cycle_s", "overhead_s", "held", "longest_wait_s"):
+    for k in result[0]:
         vals = [r[k] for r in result]
         print(f"  {k:18} median {statistics.median(vals):8.4f}  max {max(vals):8.4f}")
 

@@ -244,13 +244,15 @@ class FleetClient:
         mode: str = "keep",
         reset_cache: bool = True,
         check: bool = True,
+        per_engine: dict[str, str | Path] | None = None,
     ) -> dict[str, Any]:
         """The whole refit from a checkpoint directory every node sees, run by the router in one call:
         pause -> every engine reloads from ``path`` -> verify checksums (equal, and equal to
         ``expected_checksum`` when given) -> reset prefix caches -> stamp ``version`` -> resume. Engines
         that fail a step or miss ``deadline_s`` are quarantined (``result["quarantined"]``: url -> why)
         and the others serve ``version``. A bad directory is refused before anything pauses
-        (``ValueError``). Raises ``RefitError`` when the fleet did not move to ``version`` (``check``)."""
+        (``ValueError``). Raises ``RefitError`` when the fleet did not move to ``version`` (``check``).
+        ``per_engine``: ``{engine url: directory}`` for engines that read a node-local copy instead."""
         body: dict[str, Any] = {
             "version": version,
             "from": str(Path(path).expanduser().absolute()),
@@ -260,6 +262,8 @@ class FleetClient:
         }
         if expected_checksum is not None:
             body["expected_checksum"] = expected_checksum
+        if per_engine:
+            body["from_by_engine"] = {u: str(Path(p).expanduser().absolute()) for u, p in per_engine.items()}
         return self._txn_call("/fleet/refit", body, check)
 
     @contextmanager

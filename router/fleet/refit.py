@@ -266,9 +266,11 @@ class RefitCoordinator:
         txn._lease_until = min(txn.deadline, time.monotonic() + txn.lease_s)
         return txn
 
-    async def load(self, txn_id: str, path: str) -> RefitTxn:
+    async def load(self, txn_id: str, path: str, per_engine: dict[str, str] | None = None) -> RefitTxn:
         """Every engine still in the transaction reloads its weights from ``path`` (checked by the caller
-        before the pause), each bounded by what is left of the deadline."""
+        before the pause), or from its own entry of ``per_engine`` (a node-local copy), each bounded by
+        what is left of the deadline."""
+        paths = per_engine or {}
         async with self._lock:
             txn = self.find(txn_id)
             txn.path = path
@@ -278,14 +280,14 @@ class RefitCoordinator:
                 txn.engines[u].touched = True
             t0 = time.monotonic()
             report = await self._step(
-                txn, "loading", "reload_weights", urls, lambda e, u: e.reload_weights(u, path)
+                txn, "loading", "reload_weights", urls, lambda e, u: e.reload_weights(u, paths.get(u, path))
             )
             took = round(time.monotonic() - t0, 4)
             for a in report.engines:
                 if a.ok:
                     txn.engines[a.url].state, txn.engines[a.url].load_s = "loaded", took
                 else:
-                    txn.quarantine(a.url, f"reload from {path} failed: {a.detail}")
+                    txn.quarantine(a.url, f"reload from {paths.get(a.url, path)} failed: {a.detail}")
             self._renew_after(txn)
             return txn
 

@@ -29,6 +29,7 @@ from router.fleet.engine import PAUSE_MODES, EngineClient
 from router.fleet.ops import fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S, SOURCES, RefitCoordinator, RefitRefused
 from router.http.auth import Access, RouteTable
+from router.state.backends import canonical_backend_url
 
 if TYPE_CHECKING:
     from router.fleet.api import FleetApi
@@ -75,6 +76,16 @@ def device_of(config: dict[str, Any]) -> str:
     return "?"
 
 
+def rank_plan(sizes: list[tuple[str, int]]) -> dict[str, Any]:
+    """The trainer is rank 0; each engine's ranks follow the engines before it (``(url, TP x PP)`` in
+    order); the group's world size is 1 + their sum."""
+    engines, offset = [], 1
+    for url, size in sizes:
+        engines.append({"url": url, "world_size": size, "rank_offset": offset})
+        offset += size
+    return {"trainer_rank": 0, "world_size": offset, "engines": engines}
+
+
 class RefitRoutes:
     def __init__(self, api: FleetApi, coordinator: RefitCoordinator) -> None:
         self.api = api
@@ -109,6 +120,20 @@ class RefitRoutes:
         check_against(path, reference, root or "?")
         return path
 
+    async def _per_engine(self, body: dict[str, Any]) -> dict[str, str]:
+        """``"from_by_engine": {engine url: directory}``: node-local copies, each checked like "from"."""
+        raw = body.get("from_by_engine") or {}
+        if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+            raise ValueError('"from_by_engine" must map engine URLs to directories')
+        members = set(self.api.backends.members)
+        out = {}
+        for url, path in raw.items():
+            key = canonical_backend_url(url)
+            if key not in members:
+                raise ValueError(f'"from_by_engine": {url} is not an engine of the fleet')
+            out[key] = await self._checked_directory(path)
+        return out
+
     async def _reference(self) -> tuple[str | None, dict[str, Any] | None]:
         """The served model's config: from the directory the engines loaded it from (``/v1/models`` root),
         else from the directory the last refit loaded; ``(None, None)`` when neither can be read here."""
@@ -131,12 +156,14 @@ class RefitRoutes:
 
     # -- the one-call refit from a directory --------------------------------------------------------------
     async def refit_from_directory(self, request: web.Request) -> web.Response:
-        """``{"version", "from", "expected_checksum"?, "deadline_s"?, "mode"?, "reset_cache"?}``: the whole
-        transaction, run by the router (a trainer killed meanwhile does not stop it)."""
+        """``{"version", "from", "from_by_engine"?, "expected_checksum"?, "deadline_s"?, "mode"?,
+        "reset_cache"?}``: the whole transaction, run by the router (a trainer killed meanwhile does not
+        stop it)."""
         try:
             body = await self._body(request)
             version = _text(body, "version")
             path = await self._checked_directory(_text(body, "from", required=False))
+            per_engine = await self._per_engine(body)
             expected = _text(body, "expected_checksum", required=False)
             deadline_s = _positive(body, "deadline_s", DEFAULT_DEADLINE_S)
             mode = self._mode(body)
@@ -149,7 +176,7 @@ class RefitRoutes:
             txn = await self.refit.begin(
                 version, "directory", mode, deadline_s=deadline_s, path=path, held_by_router=True
             )
-            await self.refit.load(txn.id, path)
+            await self.refit.load(txn.id, path, per_engine)
             await self.refit.commit(txn.id, expected, reset_cache)
             return txn.to_json()
 
@@ -221,7 +248,8 @@ class RefitRoutes:
             txn_id = str(_text(body, "id"))
             self.refit.find(txn_id)
             path = await self._checked_directory(_text(body, "from", required=False))
-            txn = await self.refit.run(self.refit.load(txn_id, path))
+            per_engine = await self._per_engine(body)
+            txn = await self.refit.run(self.refit.load(txn_id, path, per_engine))
         except (ValueError, RefitRefused, CheckpointRefused) as exc:
             return _refused(exc)
         return _json(200 if txn.live() else 500, txn.to_json())
@@ -288,18 +316,13 @@ class RefitRoutes:
             if not info.value.get("weight_transfer_config"):
                 problems.append(
                     f"{info.url} was started without --weight-transfer-config (add "
-                    "[--weight-transfer-config, '{\"backend\": \"nccl\"}'] to generation.vllm_args)"
+                    '[--weight-transfer-config, \'{"backend": "nccl"}\'] to generation.vllm_args)'
                 )
             if size.value is None:
                 problems.append(f"{size.url}: /get_world_size unreadable ({size.error})")
         if problems:
             raise RefitRefused("weight transfer refused: " + "; ".join(problems), 409)
-        engines, offset = [], 1
-        for size in sizes:
-            assert size.value is not None
-            engines.append({"url": size.url, "world_size": size.value, "rank_offset": offset})
-            offset += size.value
-        return {"trainer_rank": 0, "world_size": offset, "engines": engines}
+        return rank_plan([(size.url, int(size.value or 0)) for size in sizes])
 
     async def transfer_plan(self, request: web.Request) -> web.Response:
         try:

@@ -1,0 +1,323 @@
+"""The refit transaction (``router.fleet.refit``) against simulated engines behind a real router.
+
+The simulator loads a checkpoint directory the way vLLM 0.32 does through ``/collective_rpc
+reload_weights`` (its "weights" become the directory's checksum) and dies the way vLLM's engine core dies
+when the load fails, so what is checked here is what a trainer meets on real engines
+(``tests/test_refit_vllm.py`` runs the same load on real vLLM): one call moves every engine, a broken
+directory quarantines its engine and the rest serve the new version, a trainer that dies mid-refit leaves
+a fleet the router resumed on its own, bad input never pauses the fleet, and the NCCL path is refused on
+CPU engines before anything is sent to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher.fleet.client import FleetClient, RefitError
+from launcher.gateways.vllm_router.fleet_endpoint import FleetEndpoint
+from router import GenerationRouter
+from tests.http_backends import router_factory
+from tests.test_refit import TOKEN, admin, chat, in_thread, send
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = {"architectures": ["SimForCausalLM"], "model_type": "sim", "hidden_size": 64, "vocab_size": 512}
+
+
+def checkpoint(root: Path, name: str, fill: bytes = b"a", config: dict[str, Any] | None = None) -> Path:
+    """A checkpoint directory as a loader reads it: config.json and one safetensors file."""
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config or CONFIG))
+    n = 1024
+    header = json.dumps({"lm_head.weight": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + fill * 4 * n)
+    return d
+
+
+def broken(root: Path, name: str) -> Path:
+    """Its config is right, its weights are not (a half-written copy): found only by the engine's load."""
+    d = checkpoint(root, name)
+    (d / "model.safetensors").write_bytes(b"garbage" * 100)
+    return d
+
+
+@pytest.fixture
+def router_over() -> Iterator[Callable[..., GenerationRouter]]:
+    with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN) as make:
+        yield make
+
+
+def checksums(engines: list[Any]) -> list[dict[str, str]]:
+    return [e.rl.checksums() for e in engines]
+
+
+async def test_one_call_loads_a_directory_into_every_engine(sims, router_over, tmp_path: Path) -> None:
+    engines = await sims(3)
+    r = router_over([e.url for e in engines])
+    client = FleetClient(r.base_url(), TOKEN)
+    a, b = checkpoint(tmp_path, "a", b"a"), checkpoint(tmp_path, "b", b"b")
+    before = checksums(engines)
+    txn = await in_thread(client.load_weights, a, "step-1")
+    assert txn["ok"] and txn["phase"] == "done" and sorted(txn["verified"]) == sorted(e.url for e in engines)
+    assert [s["phase"] for s in txn["steps"]] == [
+        "pausing",
+        "loading",
+        "verifying",
+        "resetting",
+        "stamping",
+        "resuming",
+    ]
+    after_a = checksums(engines)
+    assert after_a[0] == after_a[1] == after_a[2] != before[0]
+    assert all(e.rl.weight_version == "step-1" for e in engines)
+    txn = await in_thread(client.load_weights, b, "step-2")
+    assert txn["ok"] and txn["checksum"] != txn["previous_checksum"] and txn["previous_version"] == "step-1"
+    assert checksums(engines)[0] != after_a[0]
+    assert (await send(r.base_url(), chat()))[0] == 200
+    versions = await in_thread(client.weight_version)
+    assert versions.result["current"] == "step-2" and set(versions.result["engines"].values()) == {"step-2"}
+    assert not r.gate.paused and r.backends.stale == {}
+    print(f"\n[refit txn] 3 sims from a directory: {[(s['phase'], s['took_s']) for s in txn['steps']]}")
+
+
+async def test_a_broken_directory_quarantines_its_engine_and_the_rest_serve_the_new_version(
+    sims, router_over, tmp_path: Path
+) -> None:
+    engines = await sims(3)
+    r = router_over([e.url for e in engines])
+    client = FleetClient(r.base_url(), TOKEN)
+    good, bad = checkpoint(tmp_path, "good"), broken(tmp_path, "bad")
+    url = r.base_url()
+    # Rollouts keep coming during the refit; none may fail.
+    sent = [asyncio.create_task(send(url, chat(max_tokens=30, content=f"during {i}"))) for i in range(12)]
+    await asyncio.sleep(0.05)
+    txn = await in_thread(client.load_weights, good, "step-1", per_engine={engines[2].url: bad})
+    results = await asyncio.gather(*sent)
+    assert [s for s, _ in results] == [200] * 12, results
+    assert txn["moved"] and not txn["ok"]
+    assert sorted(txn["verified"]) == sorted(e.url for e in engines[:2])
+    why = txn["quarantined"][engines[2].url]
+    assert "reload from" in why and str(bad) in why and "header" in why, why
+    assert engines[2].url in r.backends.stale and engines[2].url not in r.backends.serving
+    assert not r.gate.paused
+    after = [await send(url, chat(content=f"after {i}")) for i in range(6)]
+    assert all(s == 200 for s, _ in after)
+    assert (await in_thread(client.stale_engines))[engines[2].url].startswith("refit")
+
+
+async def test_an_engine_that_misses_the_deadline_is_quarantined(sims, router_over, tmp_path: Path) -> None:
+    engines = await sims(2)
+    slow = await sims(1, reload_delay_s=5.0)
+    r = router_over([e.url for e in engines + slow])
+    client = FleetClient(r.base_url(), TOKEN)
+    t0 = time.monotonic()
+    txn = await in_thread(client.load_weights, checkpoint(tmp_path, "a"), "step-1", deadline_s=1.0)
+    assert time.monotonic() - t0 < 4.0
+    assert sorted(txn["verified"]) == sorted(e.url for e in engines)
+    assert "deadline" in txn["quarantined"][slow[0].url], txn["quarantined"]
+    assert not r.gate.paused
+
+
+TRAINER = textwrap.dedent(
+    """\
+    import os, sys
+    from launcher.fleet.client import FleetClient
+    url, token, directory, when = sys.argv[1:5]
+    fleet = FleetClient(url, token)
+    with fleet.refit("step-9", source="directory", lease_s=1.5) as txn:
+        if when == "after-load":
+            txn.load_weights(directory)
+        print("refit begun", flush=True)
+        os.kill(os.getpid(), 9)  # the trainer dies mid-refit: no commit, no abort, no more renewals
+    """
+)
+
+
+@pytest.mark.parametrize("when", ["after-load", "before-load"])
+async def test_a_trainer_killed_mid_refit_leaves_a_fleet_the_router_resumed(
+    sims, router_over, tmp_path: Path, when: str
+) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        TRAINER,
+        url,
+        TOKEN,
+        str(checkpoint(tmp_path, "a")),
+        when,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    killed = time.monotonic()
+    assert r.gate.paused  # the trainer held the pause when it died
+    held = asyncio.create_task(send(url, chat(content="sent while the dead trainer's pause stood")))
+    for _ in range(200):  # at most 10 s
+        if not r.gate.paused:
+            break
+        await asyncio.sleep(0.05)
+    resumed_after = time.monotonic() - killed
+    assert not r.gate.paused and resumed_after < 1.5 + 1.5, resumed_after  # within the lease (+ a tick)
+    state = await in_thread(FleetClient(url, TOKEN).refit_state)
+    assert state["active"] is None and state["last"]["phase"] == "expired", state
+    assert "lease ran out" in state["last"]["error"]
+    assert not any(e.scheduler.gen_paused for e in engines)
+    status, body = await asyncio.wait_for(held, 30)
+    if when == "after-load":  # every engine got weights nobody verified: none serves
+        assert set(r.backends.stale) == {e.url for e in engines} and not r.backends.serving
+        assert status == 409, body  # the no-healthy status, not a hang
+        assert sorted(state["last"]["quarantined"]) == sorted(e.url for e in engines)
+    else:  # nothing was sent to the engines: they resume on the old weights
+        assert r.backends.stale == {} and status == 200, body
+    print(
+        f"\n[refit txn] trainer killed {when}: router resumed {resumed_after:.2f} s later; held -> {status}"
+    )
+
+
+async def test_bad_input_never_pauses_the_fleet(sims, router_over, tmp_path: Path) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    client = FleetClient(url, TOKEN)
+    assert (await in_thread(client.load_weights, checkpoint(tmp_path, "a"), "step-1"))["ok"]
+    pauses = r.gate.stats().pauses_total
+    other = checkpoint(tmp_path, "other", config={**CONFIG, "hidden_size": 128, "architectures": ["X"]})
+    unreadable = checkpoint(tmp_path, "unreadable")
+    (unreadable / "model.safetensors").unlink()
+    (unreadable / "model.safetensors").symlink_to(tmp_path / "nowhere.safetensors")
+    no_config = checkpoint(tmp_path, "noconfig")
+    (no_config / "config.json").unlink()
+    cases = {
+        str(tmp_path / "missing"): "does not exist",
+        str(unreadable): "not readable",
+        str(no_config): "has no config.json",
+        str(other): "does not match the served model",
+        "relative/dir": "is relative",
+    }
+    for path, why in cases.items():
+        status, body = await admin(url, "POST", "/fleet/refit", {"version": "step-2", "from": path})
+        assert status == 400 and why in body["error"], (path, body)
+    assert (
+        "hidden_size: served 64, checkpoint 128"
+        in (await admin(url, "POST", "/fleet/refit", {"version": "s", "from": str(other)}))[1]["error"]
+    )
+    for body in ({"from": str(tmp_path / "a")}, {"version": "", "from": str(tmp_path / "a")}):
+        assert (await admin(url, "POST", "/fleet/refit", body))[0] == 400
+    assert (await admin(url, "POST", "/fleet/refit", {"version": "v", "from": "/x", "deadline_s": 0}))[
+        0
+    ] == 400
+    with pytest.raises(ValueError, match="does not exist"):
+        await in_thread(client.load_weights, tmp_path / "missing", "step-2")
+    assert r.gate.stats().pauses_total == pauses and not any(e.scheduler.gen_paused for e in engines)
+    assert all(e.rl.weight_version == "step-1" for e in engines)
+
+
+async def test_a_second_refit_and_plain_pauses_wait_for_the_one_running(
+    sims, router_over, tmp_path: Path
+) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    status, txn = await admin(url, "POST", "/fleet/refit/begin", {"version": "v1", "lease_s": 5})
+    assert status == 200 and txn["phase"] == "paused", txn
+    for method, path, body in (
+        ("POST", "/fleet/refit/begin", {"version": "v2"}),
+        ("POST", "/fleet/pause?mode=keep", None),
+        ("POST", "/fleet/resume", None),
+        ("POST", "/fleet/weight_version", {"version": "v9"}),
+    ):
+        status, answer = await admin(url, method, path, body)
+        assert status == 409 and txn["id"] in answer["error"], (path, answer)
+    status, done = await admin(url, "POST", "/fleet/refit/commit", {"id": txn["id"]})
+    assert status == 200 and done["ok"] and done["phase"] == "done", done  # external: all touched
+    assert (await admin(url, "POST", "/fleet/refit/commit", {"id": txn["id"]}))[0] == 409  # ended
+
+
+async def test_an_expected_checksum_decides_which_engines_are_right(
+    sims, router_over, tmp_path: Path
+) -> None:
+    engines = await sims(3)
+    r = router_over([e.url for e in engines])
+    client = FleetClient(r.base_url(), TOKEN)
+    a, b = checkpoint(tmp_path, "a", b"a"), checkpoint(tmp_path, "b", b"b")
+    first = await in_thread(client.load_weights, a, "v1")
+    right = first["checksum"]
+    # Two engines read a stale node-local copy (b), one the right one: the majority is wrong, and only
+    # the trainer's expected checksum can tell.
+    per = {engines[0].url: b, engines[1].url: b}
+    txn = await in_thread(client.load_weights, a, "v2", expected_checksum=right, per_engine=per)
+    assert txn["verified"] == [engines[2].url] and sorted(txn["quarantined"]) == sorted(per)
+    assert f"differs from the fleet's {right}" in txn["quarantined"][engines[0].url]
+    with pytest.raises(RefitError, match="did not move"):
+        await in_thread(client.load_weights, a, "v3", expected_checksum="0" * 16)
+
+
+async def test_the_fleet_endpoint_beside_vllm_router_runs_the_same_transaction(sims, tmp_path: Path) -> None:
+    engines = await sims(2)
+    endpoint = FleetEndpoint("127.0.0.1", 0, TOKEN, None)
+    await asyncio.to_thread(endpoint.start)
+    try:
+        await asyncio.to_thread(endpoint.serving, [e.url for e in engines])
+        client = FleetClient(endpoint.url, TOKEN)
+        txn = await in_thread(client.load_weights, checkpoint(tmp_path, "a"), "step-1")
+        assert txn["ok"] and txn["router_holding"] is False
+        assert all(e.rl.weight_version == "step-1" for e in engines)
+        assert endpoint.weight_version == "step-1"
+    finally:
+        await asyncio.to_thread(endpoint.stop)
+
+
+async def test_nccl_weight_transfer_is_refused_on_cpu_engines_before_anything_is_sent(
+    sims, router_over
+) -> None:
+    plain = await sims(1)
+    nccl = await sims(1, weight_transfer_config={"backend": "nccl"}, world_size=2)
+    r = router_over([e.url for e in plain + nccl])
+    url = r.base_url()
+    client = FleetClient(url, TOKEN)
+    with pytest.raises(RuntimeError, match="HTTP 409") as err:
+        await in_thread(client.weight_transfer_plan)
+    message = str(err.value)
+    assert "runs on the CPU" in message and "without --weight-transfer-config" in message
+    assert plain[0].url in message
+    body = {"master_address": "127.0.0.1", "master_port": 29555}
+    status, answer = await admin(url, "POST", "/fleet/weight_transfer/init", body)
+    assert status == 409 and "NCCL weight transfer needs GPU engines" in answer["error"]
+    # Nothing reached the engines: both still serve (on vLLM a failed init kills the engine core).
+    assert all((await send(url, chat(content=f"still serving {i}")))[0] == 200 for i in range(4))
+    status, answer = await admin(url, "POST", "/fleet/refit/begin", {"version": "v", "source": "stream"})
+    assert status == 409 and "weight-transfer group" in answer["error"]
+    assert not r.gate.paused
+
+
+def test_the_rank_plan_gives_each_engine_its_offset() -> None:
+    """The trainer is rank 0; each engine's ranks follow the ones before it, by its TP x PP size."""
+    from router.fleet.refit_routes import rank_plan
+
+    plan = rank_plan([("http://a:1", 2), ("http://b:1", 4), ("http://c:1", 1)])
+    assert plan == {
+        "trainer_rank": 0,
+        "world_size": 8,
+        "engines": [
+            {"url": "http://a:1", "world_size": 2, "rank_offset": 1},
+            {"url": "http://b:1", "world_size": 4, "rank_offset": 3},
+            {"url": "http://c:1", "world_size": 1, "rank_offset": 7},
+        ],
+    }
