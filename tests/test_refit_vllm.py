@@ -43,9 +43,12 @@ PERTURB = """
 import sys, torch
 from safetensors.torch import load_file, save_file
 path = sys.argv[1]
+shift = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
 tensors = load_file(path)
 name = next(k for k in sorted(tensors) if k.startswith("lm_head"))
-tensors[name] = (tensors[name].float() + 0.5).to(tensors[name].dtype)
+generator = torch.Generator().manual_seed(int(shift * 1000))
+noise = torch.randn(tensors[name].shape, generator=generator) * shift
+tensors[name] = (tensors[name].float() + noise).to(tensors[name].dtype)
 save_file(tensors, path, metadata={"format": "pt"})
 print(name)
 """
@@ -353,3 +356,103 @@ def test_restarted_engine_with_old_version_not_served_until_stamped(
     groups = err.value.report.result["groups"]
     assert len(groups) == 2 and [new.url] in groups.values(), groups
     print(f"\n[refit vllm] checksum groups after the odd restart: {groups}")
+
+
+def _perturbed_copy(vllm_python: str, source: Path, target: Path, shift: float) -> Path:
+    """A copy of the tiny model whose ``lm_head`` differs (another step's checkpoint)."""
+    shutil.copytree(source, target)
+    weights = next(target.glob("*.safetensors"))
+    out = subprocess.run(
+        [vllm_python, "-c", PERTURB, str(weights), str(shift)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return target
+
+
+def _greedy(engine_url: str) -> list[str]:
+    """Each engine's own greedy answer to the same prompts (straight to the engine, with the key)."""
+    texts = []
+    for prompt in ("the quick brown fox", "one two three four", "hello"):
+        status, body = _chat(engine_url, 12, prompt, headers={"Authorization": f"Bearer {KEY}"})
+        assert status == 200, body
+        texts.append(body["choices"][0]["message"]["content"])
+    return texts
+
+
+def _chat_with_headers(url: str, content: str) -> tuple[int, dict[str, str], Any]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, json.loads(resp.read())
+
+
+def test_refit_from_a_directory_moves_every_engine_to_the_same_new_weights(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """Issue 19: one call; every checksum agrees and differs from before, greedy output changes, and the
+    responses carry the new version. Runs after the odd restart above, so the engines start apart."""
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    engines = fleet["engines"]
+    before = client.checksum(check=False).result["groups"]
+    assert len(before) == 2  # the restarted engine serves other weights
+    greedy_before = [_greedy(e.url) for e in engines]
+    step_b = _perturbed_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-step-b", 2.0)
+    t0 = time.perf_counter()
+    txn = client.load_weights(step_b, "step-2")
+    took = time.perf_counter() - t0
+    assert txn["ok"] and txn["phase"] == "done", txn
+    assert sorted(txn["verified"]) == sorted(e.url for e in engines)
+    after = client.checksum().result["groups"]
+    assert list(after) == [txn["checksum"]] and txn["checksum"] not in before, (before, after)
+    greedy_after = [_greedy(e.url) for e in engines]
+    assert greedy_after[0] == greedy_after[1]  # the same weights give the same greedy answers
+    assert greedy_after[0] != greedy_before[0], "engine 0's greedy output did not change"
+    assert set(client.weight_version().result["engines"].values()) == {"step-2"}
+    url = router.base_url()
+    for i in range(4):
+        status, headers, _ = _chat_with_headers(url, f"versioned {i}")
+        assert status == 200 and headers.get("x-rl-weight-version") == "step-2", headers
+    steps = {s["phase"]: s["took_s"] for s in txn["steps"]}
+    print(
+        f"\n[refit vllm] load_weights from {step_b.name} into 2 real engines: {took * 1000:.0f} ms in all, "
+        f"steps (ms) { ({k: round(v * 1000) for k, v in steps.items()}) }, checksum {txn['checksum']}"
+    )
+
+
+def test_a_broken_directory_quarantines_its_engine_and_no_request_fails(
+    fleet: Any, tiny_model_dir: Path
+) -> None:
+    """One engine given a broken copy (its config is right, its weights file is not): vLLM 0.32's reload
+    fails and its engine core dies; the transaction quarantines it with the reason, the other engine
+    moves to the new version, the fleet is resumed, and the rollouts in flight all complete. Last: it
+    leaves engine 1 dead."""
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    e0, e1 = fleet["engines"]
+    bad = fleet["logdir"] / "tiny-broken"
+    shutil.copytree(tiny_model_dir, bad)
+    next(bad.glob("*.safetensors")).write_bytes(b"garbage" * 100)
+    url = router.base_url()
+    results: dict[int, Any] = {}
+    threads = [_in_thread(results, i, url, 64, f"rollout during the refit {i}") for i in range(6)]
+    time.sleep(0.3)
+    txn = client.load_weights(tiny_model_dir, "step-3", per_engine={e1.url: bad})
+    for t in threads:
+        t.join(300)
+    assert txn["moved"] and not txn["ok"] and txn["verified"] == [e0.url], txn
+    why = txn["quarantined"][e1.url]
+    assert "reload from" in why and "tiny-broken" in why, why
+    assert [results[i][0] for i in range(6)] == [200] * 6, results
+    assert router.serving_backends() == [e0.url] and e1.url in client.stale_engines()
+    assert not router.gate.paused
+    req = urllib.request.Request(e0.url + "/is_paused", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["is_paused"] is False
+    assert all(_chat(url, 4, f"after {i}")[0] == 200 for i in range(4))
+    assert client.weight_version(check=False).result["current"] == "step-3"
+    print(f"\n[refit vllm] broken directory on one engine: quarantined with {why[:160]!r}")
