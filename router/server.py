@@ -330,6 +330,7 @@ class GenerationRouter:
         def seed() -> None:
             if self.fleet.current_version is None:
                 self.fleet.current_version = version
+                self.backends.versions.fleet_moved_to(version)  # gated requests may ask for it
 
         self._call(seed)
 
