@@ -123,7 +123,7 @@ async def bench_cross_process(
             r = reqs[next_i]
             next_i += 1
             prepared = policy.prepare(r)
-            url = await routing.dispatch(prepared, frozenset())
+            url = (await routing.dispatch(prepared, frozenset())).url
             held.append((url, prepared.size))
             if len(held) > IN_FLIGHT:
                 routing.release(*held.pop(0))

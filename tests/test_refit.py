@@ -476,7 +476,7 @@ async def test_refit_quarantines_an_engine_that_cannot_pause_and_moves_the_rest(
     assert not r.gate.paused and not engines[0].scheduler.gen_paused  # nothing left holding requests
 
 
-async def test_a_body_that_raises_aborts_the_refit_and_keeps_the_touched_engines_out(sims, router_over) -> None:
+async def test_a_body_that_raises_aborts_the_refit_and_keeps_touched_engines_out(sims, router_over) -> None:
     engines = await sims(2)
     r = router_over([e.url for e in engines])
     client = FleetClient(r.base_url(), TOKEN)

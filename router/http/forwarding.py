@@ -30,11 +30,21 @@ Rules, each preventing a failure seen with real clients and peers:
   and answered the no-healthy-backend status past the gate's bounds; other routes are never held.
 * A stream that breaks after its first byte ends with an SSE ``error`` event, not a silent cut that a
   client would take for a complete answer.
+* Every proxied answer says which weights produced it (``VERSION_HEADER``: the version the routing state
+  knew for the engine when the request was dispatched, absent when it knew none) and the id the request is
+  known by (``ROUTER_REQUEST_ID_HEADER``: the client's ``X-Request-Id``, else one made here), by which a
+  request that straddled a refit is listed (``router.state.versions``). Nothing is added upstream: the
+  id travels only back to the client and, with the release, to the routing state.
+* A generation request may be gated on a weight version (``WANT_HEADER``, forwarded unchanged): it goes
+  only to an engine that satisfies it, its retry too, and is held by the routing state while none does;
+  a malformed or unknown version is answered 400 at once, a hold past its bounds the no-healthy-backend
+  status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -50,7 +60,16 @@ from router.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.state.metrics import RouterMetrics
 from router.state.pause_gate import PauseRefused
-from router.state.routing import RoutingState
+from router.state.routing import Chosen, RoutingState
+from router.state.versions import (
+    REQUEST_ID_HEADER,
+    ROUTER_REQUEST_ID_HEADER,
+    VERSION_HEADER,
+    WANT_HEADER,
+    UnknownVersion,
+    VersionRefused,
+    VersionWant,
+)
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
@@ -72,8 +91,13 @@ HOP_BY_HOP = frozenset(
 # Recomputed for the upstream request (Host from the backend URL, length from the body); Expect is the
 # router's own business (see module doc).
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
-# Content-Length is set from the bytes actually relayed.
-_RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
+# Content-Length is set from the bytes actually relayed; the router's own headers are the router's (an
+# engine's would otherwise pass for them).
+_RESPONSE_DROP = HOP_BY_HOP | {
+    b"content-length",
+    VERSION_HEADER.encode(),
+    ROUTER_REQUEST_ID_HEADER.encode(),
+}
 # Responses up to this size with a known length are read whole before answering (see module doc).
 SMALL_RESPONSE_BYTES = 256 * 1024
 # Bodies above this size are digested by the policy in a worker thread, off the event loop.
@@ -126,6 +150,21 @@ def json_response(status: int, body: bytes) -> web.Response:
     return web.Response(status=status, body=body, content_type=JSON)
 
 
+def new_request_id() -> str:
+    """16 hex digits of randomness (a short uuid4; ``uuid.uuid4().hex`` costs five times as much)."""
+    return os.urandom(8).hex()
+
+
+def header_safe(value: str) -> str:
+    """``value`` as a header value: a version with control or non-ASCII characters is percent-encoded
+    (a stamp is any string; a CR or LF in a header would fail every answer)."""
+    if value.isascii() and value.isprintable():
+        return value
+    from urllib.parse import quote
+
+    return quote(value, safe="", errors="surrogateescape")
+
+
 class _Slot:
     """One attempt's in-flight count, released once: as soon as the backend has answered in full and
     before the end of the answer reaches the client, or when the attempt ends otherwise.
@@ -136,17 +175,21 @@ class _Slot:
     whole context of bytes) busier than it is: measured on the replay bench, that moved enough turns
     off their engine to cost 1-2.5 points of prefix-cache hits."""
 
-    __slots__ = ("_routing", "_url", "_weight")
+    __slots__ = ("_request_id", "_routing", "_url", "_version", "_weight")
 
-    def __init__(self, routing: RoutingState, url: str, weight: int) -> None:
+    def __init__(
+        self, routing: RoutingState, url: str, weight: int, version: str | None, request_id: str
+    ) -> None:
         self._routing: RoutingState | None = routing
         self._url = url
         self._weight = weight
+        self._version = version
+        self._request_id = request_id
 
     def release(self) -> None:
         routing, self._routing = self._routing, None
         if routing is not None:
-            routing.release(self._url, self._weight)
+            routing.release(self._url, self._weight, self._version, self._request_id)
 
 
 class Forwarder:
@@ -232,19 +275,36 @@ class Forwarder:
             headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
             headers.append(self._auth)
         path_qs = request.rel_url.raw_path_qs
+        request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
 
         routing = self.routing
         # Held by the routing state while the fleet is paused (first attempt only: a retry was admitted).
         hold = request.path in HELD_DURING_PAUSE
+        want: VersionWant | None = None
+        if hold:
+            wanted = request.headers.get(WANT_HEADER)
+            if wanted is not None:
+                try:
+                    want = VersionWant.parse(wanted)
+                except ValueError as exc:
+                    self.metrics.errors.labels("bad_weight_version").inc()
+                    return json_response(400, error_body(str(exc), "invalid_weight_version", 400))
         tried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(self.config.max_attempts):
             try:
-                url = await routing.dispatch(route_request, frozenset(tried), hold)
+                chosen = await routing.dispatch(route_request, frozenset(tried), hold, want)
             except PauseRefused as exc:
                 self.metrics.errors.labels("pause_bound").inc()
                 status = self.config.no_healthy_backend_status
                 return json_response(status, error_body(str(exc), "no_healthy_backend", status))
+            except UnknownVersion as exc:
+                self.metrics.errors.labels("unknown_weight_version").inc()
+                return json_response(400, error_body(str(exc), "unknown_weight_version", 400))
+            except VersionRefused as exc:
+                self.metrics.errors.labels("version_bound").inc()
+                status = self.config.no_healthy_backend_status
+                return json_response(status, error_body(str(exc), "weight_version_unavailable", status))
             except NoBackendAvailable as exc:
                 if last is not None:
                     break  # nowhere else to retry: report the backend failure, not an empty fleet
@@ -256,9 +316,10 @@ class Forwarder:
             hold = False
             if attempt:
                 self.metrics.retries.inc()
+            url = chosen.url
             tried.add(url)
             try:
-                return await self._attempt(request, route_request, url, path_qs, headers, body)
+                return await self._attempt(request, route_request, chosen, path_qs, headers, body, request_id)
             except UpstreamError as failure:
                 last = failure
                 self._on_failure(route_request, url, failure.kind)
@@ -278,10 +339,11 @@ class Forwarder:
         self,
         request: web.Request,
         route_request: RouteRequest,
-        url: str,
+        chosen: Chosen,
         path_qs: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
+        request_id: str,
     ) -> web.StreamResponse:
         """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client.
 
@@ -291,11 +353,12 @@ class Forwarder:
         # ``dispatch`` counted the request in flight, weighted by the body's size: a multi-turn request
         # resends its whole context, so the bytes in flight per backend approximate the KV each engine
         # holds (cache_aware bounds on it).
-        slot = _Slot(self.routing, url, len(body))
+        url, version = chosen
+        slot = _Slot(self.routing, url, len(body), version, request_id)
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             try:
-                return await self._relay(request, route_request, url, upstream, slot)
+                return await self._relay(request, route_request, chosen, upstream, slot, request_id)
             finally:
                 upstream.release()
         finally:
@@ -305,14 +368,19 @@ class Forwarder:
         self,
         request: web.Request,
         route_request: RouteRequest,
-        url: str,
+        chosen: Chosen,
         upstream: UpstreamResponse,
         slot: _Slot,
+        request_id: str,
     ) -> web.StreamResponse:
+        url, version = chosen
         resp_headers = CIMultiDict(
             (n.decode("latin-1"), v.decode("latin-1"))
             for n, v in filter_raw_headers(upstream.raw_headers, _RESPONSE_DROP)
         )
+        resp_headers[ROUTER_REQUEST_ID_HEADER] = header_safe(request_id)
+        if version is not None:
+            resp_headers[VERSION_HEADER] = header_safe(version)
         if upstream.status >= 500:
             raise await self._status_failure(url, upstream)
         length = upstream.content_length

@@ -22,6 +22,14 @@ The fleet pause: a generation request's DISPATCH carries the ``HOLD`` flag, and 
 one-process router gives. A held request whose client goes away is withdrawn (``CANCEL``), so it stops
 counting against ``max_held`` at once, as it would in one process.
 
+Weight versions (``router.state.versions``, kept by the parent): an ``OK`` answer carries the chosen
+engine's version as the parent knew it then, and the worker's ``RELEASE`` gives that version back with the
+request's id, so the parent counts and lists the request if the engine's version changed meanwhile (a
+straddler); a release with no version costs nothing more. A DISPATCH gated on a version carries it (flags
+``WANT`` and ``AT_LEAST``, the version after the hashes) and the parent decides, holds (after the pause
+gate; ``CANCEL`` withdraws it as it does at the gate) or refuses (``UNKNOWN_VERSION`` at once,
+``VERSION_REFUSED`` past the bounds), each answered as a one-process router would.
+
 A worker that dies leaves requests counted in flight; the parent keeps a ledger per channel and releases
 whatever a closed channel still held, so a crashed worker cannot inflate the load bound for good. A worker
 whose channel closes (the parent died) stops serving and exits: no orphan keeps the port.
@@ -40,7 +48,8 @@ import orjson
 
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.state.pause_gate import PauseRefused
-from router.state.routing import LocalRouting
+from router.state.routing import Chosen, LocalRouting
+from router.state.versions import UnknownVersion, VersionRefused, VersionWant
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +59,27 @@ HELLO, READY, DISPATCH, RELEASE, FAILED, SUCCEEDED, STATS, CANCEL = 1, 2, 3, 4, 
 # kinds: parent -> worker
 CHOSEN, STATS_ASK = 8, 9
 # DISPATCH flags
-HOLD = 1  # a generation request: held while the fleet is paused
+HOLD = 1  # a generation request: held while the fleet is paused (and while no engine has its version)
+WANT = 2  # gated on a weight version: the version follows the hashes
+AT_LEAST = 4  # with WANT: that version or any stamped after it
 # CHOSEN outcomes
-NO_BACKEND, OK, PAUSE_REFUSED, WITHDRAWN = 0, 1, 2, 3
+NO_BACKEND, OK, PAUSE_REFUSED, WITHDRAWN, UNKNOWN_VERSION, VERSION_REFUSED = 0, 1, 2, 3, 4, 5
+_REFUSALS: dict[int, type[Exception]] = {
+    PAUSE_REFUSED: PauseRefused,
+    UNKNOWN_VERSION: UnknownVersion,
+    VERSION_REFUSED: VersionRefused,
+}
 
 _HELLO = struct.Struct("<II")  # worker index, pid
-# id, body size, n excluded, key bytes, n hashes (-1: none), flags
+# id, body size, n excluded, key bytes, n hashes (-1: none), flags; then the excluded URLs (each u16
+# length + bytes), the key, the hashes, and with WANT the wanted version (the rest)
 _DISPATCH = struct.Struct("<IqHHiB")
-# request id, outcome: OK (the URL follows), NO_BACKEND / PAUSE_REFUSED (the reason follows), WITHDRAWN
+# request id, outcome: OK (u16 URL length, the URL, then the engine's version: the rest, empty for
+# none), NO_BACKEND / PAUSE_REFUSED / UNKNOWN_VERSION / VERSION_REFUSED (the reason follows), WITHDRAWN
 _CHOSEN = struct.Struct("<IB")
-_RELEASE = struct.Struct("<q")  # body size; the URL follows
+# body size, URL bytes, version bytes (0: none); the URL, the version, then the request id (the rest,
+# only with a version: without one the release cannot straddle)
+_RELEASE = struct.Struct("<qHH")
 _FAILED = struct.Struct("<HHi")  # URL bytes, kind bytes (empty: only forget the affinity), n hashes
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -167,12 +187,27 @@ class WorkerChannel(_Framed):
             header = self.service.session_header
             headers = {header: key} if key is not None and header is not None else {}
             request = RouteRequest("", b"", headers, hashes, size)
-            if flags & HOLD and routing.gate.paused:  # the one check when not paused
-                task = asyncio.get_running_loop().create_task(self._hold(rid, request, frozenset(excluded)))
-                self._held[rid] = task
-                task.add_done_callback(lambda _t, rid=rid: self._held.pop(rid, None))
-                return
-            self._decide(rid, request, frozenset(excluded))
+            exclude = frozenset(excluded)
+            hold = bool(flags & HOLD)
+            if flags & WANT or (hold and routing.gate.paused):  # the one check when neither
+                want = None
+                if flags & WANT:
+                    text = payload[pos + 8 * max(n_hashes, 0) :].decode("utf-8", "surrogateescape")
+                    want = VersionWant(text, bool(flags & AT_LEAST))
+                try:
+                    admitted = routing.admit_now(exclude, hold, want)
+                except (UnknownVersion, NoBackendAvailable) as exc:
+                    self._refuse(rid, exc)
+                    return
+                if admitted is None:
+                    task = asyncio.get_running_loop().create_task(
+                        self._hold(rid, request, exclude, hold, want)
+                    )
+                    self._held[rid] = task
+                    task.add_done_callback(lambda _t, rid=rid: self._held.pop(rid, None))
+                    return
+                exclude = admitted
+            self._decide(rid, request, exclude)
         elif kind == CANCEL:
             (rid,) = _U32.unpack_from(payload)
             task = self._held.pop(rid, None)
@@ -180,9 +215,16 @@ class WorkerChannel(_Framed):
                 task.cancel()
                 self.send(frame(CHOSEN, _CHOSEN.pack(rid, WITHDRAWN)))
         elif kind == RELEASE:
-            (size,) = _RELEASE.unpack_from(payload)
-            url = payload[_RELEASE.size :].decode()
-            routing.release(url, size)
+            size, n_url, n_version = _RELEASE.unpack_from(payload)
+            pos = _RELEASE.size
+            url = payload[pos : pos + n_url].decode()
+            if n_version:
+                pos += n_url
+                version = payload[pos : pos + n_version].decode()
+                request_id = payload[pos + n_version :].decode("utf-8", "surrogateescape")
+                routing.release(url, size, version, request_id)
+            else:
+                routing.release(url, size)
             held = self.ledger.get(url)
             if held is not None:
                 held[0] -= 1
@@ -218,8 +260,9 @@ class WorkerChannel(_Framed):
                 self.transport.close()
 
     def _decide(self, rid: int, request: RouteRequest, exclude: frozenset[str]) -> None:
+        routing = self.service.routing
         try:
-            url = self.service.routing.dispatch_now(request, exclude)
+            url = routing.dispatch_now(request, exclude)
         except NoBackendAvailable as exc:
             self.send(frame(CHOSEN, _CHOSEN.pack(rid, NO_BACKEND) + str(exc).encode()))
             return
@@ -229,15 +272,33 @@ class WorkerChannel(_Framed):
         else:
             held[0] += 1
             held[1] += request.size
-        self.send(frame(CHOSEN, _CHOSEN.pack(rid, OK) + url.encode()))
+        u = url.encode()
+        version = routing.versions.of.get(url)
+        v = version.encode() if version is not None else b""
+        self.send(frame(CHOSEN, _CHOSEN.pack(rid, OK) + _U16.pack(len(u)) + u + v))
 
-    async def _hold(self, rid: int, request: RouteRequest, exclude: frozenset[str]) -> None:
-        """Answer once the fleet resumes (in arrival order across all workers), or refuse past the gate's
-        bounds; cancelled by the worker's CANCEL or when its channel closes."""
+    def _refuse(self, rid: int, exc: Exception) -> None:
+        outcome = (
+            PAUSE_REFUSED
+            if isinstance(exc, PauseRefused)
+            else UNKNOWN_VERSION
+            if isinstance(exc, UnknownVersion)
+            else VERSION_REFUSED
+            if isinstance(exc, VersionRefused)
+            else NO_BACKEND
+        )
+        self.send(frame(CHOSEN, _CHOSEN.pack(rid, outcome) + str(exc).encode()))
+
+    async def _hold(
+        self, rid: int, request: RouteRequest, exclude: frozenset[str], hold: bool, want: VersionWant | None
+    ) -> None:
+        """Answer once the fleet resumes (in arrival order across all workers) and an engine has the
+        wanted version, or refuse past the bounds; cancelled by the worker's CANCEL or when its channel
+        closes."""
         try:
-            await self.service.routing.gate.pass_through()
-        except PauseRefused as exc:
-            self.send(frame(CHOSEN, _CHOSEN.pack(rid, PAUSE_REFUSED) + str(exc).encode()))
+            exclude = await self.service.routing.admit(exclude, hold, want)
+        except (PauseRefused, UnknownVersion, VersionRefused, NoBackendAvailable) as exc:
+            self._refuse(rid, exc)
             return
         self._decide(rid, request, exclude)
 
@@ -316,7 +377,7 @@ class RemoteRouting(_Framed):
         self._session_header: str | None = getattr(policy, "session_header", None)
         self._on_lost = on_lost
         self._stats = stats
-        self._pending: dict[int, tuple[asyncio.Future[str], RouteRequest]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Chosen], RouteRequest]] = {}
         self._next = 0
         self.closed = False
 
@@ -326,7 +387,13 @@ class RemoteRouting(_Framed):
     def ready(self) -> None:
         self.send(frame(READY))
 
-    async def dispatch(self, request: RouteRequest, exclude: frozenset[str], hold: bool = False) -> str:
+    async def dispatch(
+        self,
+        request: RouteRequest,
+        exclude: frozenset[str],
+        hold: bool = False,
+        want: VersionWant | None = None,
+    ) -> Chosen:
         if self.closed:
             raise NoBackendAvailable("the router's routing state is gone (parent process stopped)")
         self._next = rid = (self._next + 1) & 0xFFFFFFFF
@@ -336,8 +403,12 @@ class RemoteRouting(_Framed):
             value = request.headers.get(self._session_header)
             key = value.encode() if value else b""
         n_hashes, hashes = _pack_hashes(request.features)
-        head = _DISPATCH.pack(rid, request.size, len(exclude), len(key), n_hashes, HOLD if hold else 0)
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        flags = HOLD if hold else 0
+        if want is not None:
+            flags |= (WANT | AT_LEAST) if want.at_least else WANT
+            hashes += want.version.encode("utf-8", "surrogateescape")  # a header's text, as aiohttp read it
+        head = _DISPATCH.pack(rid, request.size, len(exclude), len(key), n_hashes, flags)
+        future: asyncio.Future[Chosen] = asyncio.get_running_loop().create_future()
         self._pending[rid] = (future, request)
         self.send(frame(DISPATCH, head + excluded + key + hashes))
         if not hold:
@@ -352,11 +423,19 @@ class RemoteRouting(_Framed):
                 self.send(frame(CANCEL, _U32.pack(rid)))
             raise
 
-    def release(self, url: str, weight: int) -> None:
+    def release(
+        self, url: str, weight: int, dispatched_on: str | None = None, request_id: str | None = None
+    ) -> None:
         # Written at once, not at the end of the loop turn: the forwarder releases before the client
         # gets the end of its answer, and this frame must be on its way before the client's next turn
         # can reach the routing state through another worker (see forwarding._Slot).
-        self.send(frame(RELEASE, _RELEASE.pack(weight) + url.encode()))
+        u = url.encode()
+        if dispatched_on and len(dispatched_on) < 0x4000:  # a u16 of UTF-8 (a longer one is not tracked)
+            v = dispatched_on.encode()
+            r = request_id.encode("utf-8", "surrogateescape") if request_id else b""
+            self.send(frame(RELEASE, _RELEASE.pack(weight, len(u), len(v)) + u + v + r))
+        else:
+            self.send(frame(RELEASE, _RELEASE.pack(weight, len(u), 0) + u))
         self._flush()
 
     def succeeded(self, url: str) -> None:
@@ -377,24 +456,28 @@ class RemoteRouting(_Framed):
     def on_frame(self, kind: int, payload: bytes) -> None:
         if kind == CHOSEN:
             rid, ok = _CHOSEN.unpack_from(payload)
-            text = payload[_CHOSEN.size :].decode()
             entry = self._pending.pop(rid, None)
             if entry is None:
                 return
             future, request = entry
-            if future.cancelled():
-                # The client went away while the parent decided: the slot it counted is given back and
-                # the affinity it recorded is forgotten (nothing was sent to that backend).
-                if ok == OK:
-                    self.release(text, request.size)
-                    self._send_failed(request, text, "")
-                return
             if ok == OK:
-                future.set_result(text)
-            elif ok == PAUSE_REFUSED:
-                future.set_exception(PauseRefused(text))
-            else:
-                future.set_exception(NoBackendAvailable(text))
+                pos = _CHOSEN.size
+                (n,) = _U16.unpack_from(payload, pos)
+                pos += 2
+                url = payload[pos : pos + n].decode()
+                version = payload[pos + n :].decode() or None
+                if future.cancelled():
+                    # The client went away while the parent decided: the slot it counted is given back
+                    # and the affinity it recorded is forgotten (nothing was sent to that backend).
+                    self.release(url, request.size)
+                    self._send_failed(request, url, "")
+                else:
+                    future.set_result(Chosen(url, version))
+                return
+            if future.cancelled():
+                return
+            text = payload[_CHOSEN.size :].decode()
+            future.set_exception(_REFUSALS.get(ok, NoBackendAvailable)(text))
         elif kind == STATS_ASK:
             (rid,) = _U32.unpack_from(payload)
             self.send(frame(STATS, _U32.pack(rid) + orjson.dumps(self._stats())))

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from router.state.backends import BackendSet
 from router.state.pause_gate import PauseGate
+from router.state.versions import WeightVersions
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -190,6 +191,37 @@ class _PauseCollector(Collector):
             yield c
 
 
+class _VersionCollector(Collector):
+    """Weight versions as the routing state sees them (``router.state.versions``), read at scrape time."""
+
+    def __init__(self, versions: WeightVersions) -> None:
+        self._versions = versions
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        v = self._versions
+        held = GaugeMetricFamily(
+            "rl_router_version_held_requests",
+            "Requests held now for an engine on the weight version they want",
+        )
+        held.add_metric([], v.held)
+        yield held
+        for name, doc, value in (
+            (
+                "rl_router_version_refused",
+                "Requests gated on a weight version refused past the hold's bounds",
+                v.refused_total,
+            ),
+            (
+                "rl_router_straddled_requests",
+                "Requests whose engine's weight version changed while they were in flight",
+                v.straddled_total,
+            ),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+
+
 class RouterMetrics:
     """``backends``: the routing state's view (None in a worker process, whose parent reports it).
     ``gate``: the fleet pause gate, reported where the routing state lives (the parent of worker
@@ -224,6 +256,7 @@ class RouterMetrics:
         self.decisions = 0
         if backends is not None:
             self.registry.register(_FleetCollector(backends, lambda: policy_name, lambda: self.decisions))
+            self.registry.register(_VersionCollector(backends.versions))
             if gate is not None:
                 self.registry.register(_PauseCollector(gate, backends))
         if workers is not None:

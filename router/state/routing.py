@@ -11,16 +11,26 @@ A generation request asks *where to* with ``hold``: while the fleet is paused fo
 state holds it at its ``PauseGate`` before choosing, so the one gate bounds every request of the router,
 whichever process parsed it, and no generation request is routed to an engine between the pause and the
 resume.
+
+Weight versions (``router.state.versions``): *where to* answers the engine's version as the routing state
+knows it at that instant (``Chosen``), which the response carries and *done* gives back, so that a request
+whose engine was stamped with another version while it was in flight is counted as a straddler. A
+generation request may be gated on a version (``want``): it goes only to a serving engine that satisfies it
+(the others are excluded from the policy's choice), and while none does it is held, after the pause gate,
+until one does, bounded like a pause (the gate's ``max_held`` and ``max_wait_s``). A version the fleet does
+not know is refused at once (``UnknownVersion``).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import asyncio
+from typing import NamedTuple, Protocol
 
-from router.policies.base import Policy, RouteRequest
+from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.state.backends import BackendSet
 from router.state.metrics import RouterMetrics
 from router.state.pause_gate import PauseGate
+from router.state.versions import VersionRefused, VersionWant
 
 # Failures of the backend's transport (not of one answer): with ``health_managed`` they take the backend
 # out of rotation at once. A 5xx is not among them: one poisoned request answered 500 by every engine
@@ -28,15 +38,35 @@ from router.state.pause_gate import PauseGate
 TRANSPORT_FAILURES = frozenset({"connect", "reset", "timeout", "headers_too_large", "stream_broken"})
 
 
+class Chosen(NamedTuple):
+    """Where ``dispatch`` sent a request, and that engine's weight version then (None: unknown)."""
+
+    url: str
+    version: str | None
+
+
 class RoutingState(Protocol):
-    async def dispatch(self, request: RouteRequest, exclude: frozenset[str], hold: bool = False) -> str:
+    async def dispatch(
+        self,
+        request: RouteRequest,
+        exclude: frozenset[str],
+        hold: bool = False,
+        want: VersionWant | None = None,
+    ) -> Chosen:
         """Choose a backend, record the choice (``Policy.commit``) and count the request in flight with
         ``request.size`` bytes; raises ``NoBackendAvailable``. ``hold``: wait first while the fleet is
-        paused; raises ``PauseRefused`` past the gate's bounds."""
+        paused; raises ``PauseRefused`` past the gate's bounds. ``want``: only a serving engine whose
+        version satisfies it; raises ``UnknownVersion`` at once for a version the fleet does not know,
+        and with ``hold`` waits while no serving engine satisfies it (``VersionRefused`` past the gate's
+        bounds; without ``hold``, ``NoBackendAvailable`` at once)."""
         ...
 
-    def release(self, url: str, weight: int) -> None:
-        """The request sent to ``url`` by ``dispatch`` is over (whatever its outcome)."""
+    def release(
+        self, url: str, weight: int, dispatched_on: str | None = None, request_id: str | None = None
+    ) -> None:
+        """The request sent to ``url`` by ``dispatch`` is over (whatever its outcome). ``dispatched_on``:
+        the version ``dispatch`` answered (``Chosen.version``), ``request_id`` the id a straddler is
+        listed by."""
         ...
 
     def succeeded(self, url: str) -> None: ...
@@ -63,6 +93,7 @@ class LocalRouting:
         self.policy = policy
         self.metrics = metrics
         self.health_managed = health_managed
+        self.versions = backends.versions
 
     def dispatch_now(self, request: RouteRequest, exclude: frozenset[str]) -> str:
         url = self.policy.choose(request, self.backends.load, exclude)
@@ -71,13 +102,92 @@ class LocalRouting:
         self.backends.load.acquire(url, request.size)
         return url
 
-    async def dispatch(self, request: RouteRequest, exclude: frozenset[str], hold: bool = False) -> str:
-        if hold and self.gate.paused:  # the one check when not paused
-            await self.gate.pass_through()
-        return self.dispatch_now(request, exclude)
+    async def dispatch(
+        self,
+        request: RouteRequest,
+        exclude: frozenset[str],
+        hold: bool = False,
+        want: VersionWant | None = None,
+    ) -> Chosen:
+        if want is not None or (hold and self.gate.paused):  # the one check when neither
+            exclude = await self.admit(exclude, hold, want)
+        url = self.dispatch_now(request, exclude)
+        return Chosen(url, self.versions.of.get(url) or None)
 
-    def release(self, url: str, weight: int) -> None:
+    # -- holding: the pause gate, then the version a request is gated on ---------------------------------
+    def admit_now(
+        self, exclude: frozenset[str], hold: bool, want: VersionWant | None
+    ) -> frozenset[str] | None:
+        """What ``admit`` answers when it need not wait; None when it would (paused, or no serving engine
+        satisfies ``want`` and ``hold``). Raises ``UnknownVersion``, or ``NoBackendAvailable`` when no
+        serving engine satisfies ``want`` and the request may not wait."""
+        if hold and self.gate.paused:
+            if want is not None:
+                self.versions.check(want)  # refused at once, not after the pause
+            return None
+        if want is None:
+            return exclude
+        return self._gated(exclude, hold, want)
+
+    def _gated(self, exclude: frozenset[str], hold: bool, want: VersionWant) -> frozenset[str] | None:
+        versions = self.versions
+        versions.check(want)
+        serving = self.backends.serving
+        unfit = versions.excluded_for(want, serving)
+        if len(unfit) < len(serving):
+            return exclude | unfit if unfit else exclude
+        if hold:
+            return None
+        raise NoBackendAvailable(versions.unsatisfied(want, serving))
+
+    async def admit(self, exclude: frozenset[str], hold: bool, want: VersionWant | None) -> frozenset[str]:
+        """Wait while the fleet is paused (``hold``), then while no serving engine satisfies ``want``;
+        answer ``exclude`` plus the serving engines that do not satisfy ``want``. A request held for a
+        version goes through the pause gate again if the fleet paused meanwhile: no request reaches an
+        engine between a pause and its resume."""
+        versions = self.versions
+        if want is not None:
+            versions.check(want)  # at once, before any hold
+        gate = self.gate
+        loop = asyncio.get_running_loop()
+        since: float | None = None
+        try:
+            while True:
+                if hold and gate.paused:
+                    await gate.pass_through()
+                if want is None:
+                    return exclude
+                admitted = self._gated(exclude, hold, want)
+                if admitted is not None:
+                    return admitted
+                now = loop.time()
+                if since is None:
+                    if versions.held >= gate.max_held:
+                        raise self._refused(want, f"at most {gate.max_held} held for a version")
+                    versions.held += 1
+                    since = now
+                remaining = since + gate.max_wait_s - now
+                if remaining <= 0:
+                    raise self._refused(want, f"waited {now - since:.3g} s")
+                try:
+                    await asyncio.wait_for(versions.wait_change(), remaining)
+                except TimeoutError:
+                    raise self._refused(want, f"waited {gate.max_wait_s:g} s") from None
+        finally:
+            if since is not None:
+                versions.held -= 1
+
+    def _refused(self, want: VersionWant, bound: str) -> VersionRefused:
+        self.versions.refused_total += 1
+        reason = self.versions.unsatisfied(want, self.backends.serving)
+        return VersionRefused(f"{reason}; request not held longer ({bound})")
+
+    def release(
+        self, url: str, weight: int, dispatched_on: str | None = None, request_id: str | None = None
+    ) -> None:
         self.backends.load.release(url, weight)
+        if dispatched_on is not None:
+            self.versions.ended(url, dispatched_on, request_id)
 
     def succeeded(self, url: str) -> None:
         self.backends.record(url, True)

@@ -9,9 +9,9 @@ place that sees both the requests and the refits, so it keeps here:
   carries the version of the engine that served it (``VERSION_HEADER``) as it stood when the request was
   dispatched.
 * **the fleet's versions in stamp order** (``order``), plus the version a refit in progress is moving to
-  (``pending``): what a gated request may ask for. A version that is neither is unknown, and a request
-  gated on it is answered at once with the versions the fleet knows (``VersionWant.check``), instead of being
-  held for a version that will never come.
+  (``pending``): what a gated request may ask for. A version that is neither (nor served by an engine)
+  is unknown, and a request gated on it is answered at once with the versions the fleet knows
+  (``WeightVersions.check``), instead of being held for a version that will never come.
 * **straddlers**: a request dispatched on one version whose engine was stamped with another before the
   request ended (a keep-mode refit froze it and resumed it on new weights) is counted and listed by request
   id, per step, so a trainer can drop or reweight it. The router cannot see inside one answer; what it
@@ -41,6 +41,11 @@ MAX_STRADDLERS_LISTED = 10_000
 
 class UnknownVersion(ValueError):
     """A gated request asked for a version the fleet has never stamped nor is refitting to."""
+
+
+class VersionRefused(Exception):
+    """A gated request no serving engine satisfied within the hold's bounds (the pause gate's
+    ``max_held`` and ``max_wait_s``); the message is the client's, with the no-healthy-backend status."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,12 @@ class WeightVersions:
         """The version a refit in progress is moving to (a gated request for it is held, not refused)."""
         # asyncio.Event binds to a loop on first wait (3.10+), so one made before serving is fine.
         self._changed = asyncio.Event()
+        self._rank: dict[str, int] = {}
+        """``order`` as version -> index (rebuilt when ``order`` grew): ``>=V`` is two lookups."""
+        self.held = 0
+        """Gated requests waiting now for an engine that satisfies them (the routing state counts)."""
+        self.refused_total = 0
+        """Gated requests refused past the hold's bounds."""
         self.straddled_total = 0
         self._step_straddled = 0
         self._step_ids: deque[str] = deque(maxlen=MAX_STRADDLERS_LISTED)
@@ -126,9 +137,18 @@ class WeightVersions:
         out.extend(sorted({v for v in self.of.values() if v not in out}))
         return out
 
+    def _ranks(self) -> dict[str, int]:
+        rank = self._rank
+        if len(rank) != len(self.order):
+            rank = self._rank = {v: i for i, v in enumerate(self.order)}
+        return rank
+
     def check(self, want: VersionWant) -> None:
         """Raise ``UnknownVersion`` (its message lists the known versions) for a version nobody knows."""
-        if want.version not in self.known():
+        v = want.version
+        if v in self._ranks() or v == self.pending or v in self.of.values():
+            return
+        if v not in self.known():
             raise UnknownVersion(
                 f"weight version {want.version!r} is unknown to the fleet; it knows "
                 f"{self.known() or 'none yet (nothing stamped)'}"
@@ -140,15 +160,27 @@ class WeightVersions:
             return False
         if have == want.version:
             return True
-        if not want.at_least or have not in self.order or want.version not in self.order:
+        if not want.at_least:
             return False
-        return self.order.index(have) >= self.order.index(want.version)
+        rank = self._ranks()
+        mine, wanted = rank.get(have), rank.get(want.version)
+        return mine is not None and wanted is not None and mine >= wanted
 
     def excluded_for(self, want: VersionWant | None, serving: tuple[str, ...]) -> frozenset[str]:
         """The serving engines a request gated on ``want`` must not go to."""
         if want is None:
             return frozenset()
         return frozenset(u for u in serving if not self.satisfies(u, want))
+
+    def unsatisfied(self, want: VersionWant, serving: tuple[str, ...]) -> str:
+        """Why no serving engine takes a request gated on ``want`` (the client's message)."""
+        have = {u: self.of.get(u) for u in serving}
+        engines = (
+            ", ".join(f"{u}: {v if v is not None else 'unknown'}" for u, v in have.items())
+            if have
+            else "none serving"
+        )
+        return f"no serving engine has weight version {str(want)!r} (serving engines: {engines})"
 
     # -- straddlers ----------------------------------------------------------------------------------
     def ended(self, url: str, dispatched_on: str | None, request_id: str | None) -> bool:
