@@ -321,3 +321,39 @@ def test_the_rank_plan_gives_each_engine_its_offset() -> None:
             {"url": "http://c:1", "world_size": 1, "rank_offset": 7},
         ],
     }
+
+
+async def test_a_gated_request_is_held_until_its_version_is_stamped(sims, router_over) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines], pause_max_wait_s=2.0)
+    url = r.base_url()
+    status, first = await admin(url, "POST", "/fleet/refit/begin", {"version": "v1"})
+    assert (await admin(url, "POST", "/fleet/refit/commit", {"id": first["id"]}))[0] == 200
+    status, txn = await admin(url, "POST", "/fleet/refit/begin", {"version": "v2", "lease_s": 10})
+    assert status == 200, txn
+    gated = asyncio.create_task(send_with_headers(url, {"x-rl-weight-version": "v2"}))
+    newer = asyncio.create_task(send_with_headers(url, {"x-rl-weight-version": ">=v1"}))
+    t0 = time.monotonic()
+    status, _, body = await send_with_headers(url, {"x-rl-weight-version": "v7"})
+    assert status == 400 and time.monotonic() - t0 < 1.0, body  # unknown: at once, with what is known
+    assert "'v1'" in body["error"]["message"] and "'v2'" in body["error"]["message"], body
+    await asyncio.sleep(0.5)
+    assert not gated.done() and not newer.done()  # held: the fleet is paused for the refit to v2
+    status, done = await admin(url, "POST", "/fleet/refit/commit", {"id": txn["id"]})
+    assert status == 200 and done["ok"], done
+    for task in (gated, newer):
+        status, headers, body = await asyncio.wait_for(task, 30)
+        assert status == 200 and headers["x-rl-weight-version"] == "v2", (headers, body)
+    status, _, body = await send_with_headers(url, {"x-rl-weight-version": "v1"})
+    assert status == 409 and "v1" in body["error"]["message"]  # nobody serves v1 any more: bounded wait
+
+
+async def send_with_headers(url: str, headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:
+    import aiohttp
+    import orjson
+
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/v1/chat/completions", json=chat(), headers=headers) as r,
+    ):
+        return r.status, {k.lower(): v for k, v in r.headers.items()}, orjson.loads(await r.read())
