@@ -119,7 +119,7 @@ async def test_a_broken_directory_quarantines_its_engine_and_the_rest_serve_the_
 
 async def test_an_engine_that_misses_the_deadline_is_quarantined(sims, router_over, tmp_path: Path) -> None:
     engines = await sims(2)
-    slow = await sims(1, reload_delay_s=5.0)
+    slow = await sims(1, reload_delay_s=100.0)  # scaled by the sims' speed (20): a 5 s load
     r = router_over([e.url for e in engines + slow])
     client = FleetClient(r.base_url(), TOKEN)
     t0 = time.monotonic()
@@ -301,7 +301,7 @@ async def test_nccl_weight_transfer_is_refused_on_cpu_engines_before_anything_is
     status, answer = await admin(url, "POST", "/fleet/weight_transfer/init", body)
     assert status == 409 and "NCCL weight transfer needs GPU engines" in answer["error"]
     # Nothing reached the engines: both still serve (on vLLM a failed init kills the engine core).
-    assert all((await send(url, chat(content=f"still serving {i}")))[0] == 200 for i in range(4))
+    assert [(await send(url, chat(content=f"still serving {i}")))[0] for i in range(4)] == [200] * 4
     status, answer = await admin(url, "POST", "/fleet/refit/begin", {"version": "v", "source": "stream"})
     assert status == 409 and "weight-transfer group" in answer["error"]
     assert not r.gate.paused

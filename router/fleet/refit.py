@@ -48,6 +48,11 @@ SOURCES = ("directory", "stream", "external")
 router cannot tell which engines were touched, so every engine counts as touched)."""
 DEFAULT_LEASE_S = 30.0
 DEFAULT_DEADLINE_S = 900.0
+RESERVE_FRACTION = 0.1
+RESERVE_MAX_S = 30.0
+"""The part of the deadline a load or receive step leaves to verify, reset, stamp and resume (a tenth, at
+most 30 s): an engine that is still loading when the deadline nears is cut off, and the engines that made
+it still move to the new version instead of missing the deadline together."""
 
 Fan = Callable[
     [str, list[str], Callable[[EngineClient, str], Awaitable[EngineAnswer]], float], Awaitable[FleetOpReport]
@@ -113,6 +118,10 @@ class RefitTxn:
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
+
+    @property
+    def reserve(self) -> float:
+        return min(RESERVE_MAX_S, self.deadline_s * RESERVE_FRACTION)
 
     def live(self) -> list[str]:
         """Engines still in the transaction (not quarantined)."""
@@ -257,7 +266,8 @@ class RefitCoordinator:
             for a in report.failures():
                 txn.quarantine(a.url, f"did not pause: {a.detail}")
             txn.phase = "paused"
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch(txn))
+            if not held_by_router:  # the router's own run ends the transaction itself, within its steps
+                self._watchdog = asyncio.get_running_loop().create_task(self._watch(txn))
             log.info("refit %s to %r begun (%s, %d engines)", txn.id, version, source, len(targets))
             return txn
 
@@ -280,7 +290,12 @@ class RefitCoordinator:
                 txn.engines[u].touched = True
             t0 = time.monotonic()
             report = await self._step(
-                txn, "loading", "reload_weights", urls, lambda e, u: e.reload_weights(u, paths.get(u, path))
+                txn,
+                "loading",
+                "reload_weights",
+                urls,
+                lambda e, u: e.reload_weights(u, paths.get(u, path)),
+                reserve=True,
             )
             took = round(time.monotonic() - t0, 4)
             for a in report.engines:
@@ -317,7 +332,7 @@ class RefitCoordinator:
                         return a
                 return a
 
-            report = await self._step(txn, "receiving", "update_weights", urls, one)
+            report = await self._step(txn, "receiving", "update_weights", urls, one, reserve=True)
             for a in report.engines:
                 if a.ok:
                     txn.engines[a.url].state = "loaded"
@@ -360,10 +375,13 @@ class RefitCoordinator:
         op: str,
         urls: list[str],
         call: Callable[[EngineClient, str], Awaitable[EngineAnswer]],
+        reserve: bool = False,
     ) -> FleetOpReport:
+        """``reserve``: a step that may take long (the load) stops short of the deadline by the
+        transaction's reserve, which the steps after it need."""
         txn.phase = phase
         t0 = time.monotonic()
-        left = txn.remaining()
+        left = txn.remaining() - (txn.reserve if reserve else 0.0)
         if left <= 0:
             report = FleetOpReport(
                 op, [EngineAnswer(u, False, None, "the refit's deadline passed") for u in urls]
