@@ -1,11 +1,12 @@
 """Command line of the simulator process: ``python -m launcher.engines.sim --host H --port P ...``.
 
 Every ``SimConfig`` field is a flag (``--num-gpu-blocks``, ``--speed``, ...), generated from the
-dataclass so the two never drift apart. The API key comes from ``--api-key-file`` or the
+dataclass so the two never drift apart (a dict field such as ``--weight-transfer-config`` takes JSON, as
+vLLM's flag does). The API key comes from ``--api-key-file`` or the
 ``RL_LAUNCH_API_KEY`` environment variable, never from argv, which any user on the node can read in
 ``ps``. Prints one ``SIM_URL http://host:port`` line per engine once all are bound (and writes them to
 ``--url-file`` atomically, which is how ``SimEngine`` learns OS-chosen ports), then serves until
-SIGTERM or SIGINT.
+SIGTERM or SIGINT, or until every engine's core died (exit status 1, as vLLM's server exits then).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -64,12 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
         kind = hints[f.name]
         if kind is bool:
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif any(dict in (t, typing.get_origin(t)) for t in (kind, *typing.get_args(kind))):
+            p.add_argument(flag, dest=f.name, type=_json_object, default=None, help="a JSON object")
         elif kind in (int, float, str):
             if f.name == "model_name":  # also vLLM's spelling, so launch scripts can swap engines
                 p.add_argument(flag, "--served-model-name", dest=f.name, type=str, default=None)
             else:
                 p.add_argument(flag, dest=f.name, type=kind, default=None)
     return p
+
+
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -91,6 +105,8 @@ def options_to_flags(options: Mapping[str, object]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
         else:
             args += [flag, str(value)]
     return args
@@ -134,6 +150,7 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     urls = await fleet.astart()
+    rc = 0
     try:
         for u in urls:
             print(URL_PREFIX + u, flush=True)
@@ -142,14 +159,19 @@ async def serve(args: argparse.Namespace) -> int:
         parent = os.getppid()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
+                await asyncio.wait_for(stop.wait(), timeout=0.2)
             if args.watch_parent and os.getppid() != parent:
                 print("parent process gone; exiting", flush=True)
+                break
+            if all(s.exited.is_set() for s in fleet.servers):
+                # vLLM's API server exits once its engine core died (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH unset)
+                print("EngineCore died; the server exits", flush=True)
+                rc = 1
                 break
     finally:
         await fleet.astop()
     print("simulator stopped", flush=True)
-    return 0
+    return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

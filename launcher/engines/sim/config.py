@@ -14,11 +14,19 @@ Calibration basis (Llama-3.1-8B, bf16, vLLM v1, one H100 SXM 80 GB, ``gpu_memory
 * Scheduler limits: vLLM's ``max_num_batched_tokens=8192`` and ``max_num_seqs=256``.
 
 A ``speed`` factor divides every time, so tests and large replays run the same schedule faster.
+
+The weight-loading knobs (``model_path``, ``reload_delay_s``, ``weight_transfer_config``, the parallel
+sizes, ``engine_death_s``, ``keep_alive_on_engine_death``) mirror vLLM 0.32 CPU as measured on a real
+engine; ``weights`` explains what they drive.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc", "sparse_nccl", "sharded_rdt", "nccl_m2n")
+"""vLLM 0.32's ``WeightTransferConfig.backend`` choices."""
 
 
 @dataclass
@@ -91,6 +99,49 @@ class SimConfig:
     """Stands for the weights the engine loaded: ``/weight_checker`` checksums derive from it and the
     model name, so engines with different tags disagree as engines from different checkpoints do."""
 
+    model_path: str = ""
+    """Where the engine "loaded" its model from: ``root`` on ``/v1/models`` and
+    ``model_config.model`` on ``/server_info`` (vLLM: the path or hub name given to ``vllm serve``), and
+    what ``reload_weights`` without a ``weights_path`` reads. Empty: the model name. A directory holding
+    ``*.safetensors`` files gives the engine that directory's weights from the start, so an engine
+    started on DIR and one that reloaded DIR agree on their checksums, as vLLM engines do."""
+
+    reload_delay_s: float = 0.0
+    """How long a ``reload_weights`` takes once the checkpoint's headers were read (vLLM: ~16 ms for
+    a tiny model, minutes for a big one); the engine core makes no step meanwhile."""
+
+    weight_transfer_config: dict[str, Any] | None = None
+    """vLLM's ``--weight-transfer-config`` (``{"backend": "nccl"}``; the CLI takes it as JSON). None: the
+    weight-transfer routes fail with vLLM's "Weight transfer not configured...", as on such an engine."""
+
+    world_size: int = 1
+    """The engine's TP x PP ranks (its share of a weight-transfer group): ``/get_world_size`` with
+    ``include_dp=false``, and ``tensor_parallel_size`` on ``/server_info`` (``pipeline_parallel_size``
+    there is 1)."""
+
+    data_parallel_size: int = 1
+    """DP replicas: ``/get_world_size`` counts them by default (``include_dp=true``), as vLLM does."""
+
+    engine_death_s: float = 1.4
+    """From the first step run on detached weights (a failed reload or transfer) to the engine core
+    declared dead: on vLLM 0.32 CPU the worker segfaults and the request answers 500 ~1.4 s later."""
+
+    keep_alive_on_engine_death: bool = False
+    """vLLM's ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``: keep the HTTP server up after the engine core died
+    (every engine route 500, ``/health`` 503) instead of exiting, which is vLLM's default."""
+
+    def transfer_config(self) -> dict[str, Any] | None:
+        """``weight_transfer_config`` as vLLM's ``WeightTransferConfig`` dumps it (None when unset)."""
+        raw = self.weight_transfer_config
+        if raw is None:
+            return None
+        if not isinstance(raw, dict) or set(raw) - {"backend"}:
+            raise ValueError('weight_transfer_config must be an object with at most a "backend" key')
+        backend = raw.get("backend", "nccl")
+        if backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise ValueError(f"weight transfer backend must be one of {WEIGHT_TRANSFER_BACKENDS}")
+        return {"backend": backend}
+
     def scaled(self, seconds: float) -> float:
         """Wall-clock seconds for a modelled duration."""
         return seconds / self.speed
@@ -106,8 +157,13 @@ class SimConfig:
             "max_num_seqs",
             "max_model_len",
             "stream_interval",
+            "world_size",
+            "data_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.eos_max_tokens and self.eos_min_tokens > self.eos_max_tokens:
             raise ValueError("eos_min_tokens must be <= eos_max_tokens")
+        if self.reload_delay_s < 0 or self.engine_death_s < 0:
+            raise ValueError("reload_delay_s and engine_death_s must be >= 0")
+        self.transfer_config()

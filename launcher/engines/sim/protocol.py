@@ -172,11 +172,15 @@ class PlannedOutput:
     finish_reason: str
 
 
-def plan_output(params: GenParams, config: SimConfig) -> PlannedOutput:
+def plan_output(params: GenParams, config: SimConfig, weights_salt: int | None = None) -> PlannedOutput:
     """Deterministic output from (engine seed, request seed, prompt): the same request gets the same
     text on every engine and every run, so routing never changes what a rollout generates, and a
-    shorter ``max_tokens`` yields a prefix of a longer one (as greedy decoding would)."""
-    rng = random.Random(hash((config.seed, params.seed or 0, hash(tuple(params.prompt)))))
+    shorter ``max_tokens`` yields a prefix of a longer one (as greedy decoding would).
+
+    ``weights_salt`` (the loaded checkpoint's, see ``worker.SimWorker.output_salt``) changes the text
+    as new weights change a real model's output; ``None`` (built-in weights) keeps the default text."""
+    key = (config.seed, params.seed or 0, hash(tuple(params.prompt)))
+    rng = random.Random(hash(key if weights_salt is None else (*key, weights_salt)))
     n = params.max_tokens
     finish = "length"
     if config.eos_max_tokens > 0 and not params.ignore_eos:
@@ -364,6 +368,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def models_body(config: SimConfig, created: int | None = None) -> dict[str, Any]:
+    """vLLM's ``/v1/models``: ``root`` is where the model was loaded from (the path given to ``vllm
+    serve``: ``SimConfig.model_path``), the model name when there is none."""
     created = int(time.time()) if created is None else created
     name = config.model_name
     return {
@@ -374,7 +380,7 @@ def models_body(config: SimConfig, created: int | None = None) -> dict[str, Any]
                 "object": "model",
                 "created": created,
                 "owned_by": "vllm",
-                "root": name,
+                "root": config.model_path or name,
                 "parent": None,
                 "max_model_len": config.max_model_len,
                 "permission": [],

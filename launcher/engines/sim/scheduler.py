@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import enum
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 
 from .config import SimConfig
 from .kv import Block, BlockPool
@@ -125,6 +126,11 @@ class Scheduler:
         self._frozen.set()
         self._held: deque[SimRequest] = deque()
         self.in_flight: dict[str, SimRequest] = {}
+        # The engine core's own work between steps (a weight reload): no step runs until it is done.
+        self._core_free = asyncio.Event()
+        self._core_free.set()
+        self.step_gate: Callable[[], bool] | None = None
+        """Asked before each step; ``False`` stops the loop for good (the engine core died, see ``core``)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,6 +152,15 @@ class Scheduler:
 
     def resume(self) -> None:
         self._resume.set()
+
+    @contextlib.asynccontextmanager
+    async def core_busy(self) -> AsyncIterator[None]:
+        """Hold every step while the engine core runs a utility call (vLLM runs them between steps)."""
+        self._core_free.clear()
+        try:
+            yield
+        finally:
+            self._core_free.set()
 
     def reset(self) -> None:
         """Abort everything and empty the KV cache: what a crashed-and-restarted engine looks like."""
@@ -255,10 +270,15 @@ class Scheduler:
             if not self._frozen.is_set():
                 await self._frozen.wait()
                 continue
+            if not self._core_free.is_set():
+                await self._core_free.wait()
+                continue
             if not self.running and not self.waiting:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self.step_gate is not None and not self.step_gate():
+                return  # this step crashes the engine core: nothing runs any more
             plan, cost = self._schedule()
             if not plan:  # nothing schedulable: wait for an arrival or abort to change that
                 self._wake.clear()

@@ -2,14 +2,22 @@
 
 Routes (vLLM's surface): ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming SSE or
 not), ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /health`` (200, empty body),
-``GET /metrics`` (Prometheus text, vLLM names). Admin: ``POST /sim/fault`` (body: see ``faults``),
-``GET /sim/fault``, ``GET /sim/stats``.
+``GET /metrics`` (Prometheus text, vLLM names), and vLLM's RL and dev routes (``rl``: pause, weights,
+``/collective_rpc``, the weight-transfer routes, ``/get_world_size``, ``/server_info``). Admin:
+``POST /sim/fault`` (body: see ``faults``), ``GET /sim/fault``, ``GET /sim/stats``.
+
+The engine core can die as vLLM's does (``core``): a generation step on weights a failed reload or a
+weight update left detached (``worker``) kills it; ``/health`` then answers 503 and the engine routes
+vLLM's 500, and shortly after the server "exits": the ``kill`` fault, for good (``exited`` is set; the
+command line exits once all its engines have). Setting the fault to ``none`` from Python restarts such an
+engine as vLLM restarts: built-in weights, version "default", empty cache.
 
 The API key, as vLLM checks it: with a key and nothing else, only routes under vLLM's guarded prefixes
 (``/v1``, ``/v2``, ``/inference``, ``/cohere``; never ``OPTIONS``) demand ``Authorization: Bearer K``
 (401 otherwise), while ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize`` and vLLM's dev routes
-(``/pause``, ``/update_weight_version``...) answer anyone, exactly as a vLLM server in dev mode does: the
-tests must see what a user's engine exposes, not a safer stand-in. With ``key_guard`` (what the launcher
+(``/pause``, ``/update_weight_version``, ``/collective_rpc``, the weight-transfer routes, ``/server_info``...)
+answer anyone, exactly as a vLLM server in dev mode does: the tests must see what a user's engine exposes,
+not a safer stand-in. With ``key_guard`` (what the launcher
 gives every engine it starts with a key, vLLM through ``--middleware``) every route but ``/health`` takes
 the key, by the same rule (``launcher.engines.key_guard``). ``/sim/*``, which has no vLLM counterpart and
 can take the engine down, always demands the key when there is one.
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import socket
 import struct
@@ -29,7 +38,9 @@ import orjson
 from aiohttp import web
 
 from ..key_guard import authorized, needs_key
+from .checkpoint import CheckpointError, read_checkpoint
 from .config import SimConfig
+from .core import ENGINE_DEAD, CoreState, SimCore
 from .faults import FaultSpec
 from .metrics import CONTENT_TYPE, SimMetrics
 from .protocol import (
@@ -54,6 +65,7 @@ from .rl import SimRl
 from .scheduler import ABORT_REASON, ReqState, Scheduler, SimRequest
 from .stats import EngineStats
 from .tokens import decode
+from .worker import SimWorker
 
 # Agent prompts with tool schemas run to megabytes; aiohttp's 1 MiB default would answer 413.
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -94,8 +106,12 @@ _DEV_PATHS = frozenset(
         "/update_weight_version",
         "/weight_info",
         "/weight_checker",
+        "/get_world_size",
+        "/server_info",
     }
 )
+"""Of the routes that reach the worker (``/collective_rpc``, the weight-transfer routes) none is here: a
+wedged GPU hangs them as it hangs vLLM's."""
 
 
 class SimServer:
@@ -122,7 +138,9 @@ class SimServer:
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.config, self.stats)
         self.metrics = SimMetrics(self.scheduler, self.config.model_name)
-        self.rl = SimRl(self.scheduler, self.config.model_name, self.config.weights_tag)
+        self.exited = asyncio.Event()
+        """Set when the engine core died and the server "exited" after it (see ``core``)."""
+        self._new_core()
         self._fault = FaultSpec.parse(fault)
         # Seeded per engine so fleets repeat runs exactly yet engines do not fail in lockstep.
         self._dice = random.Random(self.config.seed * 1_000_003 + index)
@@ -133,6 +151,34 @@ class SimServer:
         self._revive_task: asyncio.Task[None] | None = None
         self._fault_lock = asyncio.Lock()
         self._created = int(time.time())
+
+    def _new_core(self, initial_digest: str | None = None) -> None:
+        """A fresh engine core and worker (at construction, and when a dead engine is restarted)."""
+        self.worker = SimWorker(self.config, initial_digest)
+        self.core = SimCore(self.config, lambda: self.worker.detached, self._core_died, self._core_exit)
+        self.scheduler.step_gate = self.core.step_gate
+        if hasattr(self, "rl"):  # its bound methods are the app's routes: restart it in place
+            self.rl.worker, self.rl.core, self.rl.weight_version = self.worker, self.core, "default"
+        else:
+            self.rl = SimRl(self.scheduler, self.config, self.worker, self.core)
+
+    def _core_died(self) -> None:
+        self.scheduler.reset()  # every request in flight answers vLLM's EngineCore 500
+
+    async def _core_exit(self) -> None:
+        await self.set_fault("kill")
+        self.exited.set()
+
+    async def _initial_weights(self) -> None:
+        """An engine whose ``model_path`` is a checkpoint directory starts on its weights; one it cannot
+        read fails to start, as vLLM does."""
+        path = self.config.model_path
+        if path and await asyncio.to_thread(os.path.isdir, path):
+            try:
+                digest = await asyncio.to_thread(read_checkpoint, path)
+            except (CheckpointError, OSError) as e:
+                raise ValueError(f"model_path {path}: {e}") from None
+            self.worker.initial_digest = self.worker.digest = digest
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -153,6 +199,7 @@ class SimServer:
 
     async def start(self) -> str:
         """Bind, start the scheduler, apply the initial fault; returns the URL once the socket is bound."""
+        await self._initial_weights()
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._gate])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
@@ -192,6 +239,7 @@ class SimServer:
             self._revive_task.cancel()
             self._revive_task = None
         self._unwedged.set()
+        self.core.cancel()
         self.scheduler.resume()
         await self.scheduler.close()
         if self._runner is not None:
@@ -234,6 +282,11 @@ class SimServer:
             old = self._fault
             # Undo the old mode.
             if old.mode == "kill" and spec.mode != "kill" and self._runner is not None:
+                if not self.core.alive:  # a dead engine core comes back as a restarted vLLM does
+                    self.core.cancel()
+                    self._new_core(self.worker.initial_digest)
+                    self.exited.clear()
+                    self.scheduler.start()
                 await self._bind()
             if old.mode == "wedge" and spec.mode != "wedge":
                 self._unwedged.set()
@@ -323,6 +376,9 @@ class SimServer:
                 )
         except ApiError as e:
             return _api_error(e)
+        await self.core.wait_verdict()
+        if not self.core.alive:
+            return self.core.dead_response()
         if self._fault.mode == "error" and self._dice.random() < self._fault.error_rate:
             self.stats.errors_injected += 1
             return web.Response(
@@ -330,7 +386,7 @@ class SimServer:
                 status=500,
                 content_type=_JSON,
             )
-        out = plan_output(params, self.config)
+        out = plan_output(params, self.config, self.worker.output_salt)
         # vLLM's external id: the prefix plus X-Request-Id when the client sent one (POST /abort_requests
         # names requests by it).
         given = request.headers.get("X-Request-Id")
@@ -348,6 +404,8 @@ class SimServer:
             if params.stream:
                 return await self._stream(request, req, params, out)
             await req.done
+            if self.core.state == CoreState.DEAD and req.state != ReqState.FINISHED:
+                return self.core.dead_response()
             aborted = req.state == ReqState.ABORTED and req.finish_reason == ABORT_REASON
             if req.state != ReqState.FINISHED and not aborted:
                 return web.Response(
@@ -391,6 +449,14 @@ class SimServer:
                     aborted = PlannedOutput(out.tokens, out.text, ABORT_REASON)
                     await resp.write(stream_chunk(params, req.rid, created, model, aborted, sent, sent, True))
                     break  # aborted through the RL routes: ends like vLLM's, finish_reason "abort"
+                if req.state == ReqState.ABORTED and self.core.state == CoreState.DEAD:
+                    # vLLM's streaming generator catches the EngineDeadError: an error event, then [DONE]
+                    await resp.write(
+                        b"data: " + error_body(500, ENGINE_DEAD, "InternalServerError") + b"\n\n"
+                    )
+                    await resp.write(SSE_DONE)
+                    await resp.write_eof()
+                    return resp
                 if req.state == ReqState.ABORTED:
                     return resp  # engine stopped or killed: the stream ends without [DONE]
                 await req.progress.wait()
@@ -435,7 +501,7 @@ class SimServer:
         return _json(models_body(self.config, self._created))
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=503 if self.core.state == CoreState.DEAD else 200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -460,6 +526,9 @@ class SimServer:
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /reset_prefix_cache`` (dev mode): the fleet-wide cache invalidation after a weight
         update must reach simulated engines too, or a test of it proves nothing."""
+        await self.core.wait_verdict()
+        if not self.core.alive:
+            return self.core.dead_response()
         dropped = self.scheduler.pool.drop_cached()
         return _json({"status": "ok", "dropped_blocks": dropped})
 
