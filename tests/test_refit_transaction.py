@@ -12,9 +12,7 @@ CPU engines before anything is sent to them.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import struct
 import subprocess
 import sys
 import textwrap
@@ -28,29 +26,11 @@ import pytest
 from launcher.fleet.client import FleetClient, RefitError
 from launcher.gateways.vllm_router.fleet_endpoint import FleetEndpoint
 from router import GenerationRouter
+from tests.checkpoints import CONFIG, broken, checkpoint
 from tests.http_backends import router_factory
 from tests.test_refit import TOKEN, admin, chat, in_thread, send
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = {"architectures": ["SimForCausalLM"], "model_type": "sim", "hidden_size": 64, "vocab_size": 512}
-
-
-def checkpoint(root: Path, name: str, fill: bytes = b"a", config: dict[str, Any] | None = None) -> Path:
-    """A checkpoint directory as a loader reads it: config.json and one safetensors file."""
-    d = root / name
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(config or CONFIG))
-    n = 1024
-    header = json.dumps({"lm_head.weight": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
-    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + fill * 4 * n)
-    return d
-
-
-def broken(root: Path, name: str) -> Path:
-    """Its config is right, its weights are not (a half-written copy): found only by the engine's load."""
-    d = checkpoint(root, name)
-    (d / "model.safetensors").write_bytes(b"garbage" * 100)
-    return d
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ generation step kills the engine core (vLLM's EngineCore 500, ``/health`` 503) a
 from __future__ import annotations
 
 import asyncio
-import json
-import struct
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ import pytest
 
 from launcher.engines.sim import SimConfig, SimServer
 from launcher.engines.sim.core import ENGINE_DEAD
+from tests.checkpoints import broken, checkpoint
 
 MakeServer = Callable[..., Awaitable[SimServer]]
 COMPLETIONS = "/v1/completions"
@@ -41,28 +40,6 @@ def worker_failed(message: str, method: str = "collective_rpc") -> str:
         f"Call to {method} method failed: Worker failed with error '{message}', "
         "please check the stack trace above for the root cause"
     )
-
-
-def checkpoint(root: Path, name: str, fill: bytes = b"a") -> Path:
-    """A checkpoint directory as a safetensors loader reads it."""
-    d = root / name
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["SimForCausalLM"], "hidden_size": 64}))
-    n = 256
-    header = json.dumps(
-        {
-            "__metadata__": {"format": "pt"},
-            "lm_head.weight": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]},
-        }
-    ).encode()
-    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + fill * 4 * n)
-    return d
-
-
-def broken(root: Path, name: str) -> Path:
-    d = checkpoint(root, name)
-    (d / "model.safetensors").write_bytes(b"garbage" * 100)
-    return d
 
 
 @pytest.fixture

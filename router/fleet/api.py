@@ -180,17 +180,15 @@ class FleetApi:
         if (busy := self.refit.busy()) is not None:
             return _json(409, {"ok": False, "error": busy})
         report = await self._fan("resume", self._all_engines(), lambda e, u: e.resume(u))
-        held = self.gate.stats()
         # Released even when an engine failed to resume: holding every request forever is worse, and
         # the 500 below tells the trainer which engine is still paused.
-        released = self.gate.open()
-        after = self.gate.stats()
+        figures = self.gate.release()
         report.result = {
-            "released": released,
-            "held_longest_wait_s": round(max(held.longest_wait_s, after.last_max_wait_s), 4),
-            "paused_for_s": round(after.last_pause_s, 4),
+            "released": figures["released"],
+            "held_longest_wait_s": figures["longest_wait_s"],
+            "paused_for_s": figures["paused_for_s"],
         }
-        log.info("fleet resume: ok=%s, %d held requests released", report.ok, released)
+        log.info("fleet resume: ok=%s, %d held requests released", report.ok, figures["released"])
         return _answer(report)
 
     async def is_paused(self, request: web.Request) -> web.Response:

@@ -487,14 +487,7 @@ class RefitCoordinator:
         await self._step(txn, "resuming", "resume", list(txn.engines), lambda e, u: e.resume(u))
         txn.phase = phase
         txn.ended_at = time.time()
-        held = self.gate.stats()
-        released = self.gate.open()
-        after = self.gate.stats()
-        txn.released = {
-            "released": released,
-            "longest_wait_s": round(max(held.longest_wait_s, after.last_max_wait_s), 4),
-            "paused_for_s": round(after.last_pause_s, 4),
-        }
+        txn.released = self.gate.release()
         if self.backends.versions.pending == txn.version:
             self.backends.versions.announce(None)
         self.last, self.active = txn, None

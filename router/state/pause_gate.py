@@ -86,6 +86,18 @@ class PauseGate:
         self.mode = ""
         return released
 
+    def release(self) -> dict[str, float]:
+        """``open`` and what the pause held: ``released`` requests, the ``longest_wait_s`` of a held
+        request (still held or released now), ``paused_for_s``: the figures a resume reports."""
+        held = self.stats()
+        released = self.open()
+        after = self.stats()
+        return {
+            "released": released,
+            "longest_wait_s": round(max(held.longest_wait_s, after.last_max_wait_s), 4),
+            "paused_for_s": round(after.last_pause_s, 4),
+        }
+
     async def hold(self) -> bool:
         """Wait until resume; False when the request must be refused (gate full, or waited too long)."""
         self._waiters = deque(w for w in self._waiters if not w[1].done())
