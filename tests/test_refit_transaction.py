@@ -337,3 +337,32 @@ async def send_with_headers(url: str, headers: dict[str, str]) -> tuple[int, dic
         s.post(url + "/v1/chat/completions", json=chat(), headers=headers) as r,
     ):
         return r.status, {k.lower(): v for k, v in r.headers.items()}, orjson.loads(await r.read())
+
+
+def test_status_shows_the_transaction_step_by_step() -> None:
+    """``rl-launch status``'s refit line, from ``GET /fleet/refit`` (the shape ``RefitTxn.to_json`` owns)."""
+    from launcher.status.refit import refit_line
+
+    running = {
+        "active": {
+            "version": "step-7",
+            "phase": "loading",
+            "elapsed_s": 1.25,
+            "lease_left_s": 900,
+            "steps": [{"phase": "pausing", "took_s": 0.02, "engines": 2, "failed": {}}],
+            "engines": {"http://a:1": {}, "http://b:1": {}},
+            "verified": [],
+            "quarantined": {"http://b:1": "did not pause: cannot connect"},
+        },
+        "last": None,
+    }
+    text = refit_line(None, None, running)
+    assert text is not None
+    line = text.plain
+    assert "refit 'step-7' LOADING" in line and "pausing 0.02s" in line and "0/2 verified" in line
+    assert "OUT http://b:1: did not pause" in line
+    done = {
+        "active": None,
+        "last": {**running["active"], "phase": "done", "verified": ["http://a:1"], "ok": False},
+    }
+    assert "refit 'step-7' done" in refit_line(None, None, done).plain  # type: ignore[union-attr]
