@@ -1,12 +1,12 @@
 """The refit transaction (``router.fleet.refit``) against simulated engines behind a real router.
 
 The simulator loads a checkpoint directory the way vLLM 0.32 does through ``/collective_rpc
-reload_weights`` (its "weights" become the directory's checksum) and dies the way vLLM's engine core dies
-when the load fails, so what is checked here is what a trainer meets on real engines
-(``tests/test_refit_vllm.py`` runs the same load on real vLLM): one call moves every engine, a broken
-directory quarantines its engine and the rest serve the new version, a trainer that dies mid-refit leaves
-a fleet the router resumed on its own, bad input never pauses the fleet, and the NCCL path is refused on
-CPU engines before anything is sent to them.
+reload_weights`` (its "weights" become the directory's checksum) and is left without weights the way
+vLLM's engine is when the load fails (its next generation step kills it), so what is checked here is
+what a trainer meets on real engines (``tests/test_refit_vllm.py`` runs the same load on real vLLM): one
+call moves every engine, a broken directory quarantines its engine and the rest serve the new version, a
+trainer that dies mid-refit leaves a fleet the router resumed on its own, bad input never pauses the
+fleet, and the NCCL path is refused on CPU engines before anything is sent to them.
 """
 
 from __future__ import annotations
@@ -280,7 +280,8 @@ async def test_nccl_weight_transfer_is_refused_on_cpu_engines_before_anything_is
     body = {"master_address": "127.0.0.1", "master_port": 29555}
     status, answer = await admin(url, "POST", "/fleet/weight_transfer/init", body)
     assert status == 409 and "NCCL weight transfer needs GPU engines" in answer["error"]
-    # Nothing reached the engines: both still serve (on vLLM a failed init kills the engine core).
+    # Nothing reached the engines: both still serve (on vLLM a failed weight-transfer call can leave an
+    # engine without weights).
     assert [(await send(url, chat(content=f"still serving {i}")))[0] for i in range(4)] == [200] * 4
     status, answer = await admin(url, "POST", "/fleet/refit/begin", {"version": "v", "source": "stream"})
     assert status == 409 and "weight-transfer group" in answer["error"]

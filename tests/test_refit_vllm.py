@@ -428,9 +428,9 @@ def test_a_broken_directory_quarantines_its_engine_and_no_request_fails(
     fleet: Any, tiny_model_dir: Path
 ) -> None:
     """One engine given a broken copy (its config is right, its weights file is not): vLLM 0.32's reload
-    fails and its engine core dies; the transaction quarantines it with the reason, the other engine
-    moves to the new version, the fleet is resumed, and the rollouts in flight all complete. Last: it
-    leaves engine 1 dead."""
+    fails and leaves the engine without weights (its next generation step would kill the core); the
+    transaction quarantines it with the reason, the other engine moves to the new version, the fleet is
+    resumed, and the rollouts in flight all complete. Last: it leaves engine 1 without weights."""
     client: FleetClient = fleet["client"]
     router: GenerationRouter = fleet["router"]
     e0, e1 = fleet["engines"]

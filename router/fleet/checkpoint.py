@@ -1,8 +1,9 @@
 """Checks on a checkpoint directory before the fleet is paused for it.
 
 A refit that pauses every engine and only then finds that the directory is missing, unreadable or holds
-another model has stopped rollouts for nothing, and on vLLM 0.32 a failed ``reload_weights`` kills the
-engine core: one typo in a path would take down every engine of the fleet at once. So the router, which
+another model has stopped rollouts for nothing, and on vLLM 0.32 a failed ``reload_weights`` leaves the
+engine without weights (its next generation step kills the engine core): one typo in a path would take
+every engine of the fleet out at once. So the router, which
 runs the load, refuses such a directory before anything is paused, naming the reason. What it can check
 cheaply: the path is absolute (an engine on another node resolves a relative one elsewhere), the directory
 exists and can be read, its ``config.json`` parses, it holds weight files, and the config's architecture

@@ -325,8 +325,9 @@ class EngineClient:
 
     async def reload_weights(self, url: str, weights_path: str) -> EngineAnswer:
         """Reload the engine's weights in place from ``weights_path`` on every one of its workers (vLLM's
-        ``collective_rpc`` of ``reload_weights``). On vLLM 0.32 a failed reload kills the engine core: the
-        engine is then dead, not merely on old weights."""
+        ``collective_rpc`` of ``reload_weights``). On vLLM 0.32 a failed reload leaves the model without
+        weights (its checksum read fails, its next generation step kills the engine core): the engine is
+        then unusable until a good reload, not merely on old weights."""
         return await self.call(
             url,
             "POST",

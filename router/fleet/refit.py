@@ -310,7 +310,7 @@ class RefitCoordinator:
         """One streamed round (vLLM's weight transfer): each engine of the trainer's ``group`` starts an
         update, receives the round the trainer broadcasts meanwhile, and finishes it. An engine outside
         the group (it joined the fleet after the group formed) is quarantined without a call: on vLLM a
-        weight update without a transfer engine fails in the worker and kills the engine core."""
+        weight update without a transfer group fails in the worker and leaves the engine without weights."""
         async with self._lock:
             txn = self.find(txn_id)
             self._hold_lease(txn)

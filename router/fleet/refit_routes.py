@@ -11,7 +11,8 @@ number. A transaction that ran answers 200 when the fleet moved to the new versi
 on the way are listed; ``ok`` is then false) and 500 when it did not.
 
 The weight-transfer set-up checks every engine before anything is sent to it, because on vLLM 0.32 a
-failed ``init_weight_transfer_engine`` kills the engine core: an engine on the CPU (the NCCL backend needs
+failed weight-transfer call can leave an engine without weights (``start_weight_update`` without a group
+detaches them; the next generation step kills the engine core): an engine on the CPU (NCCL needs
 GPUs) or one started without ``--weight-transfer-config`` is refused with the reason, and nothing is sent
 to any engine. The rank plan gives the trainer rank 0 and each engine ``rank_offset`` = 1 + the TP x PP
 sizes of the engines before it, in the serving set's order; the group's ``world_size`` is 1 + their sum.
