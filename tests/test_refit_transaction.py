@@ -367,3 +367,21 @@ def test_status_shows_the_transaction_step_by_step() -> None:
         "last": {**running["active"], "phase": "done", "verified": ["http://a:1"], "ok": False},
     }
     assert "refit 'step-7' done" in refit_line(None, None, done).plain  # type: ignore[union-attr]
+
+
+async def test_a_refit_past_its_deadline_still_resumes_every_engine(sims, router_over) -> None:
+    """The deadline bounds the steps that move weights, never the resume: a transaction that ran out of
+    time leaves no engine paused (before, the resume was cut by the same deadline and never sent)."""
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    body = {"version": "v1", "lease_s": 30, "deadline_s": 0.5}  # the lease outlives the deadline
+    status, txn = await admin(url, "POST", "/fleet/refit/begin", body)
+    assert status == 200 and all(e.scheduler.gen_paused for e in engines), txn
+    for _ in range(100):  # at most 5 s
+        if not r.gate.paused:
+            break
+        await asyncio.sleep(0.05)
+    state = await in_thread(FleetClient(url, TOKEN).refit_state)
+    assert state["last"]["phase"] == "expired" and "deadline ran out" in state["last"]["error"], state
+    assert not r.gate.paused and not any(e.scheduler.gen_paused for e in engines)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.fleet.engine import EngineAnswer, EngineClient
-from router.fleet.ops import FleetOpReport, checksum_digest
+from router.fleet.ops import FleetOpReport, compare_checksums
 from router.state.backends import BackendSet
 from router.state.pause_gate import PauseGate
 
@@ -53,9 +53,13 @@ RESERVE_MAX_S = 30.0
 """The part of the deadline a load or receive step leaves to verify, reset, stamp and resume (a tenth, at
 most 30 s): an engine that is still loading when the deadline nears is cut off, and the engines that made
 it still move to the new version instead of missing the deadline together."""
+STEP_TIMEOUT_S = 120.0
+"""The most one engine may take over a step other than the load (pause, checksum, reset, stamp): one that
+hangs there must not eat the reserve the steps after it need."""
 
 Fan = Callable[
-    [str, list[str], Callable[[EngineClient, str], Awaitable[EngineAnswer]], float], Awaitable[FleetOpReport]
+    [str, list[str], Callable[[EngineClient, str], Awaitable[EngineAnswer]], float | None],
+    Awaitable[FleetOpReport],
 ]
 """``fan(op, urls, call, timeout_s)``: one engine call fanned out, judged (``FleetApi._fan``)."""
 
@@ -77,7 +81,6 @@ class EngineRefit:
     touched: bool = False
     reason: str = ""
     checksum: str | None = None
-    load_s: float | None = None
 
 
 @dataclass
@@ -149,7 +152,7 @@ class RefitTxn:
             "lease_left_s": round(max(0.0, self._lease_until - time.monotonic()), 3) if not self.ended else 0,
             "steps": list(self.steps),
             "engines": {
-                u: {"state": e.state, "reason": e.reason, "checksum": e.checksum, "load_s": e.load_s}
+                u: {"state": e.state, "reason": e.reason, "checksum": e.checksum}
                 for u, e in self.engines.items()
             },
             "verified": [u for u, e in self.engines.items() if e.state == "verified"],
@@ -231,7 +234,6 @@ class RefitCoordinator:
         lease_s: float = DEFAULT_LEASE_S,
         deadline_s: float = DEFAULT_DEADLINE_S,
         path: str | None = None,
-        expected_checksum: str | None = None,
         held_by_router: bool = False,
     ) -> RefitTxn:
         """Pause the fleet for a transaction towards ``version``. Refused (nothing paused) when another
@@ -252,7 +254,6 @@ class RefitCoordinator:
                 deadline_s=deadline_s,
                 lease_s=deadline_s if held_by_router else lease_s,
                 path=path,
-                expected_checksum=expected_checksum,
                 previous_version=self._current(),
                 previous_checksum=self.last.checksum if self.last is not None else None,
                 router_holding=self.holds_requests,
@@ -273,7 +274,7 @@ class RefitCoordinator:
 
     def renew(self, txn_id: str) -> RefitTxn:
         txn = self.find(txn_id)
-        txn._lease_until = min(txn.deadline, time.monotonic() + txn.lease_s)
+        self._renew_after(txn)
         return txn
 
     async def load(self, txn_id: str, path: str, per_engine: dict[str, str] | None = None) -> RefitTxn:
@@ -288,19 +289,17 @@ class RefitCoordinator:
             urls = txn.live()
             for u in urls:
                 txn.engines[u].touched = True
-            t0 = time.monotonic()
             report = await self._step(
                 txn,
                 "loading",
                 "reload_weights",
                 urls,
                 lambda e, u: e.reload_weights(u, paths.get(u, path)),
-                reserve=True,
+                bound="load",
             )
-            took = round(time.monotonic() - t0, 4)
             for a in report.engines:
                 if a.ok:
-                    txn.engines[a.url].state, txn.engines[a.url].load_s = "loaded", took
+                    txn.engines[a.url].state = "loaded"
                 else:
                     txn.quarantine(a.url, f"reload from {paths.get(a.url, path)} failed: {a.detail}")
             self._renew_after(txn)
@@ -332,7 +331,7 @@ class RefitCoordinator:
                         return a
                 return a
 
-            report = await self._step(txn, "receiving", "update_weights", urls, one, reserve=True)
+            report = await self._step(txn, "receiving", "update_weights", urls, one, bound="load")
             for a in report.engines:
                 if a.ok:
                     txn.engines[a.url].state = "loaded"
@@ -375,14 +374,21 @@ class RefitCoordinator:
         op: str,
         urls: list[str],
         call: Callable[[EngineClient, str], Awaitable[EngineAnswer]],
-        reserve: bool = False,
+        bound: str = "step",
     ) -> FleetOpReport:
-        """``reserve``: a step that may take long (the load) stops short of the deadline by the
-        transaction's reserve, which the steps after it need."""
+        """``bound``: ``"load"``, a step that may take minutes, gets what the deadline leaves but the
+        reserve; ``"step"`` that too, at most ``STEP_TIMEOUT_S``; ``"end"`` (abort, resume) is never cut by
+        the deadline: a transaction that ran out of time must still resume every engine."""
         txn.phase = phase
         t0 = time.monotonic()
-        left = txn.remaining() - (txn.reserve if reserve else 0.0)
-        if left <= 0:
+        left: float | None
+        if bound == "end":
+            left = None
+        elif bound == "load":
+            left = txn.remaining() - txn.reserve
+        else:
+            left = min(txn.remaining(), STEP_TIMEOUT_S)
+        if left is not None and left <= 0:
             report = FleetOpReport(
                 op, [EngineAnswer(u, False, None, "the refit's deadline passed") for u in urls]
             )
@@ -409,14 +415,12 @@ class RefitCoordinator:
             if u not in urls:
                 txn.quarantine(u, "received no weights in this refit")
         report = await self._step(txn, "verifying", "checksum", urls, lambda e, u: e.checksum(u))
-        groups: dict[str, list[str]] = {}
-        for a in report.engines:
-            if not a.ok:
-                txn.quarantine(a.url, f"checksum unreadable: {a.detail}")
-                continue
-            digest = checksum_digest(a.body.get("checksums") or {})
-            txn.engines[a.url].checksum = digest
-            groups.setdefault(digest, []).append(a.url)
+        for a in report.failures():
+            txn.quarantine(a.url, f"checksum unreadable: {a.detail}")
+        groups: dict[str, list[str]] = compare_checksums(report.engines)[0]["groups"]
+        for digest, members in groups.items():
+            for u in members:
+                txn.engines[u].checksum = digest
         winner: str | None = None
         if txn.expected_checksum is not None:
             winner = txn.expected_checksum if txn.expected_checksum in groups else None
@@ -483,8 +487,8 @@ class RefitCoordinator:
         if out:
             # In keep mode their requests are frozen mid-generation on weights nobody verified: abort them
             # (vLLM answers them 200 with finish_reason "abort"), then resume so no engine stays paused.
-            await self._step(txn, "resuming", "abort", list(out), lambda e, u: e.abort(u, []))
-        await self._step(txn, "resuming", "resume", list(txn.engines), lambda e, u: e.resume(u))
+            await self._step(txn, "resuming", "abort", list(out), lambda e, u: e.abort(u, []), bound="end")
+        await self._step(txn, "resuming", "resume", list(txn.engines), lambda e, u: e.resume(u), bound="end")
         txn.phase = phase
         txn.ended_at = time.time()
         txn.released = self.gate.release()
