@@ -51,6 +51,14 @@ class FleetOpError(RuntimeError):
         self.report = report
 
 
+class FleetHttpError(RuntimeError):
+    """The front answered an error status (``status``) the operation does not turn into a report."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class RefitError(RuntimeError):
     """A refit transaction that did not move the fleet to its version; ``txn`` is the router's report."""
 
@@ -58,7 +66,7 @@ class RefitError(RuntimeError):
         bad = txn.get("quarantined") or {}
         super().__init__(
             f"refit to {txn.get('version')!r} did not move the fleet ({txn.get('phase')}): "
-            f"{txn.get('error') or txn.get('detail')}; quarantined: {bad}"
+            f"{txn.get('error')}; quarantined: {bad}"
         )
         self.txn = txn
 
@@ -97,7 +105,6 @@ class _LeaseRenewer:
         self._client, self._id, self._every = client, txn_id, max(0.2, lease_s / 3)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="refit-lease", daemon=True)
-        self.error: str = ""
 
     def start(self) -> None:
         self._thread.start()
@@ -111,8 +118,7 @@ class _LeaseRenewer:
         while not self._stop.wait(self._every):
             try:
                 self._client._call("POST", "/fleet/refit/lease", {"id": self._id})
-            except RuntimeError as exc:  # the transaction ended (expired) or the router is gone
-                self.error = str(exc)
+            except RuntimeError:  # it ended (expired) or the router is gone: the commit will say which
                 return
 
 
@@ -164,7 +170,9 @@ class FleetClient:
                     return json.loads(text)
                 except ValueError:
                     pass
-            raise RuntimeError(f"{method} {url}: HTTP {exc.code} ({exc.reason}): {text[:300]!r}") from None
+            raise FleetHttpError(
+                exc.code, f"{method} {url}: HTTP {exc.code} ({exc.reason}): {text[:300]!r}"
+            ) from None
         except OSError as exc:
             raise RuntimeError(f"{method} {url}: router unreachable: {exc}") from None
 
@@ -306,7 +314,9 @@ class FleetClient:
             if expected_checksum is not None:
                 body["expected_checksum"] = expected_checksum
             committed = True
-            handle.result = self._txn_call("/fleet/refit/commit", body, check=True)
+            handle.result = self._txn_call("/fleet/refit/commit", body, check=False)
+            if not handle.result.get("moved"):
+                raise RefitError(handle.result)
         finally:
             renewer.stop()
             if not committed:
@@ -335,8 +345,8 @@ class FleetClient:
     def _txn_call(self, path: str, body: dict[str, Any], check: bool) -> dict[str, Any]:
         try:
             data = self._call("POST", path, body)
-        except RuntimeError as exc:
-            if "HTTP 400" in str(exc):
+        except FleetHttpError as exc:
+            if exc.status == 400:  # refused before anything paused: the input names the field
                 raise ValueError(str(exc)) from None
             raise
         if check and not data.get("moved"):

@@ -67,14 +67,11 @@ def _text(body: dict[str, Any], key: str, required: bool = True) -> str | None:
 
 
 def device_of(config: dict[str, Any]) -> str:
-    """The engine's device type from its ``/server_info`` config (``cpu``, ``cuda``...; ``?`` unknown)."""
-    device = config.get("device_config") or {}
-    if isinstance(device, dict):
-        for key in ("device_type", "device"):
-            value = device.get(key)
-            if isinstance(value, str) and value and value != "auto":
-                return value
-    return "?"
+    """The engine's device from its ``/server_info`` config (vLLM 0.32: ``device_config.device``, e.g.
+    ``cpu``, ``cuda``; ``?`` when it says none)."""
+    device = config.get("device_config")
+    value = device.get("device") if isinstance(device, dict) else None
+    return value if isinstance(value, str) and value else "?"
 
 
 def rank_plan(sizes: list[tuple[str, int]]) -> dict[str, Any]:
@@ -113,27 +110,27 @@ class RefitRoutes:
     async def _body(self, request: web.Request) -> dict[str, Any]:
         return await self.api._body(request)
 
-    async def _checked_directory(self, path: str | None) -> str:
-        """``path`` checked against the served model, or ``CheckpointRefused`` (nothing paused yet)."""
+    async def _directories(self, body: dict[str, Any]) -> tuple[str, dict[str, str]]:
+        """``"from"`` and ``"from_by_engine"`` (``{engine url: directory}``, node-local copies), each
+        checked against the served model (read once), or ``CheckpointRefused`` / ``ValueError``: nothing
+        is paused yet."""
+        path = _text(body, "from", required=False)
         if path is None:
             raise CheckpointRefused('body needs "from": the checkpoint directory to load')
-        root, reference = await self._reference()
-        check_against(path, reference, root or "?")
-        return path
-
-    async def _per_engine(self, body: dict[str, Any]) -> dict[str, str]:
-        """``"from_by_engine": {engine url: directory}``: node-local copies, each checked like "from"."""
         raw = body.get("from_by_engine") or {}
         if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
             raise ValueError('"from_by_engine" must map engine URLs to directories')
         members = set(self.api.backends.members)
-        out = {}
-        for url, path in raw.items():
+        per_engine = {}
+        for url, where in raw.items():
             key = canonical_backend_url(url)
             if key not in members:
                 raise ValueError(f'"from_by_engine": {url} is not an engine of the fleet')
-            out[key] = await self._checked_directory(path)
-        return out
+            per_engine[key] = where
+        root, reference = await self._reference()
+        for where in (path, *per_engine.values()):
+            check_against(where, reference, root or "?")
+        return path, per_engine
 
     async def _reference(self) -> tuple[str | None, dict[str, Any] | None]:
         """The served model's config: from the directory the engines loaded it from (``/v1/models`` root),
@@ -163,8 +160,7 @@ class RefitRoutes:
         try:
             body = await self._body(request)
             version = _text(body, "version")
-            path = await self._checked_directory(_text(body, "from", required=False))
-            per_engine = await self._per_engine(body)
+            path, per_engine = await self._directories(body)
             expected = _text(body, "expected_checksum", required=False)
             deadline_s = _positive(body, "deadline_s", DEFAULT_DEADLINE_S)
             mode = self._mode(body)
@@ -248,8 +244,7 @@ class RefitRoutes:
             body = await self._body(request)
             txn_id = str(_text(body, "id"))
             self.refit.find(txn_id)
-            path = await self._checked_directory(_text(body, "from", required=False))
-            per_engine = await self._per_engine(body)
+            path, per_engine = await self._directories(body)
             txn = await self.refit.run(self.refit.load(txn_id, path, per_engine))
         except (ValueError, RefitRefused, CheckpointRefused) as exc:
             return _refused(exc)

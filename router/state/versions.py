@@ -81,7 +81,7 @@ class WeightVersions:
         # asyncio.Event binds to a loop on first wait (3.10+), so one made before serving is fine.
         self._changed = asyncio.Event()
         self._rank: dict[str, int] = {}
-        """``order`` as version -> index (rebuilt when ``order`` grew): ``>=V`` is two lookups."""
+        """``order`` as version -> index, kept with it: ``>=V`` is two lookups."""
         self.held = 0
         """Gated requests waiting now for an engine that satisfies them (the routing state counts)."""
         self.refused_total = 0
@@ -99,7 +99,8 @@ class WeightVersions:
 
     def fleet_moved_to(self, version: str) -> None:
         """The fleet's version is now ``version`` (appended to the stamp order on first use)."""
-        if version not in self.order:
+        if version not in self._rank:
+            self._rank[version] = len(self.order)
             self.order.append(version)
         if self.pending == version:
             self.pending = None
@@ -125,9 +126,6 @@ class WeightVersions:
         await self._changed.wait()
 
     # -- what a request asks -------------------------------------------------------------------------
-    def version_of(self, url: str) -> str | None:
-        return self.of.get(url)
-
     def known(self) -> list[str]:
         """Every version a request may ask for: stamped ones in order, then one in progress, then any an
         engine serves that was never a fleet stamp (its checkpoint's, e.g. vLLM's ``default``)."""
@@ -137,22 +135,15 @@ class WeightVersions:
         out.extend(sorted({v for v in self.of.values() if v not in out}))
         return out
 
-    def _ranks(self) -> dict[str, int]:
-        rank = self._rank
-        if len(rank) != len(self.order):
-            rank = self._rank = {v: i for i, v in enumerate(self.order)}
-        return rank
-
     def check(self, want: VersionWant) -> None:
         """Raise ``UnknownVersion`` (its message lists the known versions) for a version nobody knows."""
         v = want.version
-        if v in self._ranks() or v == self.pending or v in self.of.values():
+        if v in self._rank or v == self.pending or v in self.of.values():
             return
-        if v not in self.known():
-            raise UnknownVersion(
-                f"weight version {want.version!r} is unknown to the fleet; it knows "
-                f"{self.known() or 'none yet (nothing stamped)'}"
-            )
+        raise UnknownVersion(
+            f"weight version {want.version!r} is unknown to the fleet; it knows "
+            f"{self.known() or 'none yet (nothing stamped)'}"
+        )
 
     def satisfies(self, url: str, want: VersionWant) -> bool:
         have = self.of.get(url)
@@ -162,7 +153,7 @@ class WeightVersions:
             return True
         if not want.at_least:
             return False
-        rank = self._ranks()
+        rank = self._rank
         mine, wanted = rank.get(have), rank.get(want.version)
         return mine is not None and wanted is not None and mine >= wanted
 
@@ -204,4 +195,3 @@ class WeightVersions:
     def step_straddlers(self) -> dict[str, object]:
         """``{"count", "request_ids"}`` since ``begin_step`` (ids listed up to ``MAX_STRADDLERS_LISTED``)."""
         return {"count": self._step_straddled, "request_ids": list(self._step_ids)}
-
