@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import struct
 import tempfile
 import time
 
 import aiohttp
 
 from launcher.engines.base import EngineSpec
+from launcher.engines.sim.checkpoint import write_checkpoint
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.server import SimServer
 from launcher.engines.vllm.engine import VllmEngine
@@ -159,24 +158,10 @@ def start_vllm(model_dir: str, name: str, n: int) -> list[VllmEngine]:
 
 
 def write_checkpoints(mb: float) -> list[str]:
-    """Two checkpoint directories of one ``mb``-sized float32 tensor each (different bytes), in the
-    safetensors layout a loader reads: an 8-byte header length, a JSON header, the data."""
+    """Two checkpoint directories of one ``mb``-sized float32 tensor each (different bytes)."""
     root = tempfile.mkdtemp(prefix="refit-checkpoints-")
-    n = max(1, int(mb * 1024 * 1024) // 4)
-    out = []
-    for tag in ("a", "b"):
-        d = os.path.join(root, tag)
-        os.makedirs(d)
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump({"architectures": ["SimForCausalLM"], "model_type": "sim", "hidden_size": 64}, f)
-        header = json.dumps(
-            {"lm_head.weight": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}
-        ).encode()
-        with open(os.path.join(d, "model.safetensors"), "wb") as f:
-            f.write(struct.pack("<Q", len(header)) + header)
-            f.write((tag.encode() * 4) * n)
-        out.append(d)
-    return out
+    floats = max(1, int(mb * 1024 * 1024) // 4)
+    return [write_checkpoint(os.path.join(root, tag), tag.encode(), floats) for tag in ("a", "b")]
 
 
 def checkpoint_cycles(client: FleetClient, n: int, dirs: list[str]) -> list[dict[str, float]]:

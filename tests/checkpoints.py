@@ -1,39 +1,23 @@
-"""Checkpoint directories as a safetensors loader reads them, made by the tests (no torch needed).
+"""Checkpoint directories for the tests that refit from a directory (no torch needed).
 
 The simulator's ``reload_weights`` and the router's checks before a refit (``router.fleet.checkpoint``) read
-what vLLM reads: ``config.json`` and ``*.safetensors`` files (an 8-byte header length, a JSON header, the
-data). One maker for every test that refits from a directory, so they all load the same layout.
+what vLLM reads: ``config.json`` and ``*.safetensors`` files. The layout is written by the module that reads
+it (``launcher.engines.sim.checkpoint.write_checkpoint``); these are the tests' shorthands over it.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
-CONFIG: dict[str, Any] = {
-    "architectures": ["SimForCausalLM"],
-    "model_type": "sim",
-    "hidden_size": 64,
-    "vocab_size": 512,
-}
+from launcher.engines.sim.checkpoint import SIM_CONFIG, write_checkpoint
+
+CONFIG = SIM_CONFIG
 
 
 def checkpoint(root: Path, name: str, fill: bytes = b"a", config: dict[str, Any] | None = None) -> Path:
     """``root/name`` with ``config`` (default ``CONFIG``) and one F32 tensor of ``fill`` bytes."""
-    d = root / name
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(config or CONFIG))
-    n = 256
-    header = json.dumps(
-        {
-            "__metadata__": {"format": "pt"},
-            "lm_head.weight": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]},
-        }
-    ).encode()
-    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + fill * 4 * n)
-    return d
+    return Path(write_checkpoint(str(root / name), fill, config=config))
 
 
 def broken(root: Path, name: str) -> Path:

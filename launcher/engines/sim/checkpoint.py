@@ -144,3 +144,33 @@ def read_checkpoint(path: str) -> str:
             while chunk := fh.read(1 << 20):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+SIM_CONFIG: dict[str, Any] = {
+    "architectures": ["SimForCausalLM"],
+    "model_type": "sim",
+    "hidden_size": 64,
+    "vocab_size": 512,
+}
+"""The ``config.json`` of a checkpoint written for the simulator (what a refit compares)."""
+
+
+def write_checkpoint(
+    directory: str, fill: bytes = b"a", floats: int = 256, config: dict[str, Any] | None = None
+) -> str:
+    """Write a checkpoint the simulator (and ``read_checkpoint``) loads: ``config.json`` and one
+    ``model.safetensors`` holding one F32 tensor of ``floats`` values made of ``fill`` bytes (other
+    bytes, other weights). For the tests and the benches: one writer of the layout this module reads."""
+    os.makedirs(directory)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config or SIM_CONFIG, f)
+    header = json.dumps(
+        {
+            "__metadata__": {"format": "pt"},
+            "lm_head.weight": {"dtype": "F32", "shape": [floats], "data_offsets": [0, 4 * floats]},
+        }
+    ).encode()
+    with open(os.path.join(directory, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.write(fill * 4 * floats)
+    return directory
