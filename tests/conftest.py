@@ -199,4 +199,35 @@ async def sims():  # type: ignore[no-untyped-def]
         await sim.stop()
 
 
+@pytest.fixture
+async def make_server():  # type: ignore[no-untyped-def]
+    """``await make(config=None, **server_kw)``: one started ``SimServer`` (speed 20 unless ``config``
+    says), stopped after the test (the simulator's own tests: test_sim_engine, test_sim_weights)."""
+    from launcher.engines.sim.config import SimConfig
+    from launcher.engines.sim.server import SimServer
+
+    servers: list[SimServer] = []
+
+    async def make(config: SimConfig | None = None, **kw: object) -> SimServer:
+        s = SimServer(config or SimConfig(speed=20.0), **kw)  # type: ignore[arg-type]
+        await s.start()
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        await s.stop()
+
+
+@pytest.fixture
+async def http():  # type: ignore[no-untyped-def]
+    """A client session with no pooled connections (none outlives a kill and muddles the next check)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=20)
+    ) as c:
+        yield c
+
+
 # END simulated engines

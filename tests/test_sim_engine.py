@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -26,30 +26,6 @@ CHAT = "/v1/chat/completions"
 SYSTEM = "You are a careful coding agent. " * 500  # ~16 kB: ~4000 tokens of shared prefix
 
 MakeServer = Callable[..., Awaitable[SimServer]]
-
-
-@pytest.fixture
-async def make_server() -> AsyncIterator[MakeServer]:
-    servers: list[SimServer] = []
-
-    async def make(config: SimConfig | None = None, **kw: Any) -> SimServer:
-        s = SimServer(config or SimConfig(speed=20.0), **kw)
-        await s.start()
-        servers.append(s)
-        return s
-
-    yield make
-    for s in servers:
-        await s.stop()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    # force_close: no pooled connection outlives a kill and muddles the next assertion.
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=20)
-    ) as c:
-        yield c
 
 
 def chat_body(messages: list[dict[str, Any]], max_tokens: int = 4, **kw: Any) -> dict[str, Any]:

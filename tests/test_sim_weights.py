@@ -13,7 +13,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,29 +40,6 @@ def worker_failed(message: str, method: str = "collective_rpc") -> str:
         f"Call to {method} method failed: Worker failed with error '{message}', "
         "please check the stack trace above for the root cause"
     )
-
-
-@pytest.fixture
-async def make_server() -> AsyncIterator[MakeServer]:
-    servers: list[SimServer] = []
-
-    async def make(config: SimConfig | None = None, **kw: Any) -> SimServer:
-        s = SimServer(config or SimConfig(speed=20.0), **kw)
-        await s.start()
-        servers.append(s)
-        return s
-
-    yield make
-    for s in servers:
-        await s.stop()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=20)
-    ) as c:
-        yield c
 
 
 async def call(
