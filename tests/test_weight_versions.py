@@ -29,6 +29,7 @@ from router.state.versions import (
     WeightVersions,
 )
 from tests.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
+from tests.test_router_workers import metrics
 
 TOKEN = "admin-test-token-1234"
 CHAT = "/v1/chat/completions"
@@ -158,17 +159,6 @@ async def admin(base: str, method: str, path: str, body: Any = None) -> tuple[in
 async def stamp(base: str, version: str) -> None:
     status, rep = await admin(base, "POST", "/fleet/weight_version", {"version": version})
     assert status == 200 and rep["ok"], rep
-
-
-async def metrics(base: str) -> dict[str, float]:
-    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
-        text = await r.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str, within_s: float = 15.0) -> None:
