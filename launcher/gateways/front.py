@@ -132,6 +132,9 @@ class FrontKind(Generic[S]):
     owns_engines: ClassVar[bool] = False
     """Whether the front starts, checks and replaces the engines itself (no engine hosts, no fleet
     controller; its ``view`` is the fleet view ``status`` shows)."""
+    serves_consumers: ClassVar[bool] = False
+    """Whether the front can be a standing fleet's (``fleet:``): it checks the consumers' own keys, revokes
+    them when their jobs end and shares its in-flight capacity fairly between them."""
     forwards_client_key: ClassVar[bool] = False
     """Whether the front passes the client's ``Authorization`` on to the workers it routes to: a worker
     the job does not own then receives the job's API key (``status`` flags that)."""

@@ -22,6 +22,8 @@ from launcher.gateways.kinds import DEFAULT_GATEWAY_KIND, GATEWAY_KINDS, front_k
 from launcher.slurm.time import format_time, parse_time, time_minutes
 from launcher.spec.errors import Issue, SpecError
 from launcher.spec.resolved import (
+    ResolvedConsumer,
+    ResolvedFleet,
     ResolvedGeneration,
     ResolvedGym,
     ResolvedResources,
@@ -31,6 +33,7 @@ from launcher.spec.resolved import (
 )
 from launcher.spec.schema import (
     DEFAULT_JOB_ROOT,
+    FleetSection,
     GenerationSection,
     GymSection,
     RoleSlurm,
@@ -50,10 +53,13 @@ class JobSpec(Section):
     cluster: Literal["slurm", "local"] = "slurm"
     job_root: str = DEFAULT_JOB_ROOT
     slurm: SlurmSection = Field(default_factory=SlurmSection)
-    training: TrainingSection
+    training: TrainingSection | None = None
     generation: GenerationSection = Field(default_factory=GenerationSection)
     router: RouterSection = Field(default_factory=GATEWAY_KINDS[DEFAULT_GATEWAY_KIND].section)
     gym: GymSection = Field(default_factory=GymSection)
+    fleet: FleetSection | None = Field(
+        default=None, description="makes this a standing fleet (rl-launch fleet up): generation only"
+    )
 
     _source: Path | None = PrivateAttr(default=None)
 
@@ -152,9 +158,67 @@ def _foreign_settings(gen: GenerationSection, engine: EngineKind) -> list[Issue]
     return issues
 
 
+# What a job attached to a standing fleet takes from the fleet: set here, it would be silently ignored.
+_FLEET_OWNED = (
+    "nodes", "engine", "model", "tensor_parallel_size", "pipeline_parallel_size", "engines_per_node",
+    "restarts_per_engine", "restarts_per_run", "env", "slurm",
+)  # fmt: skip
+
+
+def _role_issues(spec: JobSpec) -> list[Issue]:
+    """A job has a training command; a standing fleet (``fleet:``) has none; a job attached to a fleet
+    (``generation.fleet``) starts no engines and no front of its own."""
+    gen = spec.generation
+    if spec.fleet is not None:
+        issues = []
+        if spec.training is not None:
+            issues.append(
+                Issue(
+                    "training",
+                    "a standing fleet (fleet:) runs no training: remove training, or remove fleet: to run "
+                    "a job with its own fleet",
+                )
+            )
+        if gen.fleet is not None:
+            issues.append(Issue("generation.fleet", "a standing fleet cannot attach to another; remove it"))
+        if not front_kind(spec.router.kind).serves_consumers:
+            fits = " or ".join(n for n, f in GATEWAY_KINDS.items() if f.serves_consumers)
+            issues.append(
+                Issue(
+                    "router.kind",
+                    f"is {spec.router.kind!r}, which cannot serve a standing fleet: use router.kind: {fits} "
+                    "(consumer keys, their revocation and the fair share live in rl-launch's router)",
+                )
+            )
+        return issues
+    if spec.training is None:
+        return [
+            Issue(
+                "training",
+                "required: the training command (a generation-only spec has a fleet: section and starts "
+                "with `rl-launch fleet up`)",
+            )
+        ]
+    if gen.fleet is None:
+        return []
+    issues = []
+    own = sorted(n for model in engine_settings() for n in model.model_fields)
+    why = f"the standing fleet {gen.fleet!r} sets it; remove it from this job"
+    for name in (*_FLEET_OWNED, *own):
+        field = type(gen).model_fields[name]
+        if getattr(gen, name) != field.get_default(call_default_factory=True):
+            issues.append(Issue(f"generation.{name}", why))
+    if "router" in spec.model_fields_set:
+        issues.append(Issue("router", f"the standing fleet {gen.fleet!r} has the front; remove router:"))
+    return issues
+
+
 def semantic_issues(spec: JobSpec) -> list[Issue]:
     """Rules across fields. Each issue names the field to change, so the fix is obvious."""
     gen = spec.generation
+    role = _role_issues(spec)
+    if role or gen.fleet is not None:
+        return role
     front, engine = front_kind(spec.router.kind), engine_kind(gen.engine)
     footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
     gen_res = _role_resources(spec, gen.slurm)
@@ -168,7 +232,8 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
 
     if local:
         for role in ("training", "generation"):
-            nodes = getattr(spec, role).nodes
+            section = getattr(spec, role)
+            nodes = section.nodes if section is not None else 1
             if nodes != 1:
                 issues.append(
                     Issue(
@@ -212,14 +277,17 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
 
 
 def resolve(spec: JobSpec) -> ResolvedSpec:
+    if spec.generation.fleet is not None:
+        return _resolve_attached(spec)
     gen = spec.generation
+    training = spec.training or TrainingSection.model_construct(nodes=0, command="", env={}, slurm=None)
     footprint = gen.tensor_parallel_size * gen.pipeline_parallel_size
     served = gen.served_model_name or gen.model or engine_kind(gen.engine).default_served_name
     job_root = os.path.abspath(os.path.expanduser(spec.job_root))
     slurm: ResolvedSlurm | None = None
     train_res = gen_res = None
     if spec.cluster == "slurm":
-        train_res = _role_resources(spec, spec.training.slurm)
+        train_res = _role_resources(spec, training.slurm)
         gen_res = _role_resources(spec, gen.slurm)
         assert spec.slurm.time is not None  # checked in semantic_issues
         seconds = parse_time(spec.slurm.time)
@@ -228,7 +296,7 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
             time=format_time(seconds),
             time_min=time_minutes(seconds),
             container=spec.slurm.container,
-            layout="single" if train_res == gen_res else "hetjob",
+            layout="single" if train_res == gen_res or training.nodes == 0 else "hetjob",
         )
         gpus = gen_res.gpus_per_node
         if gen.engines_per_node is not None:
@@ -237,7 +305,7 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
             per_node = gpus // footprint
         else:  # CPU nodes (sim, or vllm with allow_cpu): one engine unless told otherwise
             per_node = 1
-        total_nodes = spec.training.nodes + gen.nodes
+        total_nodes = training.nodes + gen.nodes
     else:
         per_node = gen.engines_per_node or 1
         total_nodes = 1
@@ -251,10 +319,7 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
         total_nodes=total_nodes,
         slurm=slurm,
         training=ResolvedTraining(
-            nodes=spec.training.nodes,
-            command=spec.training.command,
-            env=spec.training.env,
-            resources=train_res,
+            nodes=training.nodes, command=training.command, env=training.env, resources=train_res
         ),
         generation=ResolvedGeneration(
             nodes=gen.nodes,
@@ -271,6 +336,84 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
             restarts_per_run=gen.restarts_per_run,
             env=gen.env,
             resources=gen_res,
+            fleet_wait_s=gen.fleet_wait_s,
+            **kind_settings,
+        ),
+        router=spec.router,
+        gym=ResolvedGym(overlay=spec.gym.overlay, model_name=spec.gym.model_name or served),
+        fleet=_resolve_fleet(spec.fleet, per_node * gen.nodes, gen) if spec.fleet is not None else None,
+    )
+
+
+def _resolve_fleet(section: FleetSection, engines: int, gen: GenerationSection) -> ResolvedFleet:
+    """The fair share's capacity: the spec's, else every engine's batch (``max_num_seqs``) together,
+    which is what the fleet can run at once without queueing inside the engines."""
+    kind = engine_kind(gen.engine)
+    per_engine = kind.max_num_seqs({"vllm_args": list(getattr(gen, "vllm_args", []) or []), "sim": gen.sim})
+    return ResolvedFleet(
+        capacity=section.capacity or max(1, engines * per_engine),
+        default_weight=section.default_weight,
+        consumers={
+            name: ResolvedConsumer(weight=c.weight, admin=c.admin) for name, c in section.consumers.items()
+        },
+    )
+
+
+def _resolve_attached(spec: JobSpec) -> ResolvedSpec:
+    """A job on a standing fleet: only its training nodes are allocated; the generation fields say
+    which fleet (the model name is checked against the fleet's when the job is submitted)."""
+    assert spec.training is not None  # _role_issues
+    gen = spec.generation
+    job_root = os.path.abspath(os.path.expanduser(spec.job_root))
+    served = gen.served_model_name or ""
+    slurm: ResolvedSlurm | None = None
+    train_res = None
+    if spec.cluster == "slurm":
+        train_res = _role_resources(spec, spec.training.slurm)
+        if spec.slurm.time is None:
+            raise SpecError(
+                str(spec.source) if spec.source else "<spec>",
+                [Issue("slurm.time", "required with cluster: slurm (the wall time, e.g. '04:00:00')")],
+            )
+        seconds = parse_time(spec.slurm.time)
+        slurm = ResolvedSlurm(
+            account=spec.slurm.account,
+            time=format_time(seconds),
+            time_min=time_minutes(seconds),
+            container=spec.slurm.container,
+            layout="single",
+        )
+    kind_settings = {name: getattr(gen, name) for model in engine_settings() for name in model.model_fields}
+    return ResolvedSpec(
+        name=spec.name,
+        cluster=spec.cluster,
+        spec_path=str(spec.source) if spec.source else None,
+        job_root=job_root,
+        total_nodes=spec.training.nodes if spec.cluster == "slurm" else 1,
+        slurm=slurm,
+        training=ResolvedTraining(
+            nodes=spec.training.nodes,
+            command=spec.training.command,
+            env=spec.training.env,
+            resources=train_res,
+        ),
+        generation=ResolvedGeneration(
+            nodes=0,
+            engine=gen.engine,
+            model=None,
+            served_model_name=served,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            gpus_per_engine=0,
+            engines_per_node=0,
+            num_engines=0,
+            startup_timeout_s=gen.startup_timeout_s,
+            restarts_per_engine=0,
+            restarts_per_run=0,
+            env={},
+            resources=train_res,
+            fleet=gen.fleet,
+            fleet_wait_s=gen.fleet_wait_s,
             **kind_settings,
         ),
         router=spec.router,

@@ -295,8 +295,24 @@ def _blame_overrides(exc: SpecError, overrides: Sequence[Override]) -> SpecError
     return SpecError(exc.source, issues)
 
 
-def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
-    """Read, parse and validate a spec file, with ``--set`` overrides applied on top. Errors (missing
+def attached_to(data: Any, fleet: str) -> Any:
+    """``submit --fleet NAME``: the spec's own generation and router give way to the standing fleet's;
+    only the model name it would serve is kept, to be checked against the fleet's."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    gen = out.get("generation") if isinstance(out.get("generation"), dict) else {}
+    served = gen.get("served_model_name") or gen.get("model")
+    out["generation"] = {"fleet": fleet, **({"served_model_name": served} if served else {})}
+    out.pop("router", None)
+    return out
+
+
+def load_spec(
+    path: str | os.PathLike[str], overrides: Sequence[str] = (), attach_to: str | None = None
+) -> JobSpec:
+    """Read, parse and validate a spec file, with ``--set`` overrides applied on top (and, with
+    ``attach_to``, the job attached to that standing fleet instead of its own). Errors (missing
     file, YAML syntax, schema, rules) raise ``SpecError`` naming the file as given, with line numbers
     where the YAML has them, and naming the override for a field an override set."""
     source = os.fspath(path)
@@ -306,6 +322,8 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Jo
     if dups:
         raise SpecError(source, dups)
     data = apply_overrides(data, parsed, source)
+    if attach_to is not None:
+        data = attached_to(data, attach_to)
     try:
         spec = parse_spec(data, source, lines)
     except SpecError as exc:
@@ -314,9 +332,11 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Jo
     return spec
 
 
-def load_resolved(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> ResolvedSpec:
-    """``load_spec(path, overrides).resolved()``: the one call the CLI and the driver need."""
-    spec = load_spec(path, overrides)
+def load_resolved(
+    path: str | os.PathLike[str], overrides: Sequence[str] = (), attach_to: str | None = None
+) -> ResolvedSpec:
+    """``load_spec(path, overrides, attach_to).resolved()``: the one call the CLI and the driver need."""
+    spec = load_spec(path, overrides, attach_to)
     try:
         return spec.resolved()
     except SpecError as exc:  # cannot happen after load_spec's checks, but keep the file name if it does

@@ -77,6 +77,10 @@ class _SharedResolvedGeneration(_Resolved):
     restarts_per_run: int | None
     env: dict[str, str]
     resources: ResolvedResources | None
+    fleet: str | None = None
+    """The standing fleet this job attaches to (then it starts no engines: ``nodes`` and ``num_engines``
+    are 0 and the fleet's model, URL and a consumer key of its own are the job's)."""
+    fleet_wait_s: float = 600.0
 
 
 class ResolvedGeneration(*engine_settings(), _SharedResolvedGeneration):  # type: ignore[misc]
@@ -88,6 +92,25 @@ class ResolvedGeneration(*engine_settings(), _SharedResolvedGeneration):  # type
 ResolvedRouter = RouterSection
 """The front's section as the spec gave it: the same model, checked by the same rules when a snapshot is
 read back (its port range comes back from YAML as a list, which the section's own validator takes)."""
+
+
+class ResolvedConsumer(_Resolved):
+    weight: float
+    admin: bool
+
+
+class ResolvedFleet(_Resolved):
+    """A standing fleet's sharing rules (``fleet:``): what the router's fair share and the consumer
+    registration read."""
+
+    capacity: int
+    """In-flight requests shared fairly: the spec's, else engines x the engine's max_num_seqs."""
+    default_weight: float
+    consumers: dict[str, ResolvedConsumer]
+
+    def consumer(self, job_name: str) -> ResolvedConsumer:
+        """The rules for a job of this name: its own entry, else the default weight and no admin."""
+        return self.consumers.get(job_name) or ResolvedConsumer(weight=self.default_weight, admin=False)
 
 
 class ResolvedGym(_Resolved):
@@ -111,6 +134,15 @@ class ResolvedSpec(_Resolved):
     generation: ResolvedGeneration
     router: ResolvedRouter
     gym: ResolvedGym
+    fleet: ResolvedFleet | None = None
+    """Set for a standing fleet (``rl-launch fleet up``): it runs no training (``training.nodes`` 0)."""
+
+    @property
+    def role(self) -> Literal["job", "fleet", "attached"]:
+        """``fleet``: a standing fleet; ``attached``: a job on a standing fleet; ``job``: both in one."""
+        if self.fleet is not None:
+            return "fleet"
+        return "attached" if self.generation.fleet else "job"
 
     def job_dir(self, job_id: str | int) -> Path:
         """``<job_root>/<name>-<job_id>``; the sbatch template builds the same path from SLURM_JOB_ID."""

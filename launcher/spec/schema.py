@@ -235,6 +235,14 @@ class _SharedGeneration(Section):
     restarts_per_run: int | None = Field(default=None, ge=0, description="all restarts; default 2 x engines")
     env: dict[str, str] = Field(default_factory=dict)
     slurm: RoleSlurm | None = None
+    fleet: str | None = Field(
+        default=None,
+        description="attach to this standing fleet (rl-launch fleet up) instead of starting engines: its "
+        "name under job_root, or its job directory",
+    )
+    fleet_wait_s: float = Field(
+        default=600.0, gt=0, description="how long submit waits for a standing fleet still queued"
+    )
 
     @field_validator("env", mode="before")
     @classmethod
@@ -246,6 +254,13 @@ class _SharedGeneration(Section):
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_env(v)
 
+    @field_validator("fleet")
+    @classmethod
+    def _fleet(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("is empty; give the standing fleet's name (rl-launch list) or leave it unset")
+        return v.strip() if v is not None else None
+
 
 class GenerationSection(*engine_settings(), _SharedGeneration):  # type: ignore[misc]
     """The fleet: the shared fields, then every engine kind's own (``EngineKind.settings``, e.g.
@@ -256,6 +271,30 @@ class GenerationSection(*engine_settings(), _SharedGeneration):  # type: ignore[
 RouterSection = router_section_type()
 """The spec's ``router:`` section: the section of the front ``kind`` names (``launcher.gateways.kinds``),
 each refusing the fields of the others."""
+
+
+class FleetConsumer(Section):
+    """One job the fleet's owner names (by its spec's ``name``): its share and whether it may refit."""
+
+    weight: float = Field(default=1.0, gt=0, description="its share of the in-flight capacity, relative")
+    admin: bool = Field(
+        default=False, description="may pause, refit and change the serving set (else: generate only)"
+    )
+
+
+class FleetSection(Section):
+    """A standing fleet (``rl-launch fleet up``): generation only, running until ``fleet down``, its time
+    limit or a cancel, attached to by jobs whose spec says ``generation: {fleet: NAME}``."""
+
+    capacity: int | None = Field(
+        default=None,
+        ge=1,
+        description="in-flight requests shared fairly between consumers; default engines x max_num_seqs",
+    )
+    default_weight: float = Field(default=1.0, gt=0, description="the weight of a job not in consumers")
+    consumers: dict[str, FleetConsumer] = Field(
+        default_factory=dict, description="by job name: weight, admin (may refit)"
+    )
 
 
 class GymSection(Section):

@@ -23,6 +23,7 @@ class BuiltinFront(FrontKind[BuiltinRouterSection]):
     section = BuiltinRouterSection
     gateway = "launcher.gateways.builtin.gateway:BuiltinRouterGateway"
     has_fleet_routes = True
+    serves_consumers = True  # router.consumers: per-job keys, revocation, fair share
     resets_through_fleet_route = True  # its route also clears the router's prefix index
     dies_with_ray = True  # a Ray actor on the driver's node: it goes with the Ray head
 
