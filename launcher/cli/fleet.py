@@ -44,7 +44,7 @@ _JSON = click.option("--json", "as_json", is_flag=True, help="Print the per-engi
 @click.group("fleet")
 def fleet_group() -> None:
     """Fleet-wide operations on a running job: pause/resume, abort, weight versions, checksums, step
-    metrics, cache invalidation."""
+    metrics, cache invalidation; standing fleets (up, down)."""
 
 
 def _via_router(jd: JobDir, router_url: str, timeout_s: float) -> CacheResetReport:
@@ -354,3 +354,13 @@ def refit_command(
         )
     if not txn.get("moved"):
         raise click.ClickException(f"fleet refit: the fleet did not move to {version!r}: {txn.get('error')}")
+
+
+def _add_standing_commands() -> None:
+    from launcher.cli.standing import fleet_down_command, fleet_up_command
+
+    fleet_group.add_command(fleet_up_command)
+    fleet_group.add_command(fleet_down_command)
+
+
+_add_standing_commands()

@@ -60,6 +60,7 @@ def job_summary(d: Path) -> dict[str, Any]:
         phase, detail = "lost", f"ended without a result (last phase {phase}); rl-launch logs {d.name}"
     submitted = job.read_submitted()
     return {
+        **_fleet_columns(job, state, result is not None),
         "job": d.name,
         "job_id": job_id,
         "job_dir": str(d),
@@ -75,11 +76,34 @@ def job_summary(d: Path) -> dict[str, Any]:
     }
 
 
+def _fleet_columns(job: JobDir, state: dict[str, Any], ended: bool) -> dict[str, Any]:
+    """A standing fleet's name and its attached jobs, or the fleet a job is attached to."""
+    record = state.get("fleet_record")
+    if record:
+        from launcher.fleet.standing import attached
+
+        try:
+            consumers = sorted(attached(job.path)) if not ended else []
+        except Exception:  # a consumers file being rewritten: shown on the next list
+            consumers = []
+        return {"fleet": record.get("name"), "consumers": consumers, "attached_to": None}
+    to = state.get("attached_to") or {}
+    return {"fleet": None, "consumers": [], "attached_to": to.get("fleet")}
+
+
+def _fleet_cell(row: dict[str, Any]) -> str:
+    if row.get("fleet"):
+        n = len(row.get("consumers") or [])
+        return f"fleet {row['fleet']} ({n} attached)"
+    return f"-> {row['attached_to']}" if row.get("attached_to") else "-"
+
+
 @click.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as a JSON list (for scripts).")
 @root_option
 def list_command(as_json: bool, root: Path) -> None:
-    """The jobs under the job root, oldest first (queued ones included)."""
+    """The jobs under the job root, oldest first (queued ones included); standing fleets with the jobs
+    attached to them."""
     rows = [job_summary(d) for d in job_dirs(root)]
     if as_json:
         click.echo(json.dumps(rows, indent=2, default=str))
@@ -88,7 +112,7 @@ def list_command(as_json: bool, root: Path) -> None:
     from rich.table import Table
 
     table = Table()
-    for column in ("job", "slurm", "phase", "detail", "front", "engines", "router", "updated"):
+    for column in ("job", "slurm", "phase", "detail", "fleet", "front", "engines", "router", "updated"):
         table.add_column(column, no_wrap=column != "detail")
     for row in rows:
         updated = row["updated"] or row["submitted"]
@@ -97,6 +121,7 @@ def list_command(as_json: bool, root: Path) -> None:
             row["slurm"],
             row["phase"],
             row["detail"][:60],
+            _fleet_cell(row),
             str(row["front"] or "-"),
             str(row["engines"] or "-"),
             str(row["router_url"] or ""),

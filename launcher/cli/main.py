@@ -32,12 +32,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "launcher.cli.fleet",
         "fleet_group",
         "Fleet-wide operations on a running job: pause/resume, abort, weight versions, checksums, step "
-        "metrics, cache invalidation.",
+        "metrics, cache invalidation; standing fleets (up, down).",
     ),
     "list": (
         "launcher.cli.jobs",
         "list_command",
-        "The jobs under the job root, oldest first (queued ones included).",
+        "The jobs under the job root, oldest first (queued ones included); standing fleets with the jobs "
+        "attached to them.",
     ),
     "logs": (
         "launcher.cli.jobs",

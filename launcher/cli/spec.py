@@ -32,9 +32,11 @@ _SET_OPT = click.option(
 )
 
 
-def _load(spec: Path, overrides: tuple[str, ...] = (), as_json: bool = False) -> ResolvedSpec:
+def _load(
+    spec: Path, overrides: tuple[str, ...] = (), as_json: bool = False, attach_to: str | None = None
+) -> ResolvedSpec:
     try:
-        return load_resolved(spec, overrides)
+        return load_resolved(spec, overrides, attach_to=attach_to)
     except SpecError as exc:
         if as_json:
             issues = [{"path": i.path, "line": i.line, "message": i.message} for i in exc.issues]
@@ -213,6 +215,13 @@ def launch_lines(resolved: ResolvedSpec, request: SlurmRequest) -> list[str]:
     help="The job's directory (logs, state, Gym overlay); with --in-allocation.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the job id and job directory as JSON.")
+@click.option(
+    "--fleet",
+    "fleet",
+    default=None,
+    metavar="NAME",
+    help="Attach to this standing fleet (rl-launch fleet up) instead of the spec's own generation.",
+)
 def submit_command(
     spec: Path,
     overrides: tuple[str, ...],
@@ -221,11 +230,16 @@ def submit_command(
     in_allocation: bool,
     job_dir: Path | None,
     as_json: bool,
+    fleet: str | None,
 ) -> None:
     """Submit a job spec to Slurm (or run it locally with cluster: local)."""
     if dry_run and in_allocation:
         raise click.UsageError("--dry-run and --in-allocation exclude each other")
-    resolved = _load(spec, overrides)
+    resolved = _load(spec, overrides, attach_to=fleet)
+    if resolved.role == "fleet":
+        raise click.ClickException(
+            f"{spec}: a standing fleet spec (fleet:) is started with `rl-launch fleet up {spec}`"
+        )
     if dry_run:
         _print_dry_run(spec, resolved)
         return
@@ -241,6 +255,14 @@ def submit_command(
             raise click.ClickException(str(exc)) from None
     from launcher.submit import SubmitError, submit_job
 
+    if resolved.role == "attached" and not in_allocation:
+        from launcher.fleet.lifecycle import check_attachable
+        from launcher.fleet.standing import FleetRefused
+
+        try:  # before anything is allocated: a job that could not attach must not wait in the queue
+            check_attachable(resolved, lambda m: click.echo(m, err=True))
+        except FleetRefused as exc:
+            raise click.ClickException(str(exc)) from None
     try:
         code = submit_job(
             resolved, follow=follow, in_allocation=in_allocation, job_dir=job_dir, as_json=as_json

@@ -38,6 +38,7 @@ from launcher.driver.engine_hosts import EngineHostLauncher
 from launcher.driver.gateway_watcher import GatewayFleetWatcher
 from launcher.driver.gym_wiring import wire_gym
 from launcher.driver.ray_cluster import RayCluster, driver_process_env
+from launcher.driver.standing import StandingAttachment, StandingFleet
 from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, node_address
 from launcher.driver.stopping import TIME_LIMIT_EXIT, JobFailed, StopSignals, Terminated, TimeLimitReached
@@ -82,6 +83,8 @@ class Driver:
         self.training = TrainingCommand(spec.training.command, self.job.training_log)
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
+        self.standing: StandingFleet | StandingAttachment | None = None
+        """A standing fleet's serving loop, or a job's attachment to one (``launcher.driver.standing``)."""
 
     # -- the job ------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -111,14 +114,29 @@ class Driver:
             )
             if not self.local:
                 self.stops.watch_allocation_end(os.environ.get("SLURM_JOB_ID"))
+            if self.spec.role == "attached":
+                self.standing = StandingAttachment(self.spec, self.job, self.state, self._say)
+                self.standing.attach()  # before Ray: a fleet that is gone fails the job at once
             self._start_ray()
-            self._start_fleet()
+            if self.spec.role != "attached":
+                self._start_fleet()
             self._start_status_endpoint()
-            ray_client_env = self.ray.client_env() if self.ray is not None else {}
-            env = wire_gym(self.spec, self.job, self.state.snapshot()["router_url"], ray_client_env)
-            code = self._run_training(env)
-            reason = "training finished" if code == 0 else f"training command exited with {code}"
-            outcome = "finished" if code == 0 else "failed"
+            if self.spec.role == "fleet":
+                self.standing = StandingFleet(self.spec, self.job, self.state, self._say)
+                code, reason = self.standing.serve(self._check_while_training)
+                outcome = "finished"
+            else:
+                ray_client_env = self.ray.client_env() if self.ray is not None else {}
+                env = wire_gym(
+                    self.spec,
+                    self.job,
+                    self.state.snapshot()["router_url"],
+                    ray_client_env,
+                    self._model_name(),
+                )
+                code = self._run_training(env)
+                reason = "training finished" if code == 0 else f"training command exited with {code}"
+                outcome = "finished" if code == 0 else "failed"
         except Terminated as exc:
             code = 128 + exc.signum
             reason, outcome, signame = exc.reason, exc.outcome, signal.Signals(exc.signum).name
@@ -161,6 +179,12 @@ class Driver:
             os._exit(code)
         return code
 
+    def _model_name(self) -> str:
+        """What Gym sends as ``model``: the spec's, else (a job on a standing fleet) the fleet's."""
+        if isinstance(self.standing, StandingAttachment):
+            return self.spec.gym.model_name or self.standing.record.served_model_name
+        return self.spec.gym.model_name
+
     def _say(self, message: str) -> None:
         line = f"[rl-launch {time.monotonic() - self.t0:6.1f}s] {message}"
         print(line, file=sys.stderr, flush=True)
@@ -182,7 +206,8 @@ class Driver:
         t = time.monotonic()
         head_ip = node_address(socket.gethostname(), self.local)
         os.environ.update(gateway_class(self.spec.router.kind).ray_env)  # before Ray reads it
-        others = [n for n in [*self.training_nodes, *self.generation_nodes] if n != self.training_nodes[0]]
+        head = (self.training_nodes or self.generation_nodes)[0]  # a standing fleet has no training nodes
+        others = [n for n in [*self.training_nodes, *self.generation_nodes] if n != head]
         others = list(dict.fromkeys(others)) if not self.local else []
         self.ray = RayCluster(
             head_ip,
@@ -348,6 +373,8 @@ class Driver:
         t = time.monotonic()
         self.engines.hosts.close()
         parts: list[tuple[str, Any]] = [("training", self.training.stop)]
+        if self.standing is not None:
+            parts.append(("standing", self.standing.close))
         if not hurry or not self.front.dies_with_ray:
             # Hurried, a front that lives only as a Ray actor (FrontKind.dies_with_ray) goes with the Ray
             # head; the others are our processes.

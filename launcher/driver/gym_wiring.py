@@ -22,19 +22,25 @@ def write_gym_overlay(path: Path, values: dict[str, str]) -> None:
 
 
 def wire_gym(
-    spec: ResolvedSpec, job: JobDir, router_url: str, ray_client_env: dict[str, str]
+    spec: ResolvedSpec,
+    job: JobDir,
+    router_url: str,
+    ray_client_env: dict[str, str],
+    model_name: str | None = None,
 ) -> dict[str, str]:
     """Write the job's Gym overlay; return the training command's environment: the driver's own, the
-    spec's ``training.env``, the policy's URL, key and model name, the job's paths, and ``ray_client_env``
-    (what attaches to the job's Ray; empty without one)."""
+    spec's ``training.env``, the policy's URL, key and model name (``model_name``, default the spec's),
+    the job's paths, and ``ray_client_env`` (what attaches to the job's Ray; empty without one). On a
+    standing fleet the key is the job's own consumer key (``launcher.fleet.standing.attach``)."""
     key = job.read_api_key()
+    model = model_name or spec.gym.model_name
     overlay = spec.gym_overlay_path(job.path)
     write_gym_overlay(
         overlay,
         {
             "policy_base_url": f"{router_url}/v1",
             "policy_api_key": key,
-            "policy_model_name": spec.gym.model_name,
+            "policy_model_name": model,
         },
     )
     env = dict(os.environ)
@@ -46,7 +52,7 @@ def wire_gym(
         {
             "RL_POLICY_BASE_URL": f"{router_url}/v1",
             "RL_POLICY_API_KEY": key,
-            "RL_POLICY_MODEL_NAME": spec.gym.model_name,
+            "RL_POLICY_MODEL_NAME": model,
             "RL_GYM_OVERLAY": str(overlay),
             "RL_JOB_DIR": str(job.path),
             "RL_ROUTER_URL": router_url,

@@ -151,7 +151,10 @@ class FleetClient:
                 f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (router.kind {having} "
                 "have them; rl-launch fleet reset-cache works for every front)"
             )
-        return cls(url, jd.read_admin_token(), timeout_s)
+        # A job on a standing fleet refits with its own consumer key, which the fleet's owner made an
+        # admin consumer (fleet.consumers.<job>.admin); the driver records fleet_url only then.
+        token = jd.read_api_key() if state.get("attached_to") else jd.read_admin_token()
+        return cls(url, token, timeout_s)
 
     # -- transport ----------------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None) -> Any:

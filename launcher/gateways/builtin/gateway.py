@@ -37,6 +37,16 @@ class BuiltinRouterGateway(Gateway):
         from router.config import RouterConfig
 
         ctx = self.context
+        sharing: dict[str, Any] = {}
+        if ctx.spec.fleet is not None:
+            # A standing fleet: the consumers' keys (hashes) from the file their jobs register in, and
+            # the fair share of the fleet's in-flight capacity between them (launcher.fleet.standing).
+            from launcher.fleet.standing import consumers_path
+
+            sharing = {
+                "consumers_file": str(consumers_path(ctx.job.path)),
+                "fair_share_capacity": ctx.spec.fleet.capacity,
+            }
         config = RouterConfig.from_settings(
             ctx.spec.router,
             host=ctx.host,
@@ -45,6 +55,7 @@ class BuiltinRouterGateway(Gateway):
             health_managed=True,  # the fleet-health loop owns the serving set; no probing in the router
             api_key=ctx.api_key,
             admin_token=ctx.admin_token,
+            **sharing,
         )
         actor_cls = remote_router_actor(
             num_cpus=0,

@@ -1,0 +1,23 @@
+"""``python -m launcher.fleet.run_local JOB_DIR``: the detached driver of a local standing fleet.
+
+``launcher.fleet.lifecycle.fleet_up`` writes the job directory (the resolved spec snapshot and the
+submitted record) and starts this in a session of its own; it runs exactly that snapshot, as a Slurm
+job's driver does, until ``rl-launch fleet down``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    from launcher.jobdir import JobDir
+    from launcher.submit import run_in_allocation
+
+    job = JobDir(Path(argv[0]))
+    return run_in_allocation(job.read_spec(), job.path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
