@@ -1,8 +1,10 @@
 """The refit window for fronts without ``/fleet`` routes of their own: the same ``FleetApi``, in the driver.
 
-vllm-router (managed or external) proxies to the launcher's own engines, which serve vLLM's dev routes
-(``/pause``, ``/update_weight_version``, ``/weight_checker`` ... or the simulator's equivalents), but it has
-no fleet-wide pause, no weight versions and would register a restarted engine that came back on the
+It belongs to no one kind (hence ``launcher.gateways``, not a kind's package): a front kind whose engines
+are the launcher's own but whose front has no refit window starts one. vllm-router (managed or external)
+proxies to the launcher's own engines, which serve vLLM's dev routes (``/pause``,
+``/update_weight_version``, ``/weight_checker`` ... or the simulator's equivalents), but it has no
+fleet-wide pause, no weight versions and would register a restarted engine that came back on the
 checkpoint's weights: stale rollouts, silently. So the driver serves the builtin router's ``/fleet/*``
 routes itself (``router.fleet.api.FleetApi`` over a ``BackendSet`` that mirrors the fleet controller's
 pushes), guarded by the job's admin token, and the gateway registers with the front only the engines this

@@ -15,8 +15,8 @@ vllm-router reports no per-backend request outcomes the way our router does, so 
 ``{}`` and the fleet controller judges engines on its own probes alone.
 
 vllm-router has no refit window (pause, weight versions, per-step metrics): the driver serves the builtin
-router's ``/fleet/*`` routes beside it (``fleet_endpoint``), and only the engines that endpoint serves (not
-held out as stale) are registered, so the weight-version rule is the builtin router's.
+router's ``/fleet/*`` routes beside it (``launcher.gateways.fleet_endpoint``), and only the engines that
+endpoint serves (not held out as stale) are registered, so the weight-version rule is the builtin router's.
 
 vllm-router 0.1.17 has no authentication of its own for clients or for ``/workers``; the client's
 ``Authorization`` header is passed through to the engines, which check the job's API key. The managed
@@ -31,9 +31,9 @@ from typing import Any
 
 from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
+from launcher.gateways.fleet_endpoint import FleetEndpoint
 from launcher.gateways.vllm_router.admin import AdminError, Registrar, VllmRouterAdmin
 from launcher.gateways.vllm_router.command import VllmRouterSection, root_url, router_command
-from launcher.gateways.vllm_router.fleet_endpoint import FleetEndpoint
 from launcher.gateways.vllm_router.kind import VLLM_ROUTER
 
 _CALL_TIMEOUT_S = 5.0
