@@ -50,6 +50,7 @@ from launcher.status.figures import (
 )
 from launcher.status.refit import fetch_refit, fetch_step, pause_view
 from launcher.status.samples import EngineSample, RouterSample, Scrape, canonical_url, fetch_metrics
+from launcher.status.standing import fetch_consumers, fetch_version
 from router.fleet.engine import EngineClient
 from router.prometheus import histogram_quantile
 
@@ -201,6 +202,7 @@ class StatusCollector:
             final_rows(engines)
 
         refit = await self._refit_view(jd, router_url, fleet_url, router_got[0]) if scrape else None
+        standing = await self._standing_view(jd, state, fleet_url, scrape)
         router = self._router_view(router_url, router_got, scrape)
         prev_router = self._prev_router
         cur_router: RouterSample | None = router.pop("_sample", None)
@@ -270,6 +272,7 @@ class StatusCollector:
             "gateway": gateway,
             "cache_reset": jd.read_cache_reset() if jd is not None else None,
             "refit": refit,
+            "standing": standing,
             "engines": engines,
             "engine_source": source,
             "fleet": fleet.figures if fleet is not None else None,
@@ -294,7 +297,8 @@ class StatusCollector:
         step = txn = None
         if fleet_url is not None:
             try:
-                token = jd.read_admin_token()
+                # a job attached to a standing fleet (an admin consumer) uses its own consumer key there
+                token = jd.read_api_key() if jd.read_state().get("attached_to") else jd.read_admin_token()
             except (OSError, ValueError):
                 token = None
             if token:
@@ -305,6 +309,28 @@ class StatusCollector:
         if pause is None and step is None and txn is None:
             return None
         return {"pause": pause, "step": step, "transaction": txn}
+
+    async def _standing_view(
+        self, jd: JobDir | None, state: dict[str, Any], fleet_url: str | None, scrape: bool
+    ) -> dict[str, Any] | None:
+        """A standing fleet's consumers and version (``launcher.status.standing``), or the fleet a job is
+        attached to; None for a job with its own fleet."""
+        if state.get("attached_to"):
+            return {"attached_to": state["attached_to"]}
+        record = state.get("fleet_record")
+        if not record or jd is None:
+            return None
+        view: dict[str, Any] = {"name": record.get("name"), "version": None, "consumers": None}
+        if scrape and fleet_url:
+            try:
+                token = jd.read_admin_token()
+            except (OSError, ValueError):
+                return view
+            view["consumers"], view["version"] = await asyncio.gather(
+                fetch_consumers(self._http(), fleet_url, token, self.timeout_s),
+                fetch_version(self._http(), fleet_url, token, self.timeout_s),
+            )
+        return view
 
     @staticmethod
     def _engine_key(jd: JobDir) -> tuple[str | None, str | None]:

@@ -43,16 +43,16 @@ def pause_view(router_metrics: str | None) -> dict[str, Any] | None:
 async def fetch_step(session: aiohttp.ClientSession, fleet_url: str, token: str, timeout_s: float) -> Any:
     """``GET /fleet/step`` at the job's own ``fleet_url`` (None when no step was begun, or on any error,
     a redirect included, which is never followed: the dashboard never fails)."""
-    return await _fetch(session, fleet_url, "/fleet/step", token, timeout_s)
+    return await fetch_admin_json(session, fleet_url, "/fleet/step", token, timeout_s)
 
 
 async def fetch_refit(session: aiohttp.ClientSession, fleet_url: str, token: str, timeout_s: float) -> Any:
     """``GET /fleet/refit``: the refit transaction running now and the last one (``router.fleet.refit``
     owns the shape), or None on any error."""
-    return await _fetch(session, fleet_url, "/fleet/refit", token, timeout_s)
+    return await fetch_admin_json(session, fleet_url, "/fleet/refit", token, timeout_s)
 
 
-async def _fetch(
+async def fetch_admin_json(
     session: aiohttp.ClientSession, fleet_url: str, path: str, token: str, timeout_s: float
 ) -> Any:
     try:

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from launcher.status.refit import refit_line
+from launcher.status.standing import standing_text
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 
@@ -413,6 +414,9 @@ def render_snapshot(
     refit_text = refit_line(refit.get("pause"), refit.get("step"), refit.get("transaction"))
     if refit_text is not None and refit_text.plain:
         parts.append(refit_text)
+    standing = standing_text(snap.get("standing"))
+    if standing is not None:
+        parts.append(standing)
     if snap.get("engines"):
         parts.append(_summary(snap))
         parts.append(_engine_table(snap, max_rows, width))
