@@ -168,6 +168,16 @@ class Gateway(ABC):
     def view(self) -> GatewayView:
         """The front's own view of the fleet (``rl-launch status`` shows it next to the controller's)."""
 
+    def sync_owned_engines(self) -> None:
+        """For a front that owns its engines (``FrontKind.owns_engines``): bring what the launcher keeps
+        beside the front up to date with the engines it runs now (ray-serve: the fleet endpoint's members,
+        so a replacement replica's engine is judged against the fleet's weight version, and the state
+        Serve's routing reads). No fleet controller runs for such a front, so nothing else pushes it the
+        engines; ``launcher.driver.gateway_watcher`` calls this every tick, before ``view``. No-op for the
+        others (their serving set arrives through ``set_serving``). Raises when the front cannot be asked
+        (the watcher tries again on its next tick)."""
+        return None
+
     def engine_listings(self) -> list[EngineListing]:
         """The engines a front that owns them (``FrontKind.owns_engines``) runs, one listing per node, for
         the dashboard (the driver writes them where engine hosts would); ``[]`` for the others."""
