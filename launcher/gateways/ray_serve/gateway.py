@@ -13,17 +13,29 @@ hosts and no fleet controller: Serve's controller health-checks replicas and rep
 engine with it); our controller's engine restarts do not apply. ``set_serving`` is therefore a no-op, and
 ``view`` is the source of the fleet view ``rl-launch status`` shows. Serve's proxy and controller are
 restarted by Ray in place; the proxy rebinds the same port, so the URL stays.
+
+The refit window: Serve has none, so the driver serves the builtin router's ``/fleet/*`` routes beside it
+(``launcher.gateways.fleet_endpoint``, the job's ``fleet_url``), over the replicas' engines. On every
+watcher tick (``sync_owned_engines``) the engines the replicas run now become the endpoint's members, so a
+replacement replica's engine joins and, after a stamp, is held out as stale until the trainer refits it;
+the endpoint's verdict per engine (held out or not, and its weight version) goes to ``fleet_state``'s file
+at once whenever it changes, where the ingress and the replicas read it: held-out replicas get no request,
+and responses carry the serving engine's weight version. During a pause the engines hold new requests
+(the ingress does not), as beside vllm-router.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from launcher.engines.kinds import engine_kind
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
+from launcher.gateways.fleet_endpoint import FleetEndpoint, FleetMembers
+from launcher.gateways.ray_serve.fleet_state import FleetState, ReplicaState, write_fleet_state
 from launcher.gateways.ray_serve.ingress import ENGINES_DEPLOYMENT, INGRESS_DEPLOYMENT, GatewayIngress
 from launcher.gateways.ray_serve.kind import RAY_SERVE
 from launcher.gateways.ray_serve.plan import (
@@ -34,6 +46,7 @@ from launcher.gateways.ray_serve.plan import (
 )
 from launcher.gateways.ray_serve.replica import EngineReplica, registry_dir
 from launcher.jobdir import EngineEntry, EngineListing
+from router.state.backends import canonical_backend_url
 
 APP_NAME = "rl-launch"
 # Serve's controller declares its HTTP proxy dead after 3 failed health checks 10 s apart: a killed
@@ -114,6 +127,14 @@ def build_app(plan: ServePlan, app_name: str = APP_NAME) -> Any:
     selector = node_selector(plan.generation_nodes)
     if selector:
         actor_options["label_selector"] = selector
+    router_class, router_kwargs = (
+        ("ExcludingPowerOfTwoRouter", {})
+        if plan.routing == POWER_OF_TWO
+        else (
+            "PolicyRequestRouter",
+            {"policy": plan.routing, "policy_options": dict(plan.policy_options)},
+        )
+    )
     engine_options: dict[str, Any] = {
         "name": ENGINES_DEPLOYMENT,
         "num_replicas": plan.num_replicas,
@@ -125,12 +146,13 @@ def build_app(plan: ServePlan, app_name: str = APP_NAME) -> Any:
         "health_check_timeout_s": plan.health_check_timeout_s,
         "graceful_shutdown_timeout_s": 10,
         "graceful_shutdown_wait_loop_s": 1,
+        # Ours in both cases: Serve's own power-of-two router ignores the call's exclusions (retries, the
+        # refit window's held-out replicas); see request_router.
+        "request_router_config": RequestRouterConfig(
+            request_router_class=f"launcher.gateways.ray_serve.request_router.{router_class}",
+            request_router_kwargs=router_kwargs,
+        ),
     }
-    if plan.routing != POWER_OF_TWO:
-        engine_options["request_router_config"] = RequestRouterConfig(
-            request_router_class="launcher.gateways.ray_serve.request_router.PolicyRequestRouter",
-            request_router_kwargs={"policy": plan.routing, "policy_options": dict(plan.policy_options)},
-        )
     engines = serve.deployment(EngineReplica).options(**engine_options).bind(plan.to_json())
     ingress = serve.deployment(GatewayIngress).options(
         name=INGRESS_DEPLOYMENT,
@@ -202,11 +224,23 @@ def wait_healthy(url: str, timeout_s: float) -> None:
 class RayServeGateway(Gateway):
     kind = RAY_SERVE.name
     ray_env: ClassVar[dict[str, str]] = SERVE_RAY_ENV
+    # The fleet endpoint beside Serve holds stale engines out of Serve's routing (fleet_state). No fleet
+    # controller runs for this kind (it owns its engines), so nothing reads the flag today; it says what
+    # the front does.
+    guards_weight_version = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._url = ""
         self.plan: ServePlan | None = None
+        self.fleet: FleetEndpoint | None = None
+        # What fleet_state's file is made of: the replicas as the last sync saw them (replica id -> engine
+        # URL) and the endpoint's verdict as it last pushed it. Two threads write them (the watcher's
+        # sync, the endpoint's watch), so under one lock, and the file is written from both under it.
+        self._lock = threading.Lock()
+        self._replicas: dict[str, str] = {}
+        self._members = FleetMembers(None)
+        self._published: FleetState | None = None
 
     def start(self, engine_urls: Sequence[str]) -> str:
         import os
@@ -238,7 +272,27 @@ class RayServeGateway(Gateway):
             ) from exc
         self._url = f"http://{ctx.host}:{ctx.port}"
         wait_healthy(self._url, self.plan.engine["startup_timeout_s"] + 30)
+        self._start_fleet_endpoint()  # after Serve's proxy bound the front's port (reserve_port's rule)
+        self.sync_owned_engines()
         return self._url
+
+    def _start_fleet_endpoint(self) -> None:
+        ctx = self.context
+        port = ctx.reserve_port() if ctx.reserve_port is not None else 0  # 0: the OS's choice
+        try:
+            self.fleet = FleetEndpoint(ctx.host, port, ctx.admin_token, ctx.api_key).start()
+            self.fleet.watch(self._fleet_changed)
+        except Exception as exc:
+            raise GatewayError(f"ray-serve: the fleet endpoint did not start on {ctx.host}: {exc}") from exc
+
+    def fleet_url(self) -> str | None:
+        return self.fleet.url if self.fleet is not None else None
+
+    def weight_version(self) -> str | None:
+        return self.fleet.weight_version if self.fleet is not None else None
+
+    def stale_engines(self) -> dict[str, str]:
+        return self.fleet.stale() if self.fleet is not None else {}
 
     def base_url(self) -> str:
         return self._url
@@ -246,14 +300,62 @@ class RayServeGateway(Gateway):
     def set_serving(self, urls: Sequence[str]) -> None:
         """Serve's controller owns the serving set (it replaces failed replicas); nothing to push."""
 
+    # -- the refit window ---------------------------------------------------------------------------------
+    def sync_owned_engines(self) -> None:
+        """The replicas' engines become the fleet endpoint's members (a new one is judged against the
+        fleet's version there), and fleet_state's file is brought up to date with the replicas."""
+        if self.fleet is None:
+            return
+        replicas = engine_replicas(str(self.context.job.path))
+        self.fleet.serving([r["url"] for r in replicas])  # a change reaches _fleet_changed as well
+        with self._lock:
+            self._replicas = {str(r["replica"]): str(r["url"]) for r in replicas}
+            self._publish()
+
+    def _fleet_changed(self, members: FleetMembers) -> None:
+        """The endpoint's verdict changed (a refit quarantined an engine, a stamp moved the fleet): to
+        Serve's routing now, not at the next tick (called in a worker thread of the endpoint's loop)."""
+        with self._lock:
+            self._members = members
+            self._publish()
+
+    def _publish(self) -> None:
+        """Write fleet_state's file when what it says changed (under ``_lock``). A replica whose engine the
+        endpoint has not seen yet is held out once the fleet has a version (it came back on the checkpoint's
+        weights), like an unlisted one."""
+        version = self._members.version
+        judged = {m.url: m for m in self._members.members}
+        replicas = {}
+        for rid, url in self._replicas.items():
+            m = judged.get(canonical_backend_url(url))
+            if m is not None:
+                replicas[rid] = ReplicaState(url, m.version, m.held_out)
+            elif version is None:
+                replicas[rid] = ReplicaState(url, None, None)
+            else:
+                replicas[rid] = ReplicaState(url, None, f"not checked against weight version {version!r} yet")
+        state = FleetState(version, replicas)
+        if state != self._published:
+            write_fleet_state(self.context.job.path, state)
+            self._published = state
+
+    # -- the view -------------------------------------------------------------------------------------------
     def view(self) -> GatewayView:
         try:
-            members = [
-                GatewayMember(w["url"], True, f"replica {w['replica']} on {w['node']}")
-                for w in engine_replicas(str(self.context.job.path))
-            ]
+            records = engine_replicas(str(self.context.job.path))
         except Exception as exc:
             return GatewayView(self.kind, self._url, False, detail=f"Serve unreachable: {exc!r}")
+        with self._lock:
+            published = self._published
+        members = []
+        for w in records:
+            state = published.replicas.get(w["replica"]) if published is not None else None
+            detail = f"replica {w['replica']} on {w['node']}"
+            if state is not None and state.version is not None:
+                detail += f", weights {state.version!r}"
+            if state is not None and state.held_out is not None:
+                detail += f", held out: {state.held_out}"
+            members.append(GatewayMember(w["url"], state is None or state.held_out is None, detail))
         return GatewayView(
             self.kind,
             self._url,
@@ -278,6 +380,9 @@ class RayServeGateway(Gateway):
         return listings
 
     def stop(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
+            self.fleet = None
         if not self._url:
             return
         from ray import serve

@@ -14,6 +14,15 @@ one place that turns those into ours:
 Once the first byte of the body went out the status is fixed: a stream cut later ends the response
 early (the client sees a truncated body, as with our router).
 
+The refit window (``fleet_state``, read at most every half second): replicas whose engines the driver's
+fleet endpoint holds out (stale, or quarantined by a refit) are in the call's ``RETRY_EXCLUDE`` from the
+first attempt; a replica that refuses anyway (one the state does not list yet, after a stamp) is passed
+over without counting an attempt; when no running replica may serve, the answer is ``no_healthy_status``
+with the reason at once, never a request queued in Serve. Every response carries ``x-rl-weight-version``
+(``router.state.versions.VERSION_HEADER``), the serving engine's version as the state last recorded it
+(absent before anything was stamped); within about half a second of a refit the state may still show the
+previous version.
+
 Only the router's proxied routes (``router.http.app.PROXIED_ROUTES``: the OpenAI generation routes,
 ``/tokenize``, ``/detokenize``) reach the engines, and only with the job's API key, checked here before the
 body is read; ``/health`` is the front's own. Everything else is 404: forwarding every path used to hand
@@ -34,9 +43,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from launcher.engines.host import read_secret
 from launcher.engines.key_guard import authorized
+from launcher.gateways.ray_serve.fleet_state import FleetState, FleetStateReader
 from launcher.gateways.ray_serve.plan import ServePlan
-from launcher.gateways.ray_serve.request_router import RETRY_EXCLUDE, ROUTE_KEY, ROUTED
+from launcher.gateways.ray_serve.replica import HELD_OUT_HEADER
+from launcher.gateways.ray_serve.request_router import (
+    RETRY_EXCLUDE,
+    ROUTE_KEY,
+    ROUTED,
+    flush_prefix_indexes,
+)
 from router.http.app import PROXIED_ROUTES
+from router.state.versions import VERSION_HEADER
 
 ENGINES_DEPLOYMENT = "engines"
 INGRESS_DEPLOYMENT = "ingress"
@@ -57,6 +74,17 @@ class GatewayIngress:
         self._key = read_secret(self.plan.engine.get("api_key_file"))
         self._running = 0
         self._running_at = 0.0
+        self.fleet = FleetStateReader(self.plan.engine.get("job_dir"))
+        self._fleet_version: str | None = None
+
+    async def fleet_state(self) -> FleetState | None:
+        """The refit window's state (cached, see ``fleet_state``); a new fleet version flushes the prefix
+        index of our policy in Serve's routing (the refit flushed the engines' caches)."""
+        state = await self.fleet.get()
+        if state is not None and state.version != self._fleet_version:
+            self._fleet_version = state.version
+            flush_prefix_indexes()
+        return state
 
     async def running_replicas(self) -> int:
         """Running engine replicas by Serve's controller (cached for a second: one call per request
@@ -86,12 +114,25 @@ class GatewayIngress:
         body = await request.body()
         if len(body) > self.plan.max_request_bytes:
             return _error(413, f"request body over {self.plan.max_request_bytes} bytes")
-        if await self.running_replicas() == 0:
+        running = await self.running_replicas()
+        if running == 0:
             return _error(self.plan.no_healthy_status, "no healthy engine replica")
+        fleet = await self.fleet_state()
+        held = fleet.held_out() if fleet is not None else {}
+        if fleet is not None and (why := fleet.none_may_serve(running)) is not None:
+            return _error(self.plan.no_healthy_status, why)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers.raw}
-        tried: list[str] = []
+        tried: list[str] = []  # replicas that failed this request
+        refused: dict[str, str] = {}  # replicas that refused it (held out): no attempt spent
+        attempts = 0
         last = "no attempt made"
-        for _attempt in range(self.plan.max_attempts):
+        # Each replica refuses once (it is excluded after): bounded by the attempts plus the replicas.
+        for _round in range(self.plan.max_attempts + running):
+            if attempts >= self.plan.max_attempts:
+                break
+            exclude = {*held, *tried, *refused}
+            if len(exclude) >= running:  # nowhere left to go: Serve would hold the call until one comes
+                break
             key = uuid.uuid4().hex
             call = self.engines.options(stream=True).forward.remote(
                 request.method,
@@ -99,12 +140,13 @@ class GatewayIngress:
                 request.url.query,
                 headers,
                 body,
-                **{ROUTE_KEY: key, RETRY_EXCLUDE: tuple(tried)},
+                **{ROUTE_KEY: key, RETRY_EXCLUDE: tuple(sorted(exclude))},
             )
             try:
                 head = await asyncio.wait_for(call.__anext__(), self.plan.backend_timeout_s)
             except Exception as exc:  # Serve's errors (actor died, back-pressure, timeout): a failed attempt
                 call.cancel()
+                attempts += 1
                 replica = ROUTED.pop(key, None)
                 if replica:
                     tried.append(replica)
@@ -112,17 +154,26 @@ class GatewayIngress:
                 continue
             ROUTED.pop(key, None)
             status, head_headers, replica, _node = head
+            out = dict(head_headers)
+            if HELD_OUT_HEADER in out:
+                call.cancel()
+                refused[replica] = out[HELD_OUT_HEADER]
+                continue
             if status >= 500:
                 call.cancel()
+                attempts += 1
                 tried.append(replica)
                 last = f"engine answered {status}"
                 continue
-            return StreamingResponse(
-                _rest(call), status_code=status, headers=dict(head_headers), media_type=None
-            )
-        return _error(
-            500, f"engine request failed after {len(tried) or self.plan.max_attempts} attempt(s): {last}"
-        )
+            version = fleet.version_of(replica) if fleet is not None else None
+            if version is not None:
+                out[VERSION_HEADER] = version
+            return StreamingResponse(_rest(call), status_code=status, headers=out, media_type=None)
+        if attempts == 0:  # no replica failed it: every one it could reach is held out
+            reasons = {**held, **refused}
+            why = "; ".join(f"replica {rid}: {r}" for rid, r in sorted(reasons.items())) or last
+            return _error(self.plan.no_healthy_status, f"no engine replica may serve now: {why}")
+        return _error(500, f"engine request failed after {attempts} attempt(s): {last}")
 
 
 async def _rest(call: Any) -> AsyncIterator[bytes]:

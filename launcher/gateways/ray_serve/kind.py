@@ -24,6 +24,7 @@ class RayServeFront(FrontKind[RayServeRouterSection]):
     name = "ray-serve"
     section = RayServeRouterSection
     gateway = "launcher.gateways.ray_serve.gateway:RayServeGateway"
+    has_fleet_routes = True  # served by the driver beside Serve (launcher.gateways.fleet_endpoint)
     owns_engines = True
     bench_arm = "launcher.gateways.ray_serve.bench_arm:ray_serve_arm"
 

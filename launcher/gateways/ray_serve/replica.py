@@ -9,6 +9,12 @@ engine's process group) and starts a fresh one.
 Streaming: ``forward`` is an async generator. Its first item is ``(status, headers, replica_id, node)``,
 then the body as it arrives from the engine, chunk by chunk, so SSE tokens reach the client as the engine
 emits them (NeMo-Gym's proxy read whole responses).
+
+The refit window: a replica whose engine the fleet endpoint holds out (``fleet_state``: stale, quarantined
+by a refit, or joined after a stamp and not checked yet) refuses to forward, answering only a head that
+carries ``HELD_OUT_HEADER``; the ingress then tries another replica without counting an attempt. The
+ingress excludes held-out replicas itself; this refusal is for the replicas it cannot name (a replacement
+the file does not list yet) and for Serve routing that does not honour the exclusion.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from launcher.gateways.ray_serve.fleet_state import FleetStateReader
 from launcher.gateways.ray_serve.plan import ServePlan
 from launcher.jobdir import write_json_atomic
 
@@ -47,6 +54,9 @@ NODE_HEADER = "x-rl-launch-node"
 """Response header naming the node the answering engine runs on (placement is observable from outside)."""
 REPLICA_HEADER = "x-rl-launch-replica"
 """Response header naming the Serve replica that answered (affinity is observable from outside)."""
+HELD_OUT_HEADER = "x-rl-launch-held-out"
+"""On a replica's refusal head only (never sent to a client): why its engine may not serve now."""
+HELD_OUT_STATUS = 503
 
 
 def registry_dir(job_dir: str) -> Path:
@@ -110,6 +120,7 @@ class EngineReplica:
             raise
         self.url = self.engine.url if not getattr(self.engine, "urls", None) else self.engine.urls[0]
         self._http: aiohttp.ClientSession | None = None
+        self.fleet = FleetStateReader(cfg.job_dir)
         self.record = registry_dir(cfg.job_dir) / f"{self.replica_id}.json"
         write_json_atomic(
             self.record,
@@ -136,17 +147,26 @@ class EngineReplica:
     async def forward(
         self, method: str, path: str, query: str, headers: dict[str, str], body: bytes, **_: Any
     ) -> AsyncIterator[Any]:
-        """Proxy one request to the engine; yields the head first, then body chunks as they come."""
+        """Proxy one request to the engine; yields the head first, then body chunks as they come (or only a
+        refusal head, when the refit window holds this replica's engine out)."""
+        state = await self.fleet.get()
+        why = state.refusal(self.replica_id) if state is not None else None
+        if why is not None:
+            yield (HELD_OUT_STATUS, [(HELD_OUT_HEADER, why), *self._where()], self.replica_id, self.node)
+            return
         url = self.url + path + (f"?{query}" if query else "")
         out = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
         async with self._session().request(
             method, url, headers=out, data=body, allow_redirects=False
         ) as resp:
             head = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP]
-            head += [(NODE_HEADER, self.node), (REPLICA_HEADER, self.replica_id)]
+            head += self._where()
             yield (resp.status, head, self.replica_id, self.node)
             async for chunk in resp.content.iter_any():
                 yield chunk
+
+    def _where(self) -> list[tuple[str, str]]:
+        return [(NODE_HEADER, self.node), (REPLICA_HEADER, self.replica_id)]
 
     async def where(self) -> dict[str, Any]:
         """Which replica, on which node, serving which engine URL (the gateway's view and the tests)."""
