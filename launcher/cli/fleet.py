@@ -11,10 +11,10 @@ ran.
 
 ``pause|resume|is-paused|abort|version|checksum|step JOB`` open the refit window by hand: the same
 operations a trainer drives through ``launcher.fleet.client`` (each through the ``/fleet/*`` routes, which
-fan out to every engine: the builtin router's own, or the driver's fleet endpoint beside vllm-router), for
-an operator or a shell-scripted trainer. Each prints one line per engine and exits 1 when any engine did
-not comply. Fronts with no such routes (Dynamo, Ray Serve: their engines do not serve vLLM's dev routes)
-are refused with what they do offer.
+fan out to every engine: the builtin router's own, or the driver's fleet endpoint beside vllm-router or
+Ray Serve), for an operator or a shell-scripted trainer. Each prints one line per engine and exits 1 when
+any engine did not comply. A front with no such routes (Dynamo: its engines do not serve vLLM's dev
+routes) is refused with what it does offer.
 """
 
 from __future__ import annotations
