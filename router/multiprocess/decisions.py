@@ -30,9 +30,18 @@ straddler); a release with no version costs nothing more. A DISPATCH gated on a 
 gate; ``CANCEL`` withdraws it as it does at the gate) or refuses (``UNKNOWN_VERSION`` at once,
 ``VERSION_REFUSED`` past the bounds), each answered as a one-process router would.
 
+Consumers and fair share (``router.state.fair_share``, kept by the parent): a generation request's DISPATCH
+carries its consumer's name and weight (flag ``CONSUMER``, after the hashes), and where the parent keeps a
+consumer ledger it takes the consumer's fair-share slot after the pause and version holds, holding the
+answer while the fleet is at capacity (``CANCEL`` withdraws it; ``FAIR_SHARE_REFUSED`` past the bound). An
+``OK`` answer to such a dispatch means the worker holds a slot, which its ``FINISH`` (one-way, with the
+engine's completion tokens) gives back. So the capacity and the shares are those of one router, whatever
+the number of workers.
+
 A worker that dies leaves requests counted in flight; the parent keeps a ledger per channel and releases
-whatever a closed channel still held, so a crashed worker cannot inflate the load bound for good. A worker
-whose channel closes (the parent died) stops serving and exits: no orphan keeps the port.
+whatever a closed channel still held (backend slots and fair-share slots), so a crashed worker cannot
+inflate the load bound, or keep the fleet at capacity, for good. A worker whose channel closes (the parent
+died) stops serving and exits: no orphan keeps the port.
 """
 
 from __future__ import annotations
@@ -41,12 +50,14 @@ import array
 import asyncio
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import orjson
 
+from router.consumers import Consumer
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
+from router.state.fair_share import FairShareRefused
 from router.state.pause_gate import PauseRefused
 from router.state.routing import Chosen, LocalRouting
 from router.state.versions import UnknownVersion, VersionRefused, VersionWant
@@ -55,24 +66,27 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IB")
 # kinds: worker -> parent
-HELLO, READY, DISPATCH, RELEASE, FAILED, SUCCEEDED, STATS, CANCEL = 1, 2, 3, 4, 5, 6, 7, 10
+HELLO, READY, DISPATCH, RELEASE, FAILED, SUCCEEDED, STATS, CANCEL, FINISH = 1, 2, 3, 4, 5, 6, 7, 10, 11
 # kinds: parent -> worker
 CHOSEN, STATS_ASK = 8, 9
 # DISPATCH flags
 HOLD = 1  # a generation request: held while the fleet is paused (and while no engine has its version)
 WANT = 2  # gated on a weight version: the version follows the hashes
 AT_LEAST = 4  # with WANT: that version or any stamped after it
+CONSUMER = 8  # with HOLD: the consumer (u8 name length, the name, f64 weight) follows the hashes
 # CHOSEN outcomes
-NO_BACKEND, OK, PAUSE_REFUSED, WITHDRAWN, UNKNOWN_VERSION, VERSION_REFUSED = 0, 1, 2, 3, 4, 5
+NO_BACKEND, OK, PAUSE_REFUSED, WITHDRAWN, UNKNOWN_VERSION, VERSION_REFUSED, FAIR_SHARE_REFUSED = range(7)
 _REFUSALS: dict[int, type[Exception]] = {
     PAUSE_REFUSED: PauseRefused,
     UNKNOWN_VERSION: UnknownVersion,
     VERSION_REFUSED: VersionRefused,
+    FAIR_SHARE_REFUSED: FairShareRefused,
 }
 
 _HELLO = struct.Struct("<II")  # worker index, pid
 # id, body size, n excluded, key bytes, n hashes (-1: none), flags; then the excluded URLs (each u16
-# length + bytes), the key, the hashes, and with WANT the wanted version (the rest)
+# length + bytes), the key, the hashes, with CONSUMER the consumer, and with WANT the wanted version (the
+# rest)
 _DISPATCH = struct.Struct("<IqHHiB")
 # request id, outcome: OK (u16 URL length, the URL, then the engine's version: the rest, empty for
 # none), NO_BACKEND / PAUSE_REFUSED / UNKNOWN_VERSION / VERSION_REFUSED (the reason follows), WITHDRAWN
@@ -81,6 +95,9 @@ _CHOSEN = struct.Struct("<IB")
 # only with a version: without one the release cannot straddle)
 _RELEASE = struct.Struct("<qHH")
 _FAILED = struct.Struct("<HHi")  # URL bytes, kind bytes (empty: only forget the affinity), n hashes
+# completion tokens, counted (0: the request never reached an engine); the consumer's name (the rest)
+_FINISH = struct.Struct("<IB")
+_F64 = struct.Struct("<d")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 
@@ -170,6 +187,8 @@ class WorkerChannel(_Framed):
         self._next = 0
         # request id -> the task holding that request at the pause gate
         self._held: dict[int, asyncio.Task[None]] = {}
+        # consumer -> fair-share slots this worker holds; given back if the worker dies
+        self.slots: dict[str, int] = {}
 
     def on_frame(self, kind: int, payload: bytes) -> None:
         routing = self.service.routing
@@ -184,27 +203,43 @@ class WorkerChannel(_Framed):
             key = payload[pos : pos + n_key].decode() if n_key else None
             pos += n_key
             hashes = _unpack_hashes(payload, pos, n_hashes)
+            pos += 8 * max(n_hashes, 0)
             header = self.service.session_header
             headers = {header: key} if key is not None and header is not None else {}
             request = RouteRequest("", b"", headers, hashes, size)
             exclude = frozenset(excluded)
             hold = bool(flags & HOLD)
+            consumer = None
+            if flags & CONSUMER:
+                n_name = payload[pos]
+                name = payload[pos + 1 : pos + 1 + n_name].decode()
+                (weight,) = _F64.unpack_from(payload, pos + 1 + n_name)
+                pos += 1 + n_name + 8
+                if hold and routing.fair is not None:
+                    consumer = Consumer(name, "", weight)
+            want = None
+            if flags & WANT:
+                text = payload[pos:].decode("utf-8", "surrogateescape")
+                want = VersionWant(text, bool(flags & AT_LEAST))
+            if consumer is not None:
+                try:
+                    admitted = routing.enter_now(exclude, want, consumer)
+                except (UnknownVersion, NoBackendAvailable) as exc:
+                    self._refuse(rid, exc)
+                    return
+                if admitted is None:
+                    self._hold_task(rid, self._enter(rid, request, exclude, want, consumer))
+                    return
+                self._decide(rid, request, admitted, consumer.name)
+                return
             if flags & WANT or (hold and routing.gate.paused):  # the one check when neither
-                want = None
-                if flags & WANT:
-                    text = payload[pos + 8 * max(n_hashes, 0) :].decode("utf-8", "surrogateescape")
-                    want = VersionWant(text, bool(flags & AT_LEAST))
                 try:
                     admitted = routing.admit_now(exclude, hold, want)
                 except (UnknownVersion, NoBackendAvailable) as exc:
                     self._refuse(rid, exc)
                     return
                 if admitted is None:
-                    task = asyncio.get_running_loop().create_task(
-                        self._hold(rid, request, exclude, hold, want)
-                    )
-                    self._held[rid] = task
-                    task.add_done_callback(lambda _t, rid=rid: self._held.pop(rid, None))
+                    self._hold_task(rid, self._hold(rid, request, exclude, hold, want))
                     return
                 exclude = admitted
             self._decide(rid, request, exclude)
@@ -231,6 +266,16 @@ class WorkerChannel(_Framed):
                 held[1] -= size
                 if held[0] <= 0:
                     del self.ledger[url]
+        elif kind == FINISH:
+            tokens, counted = _FINISH.unpack_from(payload)
+            name = payload[_FINISH.size :].decode()
+            held_slots = self.slots.get(name, 0)
+            if held_slots > 0:  # only a slot this worker holds (a stray frame frees nobody else's)
+                if held_slots == 1:
+                    del self.slots[name]
+                else:
+                    self.slots[name] = held_slots - 1
+                routing.finish(name, tokens, bool(counted))
         elif kind == SUCCEEDED:
             routing.succeeded(payload.decode())
         elif kind == FAILED:
@@ -259,13 +304,26 @@ class WorkerChannel(_Framed):
             if self.transport is not None:
                 self.transport.close()
 
-    def _decide(self, rid: int, request: RouteRequest, exclude: frozenset[str]) -> None:
+    def _hold_task(self, rid: int, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._held[rid] = task
+        task.add_done_callback(lambda _t, rid=rid: self._held.pop(rid, None))
+
+    def _decide(
+        self, rid: int, request: RouteRequest, exclude: frozenset[str], consumer: str | None = None
+    ) -> None:
+        """Choose and answer. ``consumer``: the request holds that consumer's fair-share slot, which
+        becomes this worker's (given back by its FINISH), or is given back here with no backend."""
         routing = self.service.routing
         try:
             url = routing.dispatch_now(request, exclude)
         except NoBackendAvailable as exc:
+            if consumer is not None:
+                routing.finish(consumer, 0, counted=False)
             self.send(frame(CHOSEN, _CHOSEN.pack(rid, NO_BACKEND) + str(exc).encode()))
             return
+        if consumer is not None:
+            self.slots[consumer] = self.slots.get(consumer, 0) + 1
         held = self.ledger.get(url)
         if held is None:
             self.ledger[url] = [1, request.size]
@@ -285,6 +343,8 @@ class WorkerChannel(_Framed):
             if isinstance(exc, UnknownVersion)
             else VERSION_REFUSED
             if isinstance(exc, VersionRefused)
+            else FAIR_SHARE_REFUSED
+            if isinstance(exc, FairShareRefused)
             else NO_BACKEND
         )
         self.send(frame(CHOSEN, _CHOSEN.pack(rid, outcome) + str(exc).encode()))
@@ -301,6 +361,23 @@ class WorkerChannel(_Framed):
             self._refuse(rid, exc)
             return
         self._decide(rid, request, exclude)
+
+    async def _enter(
+        self,
+        rid: int,
+        request: RouteRequest,
+        exclude: frozenset[str],
+        want: VersionWant | None,
+        consumer: Consumer,
+    ) -> None:
+        """``_hold`` for a request of a consumer: the holds, then its fair-share slot (in the order the
+        fair share grants slots across all workers), or a refusal past the bounds."""
+        try:
+            exclude = await self.service.routing.enter(exclude, want, consumer)
+        except (PauseRefused, UnknownVersion, VersionRefused, NoBackendAvailable, FairShareRefused) as exc:
+            self._refuse(rid, exc)
+            return
+        self._decide(rid, request, exclude, consumer.name)
 
     def cancel_held(self) -> None:
         """Stop holding this worker's requests (its channel closed, or the router stops)."""
@@ -329,6 +406,10 @@ class WorkerChannel(_Framed):
             for _ in range(count - 1):
                 routing.release(url, 0)
         self.ledger.clear()
+        for name, count in self.slots.items():
+            for _ in range(count):
+                routing.finish(name, 0, counted=False)
+        self.slots.clear()
         for future in self._stats.values():
             if not future.done():
                 future.set_exception(ConnectionError("worker channel closed"))
@@ -377,7 +458,8 @@ class RemoteRouting(_Framed):
         self._session_header: str | None = getattr(policy, "session_header", None)
         self._on_lost = on_lost
         self._stats = stats
-        self._pending: dict[int, tuple[asyncio.Future[Chosen], RouteRequest]] = {}
+        # request id -> (its answer, the request, the consumer whose fair-share slot an OK answer holds)
+        self._pending: dict[int, tuple[asyncio.Future[Chosen], RouteRequest, str | None]] = {}
         self._next = 0
         self.closed = False
 
@@ -393,6 +475,7 @@ class RemoteRouting(_Framed):
         exclude: frozenset[str],
         hold: bool = False,
         want: VersionWant | None = None,
+        consumer: Consumer | None = None,
     ) -> Chosen:
         if self.closed:
             raise NoBackendAvailable("the router's routing state is gone (parent process stopped)")
@@ -404,12 +487,18 @@ class RemoteRouting(_Framed):
             key = value.encode() if value else b""
         n_hashes, hashes = _pack_hashes(request.features)
         flags = HOLD if hold else 0
+        name: str | None = None
+        if hold and consumer is not None:
+            flags |= CONSUMER
+            name = consumer.name
+            n = name.encode()
+            hashes += bytes((len(n),)) + n + _F64.pack(consumer.weight)
         if want is not None:
             flags |= (WANT | AT_LEAST) if want.at_least else WANT
             hashes += want.version.encode("utf-8", "surrogateescape")  # a header's text, as aiohttp read it
         head = _DISPATCH.pack(rid, request.size, len(exclude), len(key), n_hashes, flags)
         future: asyncio.Future[Chosen] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = (future, request)
+        self._pending[rid] = (future, request, name)
         self.send(frame(DISPATCH, head + excluded + key + hashes))
         if not hold:
             return await future
@@ -441,6 +530,11 @@ class RemoteRouting(_Framed):
     def succeeded(self, url: str) -> None:
         self.send(frame(SUCCEEDED, url.encode()))
 
+    def finish(self, consumer: str, completion_tokens: int = 0, counted: bool = True) -> None:
+        # Batched with the release that follows it on the success path (which flushes at once).
+        tokens = min(max(completion_tokens, 0), 0xFFFFFFFF)
+        self.send(frame(FINISH, _FINISH.pack(tokens, int(counted)) + consumer.encode()))
+
     def failed(self, request: RouteRequest, url: str, kind: str) -> None:
         # Written at once, like a release: a broken answer is cut right after this call, and the failure
         # must be on its way to the routing state (health counts, ejection, forgotten affinity) before the
@@ -459,7 +553,7 @@ class RemoteRouting(_Framed):
             entry = self._pending.pop(rid, None)
             if entry is None:
                 return
-            future, request = entry
+            future, request, consumer = entry
             if ok == OK:
                 pos = _CHOSEN.size
                 (n,) = _U16.unpack_from(payload, pos)
@@ -469,6 +563,8 @@ class RemoteRouting(_Framed):
                 if future.cancelled():
                     # The client went away while the parent decided: the slot it counted is given back
                     # and the affinity it recorded is forgotten (nothing was sent to that backend).
+                    if consumer is not None:
+                        self.finish(consumer, 0, counted=False)
                     self.release(url, request.size)
                     self._send_failed(request, url, "")
                 else:
@@ -484,7 +580,7 @@ class RemoteRouting(_Framed):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        for future, _request in self._pending.values():
+        for future, _request, _consumer in self._pending.values():
             if not future.done():
                 future.set_exception(NoBackendAvailable("the router's routing state is gone"))
         self._pending.clear()

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router.state.backends import BackendSet
+from router.state.fair_share import FairShare
 from router.state.pause_gate import PauseGate
 from router.state.versions import WeightVersions
 
@@ -222,12 +223,71 @@ class _VersionCollector(Collector):
             yield c
 
 
+class _ConsumerCollector(Collector):
+    """Per consumer of a standing fleet (``router.state.fair_share``), read at scrape time from the routing
+    state's ledger: exact for the whole router, worker processes included, and nothing on the request
+    path. Consumer names are ``[A-Za-z0-9._-]`` (``router.consumers``); prometheus_client escapes label
+    values in any case."""
+
+    def __init__(self, fair: FairShare) -> None:
+        self._fair = fair
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        fair = self._fair
+        rows = fair.rows()
+        requests = CounterMetricFamily(
+            "rl_router_consumer_requests",
+            "Generation requests of each consumer that reached an engine and ended",
+            labels=["consumer"],
+        )
+        tokens = CounterMetricFamily(
+            "rl_router_consumer_completion_tokens",
+            "Completion tokens the engines reported (usage) for each consumer's requests",
+            labels=["consumer"],
+        )
+        refused = CounterMetricFamily(
+            "rl_router_consumer_refused",
+            "Generation requests refused past the fair-share wait bound, per consumer",
+            labels=["consumer"],
+        )
+        in_flight = GaugeMetricFamily(
+            "rl_router_consumer_in_flight",
+            "Generation requests of each consumer in flight",
+            labels=["consumer"],
+        )
+        waiting = GaugeMetricFamily(
+            "rl_router_consumer_waiting",
+            "Generation requests of each consumer waiting for a fair-share slot",
+            labels=["consumer"],
+        )
+        share = GaugeMetricFamily(
+            "rl_router_consumer_share",
+            "Each consumer's fraction of the generation requests completed in the last 60 s",
+            labels=["consumer"],
+        )
+        for name, row in rows.items():
+            requests.add_metric([name], row["requests"])
+            tokens.add_metric([name], row["completion_tokens"])
+            refused.add_metric([name], row["refused"])
+            in_flight.add_metric([name], row["in_flight"])
+            waiting.add_metric([name], row["waiting"])
+            share.add_metric([name], row["share"])
+        yield from (requests, tokens, refused, in_flight, waiting, share)
+        if fair.capacity is not None:
+            capacity = GaugeMetricFamily(
+                "rl_router_fair_share_capacity", "Generation requests in flight through the router at most"
+            )
+            capacity.add_metric([], fair.capacity)
+            yield capacity
+
+
 class RouterMetrics:
     """``backends``: the routing state's view (None in a worker process, whose parent reports it).
     ``gate``: the fleet pause gate, reported where the routing state lives (the parent of worker
     processes holds the one gate, so its numbers appear once in the aggregated metrics).
     ``workers``: in the parent of worker processes, the source of their per-request counts, which are
-    then reported summed (one router, one set of numbers) instead of this process's own."""
+    then reported summed (one router, one set of numbers) instead of this process's own.
+    ``fair``: the consumer ledger, reported where the routing state lives (as ``gate``)."""
 
     def __init__(
         self,
@@ -235,6 +295,7 @@ class RouterMetrics:
         policy_name: str,
         gate: PauseGate | None = None,
         workers: WorkerStats | None = None,
+        fair: FairShare | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._workers = workers
@@ -259,6 +320,8 @@ class RouterMetrics:
             self.registry.register(_VersionCollector(backends.versions))
             if gate is not None:
                 self.registry.register(_PauseCollector(gate, backends))
+            if fair is not None:
+                self.registry.register(_ConsumerCollector(fair))
         if workers is not None:
             self.registry.register(_WorkersCollector(workers))
         self.own_registry = r

@@ -19,6 +19,13 @@ generation request may be gated on a version (``want``): it goes only to a servi
 (the others are excluded from the policy's choice), and while none does it is held, after the pause gate,
 until one does, bounded like a pause (the gate's ``max_held`` and ``max_wait_s``). A version the fleet does
 not know is refused at once (``UnknownVersion``).
+
+Consumers (``router.consumers``): a generation request names the consumer that sent it, and when the router
+keeps a consumer ledger (``router.state.fair_share.FairShare``: a consumers file or a fair-share capacity)
+*where to* also takes one of the fleet's fair-share slots, after the pause and version holds, waiting for
+one while the fleet is at capacity; *finished* (``finish``) gives it back and counts the request and its
+completion tokens. Here, in the one routing state, so that the capacity and the shares are exact whatever
+the number of worker processes.
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from __future__ import annotations
 import asyncio
 from typing import NamedTuple, Protocol
 
+from router.consumers import Consumer
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.state.backends import BackendSet
+from router.state.fair_share import FairShare
 from router.state.metrics import RouterMetrics
 from router.state.pause_gate import PauseGate
 from router.state.versions import VersionRefused, VersionWant
@@ -52,13 +61,22 @@ class RoutingState(Protocol):
         exclude: frozenset[str],
         hold: bool = False,
         want: VersionWant | None = None,
+        consumer: Consumer | None = None,
     ) -> Chosen:
         """Choose a backend, record the choice (``Policy.commit``) and count the request in flight with
         ``request.size`` bytes; raises ``NoBackendAvailable``. ``hold``: wait first while the fleet is
         paused; raises ``PauseRefused`` past the gate's bounds. ``want``: only a serving engine whose
         version satisfies it; raises ``UnknownVersion`` at once for a version the fleet does not know,
         and with ``hold`` waits while no serving engine satisfies it (``VersionRefused`` past the gate's
-        bounds; without ``hold``, ``NoBackendAvailable`` at once)."""
+        bounds; without ``hold``, ``NoBackendAvailable`` at once). ``consumer`` (with ``hold``, where the
+        state keeps a consumer ledger): then take one of the consumer's fair-share slots, waiting while
+        the fleet is at capacity (``FairShareRefused`` past the bound); a normal return holds the slot,
+        which ``finish`` gives back."""
+        ...
+
+    def finish(self, consumer: str, completion_tokens: int = 0, counted: bool = True) -> None:
+        """The request of ``consumer`` that ``dispatch`` gave a slot is over: give the slot back, and with
+        ``counted`` (it reached an engine) count it with the engine's ``completion_tokens``."""
         ...
 
     def release(
@@ -87,8 +105,12 @@ class LocalRouting:
         metrics: RouterMetrics,
         health_managed: bool,
         gate: PauseGate | None = None,
+        fair: FairShare | None = None,
     ) -> None:
+        """``fair``: the consumer ledger and fair-share admission (None: consumers are not told apart,
+        and a request's ``consumer`` is ignored)."""
         self.gate = gate if gate is not None else PauseGate()
+        self.fair = fair
         self.backends = backends
         self.policy = policy
         self.metrics = metrics
@@ -108,11 +130,59 @@ class LocalRouting:
         exclude: frozenset[str],
         hold: bool = False,
         want: VersionWant | None = None,
+        consumer: Consumer | None = None,
     ) -> Chosen:
+        fair = self.fair
+        if hold and consumer is not None and fair is not None:
+            exclude = await self.enter(exclude, want, consumer)
+            try:
+                url = self.dispatch_now(request, exclude)
+            except BaseException:
+                fair.leave(consumer.name)
+                raise
+            return Chosen(url, self.versions.of.get(url) or None)
         if want is not None or (hold and self.gate.paused):  # the one check when neither
             exclude = await self.admit(exclude, hold, want)
         url = self.dispatch_now(request, exclude)
         return Chosen(url, self.versions.of.get(url) or None)
+
+    # -- a consumer's fair-share slot, after the holds ---------------------------------------------------
+    def enter_now(
+        self, exclude: frozenset[str], want: VersionWant | None, consumer: Consumer
+    ) -> frozenset[str] | None:
+        """``admit_now`` for a generation request of ``consumer``, then its fair-share slot if one is free
+        (then held); None when it would wait for either. Raises as ``admit_now`` does."""
+        assert self.fair is not None
+        admitted = self.admit_now(exclude, True, want)
+        if admitted is None or not self.fair.try_enter(consumer.name, consumer.weight):
+            return None
+        return admitted
+
+    async def enter(
+        self, exclude: frozenset[str], want: VersionWant | None, consumer: Consumer
+    ) -> frozenset[str]:
+        """The pause gate and the version gate (``admit``), then a fair-share slot (held on return). A
+        request that got its slot after the fleet paused, or lost its version, gives the slot back and
+        goes through the holds again: no request reaches an engine between a pause and its resume, and
+        none sits on a slot while it waits for a version."""
+        fair = self.fair
+        assert fair is not None
+        while True:
+            if want is not None or self.gate.paused:
+                await self.admit(exclude, True, want)
+            await fair.enter(consumer.name, consumer.weight)
+            try:
+                admitted = self.admit_now(exclude, True, want)
+            except BaseException:
+                fair.leave(consumer.name)
+                raise
+            if admitted is not None:
+                return admitted
+            fair.leave(consumer.name)
+
+    def finish(self, consumer: str, completion_tokens: int = 0, counted: bool = True) -> None:
+        if self.fair is not None:
+            self.fair.finish(consumer, completion_tokens, counted)
 
     # -- holding: the pause gate, then the version a request is gated on ---------------------------------
     def admit_now(
