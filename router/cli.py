@@ -35,7 +35,7 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def _setting(field: str, kind: type, help_text: str) -> Any:
+def _setting(field: str, kind: Any, help_text: str) -> Any:
     return click.option(
         _flag(field), field, type=kind, default=_default(field), show_default=True, help=help_text
     )
@@ -87,6 +87,19 @@ def _secret_options(fn: Any) -> Any:
 @_setting("probe_successes_to_readmit", int, "Consecutive successful probes that re-admit a backend.")
 @_setting("worker_health_timeout_s", float, "How long POST /workers waits for the worker's GET /health.")
 @_setting("max_request_bytes", int, "Largest request body accepted (413 above).")
+@_setting(
+    "consumers_file",
+    click.Path(dir_okay=False),
+    "A standing fleet's consumers file (jobs attached to it, each with its own key, stored hashed); "
+    "client routes then take the API key or a consumer's key.",
+)
+@_setting(
+    "fair_share_capacity",
+    int,
+    "Generation requests in flight through the router at most, shared between consumers by weight "
+    "(unset: no admission control).",
+)
+@_setting("fair_share_max_wait_s", float, "Longest a generation request waits for a fair-share slot.")
 @click.option(
     "--workers",
     type=int,

@@ -234,6 +234,25 @@ class RouterConfig(RouterSettings):
     max_pending_registrations: int = Field(
         default=64, ge=1, description="distinct worker URLs POST /workers may be waiting on at once"
     )
+    consumers_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a standing fleet's consumers file (router.consumers): the jobs attached to it, each "
+        "with its own key (stored hashed), weight and admin right; re-read within 0.5 s of a change. "
+        "Client routes then require the API key or a consumer's key",
+    )
+    fair_share_capacity: int | None = Field(
+        default=None,
+        ge=1,
+        description="generation requests in flight through the router at most; when more wait, a freed "
+        "slot goes to the consumer lowest in in-flight / weight (router.state.fair_share). None: no "
+        "admission control",
+    )
+    fair_share_max_wait_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="longest a generation request waits for a fair-share slot before it is refused",
+    )
     insecure_admin: bool = Field(
         default=False,
         description="allow a router without any admin token or API key, on any address, loopback included "
@@ -269,6 +288,12 @@ class RouterConfig(RouterSettings):
     def probing(self) -> bool:
         """Active probing runs only when standalone: a fleet controller has more evidence than a probe."""
         return self.probe_interval_s > 0 and not self.health_managed
+
+    @property
+    def consumer_accounting(self) -> bool:
+        """Requests are told apart by consumer (a consumers file or a fair-share capacity): the routing
+        state keeps the per-consumer ledger and the forwarder reports each request's end to it."""
+        return self.consumers_file is not None or self.fair_share_capacity is not None
 
     @property
     def admin_secret(self) -> str | None:

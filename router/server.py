@@ -8,6 +8,10 @@ Lifecycle choices, each against a failure clients cannot recover from on their o
   connection forever.
 * The server runs on its own event loop in a background thread (``serve_in_background``), so the router
   can live inside a Ray actor whose methods are called from Ray's threads, or beside a blocking driver.
+* A standing fleet's consumers (``RouterConfig.consumers_file``, ``router.consumers``) are read in the
+  constructor too: a corrupt file fails construction naming it, before any client is admitted with the
+  wrong keys. The consumer ledger and fair-share admission (``router.state.fair_share``) belong to the
+  routing state, as the pause gate does.
 * The socket is bound as ``router.http.app.bind_listening_socket`` says (``SO_REUSEADDR`` for a restarted
   process, ``bind_retry_s`` for the moment a dying one still holds it), and the application is the one
   ``router.http.app`` builds and serves for every process of the router.
@@ -24,9 +28,11 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from router.config import RouterConfig
+from router.consumers import ConsumerKeys
 from router.fleet.admin import AdminApi
 from router.fleet.api import FleetApi
 from router.http.app import bind_listening_socket, build_app, not_found, runner_kwargs, serve_guarded
@@ -37,6 +43,7 @@ from router.http.limits import HttpLimits
 from router.multiprocess.workers import WorkerFleet
 from router.policies import LoadTracker, Policy, make_policy
 from router.state.backends import BackendSet, canonical_backend_url
+from router.state.fair_share import FairShare
 from router.state.metrics import RouterMetrics
 from router.state.pause_gate import PauseGate
 from router.state.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
@@ -75,13 +82,24 @@ class GenerationRouter:
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
         self.gate = PauseGate(config.pause_max_held, config.pause_max_wait_s)
+        self.consumer_keys: ConsumerKeys | None = None
+        if config.consumers_file is not None:
+            self.consumer_keys = ConsumerKeys(config.consumers_file)  # a corrupt file raises, naming it
+        self.fair: FairShare | None = None
+        if config.consumer_accounting:
+            self.fair = FairShare(config.fair_share_capacity, config.fair_share_max_wait_s)
+            if self.consumer_keys is not None:
+                self.fair.registered = self.consumer_keys.consumers
         self.workers: WorkerFleet | None = None
         if config.workers > 1:
             self.workers = WorkerFleet(config)
-        self.metrics = RouterMetrics(self.backends, self.policy.name, self.gate, workers=self.workers)
-        # The one gate of the router lives in its routing state, which holds requests from every worker.
+        self.metrics = RouterMetrics(
+            self.backends, self.policy.name, self.gate, workers=self.workers, fair=self.fair
+        )
+        # The one gate of the router lives in its routing state, which holds requests from every worker;
+        # so does the fair share of the fleet between its consumers.
         self.routing = LocalRouting(
-            self.backends, self.policy, self.metrics, config.health_managed, self.gate
+            self.backends, self.policy, self.metrics, config.health_managed, self.gate, self.fair
         )
         if self.workers is not None:
             self.workers.attach(self.routing)
@@ -137,6 +155,7 @@ class GenerationRouter:
             self._max_request_bytes,
             self.http_limits,
             self._admin_routes,
+            self.consumer_keys,
         )
 
     def _admin_routes(self, table: RouteTable) -> None:
@@ -151,7 +170,15 @@ class GenerationRouter:
         )
         admin.add_routes(table)
         self.fleet.add_routes(table)
+        table.add("GET", "/fleet/consumers", self._consumers_view, Access.ADMIN)
         table.add("*", "/{tail:.*}", not_found, Access.CLIENT)
+
+    async def _consumers_view(self, request: web.Request) -> web.Response:
+        """``GET /fleet/consumers``: the fair-share capacity and every consumer's weight, in flight,
+        waiting, requests, completion tokens and share (``FairShare.view``), for the launcher's status.
+        Without consumers nor a capacity: ``{"capacity": null, "consumers": {}}``."""
+        view = self.fair.view() if self.fair is not None else {"capacity": None, "consumers": {}}
+        return web.Response(status=200, body=orjson.dumps(view), content_type="application/json")
 
     def _engine_key(self) -> str | None:
         """The key the router's own engine calls (fleet operations) present: the backend key, else the

@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from router.consumers import ConsumerKeys
 from router.http.auth import Access, Credentials, RouteTable
 from router.http.connections import ConnectionGate, GuardedSockSite
 from router.http.forwarding import Forwarder
@@ -155,14 +156,16 @@ def build_app(
     max_request_bytes: int,
     limits: HttpLimits,
     rest: Callable[[RouteTable], None],
+    consumers: ConsumerKeys | None = None,
 ) -> web.Application:
     """The proxied routes on ``forwarder`` (client routes); ``rest`` adds everything else through the
     same ``RouteTable`` (the admin API in the router that owns the routing state, ``/health`` and the
     relay to it in a worker process). Each route is checked as its mark says (``router.http.auth``), and the
-    application does not start with a route registered without a mark. No middleware: each layer costs
+    application does not start with a route registered without a mark. ``consumers``: the keys of the
+    consumers file, which the routes then take too (``router.http.auth``). No middleware: each layer costs
     every request a coroutine call and a handler chain."""
     app = web.Application(client_max_size=max_request_bytes)
-    table = RouteTable(app, Credentials(api_key, admin_token, limits.body_timeout_s))
+    table = RouteTable(app, Credentials(api_key, admin_token, limits.body_timeout_s, consumers))
     for path, methods in PROXIED_ROUTES:
         for method in methods:
             table.add(method, path, forwarder.handle, Access.CLIENT)

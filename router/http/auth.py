@@ -20,6 +20,17 @@ The body of an admin route is read by its check, once the caller is admitted and
 runs, with the admin cap and the body deadline (``router.http.bodies.read_admin_body``); the handler's
 ``request.read()`` returns the bytes already read. The proxied routes read theirs in the forwarder.
 
+Consumers (``router.consumers``, with ``RouterConfig.consumers_file``): the jobs attached to a standing
+fleet each have a key of their own, listed (hashed) in the consumers file the launcher edits. A client
+route then takes the router's API key (the fleet owner: consumer ``owner``) or any consumer's key, and
+requires one of them (an open client route would make a revoked key work as no key); an admin route takes
+the admin token or the key of a consumer marked ``admin`` (a job the owner lets pause and refit); a plain
+consumer's key there is 403 with what to do, not 401, since the key itself is good. Who called is put on
+the request (``CONSUMER``) for the forwarder: fair share and the per-consumer counts need it. Each
+process checks against its own ``ConsumerKeys`` of the same file (the worker processes included), which
+re-reads it within half a second of a change. Without a consumers file the checks are those above,
+unchanged, and nothing is put on the request.
+
 ``RouterConfig`` refuses a router with neither an admin token nor an API key unless ``insecure_admin``
 is set, on every address (loopback is every local user).
 
@@ -37,10 +48,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from router.consumers import OWNER_CONSUMER, Consumer, ConsumerKeys
 from router.http.bodies import read_admin_body
 from router.http.status import error_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+CONSUMER = web.RequestKey("consumer", Consumer)
+"""Who made the request, where the router has a consumers file: a consumer, or ``OWNER_CONSUMER``."""
 
 
 class Access(enum.Enum):
@@ -68,12 +83,13 @@ class MarkedRoute:
 @dataclass(frozen=True)
 class Credentials:
     """What the router's marked routes take: the client API key (client routes), the admin secret
-    (admin routes: ``RouterConfig.admin_secret``; None only with ``insecure_admin``), and the deadline
-    of an admin route's body."""
+    (admin routes: ``RouterConfig.admin_secret``; None only with ``insecure_admin``), the deadline
+    of an admin route's body, and the consumers' keys (None: no consumers file)."""
 
     api_key: str | None
     admin_token: str | None
     body_timeout_s: float
+    consumers: ConsumerKeys | None = None
 
 
 class RouteTable:
@@ -111,8 +127,10 @@ class RouteTable:
         if c is None or access is Access.OPEN:
             return handler
         if access is Access.CLIENT:
+            if c.consumers is not None:
+                return _client_or_consumer_checked(handler, c.api_key, c.consumers)
             return handler if c.api_key is None else _client_checked(handler, c.api_key)
-        return _admin_checked(handler, c.admin_token, c.body_timeout_s)
+        return _admin_checked(handler, c.admin_token, c.body_timeout_s, c.consumers)
 
     async def _refuse_unmarked(self, app: web.Application) -> None:
         unmarked = [
@@ -173,10 +191,45 @@ def _client_checked(handler: Handler, api_key: str) -> Handler:
     return checked
 
 
-def _admin_checked(handler: Handler, admin_token: str | None, body_timeout_s: float) -> Handler:
+def _client_or_consumer_checked(handler: Handler, api_key: str | None, consumers: ConsumerKeys) -> Handler:
+    """The owner's key or a consumer's; a key is required even without an owner's key (module doc)."""
+
     async def checked(request: web.Request) -> web.StreamResponse:
-        if admin_token is not None and not _matches(_bearer(request), admin_token):
-            return _refuse(401, "admin token required", "unauthorized")
+        given = _bearer(request)
+        if api_key is not None and _matches(given, api_key):
+            request[CONSUMER] = OWNER_CONSUMER
+        else:
+            consumer = consumers.lookup(given)
+            if consumer is None:
+                return _refuse(401, "invalid or missing API key", "unauthorized")
+            request[CONSUMER] = consumer
+        return await handler(request)
+
+    return checked
+
+
+def _admin_checked(
+    handler: Handler, admin_token: str | None, body_timeout_s: float, consumers: ConsumerKeys | None = None
+) -> Handler:
+    async def checked(request: web.Request) -> web.StreamResponse:
+        if admin_token is not None:
+            given = _bearer(request)
+            if _matches(given, admin_token):
+                if consumers is not None:
+                    request[CONSUMER] = OWNER_CONSUMER
+            else:
+                consumer = consumers.lookup(given) if consumers is not None else None
+                if consumer is None:
+                    return _refuse(401, "admin token required", "unauthorized")
+                if not consumer.admin:
+                    return _refuse(
+                        403,
+                        f"consumer {consumer.name} may not call {request.method} {request.path}: only the "
+                        "fleet's owner and the consumers it marks admin may (the fleet's owner allows admin "
+                        "consumers in its spec)",
+                        "forbidden",
+                    )
+                request[CONSUMER] = consumer
         return await handler(await read_admin_body(request, body_timeout_s))
 
     return checked

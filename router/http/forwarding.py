@@ -39,6 +39,15 @@ Rules, each preventing a failure seen with real clients and peers:
   only to an engine that satisfies it, its retry too, and is held by the routing state while none does;
   a malformed or unknown version is answered 400 at once, a hold past its bounds the no-healthy-backend
   status.
+* Where the router tells consumers apart (``RouterConfig.consumer_accounting``), a generation request
+  names its consumer (put on the request by the access check, ``router.http.auth.CONSUMER``; the owner when
+  none) to the routing state, which may hold it for a fair-share slot (``router.state.fair_share``;
+  answered the no-healthy-backend status past the bound), and reports its end with the engine's
+  ``usage.completion_tokens``. That number is read from the end of the answer as it passes, never by
+  buffering it: from the body of a small JSON answer (already read whole), else from the last few chunks
+  relayed (the final SSE ``data:`` chunk with ``usage``), at most ``USAGE_TAIL_BYTES`` searched. An answer
+  without usage (a stream without ``include_usage``, a compressed body) counts no tokens. Without
+  accounting none of this runs.
 """
 
 from __future__ import annotations
@@ -53,11 +62,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router.consumers import OWNER_CONSUMER, Consumer
+from router.http.auth import CONSUMER
 from router.http.bodies import read_body
 from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.http.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
 from router.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
+from router.state.fair_share import FairShareRefused
 from router.state.metrics import RouterMetrics
 from router.state.pause_gate import PauseRefused
 from router.state.routing import Chosen, RoutingState
@@ -105,6 +117,36 @@ LARGE_BODY_BYTES = 256 * 1024
 JSON = "application/json"
 # Held while the fleet is paused (generation); /tokenize and /v1/models do not reach the engine core.
 HELD_DURING_PAUSE = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+# Where the engine's usage is looked for: the end of a small answer, else the last chunks relayed.
+USAGE_TAIL_BYTES = 16 * 1024
+USAGE_TAIL_CHUNKS = 4
+_USAGE_KEY = b'"completion_tokens"'
+_JSON_BLANKS = b" \t\r\n"
+
+
+def completion_tokens(tail: bytes) -> int:
+    """The last ``"completion_tokens": N`` in ``tail`` (the end of an answer), 0 when there is none. A
+    match inside a JSON string has its opening quote escaped, or is not followed by ``:`` (a key is; a
+    string value ends with ``,`` or ``}``), so generated text cannot pass for it."""
+    end = len(tail)
+    while (i := tail.rfind(_USAGE_KEY, 0, end)) >= 0:
+        end = i
+        if i and tail[i - 1] == 0x5C:  # backslash: the quote is escaped
+            continue
+        j = i + len(_USAGE_KEY)
+        while j < len(tail) and tail[j] in _JSON_BLANKS:
+            j += 1
+        if j >= len(tail) or tail[j] != 0x3A:  # ':'
+            continue
+        j += 1
+        while j < len(tail) and tail[j] in _JSON_BLANKS:
+            j += 1
+        k = j
+        while k < len(tail) and 0x30 <= tail[k] <= 0x39:
+            k += 1
+        if k > j:
+            return int(tail[j:k])
+    return 0
 
 
 @dataclass
@@ -117,6 +159,7 @@ class ForwardingConfig:
     health_managed: bool = False
     backend_api_key: str | None = None
     max_request_bytes: int = 64 * 1024 * 1024
+    consumer_accounting: bool = False
 
     @classmethod
     def of(cls, config: RouterConfig) -> ForwardingConfig:
@@ -131,6 +174,7 @@ class ForwardingConfig:
             health_managed=config.health_managed,
             backend_api_key=config.secret("backend_api_key"),
             max_request_bytes=config.max_request_bytes,
+            consumer_accounting=config.consumer_accounting,
         )
 
 
@@ -192,6 +236,23 @@ class _Slot:
             routing.release(self._url, self._weight, self._version, self._request_id)
 
 
+class _Ticket:
+    """A generation request's fair-share slot and place in the consumer ledger, ended once: when the
+    engine has answered in full (with its completion tokens, just before the backend slot is released),
+    or when the request ends otherwise."""
+
+    __slots__ = ("_routing", "name")
+
+    def __init__(self, routing: RoutingState, name: str) -> None:
+        self._routing: RoutingState | None = routing
+        self.name = name
+
+    def end(self, tokens: int = 0) -> None:
+        routing, self._routing = self._routing, None
+        if routing is not None:
+            routing.finish(self.name, tokens)
+
+
 class Forwarder:
     """Proxies requests for the router's routes. Lives on the router's event loop."""
 
@@ -220,6 +281,7 @@ class Forwarder:
             if config.backend_api_key is not None
             else None
         )
+        self._accounting = config.consumer_accounting
         self._requests: dict[tuple[str, int], Any] = {}
         self._latency: dict[str, Any] = {}
 
@@ -289,42 +351,60 @@ class Forwarder:
                 except ValueError as exc:
                     self.metrics.errors.labels("bad_weight_version").inc()
                     return json_response(400, error_body(str(exc), "invalid_weight_version", 400))
+        consumer: Consumer | None = None
+        if hold and self._accounting:
+            consumer = request.get(CONSUMER) or OWNER_CONSUMER
         tried: set[str] = set()
         last: UpstreamError | None = None
-        for attempt in range(self.config.max_attempts):
-            try:
-                chosen = await routing.dispatch(route_request, frozenset(tried), hold, want)
-            except PauseRefused as exc:
-                self.metrics.errors.labels("pause_bound").inc()
-                status = self.config.no_healthy_backend_status
-                return json_response(status, error_body(str(exc), "no_healthy_backend", status))
-            except UnknownVersion as exc:
-                self.metrics.errors.labels("unknown_weight_version").inc()
-                return json_response(400, error_body(str(exc), "unknown_weight_version", 400))
-            except VersionRefused as exc:
-                self.metrics.errors.labels("version_bound").inc()
-                status = self.config.no_healthy_backend_status
-                return json_response(status, error_body(str(exc), "weight_version_unavailable", status))
-            except NoBackendAvailable as exc:
-                if last is not None:
-                    break  # nowhere else to retry: report the backend failure, not an empty fleet
-                self.metrics.errors.labels("no_backend").inc()
-                status = self.config.no_healthy_backend_status
-                return json_response(
-                    status, error_body(f"no healthy backend: {exc}", "no_healthy_backend", status)
-                )
-            hold = False
-            if attempt:
-                self.metrics.retries.inc()
-            url = chosen.url
-            tried.add(url)
-            try:
-                return await self._attempt(request, route_request, chosen, path_qs, headers, body, request_id)
-            except UpstreamError as failure:
-                last = failure
-                self._on_failure(route_request, url, failure.kind)
-                if failure.kind == "timeout" and not self.config.retry_on_timeout:
-                    break
+        ticket: _Ticket | None = None
+        try:
+            for attempt in range(self.config.max_attempts):
+                try:
+                    chosen = await routing.dispatch(route_request, frozenset(tried), hold, want, consumer)
+                except PauseRefused as exc:
+                    self.metrics.errors.labels("pause_bound").inc()
+                    status = self.config.no_healthy_backend_status
+                    return json_response(status, error_body(str(exc), "no_healthy_backend", status))
+                except UnknownVersion as exc:
+                    self.metrics.errors.labels("unknown_weight_version").inc()
+                    return json_response(400, error_body(str(exc), "unknown_weight_version", 400))
+                except VersionRefused as exc:
+                    self.metrics.errors.labels("version_bound").inc()
+                    status = self.config.no_healthy_backend_status
+                    return json_response(status, error_body(str(exc), "weight_version_unavailable", status))
+                except FairShareRefused as exc:
+                    self.metrics.errors.labels("fair_share_bound").inc()
+                    status = self.config.no_healthy_backend_status
+                    return json_response(status, error_body(str(exc), "fleet_at_capacity", status))
+                except NoBackendAvailable as exc:
+                    if last is not None:
+                        break  # nowhere else to retry: report the backend failure, not an empty fleet
+                    self.metrics.errors.labels("no_backend").inc()
+                    status = self.config.no_healthy_backend_status
+                    return json_response(
+                        status, error_body(f"no healthy backend: {exc}", "no_healthy_backend", status)
+                    )
+                if consumer is not None:
+                    # The first dispatch took the consumer's slot; a retry goes on with it.
+                    ticket = _Ticket(routing, consumer.name)
+                    consumer = None
+                hold = False
+                if attempt:
+                    self.metrics.retries.inc()
+                url = chosen.url
+                tried.add(url)
+                try:
+                    return await self._attempt(
+                        request, route_request, chosen, path_qs, headers, body, request_id, ticket
+                    )
+                except UpstreamError as failure:
+                    last = failure
+                    self._on_failure(route_request, url, failure.kind)
+                    if failure.kind == "timeout" and not self.config.retry_on_timeout:
+                        break
+        finally:
+            if ticket is not None:
+                ticket.end()  # no answer in full (it failed, or the client left): no tokens counted
         assert last is not None
         return json_response(
             BACKEND_FAILURE_STATUS,
@@ -344,6 +424,7 @@ class Forwarder:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         request_id: str,
+        ticket: _Ticket | None = None,
     ) -> web.StreamResponse:
         """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client.
 
@@ -358,7 +439,7 @@ class Forwarder:
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             try:
-                return await self._relay(request, route_request, chosen, upstream, slot, request_id)
+                return await self._relay(request, route_request, chosen, upstream, slot, request_id, ticket)
             finally:
                 upstream.release()
         finally:
@@ -372,7 +453,11 @@ class Forwarder:
         upstream: UpstreamResponse,
         slot: _Slot,
         request_id: str,
+        ticket: _Ticket | None = None,
     ) -> web.StreamResponse:
+        """``ticket``: the request's place in the consumer ledger, ended with the engine's completion
+        tokens once the engine has answered in full (before the backend slot is released, so that both
+        reach the routing state together)."""
         url, version = chosen
         resp_headers = CIMultiDict(
             (n.decode("latin-1"), v.decode("latin-1"))
@@ -390,6 +475,8 @@ class Forwarder:
             payload = await upstream.read()  # an UpstreamError here is still retryable: nothing sent
             # The backend has answered in full: counted before the client write, which may fail.
             self.routing.succeeded(url)
+            if ticket is not None:
+                ticket.end(completion_tokens(payload[-USAGE_TAIL_BYTES:]))
             slot.release()  # the engine's work is done; see _Slot
             response = web.Response(status=upstream.status, headers=resp_headers, body=payload)
             try:
@@ -406,15 +493,23 @@ class Forwarder:
         try:
             await response.prepare(request)
             chunks = upstream.iter_chunks()
+            # The last chunks relayed, kept by reference (no copy) to find the usage in (module doc).
+            tail: list[bytes] | None = [] if ticket is not None else None
             while True:
                 try:
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
+                    if ticket is not None and tail is not None:
+                        ticket.end(completion_tokens(b"".join(tail)[-USAGE_TAIL_BYTES:]))
                     slot.release()  # before the end of the stream reaches the client; see _Slot
                     break
                 except UpstreamError as exc:
                     await self._broken_stream(request, response, route_request, url, is_sse, exc)
                     return response
+                if tail is not None:
+                    tail.append(chunk)
+                    if len(tail) > USAGE_TAIL_CHUNKS:
+                        del tail[0]
                 await response.write(chunk)
             await response.write_eof()
         except ConnectionResetError:

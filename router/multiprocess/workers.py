@@ -34,7 +34,11 @@ Choices, each against a failure:
   read up to ``RELAY_MAX_ANSWER_BYTES``. Before, every
   unproxied route relayed whatever body it got, read whole with no cap and no deadline: a few clients
   trickling bodies to ``/health`` held their connections for ever, and four 60 MB bodies cost 500 MB.
-  Authentication is checked by both the worker and the parent.
+  Authentication is checked by both the worker and the parent. With a consumers file
+  (``router.consumers``) each process reads it into a ``ConsumerKeys`` of its own, so a consumer's key is
+  checked, and a revoked one refused, by whichever worker accepts the connection; the consumer's name and
+  weight then travel with the request's decision to the parent, where the fair share and the
+  per-consumer counts live.
 * The fleet pause holds requests in the parent (``router.multiprocess.decisions``: a generation request's
   decision waits at the routing state's one ``PauseGate``), and ``/fleet/*`` reaches the parent through the
   relay below like every admin route, so a pause closes every worker's door at once and the gate's bounds and
@@ -65,6 +69,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.config import SECRET_FIELDS, RouterConfig
+from router.consumers import ConsumerKeys
 from router.fleet.api import ENGINE_TIMEOUT_S
 from router.http.app import build_app, health, not_found, serve_guarded
 from router.http.auth import Access, MarkedRoute, RouteTable
@@ -374,6 +379,7 @@ async def serve_worker(
         config.max_request_bytes,
         config.http,
         lambda table: worker_routes(table, relay, parent_routes),
+        ConsumerKeys(config.consumers_file) if config.consumers_file is not None else None,
     )
     runner, _gate = await serve_guarded(app, sock, config.http, metrics, share=config.workers)
     loop.add_signal_handler(signal.SIGTERM, stopped.set)
