@@ -23,7 +23,7 @@ import pytest
 
 from launcher.driver.listener import LISTENER_LIMITS
 from launcher.driver.status_server import StatusServer
-from launcher.gateways.vllm_router.fleet_endpoint import FleetEndpoint
+from launcher.gateways.fleet_endpoint import FleetEndpoint
 from launcher.jobdir import JobDir, StateWriter
 from router.http.limits import HttpLimits
 

@@ -38,6 +38,7 @@ LABELS = {
     "local-dynamo.yaml": ("dynamo: --router-mode kv", "2 dynamo-mocker workers of ./tiny-model"),
     "local-ray-serve.yaml": ("ray-serve: cache_aware over Serve", "4 sim"),
     "local-vllm-router.yaml": ("vllm-router (managed): cache_aware", "4 sim"),
+    "fleet-local.yaml": ("builtin router: cache_aware", "4 sim"),
 }
 
 
@@ -127,7 +128,8 @@ def test_cache_reset_reaches_the_engines_the_way_the_kinds_declare(
 
 def test_what_callers_asked_of_kind_names_is_declared() -> None:
     fronts = GATEWAY_KINDS
-    assert [n for n, f in fronts.items() if f.has_fleet_routes] == ["builtin", "vllm-router"]
+    assert [n for n, f in fronts.items() if f.has_fleet_routes] == ["builtin", "vllm-router", "ray-serve"]
+    assert [n for n, f in fronts.items() if f.serves_consumers] == ["builtin"]  # standing fleets
     assert [n for n, f in fronts.items() if f.dies_with_ray] == ["builtin"]  # the driver's hurried teardown
     assert [n for n, f in fronts.items() if f.owns_engines] == ["ray-serve"]
     assert [n for n, f in fronts.items() if f.forwards_client_key] == ["vllm-router"]

@@ -559,7 +559,7 @@ async def test_pause_wait_mode_returns_once_in_flight_requests_finished(sims, ro
 
 # -- the driver's fleet endpoint, beside a front without /fleet routes (vllm-router) ------------------
 async def test_fleet_endpoint_drives_the_engines_and_holds_stale_ones_out(sims) -> None:
-    from launcher.gateways.vllm_router.fleet_endpoint import FleetEndpoint
+    from launcher.gateways.fleet_endpoint import FleetEndpoint
 
     engines = await sims(3)
     e0, e1, replacement = (e.url for e in engines)

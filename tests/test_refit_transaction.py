@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from launcher.fleet.client import FleetClient, RefitError
-from launcher.gateways.vllm_router.fleet_endpoint import FleetEndpoint
+from launcher.gateways.fleet_endpoint import FleetEndpoint
 from router import GenerationRouter
 from tests.checkpoints import CONFIG, broken, checkpoint
 from tests.http_backends import router_factory

@@ -629,7 +629,7 @@ async def test_a_front_the_job_does_not_own_never_gets_a_credential(tmp_path: Pa
     Authorization at all; the step comes from the job's own fleet endpoint (admin token), each engine's
     /metrics gets the job's API key, and an engine answering with a redirect is not followed."""
     from launcher.fleet.client import FleetClient
-    from launcher.gateways.vllm_router.fleet_endpoint import FleetEndpoint
+    from launcher.gateways.fleet_endpoint import FleetEndpoint
     from launcher.status.collect import acollect_snapshot
     from tests.recording_server import RecordingServer
 

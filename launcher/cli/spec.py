@@ -63,14 +63,30 @@ def summarize(resolved: ResolvedSpec) -> list[str]:
 
     labels = resolved.kind_labels()
     command = train.command if len(train.command) <= 70 else train.command[:67] + "..."
-    return [
-        f"  name: {resolved.name}",
-        f"  {where}",
-        f"  training: {train.nodes} node(s): {command}",
+    training = f"  training: {train.nodes} node(s): {command}"
+    generation = (
         f"  generation: {gen.nodes} node(s) x {gen.engines_per_node} engine(s) = {labels['engines']}, "
-        f"served as {gen.served_model_name!r}",
-        f"  router: {front_kind(resolved.router.kind).summary(resolved.router)}",
-    ]
+        f"served as {gen.served_model_name!r}"
+    )
+    router = f"  router: {front_kind(resolved.router.kind).summary(resolved.router)}"
+    if resolved.role == "attached":
+        model = f", model {gen.served_model_name!r}" if gen.served_model_name else ""
+        return [
+            f"  name: {resolved.name}",
+            f"  {where}",
+            training,
+            f"  generation: standing fleet {gen.fleet!r}{model}",
+        ]
+    if resolved.fleet is not None:
+        f = resolved.fleet
+        weights = ", ".join(
+            f"{n} {c.weight:g}{' (admin)' if c.admin else ''}" for n, c in f.consumers.items()
+        )
+        training = (
+            f"  standing fleet: no training; in-flight capacity {f.capacity} shared by weight "
+            f"({weights or 'none named'}; others {f.default_weight:g})"
+        )
+    return [f"  name: {resolved.name}", f"  {where}", training, generation, router]
 
 
 @click.command("validate")

@@ -19,10 +19,11 @@ plus the admin token, and drives the whole fleet with one call per operation::
 Every call fans out to every engine behind the router (``router.fleet.api``) and raises ``FleetOpError``
 (carrying the per-engine ``FleetOpReport``) when any engine did not comply, so a half-paused or
 half-stamped fleet never passes silently; ``check=False`` returns the report instead.
-The builtin router serves these routes itself; for ``router.kind: vllm-router`` the driver serves them
-beside it (``launcher.gateways.vllm_router.fleet_endpoint``: same routes, but the engines, not the front,
-hold the requests that arrive during a pause). ``from_job_dir`` finds the right URL in the job state
-(``fleet_url``) and refuses fronts without these routes (Dynamo, Ray Serve) with the reason.
+The builtin router serves these routes itself; for ``router.kind: vllm-router`` and ``ray-serve`` the driver
+serves them beside the front (``launcher.gateways.fleet_endpoint``: same routes, but the engines, not the
+front, hold the requests that arrive during a pause). ``from_job_dir`` finds the right URL in the job state
+(``fleet_url``; a job on a standing fleet uses its own consumer key there) and refuses fronts without these
+routes (Dynamo) with the reason.
 """
 
 from __future__ import annotations
