@@ -17,7 +17,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -251,8 +251,23 @@ async def consumers_view(base: str) -> dict[str, Any]:
     return view  # type: ignore[no-any-return]
 
 
-async def test_consumer_owner_and_admin_keys(sims, routers, tmp_path: Path) -> None:
-    es = await sims(2)
+@pytest.fixture
+async def keyed_sims() -> AsyncIterator[list[Any]]:
+    """Two simulated engines that require the fleet owner's key, as a fleet's engines do: a consumer's key
+    must never reach them (they would answer 401)."""
+    from launcher.engines.sim.config import SimConfig
+    from launcher.engines.sim.server import SimServer
+
+    made = [SimServer(SimConfig(speed=20.0), index=i, api_key=OWNER_KEY) for i in range(2)]
+    for sim in made:
+        await sim.start()
+    yield made
+    for sim in made:
+        await sim.stop()
+
+
+async def test_consumer_owner_and_admin_keys(keyed_sims, routers, tmp_path: Path) -> None:
+    es = keyed_sims
     path = tmp_path / "consumers.json"
     plain, admin = new_key(), new_key()
     add_consumer(path, "plain", plain)

@@ -48,6 +48,10 @@ Rules, each preventing a failure seen with real clients and peers:
   relayed (the final SSE ``data:`` chunk with ``usage``), at most ``USAGE_TAIL_BYTES`` searched. An answer
   without usage (a stream without ``include_usage``, a compressed body) counts no tokens. Without
   accounting none of this runs.
+* With a consumers file a consumer's key never travels to an engine: the engines know the fleet owner's
+  key, not the consumers' (an engine would answer a consumer's request 401), and a consumer's key is its
+  own business. Its ``Authorization`` is replaced with the engine key (``backend_api_key``, else the
+  router's API key), or dropped when there is none.
 """
 
 from __future__ import annotations
@@ -160,11 +164,14 @@ class ForwardingConfig:
     backend_api_key: str | None = None
     max_request_bytes: int = 64 * 1024 * 1024
     consumer_accounting: bool = False
+    drop_client_auth: bool = False
 
     @classmethod
     def of(cls, config: RouterConfig) -> ForwardingConfig:
         """The forwarding part of a router's config: one mapping for the single process and for every
-        worker process, so that a new setting cannot reach one and miss the other."""
+        worker process, so that a new setting cannot reach one and miss the other. With a consumers
+        file the engines get the owner's key in place of the client's (module doc)."""
+        consumers_engine_key = config.secret("api_key") if config.consumers_file is not None else None
         return cls(
             backend_timeout_s=config.backend_timeout_s,
             connect_timeout_s=config.connect_timeout_s,
@@ -172,9 +179,10 @@ class ForwardingConfig:
             max_attempts=config.max_attempts,
             retry_on_timeout=config.retry_on_timeout,
             health_managed=config.health_managed,
-            backend_api_key=config.secret("backend_api_key"),
+            backend_api_key=config.secret("backend_api_key") or consumers_engine_key,
             max_request_bytes=config.max_request_bytes,
             consumer_accounting=config.consumer_accounting,
+            drop_client_auth=config.consumers_file is not None,
         )
 
 
@@ -281,6 +289,7 @@ class Forwarder:
             if config.backend_api_key is not None
             else None
         )
+        self._drop_auth = config.drop_client_auth
         self._accounting = config.consumer_accounting
         self._requests: dict[tuple[str, int], Any] = {}
         self._latency: dict[str, Any] = {}
@@ -336,6 +345,8 @@ class Forwarder:
         if self._auth is not None:
             headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
             headers.append(self._auth)
+        elif self._drop_auth:
+            headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
         path_qs = request.rel_url.raw_path_qs
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
 
