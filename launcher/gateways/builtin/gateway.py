@@ -46,6 +46,9 @@ class BuiltinRouterGateway(Gateway):
             sharing = {
                 "consumers_file": str(consumers_path(ctx.job.path)),
                 "fair_share_capacity": ctx.spec.fleet.capacity,
+                # The engines take the fleet's own key: a consumer's key is replaced, never passed on
+                # (the engines would refuse it, and it is not theirs to see).
+                "backend_api_key": ctx.api_key,
             }
         config = RouterConfig.from_settings(
             ctx.spec.router,
