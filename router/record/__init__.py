@@ -1,0 +1,1 @@
+"""The request record (``router.record.format`` owns its shape)."""
