@@ -453,6 +453,8 @@ async def test_fleet_cli_drives_the_window_and_refuses_other_kinds(sims, tmp_pat
         StateWriter(job).update(fleet_url=None)  # a front without /fleet routes records none
         result = await in_thread(cli, "resume")
         assert result.exit_code == 1 and "router.kind 'dynamo'" in result.output
+        # the refusal says what Dynamo's workers offer instead and why rl-launch does not drive it
+        assert "/engine/update_weights_from_disk" in result.output and "cannot be held out" in result.output
     finally:
         router.stop()
 

@@ -131,14 +131,23 @@ def _client(job: str | None, root: Path, timeout_s: float, op: str) -> tuple[Job
     if not state.get("router_url") or state.get("torn_down"):
         raise click.ClickException(f"job {jd.path.name} has no serving fleet (state: {state.get('phase')})")
     if not state.get("fleet_url"):
-        from launcher.gateways.kinds import GATEWAY_KINDS
+        from launcher.gateways.kinds import GATEWAY_KINDS, front_kind
 
+        attached = state.get("attached_to") or {}
+        if attached:
+            raise click.ClickException(
+                f"fleet {op}: job {jd.path.name} is attached to standing fleet {attached.get('fleet')!r} "
+                "as a plain consumer; only the fleet's owner (rl-launch fleet ... on the fleet's job) or a "
+                "job the fleet's spec names with admin: true under fleet.consumers may"
+            )
         kind = jd.read_spec().router.kind
-        with_routes = " and ".join(n for n, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
+        with_routes = ", ".join(n for n, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
+        why = front_kind(kind).no_fleet_routes_why
         raise click.ClickException(
             f"fleet {op}: job {jd.path.name} runs router.kind {kind!r}, which has no fleet-wide {op} "
-            f"({with_routes} fan the refit window out to every engine); "
-            "`rl-launch fleet reset-cache` works for it"
+            f"({with_routes} fan the refit window out to every engine)"
+            + (f": {why}" if why else "")
+            + "; `rl-launch fleet reset-cache` works for it"
         )
     try:
         return jd, FleetClient.from_job_dir(jd.path, timeout_s)

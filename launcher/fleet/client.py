@@ -144,13 +144,20 @@ class FleetClient:
             raise ValueError(f"job directory {jd.path}: no serving router (phase: {state.get('phase')})")
         url = state.get("fleet_url")
         if not url:
-            from launcher.gateways.kinds import GATEWAY_KINDS
+            from launcher.gateways.kinds import GATEWAY_KINDS, front_kind
 
+            if state.get("attached_to"):
+                raise ValueError(
+                    f"job directory {jd.path}: attached to standing fleet "
+                    f"{state['attached_to'].get('fleet')!r} as a plain consumer (no pause or refit; the "
+                    "fleet's spec names admin consumers under fleet.consumers)"
+                )
             kind = jd.read_spec().router.kind
-            having = " and ".join(name for name, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
+            having = ", ".join(name for name, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
+            why = front_kind(kind).no_fleet_routes_why
             raise ValueError(
                 f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (router.kind {having} "
-                "have them; rl-launch fleet reset-cache works for every front)"
+                "have them; rl-launch fleet reset-cache works for every front)" + (f": {why}" if why else "")
             )
         # A job on a standing fleet refits with its own consumer key, which the fleet's owner made an
         # admin consumer (fleet.consumers.<job>.admin); the driver records fleet_url only then.

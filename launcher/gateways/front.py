@@ -132,6 +132,9 @@ class FrontKind(Generic[S]):
     owns_engines: ClassVar[bool] = False
     """Whether the front starts, checks and replaces the engines itself (no engine hosts, no fleet
     controller; its ``view`` is the fleet view ``status`` shows)."""
+    no_fleet_routes_why: ClassVar[str] = ""
+    """For a kind without ``has_fleet_routes``: what its engines offer instead and why rl-launch does not
+    run the refit window through them (the refusal ``rl-launch fleet`` and the client give)."""
     serves_consumers: ClassVar[bool] = False
     """Whether the front can be a standing fleet's (``fleet:``): it checks the consumers' own keys, revokes
     them when their jobs end and shares its in-flight capacity fairly between them."""

@@ -57,6 +57,14 @@ class DynamoFront(FrontKind[DynamoRouterSection]):
     name = "dynamo"
     section = DynamoRouterSection
     gateway = "launcher.gateways.dynamo.gateway:DynamoGateway"
+    no_fleet_routes_why = (
+        "Dynamo 1.6's dynamo.vllm workers serve their own /engine/pause_generation, "
+        "/engine/update_weights_from_disk, /engine/set_weight_version and /engine/resume_generation (on each "
+        "worker's unauthenticated status server), but no checksum to verify a load by, and Dynamo's "
+        "frontend routes to every registered worker, so a worker whose load failed cannot be held out of "
+        "routing; dynamo.mocker serves none of these routes. Drive those routes yourself, or use "
+        "router.kind builtin, vllm-router or ray-serve for the refit window"
+    )
     engine_api = DYNAMO_API
     routes_to = "Dynamo workers"
 
@@ -70,7 +78,7 @@ class DynamoFront(FrontKind[DynamoRouterSection]):
                     "required with router.kind: dynamo on cluster: slurm: Dynamo's workers take requests "
                     "(TCP request plane) and /engine/* calls (system status server) from anyone on the "
                     "cluster network, with no authentication; set it to true on a network you trust "
-                    "(README, \"Behind Dynamo\"), or use another router.kind",
+                    '(README, "Behind Dynamo"), or use another router.kind',
                 )
             ]
         return []
