@@ -252,13 +252,13 @@ def submit_command(
     if dry_run and in_allocation:
         raise click.UsageError("--dry-run and --in-allocation exclude each other")
     resolved = _load(spec, overrides, attach_to=fleet)
+    if dry_run:
+        _print_dry_run(spec, resolved)
+        return
     if resolved.role == "fleet":
         raise click.ClickException(
             f"{spec}: a standing fleet spec (fleet:) is started with `rl-launch fleet up {spec}`"
         )
-    if dry_run:
-        _print_dry_run(spec, resolved)
-        return
     if resolved.cluster == "slurm":
         from launcher.slurm.commands import SlurmCommandMissing, require
 

@@ -26,6 +26,7 @@ from launcher.spec.resolved import (
     ResolvedFleet,
     ResolvedGeneration,
     ResolvedGym,
+    ResolvedRecord,
     ResolvedResources,
     ResolvedSlurm,
     ResolvedSpec,
@@ -36,6 +37,7 @@ from launcher.spec.schema import (
     FleetSection,
     GenerationSection,
     GymSection,
+    RecordSection,
     RoleSlurm,
     RouterSection,
     SlurmSection,
@@ -60,6 +62,7 @@ class JobSpec(Section):
     fleet: FleetSection | None = Field(
         default=None, description="makes this a standing fleet (rl-launch fleet up): generation only"
     )
+    record: RecordSection = Field(default_factory=RecordSection)
 
     _source: Path | None = PrivateAttr(default=None)
 
@@ -342,6 +345,16 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
         router=spec.router,
         gym=ResolvedGym(overlay=spec.gym.overlay, model_name=spec.gym.model_name or served),
         fleet=_resolve_fleet(spec.fleet, per_node * gen.nodes, gen) if spec.fleet is not None else None,
+        record=_resolve_record(spec.record),
+    )
+
+
+def _resolve_record(section: RecordSection) -> ResolvedRecord:
+    return ResolvedRecord(
+        enabled=section.enabled,
+        max_bytes=int(section.max_mb * (1 << 20)),
+        keep_files=section.keep_files,
+        text=section.text,
     )
 
 
@@ -418,4 +431,5 @@ def _resolve_attached(spec: JobSpec) -> ResolvedSpec:
         ),
         router=spec.router,
         gym=ResolvedGym(overlay=spec.gym.overlay, model_name=spec.gym.model_name or served),
+        record=_resolve_record(spec.record),
     )

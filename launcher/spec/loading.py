@@ -94,9 +94,7 @@ def parse_spec(
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
-        issues = [
-            issue_of(e, lines) for e in exc.errors(include_url=False)
-        ]
+        issues = [issue_of(e, lines) for e in exc.errors(include_url=False)]
         raise SpecError(source, issues) from None
     issues = [
         dataclasses.replace(i, line=line_for(lines, _path_loc(i.path))) if i.line is None else i

@@ -115,9 +115,7 @@ def _foreign(section: str, field: str, choice: _Choice) -> str | None:
         return None
     hints: dict[str, str] = getattr(choice.members[choice.chosen], "field_hints", {})
     hint = f" ({hints[field]})" if field in hints else ""
-    return (
-        f"only for {section}.{choice.key}: {' or '.join(owners)}, not {choice.chosen}; remove it{hint}"
-    )
+    return f"only for {section}.{choice.key}: {' or '.join(owners)}, not {choice.chosen}; remove it{hint}"
 
 
 def _show(value: Any) -> str:

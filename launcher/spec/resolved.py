@@ -113,6 +113,13 @@ class ResolvedFleet(_Resolved):
         return self.consumers.get(job_name) or ResolvedConsumer(weight=self.default_weight, admin=False)
 
 
+class ResolvedRecord(_Resolved):
+    enabled: bool
+    max_bytes: int
+    keep_files: int
+    text: bool
+
+
 class ResolvedGym(_Resolved):
     overlay: str
     model_name: str
@@ -134,6 +141,8 @@ class ResolvedSpec(_Resolved):
     generation: ResolvedGeneration
     router: ResolvedRouter
     gym: ResolvedGym
+    record: ResolvedRecord = ResolvedRecord(enabled=True, max_bytes=256 << 20, keep_files=4, text=False)
+    """The router's request record (``<job>/record``)."""
     fleet: ResolvedFleet | None = None
     """Set for a standing fleet (``rl-launch fleet up``): it runs no training (``training.nodes`` 0)."""
 

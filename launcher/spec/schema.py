@@ -297,6 +297,20 @@ class FleetSection(Section):
     )
 
 
+class RecordSection(Section):
+    """The router's request record (``router.record``): one JSONL line per generation request in
+    ``<job>/record``, for ``rl-launch status``'s tail view and ``rl-launch bench replay --trace``."""
+
+    enabled: bool = True
+    max_mb: float = Field(
+        default=256.0, gt=0, description="the record's size cap on disk, rotated files included"
+    )
+    keep_files: int = Field(default=4, ge=1, description="files the cap is split across (rotation)")
+    text: bool = Field(
+        default=False, description="also keep the prompt text (never by default: the job directory is shared)"
+    )
+
+
 class GymSection(Section):
     overlay: str = Field(
         default=DEFAULT_GYM_OVERLAY, description="where the driver writes Gym's config overlay"
