@@ -169,6 +169,8 @@ class Driver:
             self.state.update(timings=self.timings, torn_down=True)
             self.job.log_event("torn_down", f"teardown took {self.timings.get('teardown_s')} s")
         self.job.write_result(result)
+        if signame is None and outcome != "time limit":  # Slurm's SIGKILL may be seconds away otherwise
+            self._write_rollout_plots()
         self._say(f"{outcome}: {reason} (exit {code})")
         if self.ray is not None and not self.ray.disconnected:
             # ray.shutdown is stuck on a head Slurm took down; Ray's exit hook would wait on it again
@@ -184,6 +186,22 @@ class Driver:
         if isinstance(self.standing, StandingAttachment):
             return self.spec.gym.model_name or self.standing.record.served_model_name
         return self.spec.gym.model_name
+
+    def _write_rollout_plots(self) -> None:
+        """The step timeline and per-engine load of the job's own record (``launcher.status.rollout_plots``),
+        once the router has flushed it; a failure costs the plots, never the job's result."""
+        if not self.spec.record.enabled or self.spec.role == "attached":
+            return
+        from launcher.status.rollout_plots import write_job_plots
+        from launcher.status.rollouts import record_dir_of
+
+        try:
+            written = write_job_plots(record_dir_of(self.job.path), self.job.path / "plots")
+        except Exception as exc:
+            self._say(f"rollout plots not written: {exc!r}")
+            return
+        if written:
+            self._say(f"rollout plots: {', '.join(str(p) for p in written)}")
 
     def _say(self, message: str) -> None:
         line = f"[rl-launch {time.monotonic() - self.t0:6.1f}s] {message}"

@@ -49,6 +49,7 @@ from launcher.status.figures import (
     windowed_ratio,
 )
 from launcher.status.refit import fetch_refit, fetch_step, pause_view
+from launcher.status.rollouts import read_tail, record_dir_of, rollouts_view
 from launcher.status.samples import EngineSample, RouterSample, Scrape, canonical_url, fetch_metrics
 from launcher.status.standing import fetch_consumers, fetch_version
 from router.fleet.engine import EngineClient
@@ -203,6 +204,7 @@ class StatusCollector:
 
         refit = await self._refit_view(jd, router_url, fleet_url, router_got[0]) if scrape else None
         standing = await self._standing_view(jd, state, fleet_url, scrape)
+        rollouts = await self._rollouts_view(jd, state, refit, now) if jd is not None else None
         router = self._router_view(router_url, router_got, scrape)
         prev_router = self._prev_router
         cur_router: RouterSample | None = router.pop("_sample", None)
@@ -273,6 +275,7 @@ class StatusCollector:
             "cache_reset": jd.read_cache_reset() if jd is not None else None,
             "refit": refit,
             "standing": standing,
+            "rollouts": rollouts,
             "engines": engines,
             "engine_source": source,
             "fleet": fleet.figures if fleet is not None else None,
@@ -309,6 +312,21 @@ class StatusCollector:
         if pause is None and step is None and txn is None:
             return None
         return {"pause": pause, "step": step, "transaction": txn}
+
+    async def _rollouts_view(
+        self, jd: JobDir, state: dict[str, Any], refit: dict[str, Any] | None, now: float
+    ) -> dict[str, Any] | None:
+        """The current step's slowest sessions and timeline from the request record
+        (``launcher.status.rollouts``): since the trainer's last ``begin_step`` when there is one, else the
+        whole record's tail. A job on a standing fleet reads the fleet's record, its own requests only."""
+        step = (refit or {}).get("step") or {}
+        since = step.get("started_at") if isinstance(step, dict) else None
+        record_dir, consumer = record_dir_of(jd.path), None
+        attached = state.get("attached_to") or {}
+        if attached.get("job_dir"):
+            record_dir, consumer = record_dir_of(attached["job_dir"]), attached.get("consumer")
+        records = await asyncio.to_thread(read_tail, record_dir, since, consumer)
+        return rollouts_view(records, now)
 
     async def _standing_view(
         self, jd: JobDir | None, state: dict[str, Any], fleet_url: str | None, scrape: bool

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from launcher.status.refit import refit_line
+from launcher.status.rollouts import rollouts_text
 from launcher.status.standing import standing_text
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -414,6 +415,9 @@ def render_snapshot(
     refit_text = refit_line(refit.get("pause"), refit.get("step"), refit.get("transaction"))
     if refit_text is not None and refit_text.plain:
         parts.append(refit_text)
+    rollouts = rollouts_text(snap.get("rollouts"))
+    if rollouts is not None:
+        parts.append(rollouts)
     standing = standing_text(snap.get("standing"))
     if standing is not None:
         parts.append(standing)
