@@ -4,7 +4,9 @@ Why imitate Gym rather than write a "good" client: the router exists to serve *t
 replay keeps Gym's traits that matter for routing and for failure handling:
 
 * all sessions start at once (a rollout step launches every rollout together), turns are serial within a
-  session, and the whole conversation is resent every turn (no session state on the server side);
+  session, and the whole conversation is resent every turn (no session state on the server side); a
+  recorded step (``launcher.bench.recorded``) keeps its own pacing instead: each session starts at its
+  ``start_s`` and each turn waits its ``gap_s`` after the previous answer (the tool's time);
 * non-streaming ``POST {base}/chat/completions`` carrying Gym's extra fields (``logprobs``,
   ``top_logprobs: 0``, ``return_tokens_as_token_ids``);
 * with several base URLs each session is pinned by ``int(sha256(session_id).hexdigest()[:8], 16) % n``,
@@ -198,6 +200,8 @@ class ReplayClient:
         rec: SessionRecord,
         sem: asyncio.Semaphore | None,
     ) -> None:
+        if s.start_s > 0:  # a recorded arrival: wait outside the semaphore, holding no slot
+            await asyncio.sleep(max(0.0, s.start_s - self._now()))
         if sem is None:
             await self._session_body(http, trace, s, rec)
         else:
@@ -221,6 +225,8 @@ class ReplayClient:
         ]
         try:
             for k, turn in enumerate(s.turns):
+                if k > 0 and turn.gap_s > 0:
+                    await asyncio.sleep(turn.gap_s)
                 if k > 0:
                     # Tool results go back as a user message: a "tool" role would need a matching
                     # tool_call id in the previous assistant message, which plain-text replies lack.

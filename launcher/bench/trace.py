@@ -31,21 +31,29 @@ class Turn:
 
     ``tool_output`` is the user/tool message appended *before* this turn's request (the result of the
     tool call made in the previous reply); it is empty on turn 0, whose request is system + task only.
+    ``gap_s`` is how long the client waits after the previous answer before sending this turn (a
+    recorded step's tool and think time; 0 for generated workloads, whose tools answer at once).
     """
 
     tool_output: str
     max_tokens: int
+    gap_s: float = 0.0
 
 
 @dataclass(slots=True)
 class Session:
-    """One rollout: its id (what Gym pins on), its GRPO group, system-prompt key, task and turns."""
+    """One rollout: its id (what Gym pins on), its GRPO group, system-prompt key, task and turns.
+
+    ``start_s`` is when its first request is sent, in seconds after the step starts: 0 in a generated
+    workload (a rollout step launches every rollout together), the recorded arrival in a recorded one.
+    """
 
     id: str
     group: int
     system: str
     task: str
     turns: list[Turn]
+    start_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -75,9 +83,13 @@ class Trace:
             h.update(self.system_prompts[key].encode())
         for s in self.sessions:
             h.update(f"{s.id}|{s.group}|{s.system}|".encode())
+            if s.start_s:  # only when set: generated traces keep the fingerprints results quote
+                h.update(f"@{s.start_s!r}|".encode())
             h.update(s.task.encode())
             for t in s.turns:
                 h.update(f"|{t.max_tokens}|".encode())
+                if t.gap_s:
+                    h.update(f"+{t.gap_s!r}|".encode())
                 h.update(t.tool_output.encode())
         return h.hexdigest()[:16]
 
@@ -136,6 +148,13 @@ def trace_stats(trace: Trace) -> dict[str, Any]:
         "squeezed_sessions": trace.meta.get("squeezed_sessions"),
         "fingerprint": trace.fingerprint(),
     }
+    starts = [s.start_s for s in trace.sessions if s.start_s]
+    gaps = [t.gap_s for s in trace.sessions for t in s.turns if t.gap_s]
+    if starts:  # a recorded step: sessions arrive over time, turns wait for their tools
+        out["start_span_s"] = round(max(starts), 3)
+    if gaps:
+        out["gaps"] = len(gaps)
+        out["gap_s_total"] = round(sum(gaps), 3)
     short = np.array(["-short" in s.id for s in trace.sessions])
     if short.any() and (~short).any():
         out["short_sessions"] = int(short.sum())
@@ -155,8 +174,9 @@ def _open(path: Path, mode: str) -> io.BufferedIOBase:
 def save_trace(trace: Trace, path: str | Path) -> Path:
     """Write JSONL: one header line (workload parameters, system prompts once), then one line a session.
 
-    Turns are stored as ``[tool_output, max_tokens]`` pairs to keep the file small; a ``.gz`` suffix
-    compresses it (filler text compresses ~4x).
+    Turns are stored as ``[tool_output, max_tokens]`` pairs to keep the file small (``[tool_output,
+    max_tokens, gap_s]`` when the turn waits, and a session's ``start_s`` only when it is not 0, so
+    generated traces are written as before); a ``.gz`` suffix compresses it (filler text compresses ~4x).
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -173,13 +193,18 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
     with _open(p, "w") as f:
         f.write(orjson.dumps(header) + b"\n")
         for s in trace.sessions:
-            rec = {
+            rec: dict[str, Any] = {
                 "id": s.id,
                 "group": s.group,
                 "system": s.system,
                 "task": s.task,
-                "turns": [[t.tool_output, t.max_tokens] for t in s.turns],
+                "turns": [
+                    [t.tool_output, t.max_tokens, t.gap_s] if t.gap_s else [t.tool_output, t.max_tokens]
+                    for t in s.turns
+                ],
             }
+            if s.start_s:
+                rec["start_s"] = s.start_s
             f.write(orjson.dumps(rec) + b"\n")
     return p
 
@@ -204,7 +229,8 @@ def load_trace(path: str | Path) -> Trace:
                 group=int(rec["group"]),
                 system=rec["system"],
                 task=rec["task"],
-                turns=[Turn(str(t[0]), int(t[1])) for t in rec["turns"]],
+                turns=[Turn(str(t[0]), int(t[1]), float(t[2]) if len(t) > 2 else 0.0) for t in rec["turns"]],
+                start_s=float(rec.get("start_s") or 0.0),
             )
         )
     return Trace(

@@ -156,11 +156,15 @@ async def _replay(
 
     async def session(s: Session) -> None:
         nonlocal moves
+        if s.start_s > 0:  # a recorded step's arrivals and tool times, on the virtual clock
+            await asyncio.sleep(s.start_s)
         messages: list[dict[str, str]] = [
             {"role": "system", "content": trace.system_prompt(s)},
             {"role": "user", "content": s.task},
         ]
         for k, turn in enumerate(s.turns):
+            if k > 0 and turn.gap_s > 0:
+                await asyncio.sleep(turn.gap_s)
             if k > 0:
                 messages.append({"role": "user", "content": turn.tool_output})
             body = orjson.dumps(gym_chat_payload(config.model_name, messages, turn.max_tokens))
