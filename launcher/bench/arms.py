@@ -20,7 +20,8 @@ from typing import Any
 import aiohttp
 
 from launcher.bench.client import ClientConfig, ReplayClient, ReplayResult, SessionRecord
-from launcher.bench.metrics import deltas, scrape
+from launcher.bench.cpu import CpuWatch
+from launcher.bench.metrics import deltas, sample_load, scrape
 from launcher.bench.report import summarize
 from launcher.bench.trace import Trace
 from launcher.gateways.kinds import GATEWAY_KINDS
@@ -78,13 +79,25 @@ def front_for(
 
 @dataclass(slots=True)
 class ArmOutcome:
-    """One arm's summary row plus what the plot needs."""
+    """One arm's summary row plus what the plots need: session end times, and (when sampled) each
+    engine's requests over time as ``(seconds since the arm started, [per engine])``."""
 
     arm: str
     row: dict[str, Any]
     timeline: list[float]
     n_sessions: int
     result: ReplayResult = field(repr=False)
+    engine_load: list[tuple[float, list[float | None]]] = field(default_factory=list, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """What an arm observes beside the replay: ``in_process`` (the client's process also runs the fleet
+    and the router, so its CPU warning says so) and ``sample_s`` (scrape each engine's load this often
+    for the per-engine plot; 0: never, so a run that draws no plot adds no traffic)."""
+
+    in_process: bool = False
+    sample_s: float = 0.0
 
 
 def _v1(url: str) -> str:
@@ -126,16 +139,28 @@ async def run_arm_async(
     *,
     policy: str | None = None,
     on_session_end: Callable[[SessionRecord], None] | None = None,
+    watch: Watch = Watch(),
 ) -> ArmOutcome:
     """Scrape engine counters, replay, scrape again; the row's hit rate and load are the deltas.
 
     ``client_urls`` are what Gym is given (the engines for ``direct``, the router otherwise); they and
-    ``engine_urls`` may be given with or without ``/v1``.
+    ``engine_urls`` may be given with or without ``/v1``. The row's ``cpu`` is what every process of
+    this replay used during it (``launcher.bench.cpu``), its ``warnings`` what may have decided its times.
     """
     engines = [_root(u) for u in engine_urls]
     before = await scrape(engines, api_key=config.api_key) if engines else []
     client = ReplayClient([_v1(u) for u in client_urls], config, on_session_end)
-    result = await client.run(trace)
+    stop = asyncio.Event()
+    sampler = None
+    if watch.sample_s > 0 and engines:
+        sampler = asyncio.create_task(sample_load(engines, watch.sample_s, stop, api_key=config.api_key))
+    cpu = CpuWatch(in_process=watch.in_process).start()
+    try:
+        result = await client.run(trace)
+    finally:
+        used = cpu.stop()
+        stop.set()
+        samples = await sampler if sampler is not None else []
     after = await scrape(engines, api_key=config.api_key) if engines else []
     client_counts = None
     if arm == DIRECT or len(client_urls) > 1:
@@ -149,7 +174,10 @@ async def run_arm_async(
         engine_urls=engines,
         client_engine_counts=client_counts,
     )
-    return ArmOutcome(arm, row, result.completion_times(), len(trace.sessions), result)
+    row["cpu"] = used
+    row["warnings"] = used["warnings"]
+    load = [(t - result.started_at, v) for t, v in samples]
+    return ArmOutcome(arm, row, result.completion_times(), len(trace.sessions), result, load)
 
 
 def run_direct(
@@ -159,11 +187,19 @@ def run_direct(
     *,
     arm: str = DIRECT,
     on_session_end: Callable[[SessionRecord], None] | None = None,
+    watch: Watch = Watch(),
 ) -> ArmOutcome:
     """Gym given the engine list itself: sessions pinned by sha256, no router in the path."""
     return asyncio.run(
         run_arm_async(
-            arm, trace, engine_urls, engine_urls, config, policy=DIRECT, on_session_end=on_session_end
+            arm,
+            trace,
+            engine_urls,
+            engine_urls,
+            config,
+            policy=DIRECT,
+            on_session_end=on_session_end,
+            watch=watch,
         )
     )
 
@@ -176,6 +212,7 @@ def run_url(
     engine_urls: Sequence[str] | None = None,
     arm: str = "router",
     on_session_end: Callable[[SessionRecord], None] | None = None,
+    watch: Watch = Watch(),
 ) -> ArmOutcome:
     """Gym given one router URL. Engines for the metrics come from ``engine_urls`` or the router's
     ``GET /workers``; without either, hit rate and per-engine load are left empty."""
@@ -183,7 +220,7 @@ def run_url(
     async def go() -> ArmOutcome:
         engines = list(engine_urls or []) or await router_workers(url, token=config.api_key)
         return await run_arm_async(
-            arm, trace, [url], engines, config, policy=arm, on_session_end=on_session_end
+            arm, trace, [url], engines, config, policy=arm, on_session_end=on_session_end, watch=watch
         )
 
     return asyncio.run(go())
@@ -208,9 +245,10 @@ def sim_fleet(
 
     ``sim_options`` are ``SimConfig`` fields (``speed``, ``num_gpu_blocks``, ...); the simulator rejects
     an unknown one rather than ignore it, since a silently dropped knob would change what is measured.
-    In-process (default) the fleet runs on a background thread of this process; with ``process`` it
-    runs in a child process (``python -m launcher.engines.sim``), so the engines' CPU time does not
-    compete with the client and the router for this process's GIL, at the cost of a slower start.
+    In-process the fleet runs on a background thread of this process; with ``process`` it runs in a
+    child process (``python -m launcher.engines.sim``), so the engines' CPU time does not compete with
+    the client and the router for this process's GIL, at the cost of a slower start. The replay's
+    default is the child process (``run_compare``); in-process is for tests and debugging.
     """
     if process:
         import time
@@ -323,12 +361,18 @@ def run_compare(
     *,
     sim_options: Mapping[str, Any] | None = None,
     router_options: Mapping[str, Any] | None = None,
-    sim_process: bool = False,
+    sim_process: bool = True,
     on_arm_start: Callable[[str], None] | None = None,
     on_session_end: Callable[[SessionRecord], None] | None = None,
+    sample_s: float = 0.0,
 ) -> list[ArmOutcome]:
-    """Each arm back to back on its own cold simulated fleet (and its own router unless ``direct``)."""
+    """Each arm back to back on its own cold simulated fleet (and its own router unless ``direct``).
+
+    ``sim_process`` (the default) runs each fleet and each router in child processes: in this process
+    they would share the replay client's GIL (and, on few cores, its CPU), and an arm would measure the
+    harness as much as the router (see ``launcher.bench.cpu``). ``sample_s``: see ``Watch``."""
     validate_arms(arms)
+    watch = Watch(in_process=not sim_process, sample_s=sample_s)
     outcomes: list[ArmOutcome] = []
     for arm in arms:
         if on_arm_start is not None:
@@ -337,15 +381,31 @@ def run_compare(
         if front_of(arm) is not None:
             with front_for(arm, n_engines, sim_options, sim_process) as (url, engines):
                 outcomes.append(
-                    run_url(trace, url, cfg, engine_urls=engines, arm=arm, on_session_end=on_session_end)
+                    run_url(
+                        trace,
+                        url,
+                        cfg,
+                        engine_urls=engines,
+                        arm=arm,
+                        on_session_end=on_session_end,
+                        watch=Watch(sample_s=sample_s),  # another front: its own processes
+                    )
                 )
             continue
         with sim_fleet(n_engines, sim_options, process=sim_process) as engines:
             if arm == DIRECT:
-                outcomes.append(run_direct(trace, engines, cfg, on_session_end=on_session_end))
+                outcomes.append(run_direct(trace, engines, cfg, on_session_end=on_session_end, watch=watch))
             else:
                 with router_for(engines, arm, router_options, process=sim_process) as url:
                     outcomes.append(
-                        run_url(trace, url, cfg, engine_urls=engines, arm=arm, on_session_end=on_session_end)
+                        run_url(
+                            trace,
+                            url,
+                            cfg,
+                            engine_urls=engines,
+                            arm=arm,
+                            on_session_end=on_session_end,
+                            watch=watch,
+                        )
                     )
     return outcomes

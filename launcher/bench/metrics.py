@@ -9,6 +9,9 @@ whatever the engine did before (warm-up, an earlier arm on a shared fleet).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import Sequence
 
 from router.fleet.engine import EngineClient
@@ -58,3 +61,32 @@ def deltas(
         else:
             out.append({k: a[k] - b.get(k, 0.0) for k in a})
     return out
+
+
+LOAD_GAUGES: tuple[str, ...] = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+async def sample_load(
+    engine_urls: Sequence[str],
+    interval_s: float,
+    stop: asyncio.Event,
+    api_key: str | None = None,
+) -> list[tuple[float, list[float | None]]]:
+    """``(epoch seconds, requests on each engine)`` every ``interval_s`` until ``stop`` is set: running
+    plus waiting, the engines' own gauges, for the per-engine load plot. Only the engines can say this
+    for a router's arm (the client does not know where the router sent each request); one scrape of
+    each engine a second is far below what the measured traffic costs them."""
+    urls = [u.rstrip("/") for u in engine_urls]
+    samples: list[tuple[float, list[float | None]]] = []
+    async with EngineClient.open(api_key, max(1.0, 2 * interval_s)) as engines:
+        while not stop.is_set():
+            t = time.time()
+            got = await engines.each(urls, EngineClient.metrics_text)
+            loads: list[float | None] = []
+            for r in got:
+                m = None if r.value is None else parse_prometheus(r.value, LOAD_GAUGES)
+                loads.append(None if not m else sum(m.values()))
+            samples.append((t, loads))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.time() - t)))
+    return samples

@@ -14,9 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.bench.arms import DIRECT, ArmOutcome, run_compare, run_direct, run_url
+from launcher.bench.arms import DIRECT, ArmOutcome, Watch, run_compare, run_direct, run_url
 from launcher.bench.client import ClientConfig, SessionRecord
-from launcher.bench.report import default_paths, render_table, write_csv, write_json, write_png
+from launcher.bench.cpu import cpu_line
+from launcher.bench.recorded import RecordedStep
+from launcher.bench.report import (
+    default_paths,
+    render_table,
+    write_csv,
+    write_engines_png,
+    write_json,
+    write_png,
+    write_timeline_png,
+)
 from launcher.bench.trace import Trace
 
 DEFAULT_RESULTS_DIR = "bench/results"
@@ -52,7 +62,10 @@ class ReplayPlan:
     """What one ``bench replay`` runs: the arms, against what, with which client (recorded in its JSON).
 
     Against a running router (``url``: one arm, ``label``), running engines (``engine_urls``: the direct
-    arm, or each of ``arms`` through a fresh router) or fresh simulated fleets of ``engines`` each."""
+    arm, or each of ``arms`` through a fresh router) or fresh simulated fleets of ``engines`` each.
+    ``sim_process`` (default) runs those fleets and routers in child processes, so an arm measures the
+    router and not the replay client's share of one process; False is for debugging. ``sample_s``: how
+    often each engine's load is read for the per-engine plot (0: not drawn, not read)."""
 
     client: ClientConfig
     url: str | None = None
@@ -62,8 +75,9 @@ class ReplayPlan:
     engines: int = 8
     repeats: int = 1
     sim_options: dict[str, Any] = field(default_factory=dict)
-    sim_process: bool = False
+    sim_process: bool = True
     router_options: dict[str, Any] = field(default_factory=dict)
+    sample_s: float = 0.0
 
     def run_config(self, trace_file: Path | None, refit: dict[str, Any] | None) -> dict[str, Any]:
         """The ``config`` of the JSON report."""
@@ -78,6 +92,7 @@ class ReplayPlan:
             "sim_options": self.sim_options,
             "sim_process": self.sim_process,
             "router_options": self.router_options,
+            "load_sample_s": self.sample_s or None,
             "client": {
                 "model": c.model or None,
                 "max_concurrent": c.max_concurrent,
@@ -97,6 +112,7 @@ def run_arms(
 ) -> list[ArmOutcome]:
     """The arms, ``repeats`` times over (interleaved, so drift hits every arm alike)."""
     config, engine_urls, arm_list = plan.client, plan.engine_urls, plan.arms
+    watch = Watch(sample_s=plan.sample_s)  # the client's process runs nothing else here
     outcomes: list[ArmOutcome] = []
     with progress:
         for rep in range(plan.repeats):
@@ -110,13 +126,18 @@ def run_arms(
                         engine_urls=engine_urls or None,
                         arm=plan.label,
                         on_session_end=on_session_end,
+                        watch=watch,
                     )
                 ]
             elif engine_urls and arm_list in ([], [DIRECT]):
                 on_arm_start(DIRECT)
                 got = [
                     run_direct(
-                        trace, list(engine_urls), dataclasses.replace(config), on_session_end=on_session_end
+                        trace,
+                        list(engine_urls),
+                        dataclasses.replace(config),
+                        on_session_end=on_session_end,
+                        watch=watch,
                     )
                 ]
             elif engine_urls:
@@ -131,6 +152,8 @@ def run_arms(
                     plan.router_options,
                     on_arm_start,
                     on_session_end,
+                    process=plan.sim_process,
+                    sample_s=plan.sample_s,
                 )
             else:
                 got = run_compare(
@@ -143,6 +166,7 @@ def run_arms(
                     sim_process=plan.sim_process,
                     on_arm_start=on_arm_start,
                     on_session_end=on_session_end,
+                    sample_s=plan.sample_s,
                 )
             for o in got:
                 o.row["repeat"] = rep
@@ -165,11 +189,17 @@ def write_outputs(
     csv_path: Path | None,
     png_path: Path | None,
     console: Any,
+    recorded: RecordedStep | None = None,
 ) -> list[dict[str, Any]]:
-    """JSON, CSV and PNG (default paths under ``results_dir``), then the table on stdout."""
+    """JSON, CSV and PNG (default paths under ``results_dir``), then the table on stdout, then what the
+    CPU did during each arm and a WARNING for whatever may have set an arm's times instead of the
+    routing. An explicit ``png_path`` also draws the step's timeline (requests in flight, sessions
+    finished) and each engine's load over time beside it (``<stem>-timeline.png``, ``-engines.png``),
+    with the recorded step's own lines when the trace came from a record."""
     from rich.console import Console
 
     rows = [o.row for o in outcomes]
+    plots = png_path is not None
     if run_config["engines"] is None:  # --url: as many as the router's /workers listed
         run_config["engines"] = next((r["engines"] for r in rows if r.get("engines")), None)
     paths = default_paths(results_dir, trace.workload)
@@ -179,16 +209,41 @@ def write_outputs(
         png_path or paths["png"],
     )
     timelines = {o.arm: o.timeline for o in outcomes}
-    write_json(json_path, rows, trace_stats=stats, config=run_config, timelines=timelines)
+    warnings = [f"{o.arm}: {w}" for o in outcomes for w in o.row.get("warnings") or []]
+    extra: dict[str, Any] = {"warnings": warnings}
+    if recorded is not None:
+        extra["record"] = recorded.to_json()
+    if plots:
+        extra["engine_load"] = {o.arm: o.engine_load for o in outcomes}
+    write_json(json_path, rows, trace_stats=stats, config=run_config, timelines=timelines, extra=extra)
     write_csv(csv_path, rows)
-    title = f"{trace.workload} scale={trace.scale} seed={trace.seed}, {run_config['engines']} engines"
-    write_png(png_path, timelines, {o.arm: o.n_sessions for o in outcomes}, title)
+    if trace.workload.startswith("recorded"):
+        title = f"{trace.workload}, {run_config['engines']} engines"
+    else:
+        title = f"{trace.workload} scale={trace.scale} seed={trace.seed}, {run_config['engines']} engines"
+    written = [write_png(png_path, timelines, {o.arm: o.n_sessions for o in outcomes}, title)]
+    if plots:
+        written.append(write_timeline_png(_beside(png_path, "timeline"), outcomes, title, recorded))
+        written.append(write_engines_png(_beside(png_path, "engines"), outcomes, title, recorded))
     out = Console()
     if not out.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
         out = Console(width=160)
+    if recorded is not None:
+        for line in recorded.summary_lines():
+            out.print(line, markup=False, highlight=False)
     out.print(render_table(rows, title=f"rollout replay: {title}"))
-    console.print(f"wrote {json_path}, {csv_path}, {png_path}")
+    for o in outcomes:
+        if o.row.get("cpu"):
+            out.print(cpu_line(o.arm, o.row["cpu"]), markup=False, highlight=False)
+    for w in warnings:
+        out.print(f"WARNING {w}", markup=False, highlight=False, style="bold yellow")
+    console.print(f"wrote {json_path}, {csv_path}, {', '.join(str(p) for p in written)}")
     return rows
+
+
+def _beside(png: Path, what: str) -> Path:
+    """``out.png`` -> ``out-<what>.png``: the extra plots sit next to the one asked for."""
+    return png.with_name(f"{png.stem}-{what}{png.suffix or '.png'}")
 
 
 def compare_on_engines(
@@ -199,20 +254,33 @@ def compare_on_engines(
     router_options: dict[str, Any],
     on_arm_start: Any,
     on_session_end: Any,
+    *,
+    process: bool = True,
+    sample_s: float = 0.0,
 ) -> list[ArmOutcome]:
-    """Arms against engines someone else runs: a fresh router per policy arm, same engines throughout."""
+    """Arms against engines someone else runs: a fresh router per policy arm, same engines throughout
+    (in a child process unless ``process`` is False, as in ``run_compare``)."""
     from launcher.bench.arms import router_for
 
+    watch = Watch(in_process=not process, sample_s=sample_s)
     out: list[ArmOutcome] = []
     for arm in arms:
         on_arm_start(arm)
         cfg = dataclasses.replace(config)
         if arm == DIRECT:
-            out.append(run_direct(trace, engine_urls, cfg, on_session_end=on_session_end))
+            out.append(run_direct(trace, engine_urls, cfg, on_session_end=on_session_end, watch=watch))
         else:
-            with router_for(engine_urls, arm, router_options) as rurl:
+            with router_for(engine_urls, arm, router_options, process=process) as rurl:
                 out.append(
-                    run_url(trace, rurl, cfg, engine_urls=engine_urls, arm=arm, on_session_end=on_session_end)
+                    run_url(
+                        trace,
+                        rurl,
+                        cfg,
+                        engine_urls=engine_urls,
+                        arm=arm,
+                        on_session_end=on_session_end,
+                        watch=watch,
+                    )
                 )
     return out
 

@@ -58,6 +58,11 @@ CSV_COLUMNS: tuple[str, ...] = (
     "latency_p99_s",
     "prompt_tokens",
     "completion_tokens",
+    "cpu_client",
+    "cpu_router",
+    "cpu_fleet",
+    "load_avg",
+    "warnings",
 )
 
 
@@ -220,8 +225,10 @@ def write_json(
     trace_stats: Mapping[str, Any] | None = None,
     config: Mapping[str, Any] | None = None,
     timelines: Mapping[str, Sequence[float]] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """``{"rows": [...], "trace": {...}, "config": {...}, "timelines": {arm: [end times]}}``."""
+    """``{"rows": [...], "trace": {...}, "config": {...}, "timelines": {arm: [end times]}}``, plus
+    ``extra``'s keys (the run's ``warnings``, the ``record`` a trace came from, ``engine_load``)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -231,6 +238,7 @@ def write_json(
         "trace": dict(trace_stats or {}),
         "config": dict(config or {}),
         "timelines": {k: [round(float(t), 4) for t in v] for k, v in (timelines or {}).items()},
+        **dict(extra or {}),
     }
     p.write_text(json.dumps(doc, indent=1) + "\n")
     return p
@@ -246,6 +254,11 @@ def write_csv(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> Path:
         for r in rows:
             out = {k: r.get(k) for k in CSV_COLUMNS}
             out["engine_requests"] = ";".join(str(x) for x in (r.get("engine_requests") or []))
+            cpu = r.get("cpu") or {}
+            for role in ("client", "router", "fleet"):
+                out[f"cpu_{role}"] = (cpu.get("processes") or {}).get(role, {}).get("cores")
+            out["load_avg"] = cpu.get("load_avg")
+            out["warnings"] = " | ".join(r.get("warnings") or []) or None
             w.writerow({k: "" if v is None else v for k, v in out.items()})
     return p
 
@@ -278,6 +291,115 @@ def write_png(
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
+        fig.tight_layout()
+        fig.savefig(p)
+    finally:
+        plt.close(fig)
+    return p
+
+
+def _steps(intervals: Sequence[tuple[float, float]]) -> tuple[list[float], list[int]]:
+    """How many of ``intervals`` (start, end) are open over time, as step-plot points."""
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    xs, ys, cur = [0.0], [0], 0
+    for t, d in events:
+        cur += d
+        xs.append(t)
+        ys.append(cur)
+    return xs, ys
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_timeline_png(path: str | Path, outcomes: Sequence[Any], title: str, recorded: Any = None) -> Path:
+    """The step's timeline, one line per arm (and the recorded step's, dashed, when replaying a
+    record): requests in flight at the client over time, and sessions finished over time. Where the
+    recorded line and an arm's part is where the replay did not reproduce the step (or the policy
+    changed it)."""
+    plt = _plt()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), dpi=110, sharex=True)
+    try:
+        if recorded is not None:
+            xs, ys = _steps([(a, b) for a, b, _ in recorded.requests])
+            top.step(xs, ys, where="post", color="black", ls="--", lw=1, label="recorded")
+            ends = sorted(recorded.session_ends)
+            bottom.step([0.0, *ends], list(range(len(ends) + 1)), where="post", color="black", ls="--", lw=1)
+        for o in outcomes:
+            reqs = [(r.start_s, r.start_s + r.latency_s) for r in o.result.requests]
+            xs, ys = _steps(reqs)
+            top.step(xs, ys, where="post", lw=1, label=o.arm)
+            ends = sorted(o.timeline)
+            bottom.step([0.0, *ends], list(range(len(ends) + 1)), where="post", lw=1, label=o.arm)
+        top.set_ylabel("requests in flight")
+        top.set_title(title)
+        top.grid(alpha=0.3)
+        top.legend(loc="upper right")
+        bottom.set_ylabel("sessions finished")
+        bottom.set_xlabel("seconds since the step started")
+        bottom.set_xlim(left=0)
+        bottom.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(p)
+    finally:
+        plt.close(fig)
+    return p
+
+
+def write_engines_png(path: str | Path, outcomes: Sequence[Any], title: str, recorded: Any = None) -> Path:
+    """Each engine's load over time (requests running + waiting, read from the engines every sample
+    interval), one panel per arm, one line per engine; the recorded step's panel first when the record
+    names the engines. A hot spot is one line far above the others."""
+    plt = _plt()
+    panels: list[tuple[str, list[float], list[list[float]]]] = []
+    if recorded is not None and any(e for _, _, e in recorded.requests):
+        names = sorted({e for _, _, e in recorded.requests if e})
+        end = max((b for _, b, _ in recorded.requests), default=0.0)
+        grid = np.linspace(0.0, end, 401)
+        per = []
+        for name in names:
+            starts = np.sort([a for a, _, e in recorded.requests if e == name])
+            ends = np.sort([b for _, b, e in recorded.requests if e == name])
+            open_ = np.searchsorted(starts, grid, "right") - np.searchsorted(ends, grid, "right")
+            per.append(open_.astype(float).tolist())
+        panels.append(("recorded", grid.tolist(), per))
+    for o in outcomes:
+        samples = o.engine_load
+        ts = [t for t, _ in samples]
+        n = max((len(v) for _, v in samples), default=0)
+        per = [[float(v[i] or 0.0) if i < len(v) else 0.0 for _, v in samples] for i in range(n)]
+        panels.append((o.arm, ts, per))
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(
+        max(1, len(panels)),
+        1,
+        figsize=(9, 2.2 * max(1, len(panels)) + 0.8),
+        dpi=110,
+        sharex=True,
+        squeeze=False,
+    )
+    try:
+        for ax, (name, ts, per) in zip(axes[:, 0], panels, strict=False):
+            if not ts:
+                ax.text(
+                    0.5, 0.5, "no engine load read (no engine metrics)", ha="center", transform=ax.transAxes
+                )
+            for i, ys in enumerate(per):
+                ax.plot(ts, ys, lw=0.8, label=f"engine {i}" if name != "recorded" else None)
+            ax.set_ylabel(f"{name}\nrequests")
+            ax.grid(alpha=0.3)
+        axes[0, 0].set_title(f"{title}: requests on each engine")
+        axes[-1, 0].set_xlabel("seconds since the step started")
+        axes[-1, 0].set_xlim(left=0)
         fig.tight_layout()
         fig.savefig(p)
     finally:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 
 from launcher.bench.arms import DIRECT, front_of, validate_arms
 from launcher.bench.client import ClientConfig, RetryPolicy
+from launcher.bench.recorded import RecordedStep, load_recorded, resolve_trace_source
 from launcher.bench.replay import (
     DEFAULT_RESULTS_DIR,
     ReplayPlan,
@@ -27,6 +29,15 @@ from launcher.bench.replay import (
 )
 from launcher.bench.trace import Trace, load_trace, save_trace, trace_stats
 from launcher.bench.workload import MAX_TOKENS, WORKLOADS, generate
+from launcher.cli.options import root_option
+
+if TYPE_CHECKING:
+    from launcher.engines.sim.config import SimConfig
+
+WORKLOAD_OPTIONS = ("workload", "seed", "scale", "group_size", "turn_scale", "max_tokens")
+"""The options that define a generated trace: given with ``--trace`` they would be silently ignored."""
+LOAD_SAMPLE_S = 0.25
+"""How often each engine's load is read for ``--png``'s per-engine plot."""
 
 
 def _workload_options(f: Any) -> Any:
@@ -82,6 +93,62 @@ def _kv(pairs: tuple[str, ...], what: str) -> dict[str, Any]:
     return out
 
 
+def _trace_option(f: Any) -> Any:
+    """``--trace JOB_OR_FILE`` and what it needs (``--root``, ``--infer-sessions``), for ``replay`` and
+    ``virtual`` alike."""
+    opts = [
+        click.option(
+            "--trace",
+            "trace_arg",
+            metavar="JOB_OR_FILE",
+            default=None,
+            help="Replay this instead of a generated workload: a saved trace (bench trace --out), a job "
+            "(directory, or name/id under --root) whose router recorded its requests, a record "
+            "directory or one record file. Not with --workload.",
+        ),
+        root_option,
+        click.option(
+            "--infer-sessions",
+            is_flag=True,
+            help="Records without a session (Gym sends no session header): join each to the "
+            "conversation whose previous prompt it extends, instead of replaying it as a one-turn session.",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _load_trace_arg(
+    trace_arg: str, root: Path, infer_sessions: bool
+) -> tuple[Trace, RecordedStep | None, Path]:
+    """The trace ``--trace`` names, the record it was built from (None for a saved trace), and its path.
+    What cannot be found or read is the command's one-line error."""
+    from launcher.jobdir.lookup import JobNotFound
+
+    ctx = click.get_current_context()
+    given = [
+        "--" + name.replace("_", "-")
+        for name in WORKLOAD_OPTIONS
+        if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+    ]
+    if given:
+        raise click.UsageError(
+            f"--trace replays the requests it names; {', '.join(given)} define a generated workload "
+            "(give one or the other)"
+        )
+    try:
+        kind, path = resolve_trace_source(trace_arg, root)
+        if kind == "trace":
+            return load_trace(path), None, path
+        step = load_recorded(path, infer_sessions=infer_sessions)
+    except JobNotFound as exc:
+        raise click.ClickException(f"--trace: {exc}") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise click.ClickException(f"--trace {trace_arg}: {exc}") from None
+    return step.trace, step, path
+
+
 @click.group("bench")
 def bench_group() -> None:
     """Benchmarks: replay an RL rollout step (Gym-like client) against engines and routers."""
@@ -108,12 +175,7 @@ def trace_command(
 @bench_group.command("replay")
 @_workload_options
 @click.argument("arms", nargs=-1)
-@click.option(
-    "--trace",
-    "trace_file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Replay this saved trace instead of generating one.",
-)
+@_trace_option
 @click.option(
     "--compare",
     is_flag=True,
@@ -136,10 +198,12 @@ def trace_command(
 )
 @click.option("--sim-speed", type=float, default=None, help="Simulator speed factor (passed as speed=).")
 @click.option(
-    "--sim-process",
-    is_flag=True,
-    help="Run each simulated fleet and each router in child processes (keeps their CPU off the "
-    "client's GIL, as in production).",
+    "--sim-process/--sim-in-process",
+    default=True,
+    show_default=True,
+    help="Run each simulated fleet and each router in child processes (the default: in the client's "
+    "process they share its GIL, and on few cores its CPU, and an arm measures the harness). "
+    "--sim-in-process is for debugging; its figures do not compare routers.",
 )
 @click.option("--sim-opt", multiple=True, help="Extra simulator option KEY=VALUE (repeatable).")
 @click.option("--router-opt", multiple=True, help="Extra RouterConfig field KEY=VALUE (repeatable).")
@@ -219,7 +283,9 @@ def replay_command(
     turn_scale: float,
     max_tokens: int,
     arms: tuple[str, ...],
-    trace_file: Path | None,
+    trace_arg: str | None,
+    root: Path,
+    infer_sessions: bool,
     compare: bool,
     url: str | None,
     label: str,
@@ -252,9 +318,16 @@ def replay_command(
     \b
     Modes:
       --compare ARM...        each arm on a fresh simulated fleet of --engines (arms: direct,
-                              round_robin, least_outstanding, consistent_hash, cache_aware)
+                              round_robin, least_outstanding, consistent_hash, cache_aware, and
+                              the other fronts' arms: vllm-router[:POLICY], ray-serve[:POLICY]...)
       --url URL               one arm against a running router (engines from --engine-url or /workers)
       --engine-url U [...]    direct arm against running engines (or ARMS, each via a fresh router)
+
+    \b
+    --trace JOB replays what a job's router recorded (its sessions, arrivals, prompt and answer
+    lengths and shared prefixes) against any of these; the report says what the record skipped.
+    Each arm reports the CPU its processes used and warns when they, or the machine's load, may
+    have set its times instead of the routing.
     """
     from rich.console import Console
 
@@ -272,11 +345,12 @@ def replay_command(
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="ARMS") from None
 
-    trace: Trace = (
-        load_trace(trace_file)
-        if trace_file
-        else generate(workload, seed, scale, group_size, turn_scale=turn_scale, max_tokens=max_tokens)
-    )
+    recorded: RecordedStep | None = None
+    trace_file: Path | None = None
+    if trace_arg:
+        trace, recorded, trace_file = _load_trace_arg(trace_arg, root, infer_sessions)
+    else:
+        trace = generate(workload, seed, scale, group_size, turn_scale=turn_scale, max_tokens=max_tokens)
     stats = trace_stats(trace)
     console.print(
         f"[bold]trace[/] {stats['workload']} seed={stats['seed']} scale={stats['scale']}: "
@@ -311,7 +385,13 @@ def replay_command(
         sim_options=sim_options,
         sim_process=sim_process,
         router_options=router_options,
+        sample_s=LOAD_SAMPLE_S if png_path is not None else 0.0,
     )
+    if not sim_process:
+        console.print(
+            "[yellow]note:[/] --sim-in-process: the fleet and the routers share this process (and its "
+            "GIL) with the client; figures measure the harness too, and do not compare routers"
+        )
     progress, on_arm_start, on_session_end = progress_bar(console, len(trace.sessions), quiet)
     refit = None
     if refit_at is not None:
@@ -342,6 +422,7 @@ def replay_command(
         csv_path,
         png_path,
         console,
+        recorded=recorded,
     )
     if refit_result is not None and not refit_result.get("ok"):
         console.print(f"[red]the mid-step refit failed:[/] {refit_result.get('error')}")
@@ -354,6 +435,7 @@ def replay_command(
 @bench_group.command("virtual")
 @_workload_options
 @click.argument("arms", nargs=-1)
+@_trace_option
 @click.option("--compare", is_flag=True, help="Accepted for symmetry with `replay`: the ARMS are compared.")
 @click.option("--seeds", default=None, help="Comma-separated trace seeds to average over (default: --seed).")
 @click.option("--engines", type=click.IntRange(min=1), default=8, show_default=True)
@@ -372,6 +454,9 @@ def virtual_command(
     turn_scale: float,
     max_tokens: int,
     arms: tuple[str, ...],
+    trace_arg: str | None,
+    root: Path,
+    infer_sessions: bool,
     compare: bool,
     seeds: str | None,
     engines: int,
@@ -383,6 +468,8 @@ def virtual_command(
 
     No sockets and no sleeping, so a full longtail step takes seconds of CPU and the figures do not move
     between runs: for comparing policies. Times are modelled seconds at speed 1. Confirm with `replay`.
+    --trace replays a saved trace or a job's recorded step (its arrivals and tool gaps on the virtual
+    clock) instead of generated ones.
     """
     from launcher.bench.virtual import ORACLE, compare_virtual_seeds, mean_lines, mean_rows, seed_line
     from launcher.engines.sim.config import SimConfig
@@ -403,6 +490,10 @@ def virtual_command(
             f"{', '.join(fronts)}: virtual time replays the router's own policies only; compare other "
             "fronts with rl-launch bench replay --compare",
             param_hint="ARMS/--compare",
+        )
+    if trace_arg and seeds:
+        raise click.UsageError(
+            "--trace replays one trace; --seeds draws generated ones (give one or the other)"
         )
     try:
         seed_list = [int(x) for x in seeds.split(",")] if seeds else [seed]
@@ -425,6 +516,9 @@ def virtual_command(
                 make_policy(arm, **policy_options)
             except (TypeError, ValueError) as e:
                 raise click.BadParameter(f"{arm}: {e}", param_hint="--policy-opt") from None
+    if trace_arg:
+        _virtual_trace(trace_arg, root, infer_sessions, arm_list, engines, config, policy_options, json_path)
+        return
     trace_args = {
         "workload": workload,
         "scale": scale,
@@ -456,6 +550,45 @@ def virtual_command(
             "policy_options": policy_options,
             "means": means,
             "runs": per_arm,
+        }
+        json_path.write_text(json.dumps(payload, indent=1))
+        click.echo(f"wrote {json_path}")
+
+
+def _virtual_trace(
+    trace_arg: str,
+    root: Path,
+    infer_sessions: bool,
+    arms: list[str],
+    engines: int,
+    config: SimConfig,
+    policy_options: dict[str, Any],
+    json_path: Path | None,
+) -> None:
+    """``bench virtual --trace``: every arm on the one trace (saved or recorded), one line each."""
+    from launcher.bench.virtual import compare_virtual, mean_lines, mean_rows
+
+    trace, recorded, path = _load_trace_arg(trace_arg, root, infer_sessions)
+    if recorded is not None:
+        for line in recorded.summary_lines():
+            click.echo(line)
+    stats = trace_stats(trace)
+    click.echo(
+        f"trace {stats['workload']}: {stats['sessions']} sessions, {stats['requests']} requests, "
+        f"fingerprint {stats['fingerprint']}"
+    )
+    rows = compare_virtual(trace, arms, engines, config, policy_options)
+    for line in mean_lines([mean_rows([row]) for row in rows]):
+        click.echo(line)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "trace": str(path),
+            "trace_stats": stats,
+            "record": recorded.to_json() if recorded is not None else None,
+            "engines": engines,
+            "policy_options": policy_options,
+            "rows": rows,
         }
         json_path.write_text(json.dumps(payload, indent=1))
         click.echo(f"wrote {json_path}")
