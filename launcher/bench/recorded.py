@@ -23,7 +23,8 @@ synthesized, deterministically, to keep what routing and prefix caching depend o
 * **shared prefixes**: requests whose hash chains share their first k blocks get prompts whose first k
   blocks are identical text (a block's text is derived from its hash). Sessions whose first requests
   share their first block share a system prompt: the blocks common to all of them (the longest common
-  chain), sized by the share of the first prompt those blocks are; the task is the rest.
+  chain), as long as those blocks hold (at most what the shortest first prompt leaves); the task is
+  the rest.
 
 Only answered requests (2xx) are replayed; the others, and what the read skipped (a line cut short by a
 killed job, lines of another format version), are reported, never silently dropped.
@@ -326,14 +327,21 @@ def step_from_records(
     def chain(r: RequestRecord) -> list[str]:
         return list(r.prefix) if r.prefix else [f"request:{r.id}"]
 
-    # Characters a recorded block stands for: the most any whole chain's prompt has per block. A block
-    # holds at most the router's block size (fewer at the end of a message), so this is about that size;
-    # and with no prompt longer than its blocks' texts, a prompt whose chain another extends is a byte
-    # prefix of that one's text (it is cut short, never padded with filler the other lacks).
+    # Characters a recorded block stands for: about the router's block size. A block holds at most
+    # that (less at the end of a message), so no whole chain's prompt has more per block than it does:
+    # the most any has is a floor, and it makes every prompt whose chain another extends a byte prefix of
+    # that one's text (cut short, never padded with filler the other lacks). A first prompt (a system
+    # prompt and a task, each ending inside a block) loses about one block to its two partial ones, so
+    # its characters over its blocks less one are the closer estimate where it is larger.
     per_block = [
         max(0, _prompt_tokens(r) - first_tokens) * CHARS_PER_TOKEN / len(r.prefix)
         for r in kept
         if 0 < len(r.prefix) < MAX_PREFIX_BLOCKS
+    ]
+    per_block += [
+        max(0, _prompt_tokens(c[0]) - first_tokens) * CHARS_PER_TOKEN / (len(c[0].prefix) - 1)
+        for _, c in convs
+        if 2 < len(c[0].prefix) < MAX_PREFIX_BLOCKS
     ]
     block_chars = _round4(max(per_block)) + CHARS_PER_TOKEN if per_block else 1024
 
@@ -350,15 +358,14 @@ def step_from_records(
                 depth += 1
         else:
             depth = max(1, len(chains[0]) - 1)
-        shares = [
-            depth / len(ch) * max(0, _prompt_tokens(c[0]) - first_tokens) * CHARS_PER_TOKEN
-            for ch, c in zip(chains, members, strict=True)
-        ]
-        # At most the blocks' texts: the system prompt is then the first characters of every member's
-        # whole chain text (below), so a member's task continues it as its blocks did;
-        # and leaving every member's task at least a token.
+        # The system prompt is what its blocks hold (``block_chars`` each), but never more than the
+        # shortest member's first prompt leaves for a one-token task: a system prompt ends inside its
+        # last block, and the shortest task shows how far at most. (Sizing it by the blocks' share of
+        # the first prompt instead undercounts it by the tasks' partial blocks: 10% at 6 blocks.) It is
+        # the first characters of every member's whole chain text (below), so a member's task
+        # continues it as its blocks did.
         room = min(_prompt_tokens(c[0]) - first_tokens - 1 for c in members) * CHARS_PER_TOKEN
-        chars = max(0, min(_round4(statistics.median(shares)), depth * block_chars, room))
+        chars = max(0, min(depth * block_chars, _round4(room)))
         key = f"sys{i}"
         system_prompts[key] = _chain_text(chains[0][:depth], chars, f"system:{head}", block_chars)
         system_of[head] = key
