@@ -375,7 +375,8 @@ def write_engines_png(path: str | Path, outcomes: Sequence[Any], title: str, rec
         samples = o.engine_load
         ts = [t for t, _ in samples]
         n = max((len(v) for _, v in samples), default=0)
-        per = [[float(v[i] or 0.0) if i < len(v) else 0.0 for _, v in samples] for i in range(n)]
+        nan = float("nan")  # an engine that did not answer a scrape: a gap in its line, not a zero
+        per = [[nan if i >= len(v) or v[i] is None else float(v[i]) for _, v in samples] for i in range(n)]
         panels.append((o.arm, ts, per))
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
