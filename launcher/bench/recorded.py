@@ -50,6 +50,7 @@ import orjson
 from launcher.bench.report import time_to_fraction
 from launcher.bench.trace import CHARS_PER_TOKEN, Session, Trace, Turn
 from router.record.format import MAX_PREFIX_BLOCKS, ReadReport, RequestRecord, read_records, record_files
+from router.record.sessions import conversations
 
 RECORD_DIR = "record"
 """A job's record directory, ``<job_dir>/record`` (``router.record.format`` names the files in it)."""
@@ -213,15 +214,6 @@ class RecordedStep:
         }
 
 
-def _extends(prev: Sequence[str], cur: Sequence[str]) -> bool:
-    """Whether ``cur``'s prompt continues ``prev``'s (its chain starts with ``prev``'s whole chain; a
-    chain cut at ``MAX_PREFIX_BLOCKS`` compares what both kept). No hashes on either side: trust the key."""
-    if not prev or not cur:
-        return True
-    n = min(len(prev), MAX_PREFIX_BLOCKS)
-    return len(cur) >= n and list(cur[:n]) == list(prev[:n])
-
-
 def _prompt_tokens(r: RequestRecord) -> int:
     if r.prompt_tokens is not None:
         return int(r.prompt_tokens)
@@ -232,59 +224,6 @@ def _completion_tokens(r: RequestRecord) -> int:
     if r.completion_tokens is not None:
         return int(r.completion_tokens)
     return int(r.max_tokens) if r.max_tokens else DEFAULT_COMPLETION_TOKENS
-
-
-def _conversations(
-    records: Sequence[RequestRecord], infer_sessions: bool
-) -> tuple[list[tuple[str, list[RequestRecord]]], int]:
-    """Records (sorted by arrival) grouped into conversations, each named; and how many session keys
-    had to be split because a request did not continue the previous one."""
-    keyed: dict[str, list[list[RequestRecord]]] = {}
-    loose: list[list[RequestRecord]] = []
-    # infer_sessions: (depth, last block hash) of each open loose conversation's last prompt -> it
-    tails: dict[tuple[int, str], list[list[RequestRecord]]] = {}
-    splits = 0
-    for r in records:
-        if r.session is not None:
-            convs = keyed.setdefault(r.session, [])
-            if convs and _extends(convs[-1][-1].prefix, r.prefix):
-                convs[-1].append(r)
-            else:
-                splits += bool(convs)
-                convs.append([r])
-            continue
-        conv = _continued(r, tails) if infer_sessions else None
-        if conv is None:
-            conv = [r]
-            loose.append(conv)
-        else:
-            conv.append(r)
-        if infer_sessions and r.prefix:
-            tails.setdefault((len(r.prefix), r.prefix[-1]), []).append(conv)
-    named: list[tuple[str, list[RequestRecord]]] = []
-    for key, convs in keyed.items():
-        for k, conv in enumerate(convs):
-            named.append((key if k == 0 else f"{key}~{k}", conv))
-    named += [(f"request-{conv[0].id}", conv) for conv in loose]
-    named.sort(key=lambda kc: (kc[1][0].t, kc[0]))
-    return named, splits
-
-
-def _continued(
-    r: RequestRecord, tails: dict[tuple[int, str], list[list[RequestRecord]]]
-) -> list[RequestRecord] | None:
-    """The open conversation ``r`` continues: its last prompt's chain is a prefix of ``r``'s (chained
-    hashes: equal at a depth means equal up to it), deepest first, and its last answer came before ``r``
-    arrived (a conversation is serial). Taken off the open list: ``r`` is now its last request."""
-    for depth in range(min(len(r.prefix), MAX_PREFIX_BLOCKS), 0, -1):
-        convs = tails.get((depth, r.prefix[depth - 1]))
-        if not convs:
-            continue
-        for i in range(len(convs) - 1, -1, -1):
-            last = convs[i][-1]
-            if last.t + (last.duration_s or 0.0) <= r.t:
-                return convs.pop(i)
-    return None
 
 
 def step_from_records(
@@ -308,7 +247,7 @@ def step_from_records(
         raise ValueError(f"{source or 'record'}: nothing to replay ({report.summary()})")
     kept.sort(key=lambda r: r.t)
     t_base = kept[0].t
-    convs, splits = _conversations(kept, infer_sessions)
+    convs, splits = conversations(kept, infer_sessions)
     first_tokens, more_tokens = _template_tokens()
     notes: list[str] = []
     if splits:

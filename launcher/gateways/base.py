@@ -154,6 +154,19 @@ class Gateway(ABC):
         holds requests during a pause); True if it was not holding. No-op (False) for other kinds."""
         return False
 
+    def record_settings(self) -> dict[str, Any]:
+        """``RouterConfig`` fields for the request record (``router.record``) of a front that is rl-launch's
+        own router: ``<job>/record`` with the spec's cap and text setting; {} when the spec turns it off."""
+        rec = self.context.spec.record
+        if not rec.enabled:
+            return {}
+        return {
+            "record_dir": str(self.context.job.path / "record"),
+            "record_max_bytes": rec.max_bytes,
+            "record_keep_files": rec.keep_files,
+            "record_text": rec.text,
+        }
+
     def fleet_url(self) -> str | None:
         """Where the ``/fleet/*`` routes of the refit window are served for this front (the admin token
         guards them), ``None`` when the kind has none; ``launcher.fleet.client`` and ``rl-launch fleet``

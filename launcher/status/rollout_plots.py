@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from router.record.format import RequestRecord, read_records
+from router.record.sessions import conversations
 
 BINS = 200
 MAX_RECORD_BYTES = 128 << 20
@@ -50,11 +51,9 @@ def write_job_plots(record_dir: str | Path, out_dir: str | Path) -> list[Path]:
     width = max(t1 - t0, 1e-3) / BINS
     xs = [i * width for i in range(BINS)]
     total, per_engine = _series(records, t0, width)
-    ends: dict[str, float] = {}
-    for r in records:
-        key = r.session or r.id
-        ends[key] = max(ends.get(key, 0.0), r.t + (r.duration_s or 0.0) - t0)
-    done = sorted(ends.values())
+    done = sorted(
+        max(r.t + (r.duration_s or 0.0) for r in rs) - t0 for _, rs in conversations(records, True)[0]
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -14,13 +14,13 @@ off the dashboard's event loop; a session whose first turns lie before that wind
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from rich.text import Text
 
 from router.record.format import RECORD_VERSION, RequestRecord
+from router.record.sessions import conversations
 
 TAIL_BYTES = 8 << 20
 TOP = 8
@@ -74,12 +74,8 @@ def rollouts_view(records: list[RequestRecord], now: float, top: int = TOP) -> d
     """The slowest sessions and the step timeline of ``records`` (None: no record yet)."""
     if not records:
         return None
-    by_session: dict[str, list[RequestRecord]] = defaultdict(list)
-    for r in records:
-        by_session[r.session or f"request:{r.id}"].append(r)
     sessions = []
-    for key, rs in by_session.items():
-        rs.sort(key=lambda r: r.t)
+    for key, rs in conversations(records, infer_sessions=True)[0]:
         engines: list[str] = []
         for r in rs:
             if r.engine and (not engines or engines[-1] != r.engine):

@@ -59,6 +59,7 @@ class BuiltinRouterGateway(Gateway):
             api_key=ctx.api_key,
             admin_token=ctx.admin_token,
             **sharing,
+            **self.record_settings(),
         )
         actor_cls = remote_router_actor(
             num_cpus=0,

@@ -193,6 +193,7 @@ class DynamoGateway(Gateway):
                 health_managed=True,
                 api_key=ctx.api_key,
                 admin_token=ctx.admin_token,
+                **self.record_settings(),  # every request's engine is the frontend here
             )
             self.front = GenerationRouter(config, [f"{self._frontend_url}/v1"])
             return self.front.serve_in_background()
