@@ -273,6 +273,7 @@ def test_records_without_session_can_be_joined_into_conversations() -> None:
     ]
     one_turn = step_from_records(ReadReport(records, ["mem"]))
     assert one_turn.figures["sessions"] == 5
+    assert any("5 request(s) without a session key" in n and "--infer-sessions" in n for n in one_turn.notes)
     joined = step_from_records(ReadReport(records, ["mem"]), infer_sessions=True)
     assert [len(s.turns) for s in joined.trace.sessions] == [3, 2]
     assert joined.trace.sessions[0].turns[2].gap_s == pytest.approx(0.1)

@@ -255,6 +255,13 @@ def step_from_records(
             f"{splits} session key(s) carried more than one conversation (a request that does not "
             "continue the previous prompt): each is its own session"
         )
+    loose = sum(r.session is None for r in kept)
+    if loose and not infer_sessions:
+        notes.append(
+            f"{loose} request(s) without a session key (Gym sends none): each replays as a one-turn "
+            "session at its recorded time, so a router sees prompts, not conversations; --infer-sessions "
+            "joins each to the conversation whose prompt it continues"
+        )
     if not any(r.prefix for r in kept):
         notes.append("no prefix hashes in the record: which prompts shared what is unknown; none share")
     if any(r.prompt_tokens is None for r in kept):
