@@ -301,16 +301,24 @@ async def test_consumer_owner_and_admin_keys(keyed_sims, routers, tmp_path: Path
     status, body = await call(base, "POST", COMPLETIONS, plain, completion())
     assert status == 200
 
-    # Revoked: the key stops working within ~1 s in every process (each re-reads within 0.5 s).
+    # Revoked: the key stops working within ~1 s in every process (each re-reads within 0.5 s). Timed by
+    # when each request started, so a slow answer on a busy machine does not count against the router.
     assert remove_consumer(path, "plain")
     t0 = time.monotonic()
-
-    async def refused_everywhere() -> bool:
-        statuses = [(await call(base, "POST", COMPLETIONS, plain, completion(1)))[0] for _ in range(4)]
-        return all(s == 401 for s in statuses)
-
-    await until(refused_everywhere, "the removed consumer's key refused", within_s=5)
-    assert time.monotonic() - t0 < 1.5
+    refused_in_a_row = 0
+    for _ in range(200):  # bounded; 4 refusals in a row on fresh connections (either worker) end it
+        started = time.monotonic() - t0
+        status, _ = await call(base, "POST", COMPLETIONS, plain, completion(1))
+        if status == 200:
+            assert started < 1.0, f"a request started {started:.2f} s after the removal was served"
+            refused_in_a_row = 0
+        else:
+            assert status == 401
+            refused_in_a_row += 1
+            if refused_in_a_row == 4:
+                break
+        assert time.monotonic() - t0 < 10, "the removed consumer's key still works"
+    assert refused_in_a_row == 4
     status, _ = await call(base, "POST", COMPLETIONS, admin, completion())
     assert status == 200  # the others keep working
 
@@ -413,16 +421,16 @@ async def test_an_uncontended_consumer_uses_the_whole_capacity(sims, routers, tm
 
     async def sample() -> None:
         nonlocal peak
-        for _ in range(2000):  # bounded: ~4 s at most
+        for _ in range(2000):  # bounded: ~4 s at most (each request holds its slot ~0.25 s)
             peak = max(peak, await engines_busy(es))
             await asyncio.sleep(0.002)
             if peak >= 6:
                 return
 
     sampler = asyncio.create_task(sample())
-    done = await run_consumers(base, {"alone": (key, 12)}, total=60, max_tokens=16)
+    done = await run_consumers(base, {"alone": (key, 12)}, total=36, max_tokens=40)
     await sampler
-    assert done["alone"] >= 60 and peak == 6
+    assert done["alone"] >= 36 and peak == 6
 
 
 async def test_a_wait_past_the_bound_is_refused_and_a_gone_client_leaves_the_queue(
@@ -469,7 +477,7 @@ async def test_a_slot_granted_during_a_pause_waits_for_the_resume(sims, routers,
     key = new_key()
     add_consumer(path, "c", key)
     base = routers([e.url + "/v1" for e in es], consumers_file=str(path), fair_share_capacity=1).base_url()
-    first = asyncio.create_task(call(base, "POST", COMPLETIONS, key, completion(60)))  # ~0.4 s
+    first = asyncio.create_task(call(base, "POST", COMPLETIONS, key, completion(200)))  # ~1.2 s
     await until(lambda: _in_flight(base, 1), "the first request in flight")
     second = asyncio.create_task(call(base, "POST", COMPLETIONS, OWNER_KEY, completion()))
     await until(lambda: _waiting(base, 1), "the second waiting for a slot")
