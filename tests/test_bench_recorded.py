@@ -1,12 +1,13 @@
 """Replaying a recorded step (``rl-launch bench replay --trace JOB``) and the bench's own honesty checks.
 
-The router does not write its request record yet (``router.record.writer`` is not there), so the record
-here is made the way the router will make it, from real traffic: a generated step replayed through a real
-router (cache_aware) in front of simulated engines, each request written as a
-``router.record.format.RequestRecord`` line with what the router sees (arrival, session key hashed, the
-body's block hashes, its size, the engine's usage, the time to the answer's end). Replaying that record
-must give back the step: its sessions and requests, its token totals within 1%, and the same policy's
-prefix-cache hit rate (as the engines report it) within 2 points.
+The router did not write its request record when these tests were written, so the main test makes the
+record the way the router does, from real traffic: a generated step replayed through a real router
+(cache_aware) in front of simulated engines, each request written as a ``router.record.format.RequestRecord``
+line with what the router sees (arrival, session key hashed, the body's block hashes, its size, the
+engine's usage, the time to the answer's end). Replaying that record must give back the step: its sessions
+and requests, its token totals within 1%, and the same policy's prefix-cache hit rate (as the engines
+report it) within 2 points. ``test_replaying_what_the_router_itself_recorded`` checks the same on the
+router's own record once ``RouterConfig.record_dir`` exists, and skips before.
 """
 
 from __future__ import annotations
@@ -165,6 +166,37 @@ def test_replaying_a_record_reproduces_the_step(monkeypatch: pytest.MonkeyPatch,
         f"{original['completion_tokens']} tokens, hit {original['hit_rate']}, t90 {original['t90_s']}; "
         f"replayed: {row['sessions']}, {row['requests']}, {row['prompt_tokens']} + "
         f"{row['completion_tokens']}, hit {row['hit_rate']}, t90 {row['t90_s']}"
+    )
+
+
+def test_replaying_what_the_router_itself_recorded(tmp_path: Path) -> None:
+    """The same check on the record the builtin router writes (``RouterConfig.record_dir``), once it
+    writes one: this test was written before it did, and skips until then."""
+    from router import RouterConfig
+
+    if "record_dir" not in RouterConfig.model_fields:
+        pytest.skip("the builtin router writes no request record yet")
+    trace = small_step()
+    record = tmp_path / "job" / "record"
+    record.mkdir(parents=True)
+    cfg = ClientConfig(session_header=True, retry=FAST_RETRY, max_wall_s=40.0, request_timeout_s=20)
+    options = {**STICKY, "record_dir": str(record)}
+    (original,) = run_compare(trace, ["cache_aware"], 4, cfg, sim_options=SIM, router_options=options)
+    step = load_recorded(tmp_path / "job")
+    assert (step.figures["sessions"], step.figures["requests"]) == (len(trace.sessions), trace.n_requests)
+    replay_cfg = ClientConfig(retry=FAST_RETRY, max_wall_s=40.0, request_timeout_s=20)
+    (replayed,) = run_compare(
+        step.trace, ["cache_aware"], 4, replay_cfg, sim_options=SIM, router_options=STICKY
+    )
+    row = replayed.row
+    assert (
+        row["errors"] == 0 and row["sessions"] == len(trace.sessions) and row["requests"] == trace.n_requests
+    )
+    assert row["prompt_tokens"] == pytest.approx(original.row["prompt_tokens"], rel=0.01)
+    assert row["completion_tokens"] == pytest.approx(original.row["completion_tokens"], rel=0.01)
+    assert abs(row["hit_rate"] - original.row["hit_rate"]) <= 0.02, (
+        row["hit_rate"],
+        original.row["hit_rate"],
     )
 
 
