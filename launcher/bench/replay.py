@@ -21,6 +21,7 @@ from launcher.bench.recorded import RecordedStep
 from launcher.bench.report import (
     default_paths,
     render_table,
+    slowest_sessions,
     write_csv,
     write_engines_png,
     write_json,
@@ -210,7 +211,8 @@ def write_outputs(
     )
     timelines = {o.arm: o.timeline for o in outcomes}
     warnings = [f"{o.arm}: {w}" for o in outcomes for w in o.row.get("warnings") or []]
-    extra: dict[str, Any] = {"warnings": warnings}
+    slowest = {o.arm: slowest_sessions(o.result.sessions) for o in outcomes}
+    extra: dict[str, Any] = {"warnings": warnings, "slowest": slowest}
     if recorded is not None:
         extra["record"] = recorded.to_json()
     if plots:
@@ -235,6 +237,9 @@ def write_outputs(
     for o in outcomes:
         if o.row.get("cpu"):
             out.print(cpu_line(o.arm, o.row["cpu"]), markup=False, highlight=False)
+    for arm, rows_ in slowest.items():
+        listed = ", ".join(f"{x['session']} {x['span_s']:.1f}s/{x['turns']}t" for x in rows_[:5])
+        out.print(f"slowest sessions ({arm}): {listed}", markup=False, highlight=False)
     for w in warnings:
         out.print(f"WARNING {w}", markup=False, highlight=False, style="bold yellow")
     console.print(f"wrote {json_path}, {csv_path}, {', '.join(str(p) for p in written)}")

@@ -406,3 +406,16 @@ def write_engines_png(path: str | Path, outcomes: Sequence[Any], title: str, rec
     finally:
         plt.close(fig)
     return p
+
+
+def slowest_sessions(sessions: Sequence[Any], top: int = 8) -> list[dict[str, Any]]:
+    """The replay's slowest sessions (start to end, lost ones included at the time they stopped): the
+    tail a user chases; ``rl-launch status`` names the same sessions from the router's record (by the
+    hash of their ``X-Session-ID`` when the replay sends one, ``--session-header``)."""
+    done = [x for x in sessions if x.start_s is not None and x.end_s is not None]
+    done.sort(key=lambda x: x.end_s - x.start_s, reverse=True)
+    return [
+        {"session": x.id, "span_s": round(x.end_s - x.start_s, 3), "turns": x.turns_done, "ok": x.ok}
+        for x in done[:top]
+    ]
+
