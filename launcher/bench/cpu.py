@@ -62,8 +62,10 @@ def _role(argv: list[str]) -> str | None:
         k in line for k in ("launcher.cli router", "rl-launch router", "router.cli", "router.multiprocess")
     ):
         return "router"
-    if "vllm-router" in line or "vllm_router" in line:
-        return "vllm-router"
+    from launcher.gateways.vllm_router.command import PROGRAM
+
+    if PROGRAM in line or "vllm_router" in line:
+        return PROGRAM
     if "multiprocessing" in line or not argv or not argv[0]:
         return None
     return os.path.basename(argv[0]) or None

@@ -88,6 +88,9 @@ class VllmRouterSection(BaseModel):
         return v
 
 
+PROGRAM = "vllm-router"
+"""The vllm-router binary's name (PyPI's ``vllm-router`` installs it beside the interpreter)."""
+
 def option_flags(options: Mapping[str, Any]) -> list[str]:
     """``{"balance_abs_threshold": 32, "disable_retries": True}`` -> ``--balance-abs-threshold 32
     --disable-retries`` (``False`` leaves a switch off; a list gives one flag with several values)."""
@@ -124,10 +127,10 @@ def router_command(
 
 def vllm_router_executable() -> str:
     """``vllm-router`` beside this Python (the project's venv), else on PATH; raises if absent."""
-    beside = Path(sys.executable).with_name("vllm-router")
+    beside = Path(sys.executable).with_name(PROGRAM)
     if beside.exists():
         return str(beside)
-    found = shutil.which("vllm-router")
+    found = shutil.which(PROGRAM)
     if found is None:
         raise FileNotFoundError(
             "vllm-router is not installed: pip install 'rl-launch[vllm-router]' (vllm-router==0.1.17)"
