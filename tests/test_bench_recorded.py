@@ -303,9 +303,10 @@ def test_records_without_session_can_be_joined_into_conversations() -> None:
         rec("y1", 1.3, ["s", "y", "y1"], session=None, p=150, d=0.1),
         rec("x2", 1.5, ["s", "x", "x1", "x2"], session=None, p=200, d=0.1),
     ]
-    one_turn = step_from_records(ReadReport(records, ["mem"]))
+    one_turn = step_from_records(ReadReport(records, ["mem"]), infer_sessions=False)
     assert one_turn.figures["sessions"] == 5
-    assert any("5 request(s) without a session key" in n and "--infer-sessions" in n for n in one_turn.notes)
+    notes = one_turn.notes
+    assert any("5 request(s) without a session key" in n and "--no-infer-sessions" in n for n in notes)
     joined = step_from_records(ReadReport(records, ["mem"]), infer_sessions=True)
     assert [len(s.turns) for s in joined.trace.sessions] == [3, 2]
     assert joined.trace.sessions[0].turns[2].gap_s == pytest.approx(0.1)

@@ -231,7 +231,7 @@ def step_from_records(
     source: str = "",
     *,
     gap_min_s: float = GAP_MIN_S,
-    infer_sessions: bool = False,
+    infer_sessions: bool = True,
     name: str = "recorded",
 ) -> RecordedStep:
     """The trace a record replays as (see the module's docstring); raises ``ValueError`` when nothing in
@@ -259,8 +259,8 @@ def step_from_records(
     if loose and not infer_sessions:
         notes.append(
             f"{loose} request(s) without a session key (Gym sends none): each replays as a one-turn "
-            "session at its recorded time, so a router sees prompts, not conversations; --infer-sessions "
-            "joins each to the conversation whose prompt it continues"
+            "session at its recorded time (--no-infer-sessions), so a router sees prompts, not "
+            "conversations; the default joins each to the conversation whose prompt it continues"
         )
     if not any(r.prefix for r in kept):
         notes.append("no prefix hashes in the record: which prompts shared what is unknown; none share")
@@ -443,7 +443,7 @@ def _gaps(convs: Sequence[tuple[str, list[RequestRecord]]]) -> list[float]:
 
 
 def load_recorded(
-    path: str | Path, *, gap_min_s: float = GAP_MIN_S, infer_sessions: bool = False
+    path: str | Path, *, gap_min_s: float = GAP_MIN_S, infer_sessions: bool = True
 ) -> RecordedStep:
     """Read the record at ``path`` (a job directory, a record directory or one record file) and turn it
     into a replayable step, named after its job when it sits in one."""

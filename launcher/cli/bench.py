@@ -108,10 +108,12 @@ def _trace_option(f: Any) -> Any:
         ),
         root_option,
         click.option(
-            "--infer-sessions",
-            is_flag=True,
+            "--infer-sessions/--no-infer-sessions",
+            default=True,
+            show_default=True,
             help="Records without a session (Gym sends no session header): join each to the "
-            "conversation whose previous prompt it extends, instead of replaying it as a one-turn session.",
+            "conversation whose previous prompt it extends (what cache_aware itself sees), instead of "
+            "replaying it as a one-turn session, which loses the step's conversations and its hit rate.",
         ),
     ]
     for opt in reversed(opts):
