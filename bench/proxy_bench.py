@@ -18,6 +18,7 @@ in production. Also prints the cost of one policy decision at 8 and 1024 backend
 ``--mode gym``: Gym-shaped traffic (see ``GYM_LUA``): ~40 KB requests that grow turn by turn, ~41 KB
 logprob answers, one request in ten streamed (SSE). ``--workers``: router arms at these worker counts.
 ``--sglang``: SGLang's gateway (``pip install sglang-router`` in a throw-away venv; not a dependency).
+``--record on|both``: router arms with the request record on (``router.record``), or both ways.
 Router CPU per request counts the router's worker processes too.
 
 Needs: apt-get install nginx-light wrk.
@@ -210,10 +211,11 @@ http {{
 
 
 def start_router(
-    policy: str, backends: list[str], work: Path, workers: int = 1
+    policy: str, backends: list[str], work: Path, workers: int = 1, record: Path | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``rl-launch router`` on 127.0.0.1 with a throw-away admin token (a router without any secret does
-    not start; the proxied routes the bench sends need none)."""
+    not start; the proxied routes the bench sends need none). ``record``: its request record directory
+    (``--record-dir``), emptied first."""
     port = free_port()
     token = work / "admin_token"
     if not token.exists():
@@ -223,6 +225,9 @@ def start_router(
     cmd += ["--workers", str(workers), "--probe-interval-s", "0", "--admin-token-file", str(token)]
     for b in backends:
         cmd += ["--backend", b]
+    if record is not None:
+        shutil.rmtree(record, ignore_errors=True)
+        cmd += ["--record-dir", str(record)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", 60)
@@ -369,6 +374,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="run every arm this many times, alternating")
     ap.add_argument("--sglang", default=None, metavar="SMG", help="path of SGLang's `smg`: adds its arm")
     ap.add_argument("--no-direct", action="store_true", help="skip the direct arm")
+    ap.add_argument(
+        "--record",
+        choices=("off", "on", "both"),
+        default="off",
+        help="router arms with the request record on (--record-dir in the run's temporary directory); "
+        "both: each router arm twice, without and with, alternating",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     for tool in ("nginx", "wrk"):
@@ -391,11 +403,17 @@ def main() -> None:
             if not args.no_direct:
                 starters.append(("direct", lambda: (None, f"http://127.0.0.1:{ports[0]}")))
             starters.append(("bare_aiohttp", lambda: start_bare_proxy(f"http://127.0.0.1:{ports[0]}")))
+            records = {"off": [False], "on": [True], "both": [False, True]}[args.record]
             for policy in args.policies:
                 for n in workers:
-                    name = policy if n == 1 and len(workers) == 1 else f"{policy} w={n}"
-                    launch = lambda policy=policy, n=n: start_router(policy, backends, work, n)  # noqa: E731
-                    starters.append((name, launch))
+                    for rec in records:
+                        name = policy if n == 1 and len(workers) == 1 else f"{policy} w={n}"
+                        name += " +record" if rec else ""
+                        where = work / f"record-{policy}-{n}" if rec else None
+                        launch = lambda policy=policy, n=n, where=where: start_router(  # noqa: E731
+                            policy, backends, work, n, where
+                        )
+                        starters.append((name, launch))
             if args.sglang:
                 starters.append(("sglang cache_aware", lambda: start_sglang(args.sglang, backends)))
             for rep in range(args.repeats):

@@ -100,6 +100,21 @@ def _secret_options(fn: Any) -> Any:
     "(unset: no admission control).",
 )
 @_setting("fair_share_max_wait_s", float, "Longest a generation request waits for a fair-share slot.")
+@_setting(
+    "record_dir",
+    click.Path(file_okay=False),
+    "Record every generation request, one JSONL line each (requests*.jsonl; hashes, no text), in this "
+    "directory (unset: no record).",
+)
+@_setting("record_max_bytes", int, "The record's files take at most this many bytes in all.")
+@_setting("record_keep_files", int, "Files per process the record is rotated through.")
+@click.option(
+    "--record-text",
+    "record_text",
+    is_flag=True,
+    default=_default("record_text"),
+    help="Also record the prompt's text (and a whole JSON answer's completion).",
+)
 @click.option(
     "--workers",
     type=int,

@@ -45,6 +45,7 @@ from router.http.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, validate_no_he
 from router.policies import DEFAULT_POLICY, POLICIES
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+DEFAULT_RECORD_MAX_BYTES = 256 * 1024 * 1024
 SECRET_FIELDS = ("api_key", "admin_token", "backend_api_key")
 # Worker processes beyond this cost more in the shared decision service than they add in parsing and
 # relaying: every decision crosses one process (see router/multiprocess/decisions.py).
@@ -252,6 +253,29 @@ class RouterConfig(RouterSettings):
         default=600.0,
         gt=0,
         description="longest a generation request waits for a fair-share slot before it is refused",
+    )
+    record_dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description="write one line per generation request to <dir>/requests.jsonl (each worker process "
+        "to requests-w<k>.jsonl; router.record.format), off the request path. None: no record",
+    )
+    record_max_bytes: int = Field(
+        default=DEFAULT_RECORD_MAX_BYTES,
+        ge=64 * 1024,
+        description="the record's files take at most this many bytes in all (rotated by size)",
+    )
+    record_keep_files: int = Field(
+        default=4,
+        ge=1,
+        le=1000,
+        description="files per process the record is rotated through (each at most record_max_bytes / "
+        "this, divided among the worker processes)",
+    )
+    record_text: bool = Field(
+        default=False,
+        description="also record the prompt's text (the request body) and, for a whole JSON answer, the "
+        "completion's; off: hashes only",
     )
     insecure_admin: bool = Field(
         default=False,

@@ -12,6 +12,11 @@ Lifecycle choices, each against a failure clients cannot recover from on their o
   constructor too: a corrupt file fails construction naming it, before any client is admitted with the
   wrong keys. The consumer ledger and fair-share admission (``router.state.fair_share``) belong to the
   routing state, as the pause gate does.
+* With ``RouterConfig.record_dir`` every generation request leaves one line in the request record
+  (``router.record``), written off the request path by the process that proxied it; the record's
+  directory is made in the constructor too, so one that cannot be made fails construction, naming it.
+  The pause gate and the fair share are timed ones (``router.record.holds``): a record says how long
+  each held its request.
 * The socket is bound as ``router.http.app.bind_listening_socket`` says (``SO_REUSEADDR`` for a restarted
   process, ``bind_retry_s`` for the moment a dying one still holds it), and the application is the one
   ``router.http.app`` builds and serves for every process of the router.
@@ -42,10 +47,10 @@ from router.http.forwarding import Forwarder, ForwardingConfig
 from router.http.limits import HttpLimits
 from router.multiprocess.workers import WorkerFleet
 from router.policies import LoadTracker, Policy, make_policy
+from router.record.holds import TimedFairShare, TimedPauseGate
+from router.record.writer import RecordWriter
 from router.state.backends import BackendSet, canonical_backend_url
-from router.state.fair_share import FairShare
 from router.state.metrics import RouterMetrics
-from router.state.pause_gate import PauseGate
 from router.state.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
 from router.state.routing import LocalRouting
 
@@ -81,13 +86,14 @@ class GenerationRouter:
         self.host = config.host
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
-        self.gate = PauseGate(config.pause_max_held, config.pause_max_wait_s)
+        # Timed: a recorded request's held_s says how long each of them held it (router.record.holds).
+        self.gate = TimedPauseGate(config.pause_max_held, config.pause_max_wait_s)
         self.consumer_keys: ConsumerKeys | None = None
         if config.consumers_file is not None:
             self.consumer_keys = ConsumerKeys(config.consumers_file)  # a corrupt file raises, naming it
-        self.fair: FairShare | None = None
+        self.fair: TimedFairShare | None = None
         if config.consumer_accounting:
-            self.fair = FairShare(config.fair_share_capacity, config.fair_share_max_wait_s)
+            self.fair = TimedFairShare(config.fair_share_capacity, config.fair_share_max_wait_s)
             if self.consumer_keys is not None:
                 self.fair.registered = self.consumer_keys.consumers
         self.workers: WorkerFleet | None = None
@@ -103,11 +109,16 @@ class GenerationRouter:
         )
         if self.workers is not None:
             self.workers.attach(self.routing)
+        # The record of the requests this process proxies (none with workers: they accept every client
+        # connection and write their own); a directory that cannot be made fails here, naming it.
+        self.record = RecordWriter.of(config)
+        self.metrics.watch_record(self.record, config.record_dir)
         self.forwarder = Forwarder(
             self.routing,
             self.policy,
             self.metrics,
             ForwardingConfig.of(config),
+            self.record,
         )
         self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
         self._api_key = config.secret("api_key")

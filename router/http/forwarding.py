@@ -73,6 +73,12 @@ from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.http.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
 from router.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
+from router.policies.consistent_hash import DEFAULT_SESSION_HEADER, session_key
+from router.policies.prefix_index import block_hashes, prompt_start
+from router.record.draft import RecordDraft, json_int
+from router.record.format import MAX_PREFIX_BLOCKS
+from router.record.holds import HOLDS
+from router.record.writer import RecordWriter
 from router.state.fair_share import FairShareRefused
 from router.state.metrics import RouterMetrics
 from router.state.pause_gate import PauseRefused
@@ -125,32 +131,15 @@ HELD_DURING_PAUSE = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/r
 USAGE_TAIL_BYTES = 16 * 1024
 USAGE_TAIL_CHUNKS = 4
 _USAGE_KEY = b'"completion_tokens"'
-_JSON_BLANKS = b" \t\r\n"
+# The record's prompt blocks when the policy computed none (cache_aware's own are reused): its default.
+RECORD_BLOCK_BYTES = 1024
 
 
 def completion_tokens(tail: bytes) -> int:
     """The last ``"completion_tokens": N`` in ``tail`` (the end of an answer), 0 when there is none. A
     match inside a JSON string has its opening quote escaped, or is not followed by ``:`` (a key is; a
     string value ends with ``,`` or ``}``), so generated text cannot pass for it."""
-    end = len(tail)
-    while (i := tail.rfind(_USAGE_KEY, 0, end)) >= 0:
-        end = i
-        if i and tail[i - 1] == 0x5C:  # backslash: the quote is escaped
-            continue
-        j = i + len(_USAGE_KEY)
-        while j < len(tail) and tail[j] in _JSON_BLANKS:
-            j += 1
-        if j >= len(tail) or tail[j] != 0x3A:  # ':'
-            continue
-        j += 1
-        while j < len(tail) and tail[j] in _JSON_BLANKS:
-            j += 1
-        k = j
-        while k < len(tail) and 0x30 <= tail[k] <= 0x39:
-            k += 1
-        if k > j:
-            return int(tail[j:k])
-    return 0
+    return json_int(tail, _USAGE_KEY) or 0
 
 
 @dataclass
@@ -165,6 +154,7 @@ class ForwardingConfig:
     max_request_bytes: int = 64 * 1024 * 1024
     consumer_accounting: bool = False
     drop_client_auth: bool = False
+    record_text: bool = False
 
     @classmethod
     def of(cls, config: RouterConfig) -> ForwardingConfig:
@@ -183,7 +173,13 @@ class ForwardingConfig:
             max_request_bytes=config.max_request_bytes,
             consumer_accounting=config.consumer_accounting,
             drop_client_auth=config.consumers_file is not None,
+            record_text=config.record_text,
         )
+
+
+def _record_hashes(body: bytes) -> list[int]:
+    """The record's block hashes of a prompt whose policy computed none (pure: runs in a thread too)."""
+    return block_hashes(body, RECORD_BLOCK_BYTES, prompt_start(body), MAX_PREFIX_BLOCKS)
 
 
 def filter_raw_headers(
@@ -270,10 +266,12 @@ class Forwarder:
         policy: Policy,
         metrics: RouterMetrics,
         config: ForwardingConfig,
+        record: RecordWriter | None = None,
     ) -> None:
         """``routing``: where decisions and counts live (this process, or the router's parent process for
         a worker); ``policy``: used here only to ``prepare`` a request's features (the hashing is the
-        expensive part and stays in the process that parsed the request)."""
+        expensive part and stays in the process that parsed the request). ``record``: where each
+        generation request's record goes (None: no record); closed with the forwarder."""
         self.routing = routing
         self.policy = policy
         self.metrics = metrics
@@ -293,6 +291,9 @@ class Forwarder:
         self._accounting = config.consumer_accounting
         self._requests: dict[tuple[str, int], Any] = {}
         self._latency: dict[str, Any] = {}
+        self.record = record
+        self._record_text = config.record_text
+        self._session_header: str = getattr(policy, "session_header", None) or DEFAULT_SESSION_HEADER
 
     def use_limits(self, limits: HttpLimits) -> None:
         """Apply the backend-side limits (header bytes, quoted error body); called before serving."""
@@ -301,6 +302,9 @@ class Forwarder:
 
     async def close(self) -> None:
         await self.pool.close()
+        if self.record is not None:
+            # Bounded (RecordWriter.close), and off the loop: the last batch may meet a slow disk.
+            await asyncio.get_running_loop().run_in_executor(None, self.record.close)
 
     # -- the handler ----------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -309,8 +313,12 @@ class Forwarder:
         started = time.perf_counter()
         metrics = self.metrics
         status = 500  # what aiohttp answers for an exception that escapes the handler
+        draft: RecordDraft | None = None
+        if self.record is not None and request.path in HELD_DURING_PAUSE:
+            draft = RecordDraft(request.path, started)
+            holding = HOLDS.set(draft)  # the routing state's timed waits add to it (router.record.holds)
         try:
-            response = await self._proxy(request)
+            response = await self._proxy(request, draft)
             status = response.status
             return response
         except asyncio.CancelledError:
@@ -328,8 +336,12 @@ class Forwarder:
             if histogram is None:
                 histogram = self._latency[route] = metrics.latency.labels(route)
             histogram.observe(time.perf_counter() - started)
+            if draft is not None:
+                HOLDS.reset(holding)
+                draft.finish(status)
+                self.record.submit(draft, draft.text_bytes() if self._record_text else 0)  # type: ignore[union-attr]
 
-    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+    async def _proxy(self, request: web.Request, draft: RecordDraft | None = None) -> web.StreamResponse:
         if request.body_exists:
             body = await read_body(request, self.max_request_bytes, self.limits.body_timeout_s)
         else:
@@ -341,6 +353,8 @@ class Forwarder:
             )
         else:
             route_request = self.policy.prepare(route_request)
+        if draft is not None and self._draft_request(draft, request, route_request):
+            draft.hashes = await asyncio.get_running_loop().run_in_executor(None, _record_hashes, body)
         headers = filter_raw_headers(request.raw_headers, _REQUEST_DROP)
         if self._auth is not None:
             headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
@@ -349,6 +363,8 @@ class Forwarder:
             headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
         path_qs = request.rel_url.raw_path_qs
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+        if draft is not None:
+            draft.id = request_id
 
         routing = self.routing
         # Held by the routing state while the fleet is paused (first attempt only: a retry was admitted).
@@ -371,7 +387,10 @@ class Forwarder:
         try:
             for attempt in range(self.config.max_attempts):
                 try:
-                    chosen = await routing.dispatch(route_request, frozenset(tried), hold, want, consumer)
+                    if draft is not None and want is not None and not attempt:
+                        chosen = await self._dispatch_gated(draft, route_request, want, consumer)
+                    else:
+                        chosen = await routing.dispatch(route_request, frozenset(tried), hold, want, consumer)
                 except PauseRefused as exc:
                     self.metrics.errors.labels("pause_bound").inc()
                     status = self.config.no_healthy_backend_status
@@ -404,15 +423,23 @@ class Forwarder:
                     self.metrics.retries.inc()
                 url = chosen.url
                 tried.add(url)
+                if draft is not None:
+                    draft.begin(url)
                 try:
-                    return await self._attempt(
-                        request, route_request, chosen, path_qs, headers, body, request_id, ticket
+                    response = await self._attempt(
+                        request, route_request, chosen, path_qs, headers, body, request_id, ticket, draft
                     )
                 except UpstreamError as failure:
+                    if draft is not None:
+                        draft.end(failure.kind, chosen.version)
                     last = failure
                     self._on_failure(route_request, url, failure.kind)
                     if failure.kind == "timeout" and not self.config.retry_on_timeout:
                         break
+                    continue
+                if draft is not None:
+                    draft.end("ok", chosen.version)
+                return response
         finally:
             if ticket is not None:
                 ticket.end()  # no answer in full (it failed, or the client left): no tokens counted
@@ -421,6 +448,40 @@ class Forwarder:
             BACKEND_FAILURE_STATUS,
             error_body(f"backend failed: {last}", f"backend_{last.kind}", BACKEND_FAILURE_STATUS),
         )
+
+    def _draft_request(self, draft: RecordDraft, request: web.Request, route_request: RouteRequest) -> bool:
+        """The request's part of its record: what is known before routing. The prompt's block hashes are
+        the policy's own when it computed them (cache_aware), else computed here; True when they are
+        still to be computed, off the loop (a large body, as ``prepare`` is)."""
+        body = route_request.body
+        features = route_request.features
+        later = False
+        if isinstance(features, list):
+            hashes: list[int] | None = features
+        elif len(body) > LARGE_BODY_BYTES:
+            hashes, later = None, True
+        else:
+            hashes = _record_hashes(body) if body else None
+        draft.read_body(body, hashes)
+        draft.session_key = session_key(request.headers, self._session_header, case_insensitive=True)
+        if self._accounting:
+            consumer = request.get(CONSUMER)
+            if consumer is not None:
+                draft.consumer = consumer.name
+        if self._record_text:
+            draft.prompt = body
+        return later
+
+    async def _dispatch_gated(
+        self, draft: RecordDraft, route_request: RouteRequest, want: VersionWant, consumer: Consumer | None
+    ) -> Chosen:
+        """The first dispatch of a recorded request gated on a version: timed whole, since the version
+        gate's wait is what is left of it once the timed waits are taken out (``router.record.holds``)."""
+        t0 = time.perf_counter()
+        try:
+            return await self.routing.dispatch(route_request, frozenset(), True, want, consumer)
+        finally:
+            draft.gated_s = time.perf_counter() - t0
 
     def _on_failure(self, route_request: RouteRequest, url: str, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()
@@ -436,6 +497,7 @@ class Forwarder:
         body: bytes,
         request_id: str,
         ticket: _Ticket | None = None,
+        draft: RecordDraft | None = None,
     ) -> web.StreamResponse:
         """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client.
 
@@ -450,7 +512,9 @@ class Forwarder:
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             try:
-                return await self._relay(request, route_request, chosen, upstream, slot, request_id, ticket)
+                return await self._relay(
+                    request, route_request, chosen, upstream, slot, request_id, ticket, draft
+                )
             finally:
                 upstream.release()
         finally:
@@ -465,10 +529,12 @@ class Forwarder:
         slot: _Slot,
         request_id: str,
         ticket: _Ticket | None = None,
+        draft: RecordDraft | None = None,
     ) -> web.StreamResponse:
         """``ticket``: the request's place in the consumer ledger, ended with the engine's completion
         tokens once the engine has answered in full (before the backend slot is released, so that both
-        reach the routing state together)."""
+        reach the routing state together). ``draft``: the request's record, given the answer's status,
+        when its head left, and the answer's last bytes (its usage, read on the writer's thread)."""
         url, version = chosen
         resp_headers = CIMultiDict(
             (n.decode("latin-1"), v.decode("latin-1"))
@@ -477,6 +543,8 @@ class Forwarder:
         resp_headers[ROUTER_REQUEST_ID_HEADER] = header_safe(request_id)
         if version is not None:
             resp_headers[VERSION_HEADER] = header_safe(version)
+        if draft is not None:
+            draft.answered(upstream.status)
         if upstream.status >= 500:
             raise await self._status_failure(url, upstream)
         length = upstream.content_length
@@ -488,33 +556,51 @@ class Forwarder:
             self.routing.succeeded(url)
             if ticket is not None:
                 ticket.end(completion_tokens(payload[-USAGE_TAIL_BYTES:]))
+            if draft is not None:
+                draft.tail = payload[-USAGE_TAIL_BYTES:]
+                if self._record_text:
+                    draft.answer = payload
             slot.release()  # the engine's work is done; see _Slot
             response = web.Response(status=upstream.status, headers=resp_headers, body=payload)
             try:
                 await response.prepare(request)
+                if draft is not None:
+                    draft.sent_head()
                 await response.write_eof()
             except ConnectionResetError:
                 self.metrics.errors.labels("client_gone").inc()
+                if draft is not None:
+                    draft.outcome("client_gone")
             return response
 
         response = web.StreamResponse(status=upstream.status, headers=resp_headers)
         if length is not None:
             response.content_length = length
         # From here on the client has a status line: failures can no longer be retried.
+        if draft is not None and is_sse:
+            draft.sse = True
         try:
             await response.prepare(request)
+            if draft is not None:
+                draft.sent_head()
             chunks = upstream.iter_chunks()
             # The last chunks relayed, kept by reference (no copy) to find the usage in (module doc).
-            tail: list[bytes] | None = [] if ticket is not None else None
+            tail: list[bytes] | None = [] if ticket is not None or draft is not None else None
             while True:
                 try:
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
-                    if ticket is not None and tail is not None:
-                        ticket.end(completion_tokens(b"".join(tail)[-USAGE_TAIL_BYTES:]))
+                    if tail is not None:
+                        end = b"".join(tail)[-USAGE_TAIL_BYTES:]
+                        if ticket is not None:
+                            ticket.end(completion_tokens(end))
+                        if draft is not None:
+                            draft.tail = end
                     slot.release()  # before the end of the stream reaches the client; see _Slot
                     break
                 except UpstreamError as exc:
+                    if draft is not None:
+                        draft.outcome("timeout" if exc.kind == "timeout" else "stream_broken")
                     await self._broken_stream(request, response, route_request, url, is_sse, exc)
                     return response
                 if tail is not None:
@@ -526,6 +612,8 @@ class Forwarder:
         except ConnectionResetError:
             # The client went away (ClientConnectionResetError is one): not the backend's fault.
             self.metrics.errors.labels("client_gone").inc()
+            if draft is not None:
+                draft.outcome("client_gone")
             return response
         self.routing.succeeded(url)
         return response

@@ -38,6 +38,11 @@ answer while the fleet is at capacity (``CANCEL`` withdraws it; ``FAIR_SHARE_REF
 engine's completion tokens) gives back. So the capacity and the shares are those of one router, whatever
 the number of workers.
 
+Holds, for the request record (``router.record.holds``): a request the parent held answers ``OK_HELD``
+instead of ``OK``, with the seconds it waited at the pause gate and for a fair-share slot (two f32 before
+the URL), which the worker adds to its recorded request's holds; a decision that did not wait is a plain
+``OK``, as before.
+
 A worker that dies leaves requests counted in flight; the parent keeps a ledger per channel and releases
 whatever a closed channel still held (backend slots and fair-share slots), so a crashed worker cannot
 inflate the load bound, or keep the fleet at capacity, for good. A worker whose channel closes (the parent
@@ -57,6 +62,7 @@ import orjson
 
 from router.consumers import Consumer
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
+from router.record.holds import HOLDS, Holds, add_hold
 from router.state.fair_share import FairShareRefused
 from router.state.pause_gate import PauseRefused
 from router.state.routing import Chosen, LocalRouting
@@ -76,6 +82,7 @@ AT_LEAST = 4  # with WANT: that version or any stamped after it
 CONSUMER = 8  # with HOLD: the consumer (u8 name length, the name, f64 weight) follows the hashes
 # CHOSEN outcomes
 NO_BACKEND, OK, PAUSE_REFUSED, WITHDRAWN, UNKNOWN_VERSION, VERSION_REFUSED, FAIR_SHARE_REFUSED = range(7)
+OK_HELD = 7
 _REFUSALS: dict[int, type[Exception]] = {
     PAUSE_REFUSED: PauseRefused,
     UNKNOWN_VERSION: UnknownVersion,
@@ -89,8 +96,10 @@ _HELLO = struct.Struct("<II")  # worker index, pid
 # rest)
 _DISPATCH = struct.Struct("<IqHHiB")
 # request id, outcome: OK (u16 URL length, the URL, then the engine's version: the rest, empty for
-# none), NO_BACKEND / PAUSE_REFUSED / UNKNOWN_VERSION / VERSION_REFUSED (the reason follows), WITHDRAWN
+# none), OK_HELD (the seconds held at the pause gate and for a fair-share slot, two f32, then as OK),
+# NO_BACKEND / PAUSE_REFUSED / UNKNOWN_VERSION / VERSION_REFUSED (the reason follows), WITHDRAWN
 _CHOSEN = struct.Struct("<IB")
+_HELD = struct.Struct("<ff")
 # body size, URL bytes, version bytes (0: none); the URL, the version, then the request id (the rest,
 # only with a version: without one the release cannot straddle)
 _RELEASE = struct.Struct("<qHH")
@@ -310,10 +319,16 @@ class WorkerChannel(_Framed):
         task.add_done_callback(lambda _t, rid=rid: self._held.pop(rid, None))
 
     def _decide(
-        self, rid: int, request: RouteRequest, exclude: frozenset[str], consumer: str | None = None
+        self,
+        rid: int,
+        request: RouteRequest,
+        exclude: frozenset[str],
+        consumer: str | None = None,
+        holds: dict[str, float] | None = None,
     ) -> None:
         """Choose and answer. ``consumer``: the request holds that consumer's fair-share slot, which
-        becomes this worker's (given back by its FINISH), or is given back here with no backend."""
+        becomes this worker's (given back by its FINISH), or is given back here with no backend.
+        ``holds``: what held the request before this decision (answered ``OK_HELD``)."""
         routing = self.service.routing
         try:
             url = routing.dispatch_now(request, exclude)
@@ -333,7 +348,11 @@ class WorkerChannel(_Framed):
         u = url.encode()
         version = routing.versions.of.get(url)
         v = version.encode() if version is not None else b""
-        self.send(frame(CHOSEN, _CHOSEN.pack(rid, OK) + _U16.pack(len(u)) + u + v))
+        if holds:
+            held = _HELD.pack(holds.get("pause", 0.0), holds.get("share", 0.0))
+            self.send(frame(CHOSEN, _CHOSEN.pack(rid, OK_HELD) + held + _U16.pack(len(u)) + u + v))
+        else:
+            self.send(frame(CHOSEN, _CHOSEN.pack(rid, OK) + _U16.pack(len(u)) + u + v))
 
     def _refuse(self, rid: int, exc: Exception) -> None:
         outcome = (
@@ -355,12 +374,14 @@ class WorkerChannel(_Framed):
         """Answer once the fleet resumes (in arrival order across all workers) and an engine has the
         wanted version, or refuse past the bounds; cancelled by the worker's CANCEL or when its channel
         closes."""
+        holds = Holds()
+        HOLDS.set(holds)  # this task's own context: timed by the gate (router.record.holds)
         try:
             exclude = await self.service.routing.admit(exclude, hold, want)
         except (PauseRefused, UnknownVersion, VersionRefused, NoBackendAvailable) as exc:
             self._refuse(rid, exc)
             return
-        self._decide(rid, request, exclude)
+        self._decide(rid, request, exclude, None, holds)
 
     async def _enter(
         self,
@@ -372,12 +393,14 @@ class WorkerChannel(_Framed):
     ) -> None:
         """``_hold`` for a request of a consumer: the holds, then its fair-share slot (in the order the
         fair share grants slots across all workers), or a refusal past the bounds."""
+        holds = Holds()
+        HOLDS.set(holds)  # this task's own context: timed by the gate and the fair share
         try:
             exclude = await self.service.routing.enter(exclude, want, consumer)
         except (PauseRefused, UnknownVersion, VersionRefused, NoBackendAvailable, FairShareRefused) as exc:
             self._refuse(rid, exc)
             return
-        self._decide(rid, request, exclude, consumer.name)
+        self._decide(rid, request, exclude, consumer.name, holds)
 
     def cancel_held(self) -> None:
         """Stop holding this worker's requests (its channel closed, or the router stops)."""
@@ -460,6 +483,8 @@ class RemoteRouting(_Framed):
         self._stats = stats
         # request id -> (its answer, the request, the consumer whose fair-share slot an OK answer holds)
         self._pending: dict[int, tuple[asyncio.Future[Chosen], RouteRequest, str | None]] = {}
+        # request id -> (pause, share) seconds an OK_HELD answer reported, until its dispatch reads them
+        self._holds: dict[int, tuple[float, float]] = {}
         self._next = 0
         self.closed = False
 
@@ -504,8 +529,14 @@ class RemoteRouting(_Framed):
             return await future
             # A cancelled wait leaves the entry: its answer is then released at once (see on_frame).
         try:
-            return await future
+            chosen = await future
+            held = self._holds.pop(rid, None)
+            if held is not None:
+                add_hold("pause", held[0])
+                add_hold("share", held[1])
+            return chosen
         except asyncio.CancelledError:
+            self._holds.pop(rid, None)
             # The client went away, perhaps while held at the pause gate: withdraw it there (the parent
             # answers WITHDRAWN, or has answered already and that answer is given back in on_frame).
             if rid in self._pending:
@@ -554,8 +585,12 @@ class RemoteRouting(_Framed):
             if entry is None:
                 return
             future, request, consumer = entry
-            if ok == OK:
+            if ok == OK or ok == OK_HELD:
                 pos = _CHOSEN.size
+                held = None
+                if ok == OK_HELD:
+                    held = _HELD.unpack_from(payload, pos)
+                    pos += _HELD.size
                 (n,) = _U16.unpack_from(payload, pos)
                 pos += 2
                 url = payload[pos : pos + n].decode()
@@ -568,6 +603,8 @@ class RemoteRouting(_Framed):
                     self.release(url, request.size)
                     self._send_failed(request, url, "")
                 else:
+                    if held is not None:
+                        self._holds[rid] = held
                     future.set_result(Chosen(url, version))
                 return
             if future.cancelled():
@@ -580,6 +617,7 @@ class RemoteRouting(_Framed):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._holds.clear()
         for future, _request, _consumer in self._pending.values():
             if not future.done():
                 future.set_exception(NoBackendAvailable("the router's routing state is gone"))

@@ -43,6 +43,9 @@ Choices, each against a failure:
   decision waits at the routing state's one ``PauseGate``), and ``/fleet/*`` reaches the parent through the
   relay below like every admin route, so a pause closes every worker's door at once and the gate's bounds and
   numbers are the router's, not a worker's.
+* With a request record (``RouterConfig.record_dir``) each worker writes its own file,
+  ``requests-w<index>.jsonl`` (``router.record.writer``), within its share of the record's size cap; a
+  replacement appends to its predecessor's. No file is shared between processes, so no lock is.
 * A worker that exits is replaced within ``SUPERVISE_S``; what it held in flight is released by the parent
   when its channel closes. A worker whose channel closes (the parent died) exits: no orphan serves the port.
 """
@@ -77,6 +80,7 @@ from router.http.forwarding import HOP_BY_HOP, Forwarder, ForwardingConfig
 from router.http.status import error_body
 from router.multiprocess.decisions import DecisionService, RemoteRouting, WorkerChannel
 from router.policies import make_policy
+from router.record.writer import RecordWriter
 from router.state.metrics import RouterMetrics, Snapshot, per_request_snapshot
 from router.state.routing import LocalRouting
 
@@ -364,11 +368,16 @@ async def serve_worker(
         decisions,
     )
     routing.hello(index, os.getpid())
+    # This worker's own record file (requests-w<index>.jsonl); its counts are summed by the parent, which
+    # reports the directory's bytes.
+    record = RecordWriter.of(config, index)
+    metrics.watch_record(record, None)
     forwarder = Forwarder(
         routing,
         policy,
         metrics,
         ForwardingConfig.of(config),
+        record,
     )
     forwarder.use_limits(config.http)
     relay = ParentRelay(admin, admin_relay_timeout_s(config))

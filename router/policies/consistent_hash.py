@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from router.policies.base import LoadTracker, NoBackendAvailable, Policy, RouteRequest
 
@@ -22,12 +22,24 @@ def stable_hash64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
+def session_key(
+    headers: Mapping[str, str], header: str = DEFAULT_SESSION_HEADER, *, case_insensitive: bool = False
+) -> str | None:
+    """A request's session key: the value of its session ``header`` (any case), None when absent or
+    empty. The one definition, shared by this policy's ring and the request record's session hash
+    (``router.record``), so a record's sessions are the sessions the router routed by.
+    ``case_insensitive``: ``headers`` is one already (aiohttp's), so one lookup is enough."""
+    value = headers.get(header)
+    if value is None and not case_insensitive:
+        value = headers.get(header.lower())
+    return value or None
+
+
 class ConsistentHash(Policy):
     name = "consistent_hash"
 
     def __init__(self, session_header: str = DEFAULT_SESSION_HEADER, virtual_nodes: int = 64) -> None:
         self.session_header = session_header
-        self._header_lower = session_header.lower()
         self.virtual_nodes = virtual_nodes
         self._ring_keys: list[int] = []
         self._ring_urls: list[str] = []
@@ -45,11 +57,7 @@ class ConsistentHash(Policy):
         self._members = backends
 
     def session_key(self, request: RouteRequest) -> str | None:
-        headers = request.headers
-        value = headers.get(self.session_header)
-        if value is None:
-            value = headers.get(self._header_lower)
-        return value or None
+        return session_key(request.headers, self.session_header)
 
     def choose(self, request: RouteRequest, load: LoadTracker, exclude: frozenset[str] = frozenset()) -> str:
         if load.backends != self._members:
