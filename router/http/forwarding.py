@@ -314,9 +314,11 @@ class Forwarder:
         metrics = self.metrics
         status = 500  # what aiohttp answers for an exception that escapes the handler
         draft: RecordDraft | None = None
-        if self.record is not None and request.path in HELD_DURING_PAUSE:
-            draft = RecordDraft(request.path, started)
-            holding = HOLDS.set(draft)  # the routing state's timed waits add to it (router.record.holds)
+        if self.record is not None and route in HELD_DURING_PAUSE:
+            draft = RecordDraft(route, started)
+            # The routing state's timed waits add to it (router.record.holds). No reset: aiohttp runs each
+            # request's handler in a task of its own, whose context this changes.
+            HOLDS.set(draft)
         try:
             response = await self._proxy(request, draft)
             status = response.status
@@ -337,7 +339,6 @@ class Forwarder:
                 histogram = self._latency[route] = metrics.latency.labels(route)
             histogram.observe(time.perf_counter() - started)
             if draft is not None:
-                HOLDS.reset(holding)
                 draft.finish(status)
                 self.record.submit(draft, draft.text_bytes() if self._record_text else 0)  # type: ignore[union-attr]
 
@@ -544,7 +545,7 @@ class Forwarder:
         if version is not None:
             resp_headers[VERSION_HEADER] = header_safe(version)
         if draft is not None:
-            draft.answered(upstream.status)
+            draft.a_status = upstream.status
         if upstream.status >= 500:
             raise await self._status_failure(url, upstream)
         length = upstream.content_length
@@ -565,7 +566,7 @@ class Forwarder:
             try:
                 await response.prepare(request)
                 if draft is not None:
-                    draft.sent_head()
+                    draft.head_at = time.perf_counter()
                 await response.write_eof()
             except ConnectionResetError:
                 self.metrics.errors.labels("client_gone").inc()
@@ -582,7 +583,7 @@ class Forwarder:
         try:
             await response.prepare(request)
             if draft is not None:
-                draft.sent_head()
+                draft.head_at = time.perf_counter()
             chunks = upstream.iter_chunks()
             # The last chunks relayed, kept by reference (no copy) to find the usage in (module doc).
             tail: list[bytes] | None = [] if ticket is not None or draft is not None else None

@@ -6,11 +6,11 @@ object, the usage read out of the answer, the hashes in hex) measured about a fi
 is split in three, each where it costs least:
 
 * On the request path, ``RecordDraft`` stores what the forwarder already holds: the clock at a few
-  points, the engine and its status per attempt, references to the prompt's block hashes and to the
-  answer's last bytes (no copy), the head and tail of the body (``BODY_SCAN_BYTES`` each). Attribute
-  writes, no parsing, no serialization.
-* The record writer's thread (``router.record.writer``) packs each draft (``pack``: one C call,
-  ``operator.attrgetter``) and sends a batch of them, ``marshal``-ed, to the record's own process.
+  points, the engine and its status per attempt, a reference to the answer's last bytes, the head and
+  tail of the body (``BODY_SCAN_BYTES`` each; the body itself when short), the prompt's block hashes
+  packed in one C call. Attribute writes, no parsing, no serialization.
+* The record writer's thread (``router.record.writer``) sends a batch of drafts (each its ``__dict__``:
+  only what the request set), ``marshal``-ed, to the record's own process.
 * That process (``router.record.sink``) builds each record (``record_json``: the session key's hash,
   the usage and finish reason read from the answer's tail, ``max_tokens`` and ``stream`` from the body's
   ends, the hashes in hex, the text when asked) and writes it; its CPU is not the router's.
@@ -19,13 +19,23 @@ The few body facts the record wants without a JSON parse (``stream``, ``max_toke
 the first and last ``BODY_SCAN_BYTES`` of the body only (where clients put sampling options: before or
 after the conversation), so a 60 MB prompt costs what a short one does; a key found in neither is unknown
 (``max_tokens`` null; ``stream`` false, unless the answer was an event stream, which says it was asked).
+
+What else the record says, and how far to trust it:
+
+* ``prefix``: the policy's own block hashes when it computed them (cache_aware), else
+  ``prefix_index.block_hashes`` of the body; CPython ``hash`` values, seeded per router (its worker
+  processes share one ``PYTHONHASHSEED``), so they compare within one router's record, not across runs.
+* ``finish_reason``: the last non-null one in the answer's tail: the one choice's for ``n=1``; with
+  several choices, whichever finished last in the stream (or came last in the JSON).
+* ``text`` (``record_text``): the prompt is the request body as sent; the completion is the first
+  choice's text when the answer was one JSON body read whole (a small answer), empty for a stream (its
+  text is spread over events that pass through unbuffered).
 """
 
 from __future__ import annotations
 
 import array
 import hashlib
-import operator
 import sys
 import time
 from typing import Any
@@ -175,12 +185,17 @@ def answer_text(answer: bytes) -> str:
     return text if isinstance(text, str) else ""
 
 
-def hex_hashes(hashes: list[int]) -> list[str]:
+def hex_hashes(hashes: list[int] | bytes) -> list[str]:
     """Block hashes as the record writes them: each the 16 hex digits of the hash as an unsigned 64-bit
-    number. In C, not one format per block: a 40 KB prompt has ~40 blocks."""
+    number. In C, not one format per block: a 40 KB prompt has ~40 blocks. ``hashes``: ints, or packed
+    as native 64-bit integers (what the writer sends for a long list)."""
     if not hashes:
         return []
-    packed = array.array("q", hashes[:MAX_PREFIX_BLOCKS])
+    if isinstance(hashes, bytes):
+        packed = array.array("q")
+        packed.frombytes(hashes[: 8 * MAX_PREFIX_BLOCKS])
+    else:
+        packed = array.array("q", hashes[:MAX_PREFIX_BLOCKS])
     if sys.byteorder == "little":
         packed.byteswap()
     return packed.tobytes().hex(" ", 8).split(" ")
@@ -189,36 +204,40 @@ def hex_hashes(hashes: list[int]) -> list[str]:
 class RecordDraft:
     """What one generation request's record is made of, gathered by the forwarder (module doc).
 
-    Class attributes hold the defaults, so a request sets only what it has: most drafts never touch half
-    of these (no session, no consumer, no hold, one attempt). ``holds``: also what the routing state's
-    timed waits add their seconds to (``router.record.holds``, ``add``)."""
+    Class attributes hold the defaults, so a request sets only what it has (most never touch half of
+    these: no session, no consumer, no hold, one attempt), and what it set is its ``__dict__``: what the
+    writer sends to the sink as it is (``marshal`` takes a dict of plain data). Times are raw
+    ``time.perf_counter()`` readings; the sink subtracts. ``add``: where the routing state's timed waits
+    add their seconds (``router.record.holds``)."""
 
+    id = ""
+    status = 0
     session_key: str | None = None
     consumer: str | None = None
     sse = False  # the answer was an event stream
-    engine: str | None = None
-    version: str | None = None
+    # Attempts before the current one: (engine, outcome, status, t0, t1, version); the current (last)
+    # one in the a_* fields. The record's engine is the last that answered (status not None).
+    attempts: list[tuple[str, str, int | None, float, float, str | None]] | None = None
+    a_engine: str | None = None
+    a_outcome: str | None = None
+    a_status: int | None = None
+    a_version: str | None = None
+    a_t0 = 0.0
+    a_t1: float | None = None
     holds: dict[str, float] | None = None
     gated_s: float | None = None  # with a version wanted: the seconds around the first dispatch
-    ttfb: float | None = None
-    duration: float | None = None
-    status = 0
+    head_at: float | None = None  # when the answer's head left
+    end_at: float | None = None
     prompt_bytes = 0
     head: bytes | None = None  # the body's first BODY_SCAN_BYTES, when it is longer than two of them
     end_bytes: bytes | None = None  # its last BODY_SCAN_BYTES (or the whole body when short)
-    hashes: list[int] | None = None
+    hashes: bytes | None = None  # the prompt's block hashes, packed (native 64-bit integers)
     tail: bytes | None = None  # the answer's last bytes, where its usage is
     prompt: bytes | None = None  # with record_text only
     answer: bytes | None = None  # with record_text only: a whole JSON answer
-    id = ""
-    attempts: list[tuple[str, str, int | None, float]] | None = None
-    _a_engine: str | None = None  # the attempt in progress
-    _a_t0 = 0.0
-    _a_status: int | None = None
-    _a_outcome: str | None = None
 
     def __init__(self, path: str, started: float) -> None:
-        self.started = started  # perf_counter at arrival: every time is taken from it
+        self.started = started  # perf_counter at arrival
         self.path = path
 
     # -- on the request path ----------------------------------------------------------------------------
@@ -231,8 +250,10 @@ class RecordDraft:
         else:
             self.head = body[:BODY_SCAN_BYTES]
             self.end_bytes = body[-BODY_SCAN_BYTES:]
-        if hashes is not None:
-            self.hashes = hashes if len(hashes) <= MAX_PREFIX_BLOCKS else hashes[:MAX_PREFIX_BLOCKS]
+        if hashes:
+            # Packed now, one C call: marshal would write (and look up, they are the prefix index's too)
+            # integer by integer.
+            self.hashes = array.array("q", hashes[:MAX_PREFIX_BLOCKS]).tobytes()
 
     def add(self, kind: str, seconds: float) -> None:
         """A wait of the routing state held this request ``seconds`` (``router.record.holds``)."""
@@ -242,49 +263,36 @@ class RecordDraft:
         holds[kind] = holds.get(kind, 0.0) + seconds
 
     def begin(self, engine: str) -> None:
-        """An attempt on ``engine`` starts."""
-        self._a_engine = engine
-        self._a_t0 = time.perf_counter()
-        if self.attempts is not None:  # a retry: forget what the failed attempt saw
-            self._a_status = None
-            self._a_outcome = None
-
-    def answered(self, status: int) -> None:
-        """The engine of the current attempt answered with ``status`` (its head arrived)."""
-        self._a_status = status
+        """An attempt on ``engine`` starts (the engine's answer status goes to ``a_status``)."""
+        if self.a_engine is not None:  # a retry: the failed attempt joins the earlier ones
+            t0 = self.a_t0
+            outcome = self.a_outcome or "cancelled"
+            earlier = (self.a_engine, outcome, self.a_status, t0, self.a_t1 or t0, self.a_version)
+            self.attempts = [*self.attempts, earlier] if self.attempts else [earlier]
+            self.a_outcome = self.a_status = self.a_t1 = self.a_version = None
+        self.a_engine = engine
+        self.a_t0 = time.perf_counter()
 
     def outcome(self, kind: str) -> None:
         """The current attempt, though answered, ended otherwise than ``ok`` (a broken stream, a client
         that went away)."""
-        self._a_outcome = kind
+        self.a_outcome = kind
 
     def end(self, outcome: str, version: str | None = None) -> None:
         """The current attempt is over with ``outcome`` (``ok`` or a failure kind; one given to
-        ``outcome`` wins); the engine that answered it is the record's engine so far."""
-        engine = self._a_engine
-        if engine is None:
-            return
-        self._a_engine = None
-        status = self._a_status
-        attempt = (engine, self._a_outcome or outcome, status, time.perf_counter() - self._a_t0)
-        if self.attempts is None:
-            self.attempts = [attempt]
-        else:
-            self.attempts.append(attempt)
-        if status is not None:
-            self.engine = engine
-            self.version = version
-
-    def sent_head(self) -> None:
-        if self.ttfb is None:
-            self.ttfb = time.perf_counter() - self.started
+        ``outcome`` wins); ``version``: its engine's weight version, as the router stamped the answer."""
+        self.a_t1 = time.perf_counter()
+        if self.a_outcome is None:
+            self.a_outcome = outcome
+        if version is not None:
+            self.a_version = version
 
     def finish(self, status: int) -> None:
         """The request is over, answered ``status``; an attempt still open was cut by the client."""
-        if self._a_engine is not None:
-            self.end("cancelled")
         self.status = status
-        self.duration = time.perf_counter() - self.started
+        self.end_at = time.perf_counter()
+        if self.a_t1 is None and self.a_engine is not None:
+            self.end("cancelled")
 
     def text_bytes(self) -> int:
         """Bytes of text this draft holds until it is written (bounded by the writer)."""
@@ -294,110 +302,14 @@ class RecordDraft:
 
     def line(self) -> bytes:
         """The record's line, built here (tests; the router's process hands drafts to the sink)."""
-        return record_line(pack(self), time.time() - time.perf_counter())
+        return record_line(self.__dict__, time.time() - time.perf_counter())
 
     def build(self) -> RequestRecord:
-        return RequestRecord.from_json(record_json(pack(self), time.time() - time.perf_counter()))
+        return RequestRecord.from_json(record_json(self.__dict__, time.time() - time.perf_counter()))
 
 
-PACKED = (
-    "id",
-    "started",
-    "path",
-    "status",
-    "session_key",
-    "consumer",
-    "sse",
-    "engine",
-    "attempts",
-    "holds",
-    "gated_s",
-    "ttfb",
-    "duration",
-    "version",
-    "prompt_bytes",
-    "head",
-    "end_bytes",
-    "hashes",
-    "tail",
-    "prompt",
-    "answer",
-)
-"""A draft's fields as the writer's thread sends them to the sink, in this order (``pack``)."""
-pack = operator.attrgetter(*PACKED)
-"""``pack(draft)``: its ``PACKED`` fields as one tuple, in C (plain data: ``marshal`` can send it)."""
-
-
-def record_json(packed: tuple[Any, ...], clock_offset: float) -> dict[str, Any]:
-    """A packed draft's record: the JSON object ``RequestRecord.to_json`` writes (same keys, same order;
-    tests/test_router_record.py holds the two together). ``clock_offset``: wall-clock time minus
-    ``time.perf_counter()`` in the process that made the draft (its arrival is a perf_counter reading)."""
-    (
-        request_id,
-        started,
-        path,
-        status,
-        session_key,
-        consumer,
-        sse,
-        engine,
-        attempts,
-        holds,
-        gated_s,
-        ttfb,
-        duration,
-        version,
-        prompt_bytes,
-        head,
-        end_bytes,
-        hashes,
-        tail,
-        prompt,
-        answer,
-    ) = packed
-    prompt_tokens = cached = completion = None
-    finish_reason = None
-    if tail:
-        prompt_tokens, cached, completion = usage_of(tail)
-        finish_reason = finish_reason_of(tail)
-    parts = (end_bytes, head) if head is not None else (end_bytes,) if end_bytes else ()
-    out: dict[str, Any] = {
-        "v": RECORD_VERSION,
-        "id": request_id,
-        "t": round(started + clock_offset, 6),
-        "path": path,
-        "status": status,
-        "session": session_hash(session_key) if session_key else None,
-        "consumer": consumer,
-        "stream": bool(sse) or body_flag(parts, b'"stream"'),
-        "engine": engine,
-        "attempts": [
-            {
-                "engine": e,
-                "outcome": f"status_{st // 100}xx" if o == "status" and st is not None else o,
-                "status": st,
-                "s": round(s, 6),
-            }
-            for e, o, st, s in attempts or ()
-        ],
-        "held_s": _held(holds, gated_s),
-        "ttfb_s": round(ttfb if ttfb is not None else duration, 6) if duration is not None else None,
-        "duration_s": round(duration, 6) if duration is not None else None,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
-        "completion_tokens": completion,
-        "finish_reason": finish_reason,
-        "version": version,
-        "prompt_bytes": prompt_bytes,
-        "max_tokens": body_int(parts, b'"max_tokens"', b'"max_completion_tokens"'),
-        "prefix": hex_hashes(hashes) if hashes else [],
-    }
-    if prompt is not None:
-        out["text"] = {
-            "prompt": prompt.decode("utf-8", "replace"),
-            "completion": answer_text(answer) if answer else "",
-        }
-    return out
+_DEFAULTS = {k: v for k, v in vars(RecordDraft).items() if not k.startswith("__") and not callable(v)}
+"""A draft's fields and their defaults: what the sink reads a sent draft (its ``__dict__``) against."""
 
 
 def _held(holds: dict[str, float] | None, gated_s: float | None) -> dict[str, float]:
@@ -406,6 +318,76 @@ def _held(holds: dict[str, float] | None, gated_s: float | None) -> dict[str, fl
     return held_breakdown(holds or {}, gated_s or 0.0, gated_s is not None)
 
 
-def record_line(packed: tuple[Any, ...], clock_offset: float) -> bytes:
+def record_json(sent: dict[str, Any], clock_offset: float) -> dict[str, Any]:
+    """A draft's record (``sent``: its ``__dict__``): the JSON object ``RequestRecord.to_json`` writes
+    (same keys, same order; tests/test_router_record.py holds the two together). ``clock_offset``:
+    wall-clock time minus ``time.perf_counter()`` in the process that made the draft."""
+    d = {**_DEFAULTS, **sent}
+    started = d["started"]
+    tail = d["tail"]
+    prompt_tokens = cached = completion = None
+    finish_reason = None
+    if tail:
+        prompt_tokens, cached, completion = usage_of(tail)
+        finish_reason = finish_reason_of(tail)
+    head, end_bytes = d["head"], d["end_bytes"]
+    parts = (end_bytes, head) if head is not None else (end_bytes,) if end_bytes else ()
+    attempts = list(d["attempts"] or ())
+    if d["a_engine"] is not None:
+        t0 = d["a_t0"]
+        outcome = d["a_outcome"] or "cancelled"
+        attempts.append((d["a_engine"], outcome, d["a_status"], t0, d["a_t1"] or t0, d["a_version"]))
+    engine = version = None
+    for e, _o, st, _t0, _t1, v in reversed(attempts):
+        if st is not None:  # the engine that answered last
+            engine, version = e, v
+            break
+    end_at = d["end_at"]
+    duration = end_at - started if end_at is not None else None
+    head_at = d["head_at"]
+    ttfb = head_at - started if head_at is not None else duration  # the router's own answer: at its end
+    hashes = d["hashes"]
+    out: dict[str, Any] = {
+        "v": RECORD_VERSION,
+        "id": d["id"],
+        "t": round(started + clock_offset, 6),
+        "path": d["path"],
+        "status": d["status"],
+        "session": session_hash(d["session_key"]) if d["session_key"] else None,
+        "consumer": d["consumer"],
+        "stream": bool(d["sse"]) or body_flag(parts, b'"stream"'),
+        "engine": engine,
+        "attempts": [
+            {
+                "engine": e,
+                "outcome": f"status_{st // 100}xx" if o == "status" and st is not None else o,
+                "status": st,
+                "s": round(t1 - t0, 6),
+            }
+            for e, o, st, t0, t1, _v in attempts
+        ],
+        "held_s": _held(d["holds"], d["gated_s"]),
+        "ttfb_s": round(ttfb, 6) if ttfb is not None else None,
+        "duration_s": round(duration, 6) if duration is not None else None,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "completion_tokens": completion,
+        "finish_reason": finish_reason,
+        "version": version,
+        "prompt_bytes": d["prompt_bytes"],
+        "max_tokens": body_int(parts, b'"max_tokens"', b'"max_completion_tokens"'),
+        "prefix": hex_hashes(hashes) if hashes else [],
+    }
+    prompt = d["prompt"]
+    if prompt is not None:
+        answer = d["answer"]
+        out["text"] = {
+            "prompt": prompt.decode("utf-8", "replace"),
+            "completion": answer_text(answer) if answer else "",
+        }
+    return out
+
+
+def record_line(sent: dict[str, Any], clock_offset: float) -> bytes:
     """``record_json`` as a JSONL line (orjson: a third of ``json.dumps``'s cost)."""
-    return orjson.dumps(record_json(packed, clock_offset), option=orjson.OPT_APPEND_NEWLINE)
+    return orjson.dumps(record_json(sent, clock_offset), option=orjson.OPT_APPEND_NEWLINE)

@@ -3,11 +3,11 @@
 Started by that process's ``RecordWriter`` (``router.record.writer``) as ``python -m router.record.sink``,
 one per router process (the router's, or each worker's), because building a record is most of what a
 record costs (``router.record.draft``) and the router's process is the one that must not pay it. It reads
-frames on stdin, each ``<u32 length><marshal of (clock offset, [item, ...])>``, an item a packed draft
-(``draft.pack``) or a ready line (bytes); builds each line (``draft.record_line``), appends the batch to
-its files (``RecordFiles``), and answers every frame on stdout with its counts (``STATUS``: written,
-lost, failed writes, bytes on disk), which the writer reports. It exits at the end of stdin: when the
-router closes it, or dies.
+frames on stdin, each ``<u32 length><marshal of (clock offset, [item, ...])>``, an item a draft's
+``__dict__`` (``draft.RecordDraft``) or a ready line (bytes); builds each line (``draft.record_line``),
+appends the batch to its files (``RecordFiles``), and answers every frame on stdout with its counts
+(``STATUS``: written, lost, failed writes, bytes on disk), which the writer reports. It exits at the
+end of stdin: when the router closes it, or dies.
 
 ``RecordFiles``, each choice against a way the record could hurt what it records:
 
@@ -135,10 +135,14 @@ class RecordFiles:
 
     def _open(self) -> int:
         if self._fd is None:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 os.fchmod(fd, 0o600)
                 self._size = os.fstat(fd).st_size
+                if self._size and os.pread(fd, 1, self._size - 1) != b"\n":
+                    # A line cut by a killed predecessor: it stays one bad line, the next ones whole.
+                    os.write(fd, b"\n")
+                    self._size += 1
             except OSError:
                 os.close(fd)
                 raise

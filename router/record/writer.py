@@ -3,12 +3,14 @@
 Choices, each against a way a record could hurt what it records:
 
 * The request path only appends the request's draft (``router.record.draft``) to a bounded queue
-  (``submit``: a length check and a ``deque.append``; no lock, no I/O, no serialization). A thread packs
-  the drafts (one C call each) and sends them in batches, every ``FLUSH_INTERVAL_S`` (and early when the
-  queue is half full), to the record's own process (``router.record.sink``), which builds the records
-  and writes them: building a record costs about a fifth of what proxying the request does, and a
-  thread of the router's process would take that from the router (one core, one GIL). So a record is
-  on disk within about half a second, and neither a slow disk nor the records' CPU holds an answer back.
+  (``submit``: a length check and a ``deque.append``; no lock, no I/O, no serialization). A thread sends
+  them in batches (each draft its ``__dict__``, the whole batch one ``marshal`` call), every
+  ``FLUSH_INTERVAL_S`` (and early when the queue is half full), to the record's own process
+  (``router.record.sink``), which builds the records and writes them: built in the router's process, a
+  record cost a fifth of what proxying its request does (valgrind: +145k instructions on 567k per
+  request, bench/proxy_bench.py's small requests), and a thread there takes that from the router (one
+  core, one GIL); sent, it costs ~5%. So a record is on disk within about half a second, and neither a
+  slow disk nor the records' CPU holds an answer back.
 * A full queue drops the record and counts it (``dropped``, ``rl_router_record_dropped_total``) instead
   of blocking the request; so does a record the sink could not write (its failed writes are counted in
   ``write_errors`` and logged once, by the sink). Drafts that carry text (``record_text``) are bounded
@@ -38,8 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import router
-from router.record.draft import RecordDraft, pack
-from router.record.format import RECORD_FILE
+from router.record.draft import RecordDraft
+from router.record.format import RECORD_FILE, RequestRecord
 from router.record.sink import FRAME, STATUS
 
 if TYPE_CHECKING:
@@ -54,7 +56,14 @@ QUEUE_TEXT_BYTES = 64 * 1024 * 1024
 FLUSH_INTERVAL_S = 0.25
 CLOSE_TIMEOUT_S = 3.0
 BATCH_RECORDS = 2048
+
 MAX_RESTARTS = 10
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class RecordWriter:
@@ -98,7 +107,7 @@ class RecordWriter:
         self._lost = 0  # writer thread: records of batches the sink never took
         self._sink_status = (0, 0, 0, 0)  # writer thread: the sink's last counts (written, lost, ...)
         self._sink_base = (0, 0, 0)  # counts of sinks that died before this one
-        self._pending: deque[tuple[Any, int]] = deque()
+        self._pending: deque[Any] = deque()  # drafts, or lines (bytes)
         self._sink: subprocess.Popen[bytes] | None = None
         self._status_buf = b""
         self._restarts = 0
@@ -106,6 +115,7 @@ class RecordWriter:
         self._closed = False
         self._stop = False
         self._wake = threading.Event()
+        self._close_by = 0.0  # set by close: when the sink must have exited
         # Started by the first submit: a router that fails to start after this leaves nothing behind.
         self._thread: threading.Thread | None = None
 
@@ -126,9 +136,9 @@ class RecordWriter:
 
     # -- the request path ---------------------------------------------------------------------------------
     def submit(self, item: Any, text_bytes: int = 0) -> bool:
-        """Queue a ``RecordDraft`` (or a ``RequestRecord``) to be written; never blocks. False (and
-        counted in ``dropped``) when the queue is full or the writer closed. ``text_bytes``: bytes of text
-        the item holds until written, bounded by ``QUEUE_TEXT_BYTES``."""
+        """Queue a ``RecordDraft`` (or a ``RequestRecord``, or a line) to be written; never blocks. False
+        (and counted in ``dropped``) when the queue is full or the writer closed. ``text_bytes``: bytes of
+        text a draft holds until written (``RecordDraft.text_bytes``), bounded by ``QUEUE_TEXT_BYTES``."""
         pending = self._pending
         if (
             self._closed
@@ -139,7 +149,9 @@ class RecordWriter:
             return False
         if text_bytes:
             self._text_in += text_bytes
-        pending.append((item, text_bytes))
+        elif type(item) is RequestRecord:
+            item = item.line()
+        pending.append(item)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"record-{self.stem}", daemon=True)
             self._thread.start()
@@ -194,8 +206,6 @@ class RecordWriter:
                 sink.kill()
 
     # -- the writer's thread --------------------------------------------------------------------------------
-    _close_by = 0.0
-
     def _run(self) -> None:
         try:
             while not self._stop:
@@ -209,25 +219,43 @@ class RecordWriter:
 
     def _send(self) -> None:
         pending = self._pending
+        popleft = pending.popleft
         while pending:
-            items: list[Any] = []
-            while pending and len(items) < BATCH_RECORDS:
-                item, text_bytes = pending.popleft()
-                self._text_out += text_bytes
-                items.append(pack(item) if type(item) is RecordDraft else item.line())
+            batch = [popleft() for _ in range(min(len(pending), BATCH_RECORDS))]
+            if self._text_in != self._text_out:
+                self._text_out += sum(x.text_bytes() for x in batch if type(x) is RecordDraft)
+            # A draft goes as its __dict__ (only what the request set), a line as it is.
+            items = [getattr(x, "__dict__", x) for x in batch]
             offset = time.time() - time.perf_counter()
-            payload = marshal.dumps((offset, items))
-            self._deliver(FRAME.pack(len(payload)) + payload, len(items))
+            try:
+                payload = marshal.dumps((offset, items))
+            except ValueError:  # a value marshal cannot send (a str subclass...): send the others
+                items = self._sendable(items)
+                payload = marshal.dumps((offset, items))
+            self._deliver(payload, len(items))
 
-    def _deliver(self, frame: bytes, n: int) -> None:
+    def _sendable(self, items: list[Any]) -> list[Any]:
+        kept = []
+        for item in items:
+            try:
+                marshal.dumps(item)
+            except ValueError:
+                self._lost += 1
+                log.warning("request record %s: a record held a value it cannot send; dropped", self.path)
+                continue
+            kept.append(item)
+        return kept
+
+    def _deliver(self, payload: bytes, n: int) -> None:
         sink = self._ensure_sink()
         if sink is None:
             self._lost += n
             return
         assert sink.stdin is not None
         try:
-            sink.stdin.write(frame)
-            sink.stdin.flush()
+            fd = sink.stdin.fileno()
+            _write_all(fd, FRAME.pack(len(payload)))
+            _write_all(fd, payload)  # straight to the pipe: no copy into a buffer first
         except (BrokenPipeError, OSError, ValueError):
             self._lost += n
             self._sink_died()
@@ -257,6 +285,7 @@ class RecordWriter:
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
+                bufsize=0,
                 env=env,
                 close_fds=True,
             )
@@ -297,9 +326,8 @@ class RecordWriter:
         self._sink_status = (0, 0, 0, self._sink_status[3])
         self._restarts += 1
         if self._restarts > MAX_RESTARTS:
-            code = self._restarts
             self._gave_up = True
-            log.warning("request record %s: its process died %d times; records dropped", self.path, code)
+            log.warning("request record %s: its process exited (%s), too often: dropping", self.path, code)
         else:
             log.warning("request record %s: its process exited (%s); starting another", self.path, code)
 
