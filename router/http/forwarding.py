@@ -133,6 +133,9 @@ USAGE_TAIL_CHUNKS = 4
 _USAGE_KEY = b'"completion_tokens"'
 # The record's prompt blocks when the policy computed none (cache_aware's own are reused): its default.
 RECORD_BLOCK_BYTES = 1024
+# The answer's end the record keeps (its usage and finish reason are in the last few hundred bytes; a
+# small copy, as the record holds it until its sink has it).
+RECORD_TAIL_BYTES = 4096
 
 
 def completion_tokens(tail: bytes) -> int:
@@ -175,6 +178,15 @@ class ForwardingConfig:
             drop_client_auth=config.consumers_file is not None,
             record_text=config.record_text,
         )
+
+
+def record_tail(chunks: list[bytes]) -> bytes:
+    """The last ``RECORD_TAIL_BYTES`` of a stream, from its last chunks (the last alone when it is
+    long enough: no join of the others)."""
+    last = chunks[-1]
+    if len(last) >= RECORD_TAIL_BYTES or len(chunks) == 1:
+        return last[-RECORD_TAIL_BYTES:]
+    return b"".join(chunks)[-RECORD_TAIL_BYTES:]
 
 
 def _record_hashes(body: bytes) -> list[int]:
@@ -558,7 +570,7 @@ class Forwarder:
             if ticket is not None:
                 ticket.end(completion_tokens(payload[-USAGE_TAIL_BYTES:]))
             if draft is not None:
-                draft.tail = payload[-USAGE_TAIL_BYTES:]
+                draft.tail = payload[-RECORD_TAIL_BYTES:]
                 if self._record_text:
                     draft.answer = payload
             slot.release()  # the engine's work is done; see _Slot
@@ -591,12 +603,10 @@ class Forwarder:
                 try:
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
-                    if tail is not None:
-                        end = b"".join(tail)[-USAGE_TAIL_BYTES:]
-                        if ticket is not None:
-                            ticket.end(completion_tokens(end))
-                        if draft is not None:
-                            draft.tail = end
+                    if ticket is not None and tail is not None:
+                        ticket.end(completion_tokens(b"".join(tail)[-USAGE_TAIL_BYTES:]))
+                    if draft is not None and tail:
+                        draft.tail = record_tail(tail)
                     slot.release()  # before the end of the stream reaches the client; see _Slot
                     break
                 except UpstreamError as exc:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import re
 import sys
 import time
 from typing import Any
@@ -106,22 +107,39 @@ def json_str(data: bytes, key: bytes, limit: int = 64) -> str | None:
 
 
 _USAGE = b'"usage"'
-_USAGE_KEYS = (b'"prompt_tokens"', b'"cached_tokens"', b'"completion_tokens"')
-_USAGE_SPAN = 512  # an engine's usage object is ~150 bytes
 _FINISH = b'"finish_reason"'
 
 
 def usage_of(tail: bytes) -> tuple[int | None, int | None, int | None]:
-    """``(prompt_tokens, cached_tokens, completion_tokens)`` of an answer's usage, from its last bytes.
-    Searched within ``_USAGE_SPAN`` bytes after the last ``"usage"`` key (short scans: the object is
-    small), else, when there is no such key, in the whole tail."""
+    """``(prompt_tokens, cached_tokens, completion_tokens)`` of an answer's usage, from its last bytes:
+    the last ``"usage"`` object, found by its braces and parsed by orjson (a few C calls); the keys
+    looked for one by one when that fails (an object cut by the tail's start, another spelling)."""
     u = tail.rfind(_USAGE)
-    if u >= 0 and not (u and tail[u - 1] == 0x5C):
-        end = min(len(tail), u + _USAGE_SPAN)
-        out = [json_int(tail, key, u, end) for key in _USAGE_KEYS]
-    else:
-        out = [json_int(tail, key) for key in _USAGE_KEYS]
-    return out[0], out[1], out[2]
+    if u >= 0 and (u == 0 or tail[u - 1] != 0x5C):
+        j = tail.find(b"{", u + 7, u + 16)
+        k = j
+        while j >= 0:
+            k = tail.find(b"}", k + 1)
+            if k < 0:
+                break
+            if tail.count(b"{", j, k) == tail.count(b"}", j, k) + 1:  # its own closing brace
+                try:
+                    usage = orjson.loads(tail[j : k + 1])
+                except orjson.JSONDecodeError:
+                    break
+                details = usage.get("prompt_tokens_details")
+                cached = details.get("cached_tokens") if type(details) is dict else None
+                prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+                return (
+                    prompt if type(prompt) is int else None,
+                    cached if type(cached) is int else None,
+                    completion if type(completion) is int else None,
+                )
+    return (
+        json_int(tail, b'"prompt_tokens"'),
+        json_int(tail, b'"cached_tokens"'),
+        json_int(tail, b'"completion_tokens"'),
+    )
 
 
 def finish_reason_of(tail: bytes) -> str | None:
@@ -149,13 +167,22 @@ def _body_value(body: bytes, key: bytes) -> int:
     return -1
 
 
+_INT_VALUE = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*(\d+)")
+
+
 def body_int(parts: tuple[bytes, ...], *keys: bytes) -> int | None:
-    """The first of ``keys`` with an integer value in one of ``parts`` (the body's ends)."""
+    """The first of ``keys`` with an integer value in one of ``parts`` (the body's ends): the key's last
+    occurrence not inside a string (its quote not escaped) followed by ``: digits``."""
     for key in keys:
         for part in parts:
-            j = _body_value(part, key)
-            if j >= 0:
-                return _int_at(part, j)
+            hi = len(part)
+            while (i := part.rfind(key, 0, hi)) >= 0:
+                hi = i
+                if i and part[i - 1] == 0x5C:  # backslash: inside a string
+                    continue
+                m = _INT_VALUE.match(part, i + len(key))
+                if m is not None:
+                    return int(m[1])
     return None
 
 
@@ -350,25 +377,26 @@ def record_json(sent: dict[str, Any], clock_offset: float) -> dict[str, Any]:
     out: dict[str, Any] = {
         "v": RECORD_VERSION,
         "id": d["id"],
-        "t": round(started + clock_offset, 6),
+        "t": started + clock_offset,
         "path": d["path"],
         "status": d["status"],
         "session": session_hash(d["session_key"]) if d["session_key"] else None,
         "consumer": d["consumer"],
-        "stream": bool(d["sse"]) or body_flag(parts, b'"stream"'),
+        # An engine streams when asked: the body is read only for an answer that says nothing (an error).
+        "stream": True if d["sse"] else d["status"] != 200 and body_flag(parts, b'"stream"'),
         "engine": engine,
         "attempts": [
             {
                 "engine": e,
                 "outcome": f"status_{st // 100}xx" if o == "status" and st is not None else o,
                 "status": st,
-                "s": round(t1 - t0, 6),
+                "s": t1 - t0,
             }
             for e, o, st, t0, t1, _v in attempts
         ],
         "held_s": _held(d["holds"], d["gated_s"]),
-        "ttfb_s": round(ttfb, 6) if ttfb is not None else None,
-        "duration_s": round(duration, 6) if duration is not None else None,
+        "ttfb_s": ttfb,
+        "duration_s": duration,
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached,
         "completion_tokens": completion,
