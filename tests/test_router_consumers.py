@@ -306,7 +306,10 @@ async def test_consumer_owner_and_admin_keys(keyed_sims, routers, tmp_path: Path
     assert remove_consumer(path, "plain")
     t0 = time.monotonic()
     refused_in_a_row = 0
-    for _ in range(200):  # bounded; 4 refusals in a row on fresh connections (either worker) end it
+    # Bounded by time, not only count: on a fast machine 200 unpaced requests finished inside the 1 s window
+    # (CI, stop 26), before either worker's next re-read was due.
+    for _ in range(1000):  # bounded; 4 refusals in a row on fresh connections (either worker) end it
+        await asyncio.sleep(0.01)
         started = time.monotonic() - t0
         status, _ = await call(base, "POST", COMPLETIONS, plain, completion(1))
         if status == 200:
