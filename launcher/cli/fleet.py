@@ -44,7 +44,7 @@ _JSON = click.option("--json", "as_json", is_flag=True, help="Print the per-engi
 @click.group("fleet")
 def fleet_group() -> None:
     """Fleet-wide operations on a running job: pause/resume, abort, weight versions, checksums, step
-    metrics, cache invalidation; standing fleets (up, down)."""
+    metrics, cache invalidation; resizing (grow, shrink); standing fleets (up, down)."""
 
 
 def _via_router(jd: JobDir, router_url: str, timeout_s: float) -> CacheResetReport:
@@ -366,10 +366,13 @@ def refit_command(
 
 
 def _add_standing_commands() -> None:
+    from launcher.cli.elastic import fleet_grow_command, fleet_shrink_command
     from launcher.cli.standing import fleet_down_command, fleet_up_command
 
     fleet_group.add_command(fleet_up_command)
     fleet_group.add_command(fleet_down_command)
+    fleet_group.add_command(fleet_grow_command)
+    fleet_group.add_command(fleet_shrink_command)
 
 
 _add_standing_commands()

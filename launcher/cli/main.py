@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "launcher.cli.fleet",
         "fleet_group",
         "Fleet-wide operations on a running job: pause/resume, abort, weight versions, checksums, step "
-        "metrics, cache invalidation; standing fleets (up, down).",
+        "metrics, cache invalidation; resizing (grow, shrink); standing fleets (up, down).",
     ),
     "list": (
         "launcher.cli.jobs",

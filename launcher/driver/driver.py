@@ -43,6 +43,7 @@ from launcher.driver.status_server import StatusServer
 from launcher.driver.steps import LocalSteps, SrunSteps, node_address
 from launcher.driver.stopping import TIME_LIMIT_EXIT, JobFailed, StopSignals, Terminated, TimeLimitReached
 from launcher.driver.training import TrainingCommand
+from launcher.elastic.manager import ElasticFleet
 from launcher.fleet import HealthPolicy
 from launcher.fleet.controller import FleetController
 from launcher.gateways import Gateway, GatewayContext, GatewayError, gateway_class, make_gateway
@@ -83,6 +84,8 @@ class Driver:
         self.training = TrainingCommand(spec.training.command, self.job.training_log)
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
+        self.elastic: ElasticFleet | None = None
+        """Grow, drain and the tail policy (``launcher.elastic``), for a fleet of engine hosts."""
         self.standing: StandingFleet | StandingAttachment | None = None
         """A standing fleet's serving loop, or a job's attachment to one (``launcher.driver.standing``)."""
 
@@ -291,6 +294,19 @@ class Driver:
             restart_timeout_s=gen.startup_timeout_s + 30,
             say=self._say,
         ).start()
+        self.elastic = ElasticFleet(
+            self.spec,
+            self.job,
+            self.state,
+            self.controller,
+            self.engines,
+            self.ray,
+            local=self.local,
+            training_nodes=self.training_nodes,
+            held_since=time.time() - (time.monotonic() - self.t0),
+            say=self._say,
+            refuse_why=self.front.no_elastic_why,
+        ).start()
 
     def _make_gateway(self) -> None:
         """The front in front of the fleet (``router.kind``; see ``launcher.gateways``), on a port
@@ -389,6 +405,12 @@ class Driver:
         with the rest instead of after the router's orderly stop, which only waits on a head that Slurm
         is taking down anyway (the router actor goes with it)."""
         t = time.monotonic()
+        if self.elastic is not None:
+            # First: no grow may start hosts the teardown would miss; its grow jobs end with the job.
+            try:
+                self.elastic.close()
+            except Exception as exc:
+                self._say(f"teardown: closing the elastic fleet failed: {exc!r}")
         self.engines.hosts.close()
         parts: list[tuple[str, Any]] = [("training", self.training.stop)]
         if self.standing is not None:

@@ -57,6 +57,13 @@ class EngineHostSteps:
             old.stop(grace_s=5)
         self.launch(node_index)
 
+    def stop(self, node_index: int, grace_s: float = 15.0) -> None:
+        """Stop one node's host for good (the node leaves the fleet: ``launcher.elastic``)."""
+        with self._lock:
+            step = self.steps.pop(node_index, None)
+        if step is not None:
+            step.stop(grace_s=grace_s)
+
     def describe(self, node_index: int) -> str:
         with self._lock:
             step = self.steps.get(node_index)
@@ -87,6 +94,9 @@ class EngineHostLauncher:
         self.spec, self.job, self.state, self.steps = spec, job, state, steps
         self.generation_nodes, self.front, self.local, self.say = generation_nodes, front, local, say
         self.hosts = EngineHostSteps(self.launch_host)
+        self.node_jobs: dict[int, str] = {}
+        """Generation nodes held by another Slurm job than the driver's (a grow, ``launcher.elastic``):
+        node index -> that job's id, which their steps are started into (``srun --jobid``)."""
         self.engine_runtime: dict[str, Any] = {}
         """What the engines need of the gateway's runtime (Dynamo: discovery and planes); see
         ``Gateway.prepare_engines``. Set before the first host starts."""
@@ -124,7 +134,9 @@ class EngineHostLauncher:
         gen = self.spec.generation
         resources = gen.resources
         gpus = resources.gpus_per_node if resources is not None else 0
-        het_group = 1 if self.spec.slurm is not None and self.spec.slurm.layout == "hetjob" else None
+        jobid = self.node_jobs.get(index)
+        hetjob = self.spec.slurm is not None and self.spec.slurm.layout == "hetjob"
+        het_group = 1 if hetjob and jobid is None else None
         node = self.generation_nodes[index]
         path = self.job.host_config_file(index)
         if not path.exists():
@@ -138,6 +150,7 @@ class EngineHostLauncher:
             self.job.engine_host_log(index),
             gpus=gpus,
             het_group=het_group,
+            jobid=jobid,
         )
 
     def start(self) -> list[str]:

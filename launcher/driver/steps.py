@@ -79,6 +79,7 @@ class LocalSteps:
         log: Path,
         gpus: int = 0,
         het_group: int | None = None,
+        jobid: str | None = None,
     ) -> Step:
         with log.open("ab") as out:
             proc = subprocess.Popen(
@@ -104,7 +105,9 @@ class SrunSteps:
         log: Path,
         gpus: int = 0,
         het_group: int | None = None,
+        jobid: str | None = None,
     ) -> Step:
+        """``jobid``: start the step in that job's allocation instead of the driver's (a grow's nodes)."""
         cmd = step_command(
             node=node,
             name=role,
@@ -113,6 +116,7 @@ class SrunSteps:
             container=self.srun_args,
             gpus=gpus,
             het_group=het_group,
+            jobid=jobid,
         )
         proc = subprocess.Popen(
             cmd, env=dict(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True

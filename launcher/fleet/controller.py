@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from launcher.fleet.health import (
+    SERVING_STATES,
     EngineRecord,
     EngineState,
     FleetHealth,
@@ -139,7 +140,15 @@ class FleetController:
                 self.where[eid] = (node_index, entry.index)
                 self.generation[eid] = entry.generation
                 records.append(EngineRecord(id=eid, node=entry.node, url=canonical_backend_url(entry.url)))
-        self.node_count = node_count
+        self.nodes: list[int] = list(range(node_count))
+        """The generation nodes (indices) whose engines are in the fleet: the allocation's, then any it
+        grew by (``launcher.elastic``); a node drained away leaves it."""
+        self.draining_nodes: set[int] = set()
+        """Nodes being drained: their host is stopped on purpose, so its exit condemns nothing."""
+        self.pushes = 0
+        """Serving sets the front accepted: a drain waits for one pushed after it began."""
+        self._lock = threading.RLock()
+        """A tick and a change of the fleet's membership (the elastic manager's thread) never interleave."""
         self.fleet = FleetHealth(records, policy)
         self.fatal: str | None = None
         self._stop = threading.Event()
@@ -222,6 +231,10 @@ class FleetController:
 
     # -- one tick ---------------------------------------------------------------------------------------
     def tick(self) -> None:
+        with self._lock:
+            self._tick()
+
+    def _tick(self) -> None:
         self._check_hosts()
         self._collect_restarts()
         self._expire_restarts()
@@ -240,6 +253,7 @@ class FleetController:
         timed_out = False
         try:
             self.gateway.set_serving(push)
+            self.pushes += 1
         except Exception as exc:
             timed_out = isinstance(exc, TimeoutError)  # a Ray actor mid-restart: asking again waits again
             self.job.log_event("router_unreachable", f"could not push the serving set: {exc!r}")
@@ -308,6 +322,63 @@ class FleetController:
         reported it (for the dashboard; nothing here judges by it)."""
         return {**self.fleet.snapshot(), "current_version": self.last_version}
 
+    # -- membership (``launcher.elastic``) -------------------------------------------------------------
+    def add_node(self, node_index: int, reason: str) -> list[str]:
+        """The engines node ``node_index``'s host published join the fleet (HEALTHY; the front judges
+        their weight version when the next tick pushes them). Returns their ids."""
+        listing = self.job.read_listing(node_index)
+        if listing is None or listing.error:
+            raise RuntimeError(f"no engine listing for generation node {node_index}")
+        with self._lock:
+            records = []
+            for entry in listing.engines:
+                eid = engine_id(node_index, entry.index)
+                records.append(EngineRecord(id=eid, node=entry.node, url=canonical_backend_url(entry.url)))
+            self.fleet.add(records, reason)
+            for entry, rec in zip(listing.engines, records, strict=True):
+                self.where[rec.id] = (node_index, entry.index)
+                self.generation[rec.id] = entry.generation
+            self.nodes.append(node_index)
+            return [r.id for r in records]
+
+    def drain_node(self, node_index: int, reason: str) -> list[str]:
+        """Node ``node_index``'s engines leave the serving set now (the next push drops them; their
+        requests in flight go on), and its host's exit is no longer a failure. Returns the URLs to wait
+        on."""
+        with self._lock:
+            self.draining_nodes.add(node_index)
+            self.hosts_down.pop(node_index, None)
+            urls = []
+            for eid in self._engines_of(node_index):
+                self.fleet.drain(eid, reason)
+                self.restart_since.pop(eid, None)
+                urls.append(self.fleet.engine(eid).url)
+            return urls
+
+    def remove_node(self, node_index: int, reason: str) -> None:
+        """A drained node's engines are stopped: they leave the fleet's records."""
+        with self._lock:
+            for eid in self._engines_of(node_index):
+                self.fleet.remove(eid, reason)
+                del self.where[eid]
+                self.generation.pop(eid, None)
+            if node_index in self.nodes:
+                self.nodes.remove(node_index)
+            self.draining_nodes.discard(node_index)
+            if not self._stop.is_set():
+                self.state.update(fleet=self.snapshot())
+
+    def serving_engines_of(self, node_index: int) -> int:
+        """How many of the node's engines are in a serving state now."""
+        with self._lock:
+            return sum(
+                1 for eid in self._engines_of(node_index) if self.fleet.state(eid) in SERVING_STATES
+            )
+
+    def serving_engines(self) -> int:
+        with self._lock:
+            return sum(1 for eid in self.where if self.fleet.state(eid) in SERVING_STATES)
+
     def _engines_of(self, node_index: int) -> list[str]:
         return [eid for eid, (n, _) in self.where.items() if n == node_index]
 
@@ -316,8 +387,8 @@ class FleetController:
         restart request to a dead host would never be answered)."""
         if self.hosts is None or self._stop.is_set():  # stopping: the teardown ends the hosts
             return
-        for node_index in range(self.node_count):
-            if node_index in self.hosts_down:
+        for node_index in self.nodes:
+            if node_index in self.hosts_down or node_index in self.draining_nodes:
                 continue
             code = self.hosts.exited(node_index)
             if code is None:

@@ -34,6 +34,10 @@ RECOVERING     no       The replacement is up on its new URL but not readmitted 
                         (the router sends it nothing, and anything the router reports for that URL
                         belongs to a previous owner of the port).
 RETIRED        no       Terminal: a restart budget is spent. The run continues with fewer engines.
+DRAINING       no       Leaving the fleet (``rl-launch fleet shrink`` or the tail policy): the router sends
+                        it nothing new, its requests in flight finish, then the driver stops it and
+                        ``remove``s it. Not probed, never restarted, never fatal: a node on its way back
+                        to Slurm is not a failure (``launcher.elastic``).
 STALE          no       Up and answering, but held out by the front because it serves another weight
                         version than the fleet's current one: a restarted engine comes back with the
                         checkpoint's weights while the rest serve newer ones, and rollouts from it would
@@ -73,6 +77,10 @@ STALE                       HEALTHY      the front answered and no longer holds 
 STALE                       DEAD         ``dead_after`` [3] failing probes, or ``mark_dead``
 RECOVERING                  DEAD         ``dead_after`` [3] failing probes since the restart, or
                                          ``recovery_timeout_s`` [300] without readmission
+any but RETIRED             DRAINING     ``drain(id, reason)``: the fleet is shrinking
+DRAINING                    (removed)    ``remove(id)``: drained and stopped; the record is gone
+(new)                       HEALTHY      ``add(records)``: engines on a node the fleet grew by; the front
+                                         judges their weight version on admission (STALE until refit)
 ==========================  ===========  =====================================================================
 
 The tick rule
@@ -118,6 +126,7 @@ class EngineState(StrEnum):
     RECOVERING = "RECOVERING"
     RETIRED = "RETIRED"
     STALE = "STALE"
+    DRAINING = "DRAINING"
 
 
 #: States whose engine is in the router's serving set (SUSPECT subject to the probe hold-out).
@@ -250,6 +259,7 @@ _LEVELS = {
     EngineState.RESTARTING: "warning",
     EngineState.RETIRED: "error",
     EngineState.STALE: "warning",
+    EngineState.DRAINING: "info",
 }
 
 
@@ -440,6 +450,66 @@ class FleetHealth:
                 return False
             self._move(rec, EngineState.DEAD, reason, self._clock())
             return True
+
+    # -- the fleet's size (``launcher.elastic``) -----------------------------------------------------
+    def add(self, engines: Iterable[EngineRecord], reason: str) -> None:
+        """Engines that join a running fleet (a node it grew by), HEALTHY like every engine at start (the
+        engine host published them after their own startup check). The run's restart budget grows by
+        what the new engines would have brought at start, so a bigger fleet is not on a smaller
+        per-engine budget."""
+        with self._lock:
+            now = self._clock()
+            added = []
+            for rec in engines:
+                if rec.id in self._engines:
+                    raise ValueError(f"duplicate engine id {rec.id!r}")
+                new = replace(
+                    rec, url=canonical_backend_url(rec.url), since=now, previous_urls=list(rec.previous_urls)
+                )
+                self._engines[rec.id] = new
+                added.append(new)
+            self._check_unique_urls()
+            if self.policy.restarts_per_run is None:
+                self.run_budget += self.policy.run_budget(len(added))
+            for rec in added:
+                self._event(rec, "(new)", EngineState.HEALTHY, reason, now)
+
+    def drain(self, engine_id: str, reason: str) -> bool:
+        """Take the engine out of the serving set for good (it is leaving the fleet). False, and nothing
+        changes, when it is DRAINING already or RETIRED (a retired engine has nothing left to drain)."""
+        with self._lock:
+            rec = self._get(engine_id)
+            if rec.state in (EngineState.DRAINING, EngineState.RETIRED):
+                return False
+            self._move(rec, EngineState.DRAINING, reason, self._clock())
+            return True
+
+    def remove(self, engine_id: str, reason: str) -> None:
+        """Forget a drained (or retired) engine: it is stopped and its node went back to Slurm."""
+        with self._lock:
+            rec = self._get(engine_id)
+            if rec.state not in (EngineState.DRAINING, EngineState.RETIRED):
+                raise ValueError(f"remove({engine_id!r}) while the engine is {rec.state}, not DRAINING")
+            self._event(rec, str(rec.state), None, reason, self._clock())
+            del self._engines[engine_id]
+
+    def _event(
+        self, rec: EngineRecord, from_state: str, to: EngineState | None, reason: str, now: float
+    ) -> None:
+        """A membership event (joined: ``from_state`` "(new)"; left: ``to`` None, "(removed)")."""
+        event: FleetEvent = {
+            "time": now,
+            "engine_id": rec.id,
+            "node": rec.node,
+            "url": rec.url,
+            "from_state": from_state,
+            "to_state": str(to) if to is not None else "(removed)",
+            "reason": reason,
+            "restarts": rec.restarts,
+            "level": "info",
+        }
+        self._pending.append(event)
+        self._recent.append(event)
 
     # -- for the status endpoint ---------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -657,8 +727,12 @@ class FleetHealth:
         retired = [r for r in self._engines.values() if r.state is EngineState.RETIRED]
         shown = "; ".join(f"{r.id} on {r.node}: {r.last_reason}" for r in retired[:3])
         more = f"; and {len(retired) - 3} more" if len(retired) > 3 else ""
+        draining = len(states) - len(retired)
+        what = f"all {len(states)} engine(s) are RETIRED"
+        if draining:
+            what = f"{len(retired)} engine(s) are RETIRED and {draining} DRAINING (leaving the fleet)"
         return (
-            f"no engine can serve: all {len(states)} engine(s) are RETIRED "
+            f"no engine can serve: {what} "
             f"({self.run_restarts}/{self.run_budget} run restarts used). {shown}{more}"
         )
 

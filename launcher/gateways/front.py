@@ -135,6 +135,9 @@ class FrontKind(Generic[S]):
     no_fleet_routes_why: ClassVar[str] = ""
     """For a kind without ``has_fleet_routes``: what its engines offer instead and why rl-launch does not
     run the refit window through them (the refusal ``rl-launch fleet`` and the client give)."""
+    no_elastic_why: ClassVar[str] = ""
+    """Why ``rl-launch fleet grow/shrink`` cannot resize a fleet behind this front (empty: it can, through
+    the serving set the fleet controller pushes: a drained engine leaves it, a grown one joins it)."""
     serves_consumers: ClassVar[bool] = False
     """Whether the front can be a standing fleet's (``fleet:``): it checks the consumers' own keys, revokes
     them when their jobs end and shares its in-flight capacity fairly between them."""

@@ -114,7 +114,7 @@ class SlurmRequest:
         return sum(c.nodes for c in self.components)
 
 
-def _resource_directives(res: ResolvedResources, nodes: int) -> list[str]:
+def resource_directives(res: ResolvedResources, nodes: int) -> list[str]:
     """Directives for one component's resources (everything that may differ between roles)."""
     out = [f"--nodes={nodes}", "--ntasks-per-node=1"]
     if res.cpus_per_task is not None:
@@ -169,7 +169,7 @@ def build_request(resolved: ResolvedSpec) -> SlurmRequest:
 
     if slurm.layout == "single":
         nodes = resolved.training.nodes + resolved.generation.nodes
-        options = job_wide + shared + _resource_directives(gen_res, nodes) + list(gen_res.extra_sbatch)
+        options = job_wide + shared + resource_directives(gen_res, nodes) + list(gen_res.extra_sbatch)
         component = SlurmComponent("all", nodes, _sbatch(options))
         return SlurmRequest(
             layout="single",
@@ -186,7 +186,7 @@ def build_request(resolved: ResolvedSpec) -> SlurmRequest:
         _sbatch(
             job_wide
             + shared
-            + _resource_directives(train_res, resolved.training.nodes)
+            + resource_directives(train_res, resolved.training.nodes)
             + list(train_res.extra_sbatch)
         ),
     )
@@ -194,7 +194,7 @@ def build_request(resolved: ResolvedSpec) -> SlurmRequest:
         "generation",
         resolved.generation.nodes,
         _sbatch(
-            shared + _resource_directives(gen_res, resolved.generation.nodes) + list(gen_res.extra_sbatch)
+            shared + resource_directives(gen_res, resolved.generation.nodes) + list(gen_res.extra_sbatch)
         ),
     )
     return SlurmRequest(

@@ -90,8 +90,12 @@ def step_command(
     container: Sequence[str] = (),
     gpus: int = 0,
     het_group: int | None = None,
+    jobid: str | None = None,
 ) -> list[str]:
     """``srun`` argv for one long-lived process on ``node`` (a Ray worker, an engine host).
+
+    ``jobid``: in that job's allocation (a grow job's node, ``launcher.elastic``) rather than the one the
+    caller runs in; Slurm lets a user start steps in any of their running jobs.
 
     ``--overlap`` lets steps share the node's CPUs with the driver's own step; ``--kill-on-bad-exit=0``
     so one engine host's death is reported by the driver (naming the node) instead of killing the whole
@@ -108,6 +112,8 @@ def step_command(
         f"--job-name={name}",
         f"--output={log}",
     ]
+    if jobid is not None:
+        cmd.append(f"--jobid={jobid}")
     if het_group is not None:
         cmd.append(f"--het-group={het_group}")
     if gpus:

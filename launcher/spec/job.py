@@ -23,6 +23,7 @@ from launcher.slurm.time import format_time, parse_time, time_minutes
 from launcher.spec.errors import Issue, SpecError
 from launcher.spec.resolved import (
     ResolvedConsumer,
+    ResolvedElastic,
     ResolvedFleet,
     ResolvedGeneration,
     ResolvedGym,
@@ -340,6 +341,8 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
             env=gen.env,
             resources=gen_res,
             fleet_wait_s=gen.fleet_wait_s,
+            drain_timeout_s=gen.drain_timeout_s,
+            elastic=_resolve_elastic(gen),
             **kind_settings,
         ),
         router=spec.router,
@@ -355,6 +358,26 @@ def _resolve_record(section: RecordSection) -> ResolvedRecord:
         max_bytes=int(section.max_mb * (1 << 20)),
         keep_files=section.keep_files,
         text=section.text,
+    )
+
+
+def _resolve_elastic(gen: GenerationSection) -> ResolvedElastic | None:
+    """The tail policy with its capacity per engine: the spec's, else the engine's batch
+    (``max_num_seqs``), what one engine runs at once without queueing."""
+    e = gen.elastic
+    if e is None:
+        return None
+    kind = engine_kind(gen.engine)
+    per_engine = e.capacity_per_engine or kind.max_num_seqs(
+        {"vllm_args": list(getattr(gen, "vllm_args", []) or []), "sim": gen.sim}
+    )
+    return ResolvedElastic(
+        floor_nodes=e.floor_nodes,
+        shrink_below=e.shrink_below,
+        for_s=e.for_s,
+        grow_back=e.grow_back,
+        grow_above=e.grow_above,
+        capacity_per_engine=max(1, per_engine),
     )
 
 

@@ -56,6 +56,17 @@ class ResolvedTraining(_Resolved):
     """``None`` with ``cluster: local``."""
 
 
+class ResolvedElastic(_Resolved):
+    """``generation.elastic`` with its capacity per engine filled in (``launcher.elastic.tail``)."""
+
+    floor_nodes: int
+    shrink_below: float
+    for_s: float
+    grow_back: bool
+    grow_above: float
+    capacity_per_engine: int
+
+
 class _SharedResolvedGeneration(_Resolved):
     """The resolved fields of ``generation`` every engine kind has."""
 
@@ -81,6 +92,8 @@ class _SharedResolvedGeneration(_Resolved):
     """The standing fleet this job attaches to (then it starts no engines: ``nodes`` and ``num_engines``
     are 0 and the fleet's model, URL and a consumer key of its own are the job's)."""
     fleet_wait_s: float = 600.0
+    drain_timeout_s: float = 300.0
+    elastic: ResolvedElastic | None = None
 
 
 class ResolvedGeneration(*engine_settings(), _SharedResolvedGeneration):  # type: ignore[misc]

@@ -220,6 +220,22 @@ EngineName = Literal[tuple(ENGINE_KINDS)]  # type: ignore[valid-type]
 """``generation.engine``: a name in ``launcher.engines.kinds.ENGINE_KINDS``."""
 
 
+class ElasticSection(Section):
+    """The tail policy (``launcher.elastic.tail``), off unless given: once a step's load has reached
+    ``shrink_below`` of the fleet's capacity, in-flight requests below it for ``for_s`` shrink the fleet
+    to ``floor_nodes`` (drained, handed back to Slurm); the next step's start (a new weight version) or
+    load above ``grow_above`` of the smaller fleet's capacity grows it back."""
+
+    floor_nodes: int = Field(default=1, ge=1, description="generation nodes the tail policy keeps")
+    shrink_below: float = Field(default=0.25, gt=0, lt=1, description="in-flight fraction of capacity")
+    for_s: float = Field(default=30.0, gt=0, description="how long in-flight must stay below it")
+    grow_back: bool = Field(default=True, description="grow back at the next step's start")
+    grow_above: float = Field(default=0.75, gt=0, le=1, description="in-flight fraction that grows back")
+    capacity_per_engine: int | None = Field(
+        default=None, ge=1, description="requests one engine runs at once; default its max_num_seqs"
+    )
+
+
 class _SharedGeneration(Section):
     """The fields of ``generation:`` every engine kind has."""
 
@@ -243,6 +259,13 @@ class _SharedGeneration(Section):
     fleet_wait_s: float = Field(
         default=600.0, gt=0, description="how long submit waits for a standing fleet still queued"
     )
+    drain_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="how long a node being given back (fleet shrink, the tail policy) waits for its "
+        "requests in flight before they are aborted",
+    )
+    elastic: ElasticSection | None = Field(default=None, description="the tail policy; off when unset")
 
     @field_validator("env", mode="before")
     @classmethod

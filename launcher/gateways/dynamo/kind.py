@@ -57,6 +57,13 @@ class DynamoFront(FrontKind[DynamoRouterSection]):
     name = "dynamo"
     section = DynamoRouterSection
     gateway = "launcher.gateways.dynamo.gateway:DynamoGateway"
+    no_elastic_why = (
+        "router.kind dynamo: Dynamo's frontend routes to every worker registered in its discovery, so "
+        "rl-launch cannot hold a worker out of new requests while its requests in flight finish (a drain); "
+        "stopping one deregisters it and aborts what it runs. A grown node's workers would register and "
+        "serve, but a fleet that can grow and never drain is not offered: fleet grow and shrink are "
+        "refused. Use router.kind builtin or vllm-router for an elastic fleet"
+    )
     no_fleet_routes_why = (
         "Dynamo 1.6's dynamo.vllm workers serve their own /engine/pause_generation, "
         "/engine/update_weights_from_disk, /engine/set_weight_version and /engine/resume_generation (on each "

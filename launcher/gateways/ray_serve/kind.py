@@ -26,6 +26,12 @@ class RayServeFront(FrontKind[RayServeRouterSection]):
     gateway = "launcher.gateways.ray_serve.gateway:RayServeGateway"
     has_fleet_routes = True  # served by the driver beside Serve (launcher.gateways.fleet_endpoint)
     owns_engines = True
+    no_elastic_why = (
+        "router.kind ray-serve places its replicas itself inside the job's Ray cluster (Serve's own "
+        "num_replicas and autoscaling move them between the nodes that cluster has); rl-launch adds no Slurm "
+        "node under it and takes none away, so fleet grow and shrink are refused. Size the allocation "
+        "(generation.nodes), or use router.kind builtin or vllm-router for an elastic fleet"
+    )
     bench_arm = "launcher.gateways.ray_serve.bench_arm:ray_serve_arm"
 
     def rules(self, router: RayServeRouterSection, cluster: str) -> list[Issue]:

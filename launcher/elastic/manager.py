@@ -1,0 +1,698 @@
+"""The driver's elastic fleet: grow by Slurm jobs of its own, drain and hand nodes back, the tail policy.
+
+One thread, ticking every second, next to the fleet controller (``launcher.fleet.controller``), which
+stays the one judge of engine health; this manager only changes which nodes are in the fleet:
+
+* **Grow** (``rl-launch fleet grow``, the tail policy): a grow job is submitted (``slurm_ops``: the
+  generation role's resources, none of the fleet's nodes, a time limit no later than the job's); while it
+  queues its Slurm reason is shown; once it runs, one engine host per node is started into it (``srun
+  --jobid``: the driver's own steps, restarted and stopped like every other), and when every host has
+  published its engines they join the controller's fleet, which pushes them to the front on its next
+  tick (the front checks their weight version: STALE until refit, as for any engine). In local mode the
+  hosts start at once on this machine.
+* **Drain and shrink** (``rl-launch fleet shrink``, the tail policy): the node's engines go DRAINING in
+  the controller, so its next push leaves them out (a session's next turn goes to another engine, as
+  after a failure); their requests in flight finish, read from the engines' own gauges (running +
+  waiting) after that push, twice in a row, and at most ``drain_timeout_s``, after which they are ended
+  with the engines and the front answers them as the contract says (a retry elsewhere, else 500). Then
+  the host stops, the engines leave the fleet, and the node goes back to Slurm: its grow job ends, or the
+  job holding it is shrunk (``scontrol update``), its Ray worker stopped first.
+* **Bad input** is refused before anything changes, with the reason: a shrink that would leave no
+  engine, a node that is not the fleet's (or runs the driver), a grow the partition can never run.
+
+Everything it does is an ``elastic`` event in ``events.jsonl`` with its reason, and the ``elastic`` part
+of the job state (``launcher.elastic.shapes``) says which nodes serve, drain or were given back, what each
+grow waits for, and the node-seconds held and given back; ``timeline.jsonl`` has the in-flight requests
+and nodes over time for the plot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launcher.elastic import shapes
+from launcher.elastic.holder import release_file
+from launcher.elastic.shapes import ElasticAnswer, ElasticRequest
+from launcher.elastic.tail import Decision, Reading, TailPolicy, TailSettings
+from launcher.jobdir.atomic import append_json_line
+from router.fleet.engine import EngineClient
+from router.fleet.ops import fan_out
+from router.prometheus import metric_sum, parse_metrics
+
+if TYPE_CHECKING:
+    from launcher.driver.engine_hosts import EngineHostLauncher
+    from launcher.driver.ray_cluster import RayCluster
+    from launcher.fleet.controller import FleetController
+    from launcher.jobdir import JobDir, StateWriter
+    from launcher.spec import ResolvedSpec
+
+LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+ZERO_READS_TO_DRAIN = 2
+"""In-flight read as zero this many ticks in a row (after the push that left the node out) ends a drain:
+one read may fall between a request the router just sent and the engine's counting it."""
+
+
+@dataclass
+class NodeRow:
+    index: int
+    name: str
+    job_id: str | None
+    """The Slurm job holding it (the fleet's own or a grow); None in local mode."""
+    since: float
+    state: str = shapes.NODE_SERVING
+    grow_id: str = ""
+    released_at: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Grow:
+    id: str
+    nodes: int
+    by: str
+    requested_at: float
+    job_id: str | None = None
+    state: str = shapes.GROW_PENDING
+    reason: str = ""
+    started_at: float | None = None
+    indices: list[int] = field(default_factory=list)
+    detail: str = ""
+
+
+@dataclass
+class Drain:
+    index: int
+    started: float
+    timeout_s: float
+    push_mark: int
+    urls: list[str]
+    reason: str
+    zero_reads: int = 0
+    last_in_flight: int | None = None
+
+
+def in_flight_of(urls: list[str], api_key: str | None, timeout_s: float = 2.0) -> dict[str, int | None]:
+    """Each engine's requests running + waiting (its own gauges), None where the read failed."""
+    if not urls:
+        return {}
+
+    async def read(engines: EngineClient, url: str) -> int | None:
+        got = await engines.metrics_text(url)
+        if got.value is None:
+            return None
+        metrics = parse_metrics(got.value, LOAD_GAUGES)
+        return int(sum(metric_sum(metrics, g) or 0 for g in LOAD_GAUGES))
+
+    values = asyncio.run(fan_out(urls, read, api_key=api_key, timeout_s=timeout_s))
+    return dict(zip(urls, values, strict=True))
+
+
+class ElasticFleet:
+    def __init__(
+        self,
+        spec: ResolvedSpec,
+        job: JobDir,
+        state: StateWriter,
+        controller: FleetController,
+        engines: EngineHostLauncher,
+        ray: RayCluster | None,
+        *,
+        local: bool,
+        training_nodes: list[str],
+        held_since: float,
+        say: Callable[[str], None],
+        refuse_why: str = "",
+        tick_s: float = 1.0,
+    ) -> None:
+        self.spec, self.job, self.state, self.controller = spec, job, state, controller
+        self.engines, self.ray, self.local, self.say = engines, ray, local, say
+        self.training_nodes = list(training_nodes)
+        self.refuse_why = refuse_why
+        """Why this front cannot be resized (``FrontKind.no_elastic_why``); every request is refused."""
+        self.tick_s = tick_s
+        self.job_id = None if local else os.environ.get("SLURM_JOB_ID")
+        self.driver_node = socket.gethostname()
+        self.hetjob = spec.slurm is not None and spec.slurm.layout == "hetjob"
+        self.nodes: dict[int, NodeRow] = {
+            i: NodeRow(i, name, self.job_id, held_since) for i, name in enumerate(engines.generation_nodes)
+        }
+        self.grows: dict[str, Grow] = {}
+        self.drains: dict[int, Drain] = {}
+        self.decisions: list[dict[str, Any]] = []
+        gen = spec.generation
+        self.drain_timeout_s = gen.drain_timeout_s
+        self.capacity_per_engine = gen.elastic.capacity_per_engine if gen.elastic else 0
+        self.policy = (
+            TailPolicy(
+                TailSettings(
+                    floor_nodes=gen.elastic.floor_nodes,
+                    shrink_below=gen.elastic.shrink_below,
+                    for_s=gen.elastic.for_s,
+                    grow_back=gen.elastic.grow_back,
+                    grow_above=gen.elastic.grow_above,
+                )
+            )
+            if gen.elastic is not None
+            else None
+        )
+        try:
+            self.api_key: str | None = job.read_api_key()
+        except OSError:
+            self.api_key = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_reading = 0.0
+        self.timeline_file = shapes.elastic_dir(job.path) / "timeline.jsonl"
+        shapes.make_dirs(job.path)
+
+    # -- life ---------------------------------------------------------------------------------------------
+    def start(self) -> ElasticFleet:
+        self._write_state()
+        self._thread = threading.Thread(target=self._loop, name="elastic-fleet", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """The job is ending: no more resizes, every grow job still held is ended (its hosts are stopped by
+        the driver's teardown with the others), and the final node-seconds are written."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        now = time.time()
+        for g in self.grows.values():
+            if g.state in shapes.GROW_FINAL:
+                continue
+            if g.job_id is not None:
+                error = self._slurm().cancel_job(g.job_id)
+                if error:
+                    self.say(f"grow {g.id}: scancel {g.job_id} failed: {error}")
+            self._set_grow(g, shapes.GROW_ENDED, "ended with the job")
+        for row in self.nodes.values():
+            if row.released_at is None:
+                row.released_at = now
+                row.detail = "held until the job ended"
+        self._write_state(final=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            try:
+                self.tick()
+            except Exception as exc:  # one bad tick must not end resizing (nor the job)
+                self.job.log_event("elastic_error", f"elastic tick failed: {exc!r}")
+
+    def tick(self) -> None:
+        for request in shapes.take_requests(self.job.path):
+            if isinstance(request, tuple):
+                shapes.answer(self.job.path, ElasticAnswer(request[0], False, request[1]))
+                continue
+            reply = self.handle(request)
+            shapes.answer(self.job.path, reply)
+            self._event("request" if reply.ok else "refused", reply.message, op=request.op, by=request.by)
+        self._advance_grows()
+        self._advance_drains()
+        self._apply_policy()
+        self._write_state()
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def handle(self, request: ElasticRequest) -> ElasticAnswer:
+        """Act on one request, or refuse it with the reason (nothing changed)."""
+        if self.refuse_why:
+            return ElasticAnswer(request.id, False, self.refuse_why)
+        try:
+            if request.op == "grow":
+                g = self.grow(request.nodes, request.time_limit_s, by=request.by)
+                return ElasticAnswer(request.id, True, self._grow_line(g), grow_id=g.id)
+            if request.op == "shrink":
+                names = self.shrink(request.nodes, request.node_names, request.drain_timeout_s, by=request.by)
+                return ElasticAnswer(
+                    request.id, True, f"draining {len(names)} node(s): {', '.join(names)}", nodes=names
+                )
+            if request.op == "cancel":
+                self.cancel(request.grow_id, by=request.by)
+                return ElasticAnswer(
+                    request.id, True, f"grow {request.grow_id} cancelled", grow_id=request.grow_id
+                )
+            return ElasticAnswer(request.id, False, f"unknown op {request.op!r}: grow, shrink or cancel")
+        except ValueError as exc:
+            return ElasticAnswer(request.id, False, str(exc))
+
+    def grow(self, nodes: int, time_limit_s: float | None = None, by: str = "") -> Grow:
+        """Ask for ``nodes`` more generation nodes; ``ValueError`` with the reason when refused."""
+        if nodes < 1:
+            raise ValueError(f"--nodes must be at least 1, got {nodes}")
+        gid = f"g{len(self.grows) + 1}"
+        g = Grow(gid, nodes, by, time.time())
+        if self.local:
+            self.grows[gid] = g
+            self._event("grow", f"grow {gid}: {nodes} local node(s) ({by})", grow_id=gid, nodes=nodes)
+            self._start_hosts(g, ["localhost"] * nodes)
+            return g
+        ops = self._slurm()
+        held = [r.name for r in self.nodes.values() if r.released_at is None]
+        exclude = sorted({*held, *self.training_nodes})
+        try:
+            ops.check_grow_fits(self.spec, nodes, len(exclude))
+            limit = ops.grow_time_limit_s(self.job_id, time_limit_s, time.time())
+            from launcher.slurm.request import container_srun_args
+
+            script = ops.grow_script(
+                self.spec,
+                self.job.path,
+                gid,
+                nodes,
+                limit,
+                exclude,
+                self.job_id or "",
+                container_srun_args(self.spec),
+            )
+            g.job_id = ops.submit_grow(script, self.job.path, gid)
+        except ops.SlurmRefused as exc:
+            raise ValueError(str(exc)) from None
+        g.detail = f"time limit {limit // 60} min"
+        self.grows[gid] = g
+        self._event(
+            "grow",
+            f"grow {gid}: Slurm job {g.job_id} for {nodes} node(s), {g.detail} ({by})",
+            grow_id=gid,
+            slurm_job_id=g.job_id,
+            nodes=nodes,
+        )
+        return g
+
+    def cancel(self, grow_id: str, by: str = "") -> None:
+        g = self.grows.get(grow_id)
+        if g is None:
+            known = ", ".join(self.grows) or "none"
+            raise ValueError(f"no grow {grow_id!r} in this job (grows: {known})")
+        if g.state in shapes.GROW_FINAL:
+            raise ValueError(f"grow {grow_id} is {g.state} already")
+        if g.state == shapes.GROW_JOINED:
+            names = ", ".join(self.nodes[i].name for i in g.indices)
+            raise ValueError(
+                f"grow {grow_id} has joined the fleet: shrink its nodes instead (--node {names})"
+            )
+        self._end_grow(g, shapes.GROW_CANCELLED, f"cancelled ({by})")
+
+    def shrink(
+        self, nodes: int, names: list[str], drain_timeout_s: float | None = None, by: str = ""
+    ) -> list[str]:
+        """Drain ``names`` (or ``nodes`` chosen ones: grown nodes first, newest first); ``ValueError`` with
+        the reason, and nothing changed, when refused."""
+        serving = [r for r in self.nodes.values() if r.state == shapes.NODE_SERVING]
+        if names:
+            picked = []
+            for name in names:
+                rows = [r for r in serving if r.name == name]
+                if not rows:
+                    mine = ", ".join(sorted({r.name for r in serving})) or "none"
+                    draining = [
+                        r for r in self.nodes.values() if r.name == name and r.state == shapes.NODE_DRAINING
+                    ]
+                    if draining:
+                        raise ValueError(f"node {name} is DRAINING already")
+                    raise ValueError(
+                        f"node {name} is not one of the fleet's serving generation nodes ({mine})"
+                    )
+                if len(rows) > 1:
+                    raise ValueError(
+                        f"{len(rows)} generation nodes are named {name} (local mode): shrink by --nodes COUNT"
+                    )
+                picked.append(rows[0])
+        else:
+            if nodes < 1:
+                raise ValueError(f"--nodes must be at least 1, got {nodes}")
+            candidates = [r for r in serving if self._releasable(r) is None]
+            candidates.sort(key=lambda r: (r.grow_id == "", -r.since, -r.index))
+            picked = candidates[:nodes]
+            if len(picked) < nodes:
+                why = "; ".join(f"{r.name}: {self._releasable(r)}" for r in serving if self._releasable(r))
+                raise ValueError(
+                    f"only {len(picked)} of the fleet's {len(serving)} serving node(s) can be given back"
+                    + (f" ({why})" if why else "")
+                    + f"; asked for {nodes}"
+                )
+        for r in picked:
+            why = self._releasable(r)
+            if why:
+                raise ValueError(f"node {r.name} cannot be given back: {why}")
+        left = self.controller.serving_engines() - sum(
+            self.controller.serving_engines_of(r.index) for r in picked
+        )
+        if len(picked) >= len(serving) or left < 1:
+            raise ValueError(
+                f"shrinking by {len(picked)} of {len(serving)} node(s) would leave no engine serving "
+                f"({self.controller.serving_engines()} serving now); keep at least one"
+            )
+        timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if timeout <= 0:
+            raise ValueError(f"--drain-timeout must be > 0 s, got {timeout:g}")
+        for r in picked:
+            self._begin_drain(r, timeout, by)
+        return [r.name for r in picked]
+
+    def _releasable(self, r: NodeRow) -> str | None:
+        """Why node ``r`` cannot go back to Slurm, or None."""
+        if not self.local and r.job_id == self.job_id:
+            if r.name == self.driver_node or r.name in self.training_nodes:
+                return "it runs the job's driver (Ray head, router); it stays"
+            if self.hetjob:
+                return "a hetjob's generation component cannot be resized; only grown nodes can be given back"
+        return None
+
+    # -- grows --------------------------------------------------------------------------------------------
+    def _start_hosts(self, g: Grow, names: list[str]) -> None:
+        """The grow's nodes become generation nodes (new indices, never reused) and get their hosts."""
+        g.state, g.started_at, g.reason = shapes.GROW_STARTING, time.time(), ""
+        for name in names:
+            index = len(self.engines.generation_nodes)
+            self.engines.generation_nodes.append(name)
+            if g.job_id is not None:
+                self.engines.node_jobs[index] = g.job_id
+            g.indices.append(index)
+            self.nodes[index] = NodeRow(index, name, g.job_id, time.time(), grow_id=g.id, detail="starting")
+            self.engines.hosts.launch(index)
+        self._event(
+            "grow_starting",
+            f"grow {g.id}: engine hosts starting on {', '.join(names)}",
+            grow_id=g.id,
+            nodes=names,
+        )
+
+    def _advance_grows(self) -> None:
+        for g in list(self.grows.values()):
+            if g.state == shapes.GROW_PENDING and g.job_id is not None:
+                got = self._slurm().grow_job_state(g.job_id)
+                if got is None:
+                    continue
+                if got.state == "RUNNING" and got.nodes:
+                    self._start_hosts(g, list(got.nodes))
+                elif got.state in ("PENDING", "CONFIGURING"):
+                    if got.reason != g.reason:
+                        g.reason = got.reason
+                        self._event(
+                            "grow_pending",
+                            f"grow {g.id}: Slurm job {g.job_id} PENDING ({got.reason})",
+                            grow_id=g.id,
+                            reason=got.reason,
+                        )
+                else:
+                    self._end_grow(g, shapes.GROW_FAILED, f"Slurm job {g.job_id} is {got.state or 'gone'}")
+            elif g.state == shapes.GROW_STARTING:
+                self._check_starting(g)
+            elif g.state == shapes.GROW_JOINED and g.job_id is not None:
+                live = [i for i in g.indices if self.nodes[i].released_at is None]
+                if live and self._grow_job_gone(g):
+                    self._grow_job_lost(g, live)
+
+    def _check_starting(self, g: Grow) -> None:
+        deadline = (g.started_at or 0) + self.spec.generation.startup_timeout_s + 60
+        errors = []
+        ready = 0
+        for i in g.indices:
+            listing = self.job.read_listing(i)
+            code = self.engines.hosts.exited(i)
+            if listing is not None and listing.error:
+                errors.append(f"{self.nodes[i].name}: {str(listing.error).strip()[-300:]}")
+            elif listing is not None:
+                ready += 1
+            elif code is not None:
+                errors.append(
+                    f"{self.nodes[i].name}: engine host exited with {code}: "
+                    f"{self.engines.hosts.describe(i)[-300:]}"
+                )
+        if errors:
+            self._end_grow(g, shapes.GROW_FAILED, "engines failed to start: " + "; ".join(errors))
+            return
+        if ready < len(g.indices):
+            if time.time() > deadline:
+                self._end_grow(
+                    g, shapes.GROW_FAILED, f"engines not ready within {deadline - (g.started_at or 0):.0f} s"
+                )
+            return
+        engines = []
+        for i in g.indices:
+            engines += self.controller.add_node(i, f"joined with grow {g.id}")
+            self.nodes[i].detail = ""
+        g.state = shapes.GROW_JOINED
+        self._event(
+            "grow_joined",
+            f"grow {g.id}: {len(engines)} engine(s) joined the fleet on "
+            f"{', '.join(self.nodes[i].name for i in g.indices)} "
+            f"({time.time() - (g.started_at or g.requested_at):.1f} s after the nodes were allocated)",
+            grow_id=g.id,
+            engines=engines,
+        )
+
+    def _grow_job_gone(self, g: Grow) -> bool:
+        got = self._slurm().grow_job_state(g.job_id or "")
+        return got is not None and got.state not in ("RUNNING", "COMPLETING", "CONFIGURING")
+
+    def _grow_job_lost(self, g: Grow, live: list[int]) -> None:
+        """The grow job ended under the fleet (its time limit, a scancel): its engines leave as drained
+        ones would, the controller having seen their hosts die."""
+        for i in live:
+            self.controller.drain_node(i, f"grow {g.id}'s Slurm job ended")
+            self._finish_node(i, f"grow {g.id}'s Slurm job {g.job_id} ended", release=False)
+        self._set_grow(g, shapes.GROW_ENDED, f"Slurm job {g.job_id} ended")
+
+    def _end_grow(self, g: Grow, state: str, why: str) -> None:
+        """A grow that never joined: stop what it started, hand back its allocation."""
+        for i in g.indices:
+            self.engines.hosts.stop(i, grace_s=5)
+            self._forget_listing(i)
+            row = self.nodes[i]
+            if row.released_at is None:
+                row.released_at, row.state = time.time(), shapes.NODE_RELEASED
+        if g.job_id is not None:
+            error = self._slurm().cancel_job(g.job_id)
+            if error:
+                why += f" (scancel {g.job_id}: {error})"
+        self._set_grow(g, state, why)
+
+    def _set_grow(self, g: Grow, state: str, why: str) -> None:
+        g.state, g.detail = state, why
+        self._event(f"grow_{state.lower()}", f"grow {g.id}: {state}: {why}", grow_id=g.id, level="info")
+
+    # -- drains -------------------------------------------------------------------------------------------
+    def _begin_drain(self, r: NodeRow, timeout_s: float, by: str) -> None:
+        reason = f"draining ({by})"
+        mark = self.controller.pushes
+        urls = self.controller.drain_node(r.index, reason)
+        r.state, r.detail = shapes.NODE_DRAINING, reason
+        self.drains[r.index] = Drain(r.index, time.time(), timeout_s, mark, urls, reason)
+        self._event(
+            "drain",
+            f"node {r.name}: draining {len(urls)} engine(s), at most {timeout_s:g} s ({by})",
+            node=r.name,
+            node_index=r.index,
+        )
+
+    def _advance_drains(self) -> None:
+        if not self.drains:
+            return
+        waiting = {i: d for i, d in self.drains.items() if self.controller.pushes > d.push_mark}
+        urls = [u for d in waiting.values() for u in d.urls]
+        loads = in_flight_of(urls, self.api_key) if urls else {}
+        now = time.time()
+        for i, d in waiting.items():
+            host_gone = self.engines.hosts.exited(i) is not None
+            values = [loads.get(u) for u in d.urls]
+            known = [v for v in values if v is not None]
+            d.last_in_flight = sum(known) if known else None
+            if host_gone or (len(known) == len(values) and sum(known) == 0):
+                d.zero_reads += 1
+            else:
+                d.zero_reads = 0
+            took = now - d.started
+            if host_gone or d.zero_reads >= ZERO_READS_TO_DRAIN:
+                self._finish_node(i, f"drained in {took:.1f} s: no request left in flight")
+            elif took > d.timeout_s:
+                self._finish_node(
+                    i,
+                    f"drain timeout ({d.timeout_s:g} s): "
+                    f"{'?' if d.last_in_flight is None else d.last_in_flight}"
+                    " request(s) still in flight were aborted with the engines (the front retries them "
+                    "elsewhere)",
+                )
+
+    def _finish_node(self, index: int, why: str, release: bool = True) -> None:
+        """Stop the node's host, take its engines out of the fleet, hand the node back to Slurm."""
+        self.drains.pop(index, None)
+        r = self.nodes[index]
+        self.engines.hosts.stop(index)
+        self.controller.remove_node(index, why)
+        self._forget_listing(index)
+        r.state, r.released_at = shapes.NODE_RELEASED, time.time()
+        r.detail = why
+        released = self._release(r) if release else "its Slurm job had ended"
+        self._event(
+            "node_released",
+            f"node {r.name}: {why}; {released}",
+            node=r.name,
+            node_index=index,
+            held_s=round(r.released_at - r.since, 1),
+        )
+
+    def _release(self, r: NodeRow) -> str:
+        """Give node ``r`` back to Slurm; what happened, in words."""
+        if self.local or r.job_id is None:
+            return "local mode: nothing to hand back"
+        ops = self._slurm()
+        if r.grow_id:
+            g = self.grows[r.grow_id]
+            rest = [self.nodes[i].name for i in g.indices if self.nodes[i].released_at is None]
+            if not rest:
+                release_file(self.job.path, g.id).touch()
+                error = ops.cancel_job(r.job_id)
+                self._set_grow(g, shapes.GROW_ENDED, "every node given back")
+                return f"grow job {r.job_id} ended" + (f" (scancel: {error})" if error else "")
+            error = ops.shrink_job(r.job_id, rest)
+            return f"grow job {r.job_id} shrunk to {', '.join(rest)}" + (
+                f" (refused: {error})" if error else ""
+            )
+        if self.ray is not None:
+            for step in self.ray.workers:
+                if step.node == r.name:
+                    step.stop(grace_s=10)
+        keep = [*self.training_nodes] + [
+            n.name
+            for n in self.nodes.values()
+            if n.job_id == self.job_id and n.released_at is None and n.name not in self.training_nodes
+        ]
+        keep = list(dict.fromkeys(keep))
+        error = ops.shrink_job(r.job_id, keep)
+        if error:
+            r.detail += f"; Slurm refused the resize: {error} (the node stays allocated, idle)"
+            return f"Slurm refused to shrink job {r.job_id}: {error}"
+        return f"job {r.job_id} shrunk to {len(keep)} node(s)"
+
+    def _forget_listing(self, index: int) -> None:
+        """The node's engines are gone: its listing leaves the engine listings (kept aside for the record)."""
+        path = self.job.listing_file(index)
+        try:
+            os.replace(path, path.with_name(path.name + ".removed"))
+        except OSError:
+            pass
+
+    # -- the tail policy ----------------------------------------------------------------------------------
+    def _apply_policy(self) -> None:
+        if self.policy is None or self.refuse_why:
+            return
+        now = time.time()
+        if now - self._last_reading < 2.0:
+            return
+        self._last_reading = now
+        serving_rows = [
+            r for r in self.nodes.values() if r.state == shapes.NODE_SERVING and not self._starting(r)
+        ]
+        urls = self._serving_urls()
+        loads = in_flight_of(urls, self.api_key)
+        in_flight = sum(v for v in loads.values() if v is not None)
+        capacity = len(urls) * self.capacity_per_engine
+        busy = bool(self.drains) or any(
+            g.state in (shapes.GROW_PENDING, shapes.GROW_STARTING) for g in self.grows.values()
+        )
+        reading = Reading(now, in_flight, capacity, len(serving_rows), self.controller.last_version, busy)
+        append_json_line(
+            self.timeline_file,
+            {
+                "time": now,
+                "in_flight": in_flight,
+                "capacity": capacity,
+                "nodes": len(serving_rows),
+                "nodes_held": sum(1 for r in self.nodes.values() if r.released_at is None),
+            },
+        )
+        decision = self.policy.observe(reading)
+        if decision is not None:
+            self._decide(decision)
+
+    def _decide(self, d: Decision) -> None:
+        entry = {"time": time.time(), "op": d.op, "nodes": d.nodes, "reason": d.reason}
+        try:
+            if d.op == "shrink":
+                entry["done"] = self.shrink(d.nodes, [], by="tail policy")
+            else:
+                entry["done"] = self.grow(d.nodes, by="tail policy").id
+        except ValueError as exc:
+            entry["refused"] = str(exc)
+        self.decisions = [*self.decisions, entry][-20:]
+        self._event(
+            "policy",
+            f"tail policy: {d.op} {d.nodes}: {d.reason}"
+            + (f" -- refused: {entry['refused']}" if "refused" in entry else ""),
+            **entry,
+        )
+
+    def _serving_urls(self) -> list[str]:
+        snap = self.controller.fleet.snapshot()
+        return [e["url"] for e in snap["engines"] if e["serving"]]
+
+    def _starting(self, r: NodeRow) -> bool:
+        return bool(r.grow_id) and self.grows[r.grow_id].state == shapes.GROW_STARTING
+
+    # -- reporting ----------------------------------------------------------------------------------------
+    def _event(self, action: str, detail: str, **fields: Any) -> None:
+        self.say(f"elastic: {detail}")
+        self.job.log_event("elastic", detail, action=action, **fields)
+
+    def _grow_line(self, g: Grow) -> str:
+        if g.job_id is None:
+            return f"grow {g.id}: {g.nodes} local node(s) starting"
+        return f"grow {g.id}: Slurm job {g.job_id} submitted for {g.nodes} node(s) ({g.detail})"
+
+    def snapshot(self, final: bool = False) -> dict[str, Any]:
+        now = time.time()
+        rows = [asdict(r) for r in sorted(self.nodes.values(), key=lambda r: r.index)]
+        for row in rows:
+            d = self.drains.get(row["index"])
+            if d is not None:
+                row["draining_for_s"] = round(now - d.started, 1)
+                row["in_flight"] = d.last_in_flight
+        held, given = shapes.node_seconds(rows, now)
+        return {
+            "time": now,
+            "final": final,
+            "policy": asdict(self.policy.settings) if self.policy is not None else None,
+            "capacity_per_engine": self.capacity_per_engine,
+            "drain_timeout_s": self.drain_timeout_s,
+            "refused": self.refuse_why or None,
+            "nodes": rows,
+            "grows": [asdict(g) for g in self.grows.values()],
+            "node_seconds": {"held": round(held, 1), "given_back": round(given, 1)},
+            "decisions": self.decisions,
+        }
+
+    def _write_state(self, final: bool = False) -> None:
+        self.state.update(elastic=self.snapshot(final))
+
+    @staticmethod
+    def _slurm() -> Any:
+        from launcher.elastic import slurm_ops
+
+        return slurm_ops
+
+
+def timeline(job_dir: str | Path) -> list[dict[str, Any]]:
+    """The in-flight requests and nodes over time the tail policy read (``timeline.jsonl``)."""
+    import json
+
+    path = shapes.elastic_dir(job_dir) / "timeline.jsonl"
+    out = []
+    try:
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    except OSError:
+        pass
+    return out

@@ -1,0 +1,131 @@
+"""An elastic fleet in local mode (the same driver, manager and router as on Slurm, without sbatch): a
+Gym-like client replays a rollout step while the fleet grows by a node and then gives it back.
+
+* grow mid-replay: the new engines join (HEALTHY) and take requests within seconds of joining;
+* shrink mid-replay: the drained node's engines get no new request, the ones in flight finish, then the
+  engines stop and leave the fleet; no request fails and none is retried;
+* bad input (below one engine, a node that is not the fleet's, a grow of 0) is refused with the reason and
+  changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.jobdir import JobDir
+from launcher.status.rollouts import record_dir_of
+from router.record.format import read_records
+from router.state.backends import canonical_backend_url
+
+pytestmark = pytest.mark.ray
+
+TRAINER = textwrap.dedent(
+    """\
+    import json, os, subprocess, sys, time
+    job = os.environ["RL_JOB_DIR"]
+    rl = os.path.join(os.path.dirname(sys.executable), "rl-launch")
+    def fleet(*args):
+        p = subprocess.run([rl, "fleet", *args], capture_output=True, text=True, timeout=180)
+        return {"args": list(args), "code": p.returncode, "out": p.stdout.strip(), "err": p.stderr.strip(),
+                "t": time.time()}
+    out = {}
+    replay = subprocess.Popen([rl, "bench", "replay", "--url", os.environ["RL_POLICY_BASE_URL"],
+                               "--workload", "longtail", "--scale", "0.08", "--seed", "5",
+                               "--retry-attempts", "3", "--json", os.path.join(job, "replay.json")])
+    time.sleep(2)
+    out["refused"] = [fleet("shrink", job, "--nodes", "1"),            # the only node: no engine left
+                      fleet("shrink", job, "--node", "not-a-node"),     # not the fleet's
+                      fleet("grow", job, "--nodes", "0")]               # bad count (click refuses)
+    out["grow"] = fleet("grow", job, "--nodes", "1", "--wait", "--timeout", "120")
+    time.sleep(5)  # the new engines take their share
+    out["shrink"] = fleet("shrink", job, "--nodes", "1", "--wait", "--timeout", "120")
+    out["replay_running_after_shrink"] = replay.poll() is None
+    code = replay.wait()
+    json.dump(out, open(os.path.join(job, "elastic_calls.json"), "w"))
+    sys.exit(code)
+    """
+)
+
+
+def run_job(
+    tmp_path: Path, router: dict[str, object] | None = None
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    spec = {
+        "name": "elastic-local",
+        "cluster": "local",
+        "job_root": str(tmp_path / "jobs"),
+        "training": {"command": f"{sys.executable} {trainer}"},
+        "generation": {
+            "engine": "sim",
+            "engines_per_node": 2,
+            "served_model_name": "sim-8b",
+            "sim": {"speed": 0.3},
+        },
+        "router": router if router is not None else {"backend_timeout_s": 10},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
+    proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=600)
+    (job,) = list((tmp_path / "jobs").iterdir())
+    return proc, job
+
+
+def elastic_events(job: Path) -> list[dict[str, object]]:
+    return [e for e in JobDir(job).read_events() if e.get("phase") == "elastic"]
+
+
+def test_grow_then_shrink_mid_replay_loses_and_retries_nothing(tmp_path: Path) -> None:
+    proc, job = run_job(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    calls = json.loads((job / "elastic_calls.json").read_text())
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    print(
+        f"\nreplay: {replay['sessions']} sessions, wall {replay.get('wall_s')}, errors {replay['errors']}, "
+        f"retries {replay['retries']}; grow: {calls['grow']['out']}; shrink: {calls['shrink']['out']}"
+    )
+    assert replay["errors"] == 0 and replay["retries"] == 0 and replay["failed_requests"] == 0, replay
+    assert calls["replay_running_after_shrink"], "the replay ended before the shrink: nothing was measured"
+
+    below, stranger, zero = calls["refused"]
+    assert below["code"] != 0 and "would leave no engine serving" in below["err"], below
+    assert stranger["code"] != 0 and "not-a-node is not one of the fleet's" in stranger["err"], stranger
+    assert zero["code"] != 0 and "--nodes" in zero["err"], zero
+    assert calls["grow"]["code"] == 0, calls["grow"]
+    assert calls["shrink"]["code"] == 0, calls["shrink"]
+
+    events = elastic_events(job)
+    actions = [e["action"] for e in events]
+    for action in ("refused", "grow", "grow_starting", "grow_joined", "drain", "node_released"):
+        assert action in actions, actions
+    joined = next(e for e in events if e["action"] == "grow_joined")
+    released = next(e for e in events if e["action"] == "node_released")
+    assert "no request left in flight" in released["detail"], released
+
+    # The grown node's engines (node1-*) served requests, starting within seconds of joining, and none
+    # after they were released; the drained engines were never sent a request after the drain began.
+    drain = next(e for e in events if e["action"] == "drain")
+    records = read_records(record_dir_of(job)).records
+    assert records and all(len(r.attempts) == 1 for r in records), "the router retried a request"
+    fleet = json.loads((job / "state.json").read_text())["fleet"]
+    listing = json.loads((job / "engines" / "node-1.urls.json.removed").read_text())
+    grown_urls = {canonical_backend_url(e["url"]) for e in listing["engines"]}
+    assert len(grown_urls) == 2, listing
+    on_grown = sorted(r.t for r in records if r.engine and canonical_backend_url(r.engine) in grown_urls)
+    assert on_grown, "the grown engines never served"
+    first = on_grown[0] - joined["t"]
+    print(f"grown engines: {len(on_grown)} requests, the first {first:.1f} s after joining")
+    assert first < 5
+    assert all(t < drain["t"] + 0.5 for t in on_grown), "a request went to a draining engine"
+    assert {e["id"] for e in fleet["engines"]} == {"node0-0", "node0-1"}  # gone from the fleet
+    elastic = json.loads((job / "state.json").read_text())["elastic"]
+    assert elastic["node_seconds"]["given_back"] > 0
