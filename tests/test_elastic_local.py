@@ -45,7 +45,18 @@ TRAINER = textwrap.dedent(
                       fleet("grow", job, "--nodes", "0")]               # bad count (click refuses)
     out["grow"] = fleet("grow", job, "--nodes", "1", "--wait", "--timeout", "120")
     time.sleep(5)  # the new engines take their share
-    out["shrink"] = fleet("shrink", job, "--nodes", "1", "--wait", "--timeout", "120")
+    out["shrink"] = fleet("shrink", job, "--nodes", "1")
+    st = subprocess.run([rl, "status", job, "--json"], capture_output=True, text=True, timeout=60)
+    out["status_draining"] = json.loads(st.stdout) if st.returncode == 0 else st.stderr
+    st = subprocess.run([rl, "status", job, "--once"], capture_output=True, text=True, timeout=60,
+                        env={**os.environ, "COLUMNS": "200"})
+    out["status_text"] = st.stdout
+    deadline = time.time() + 120
+    while time.time() < deadline:  # bounded: until the node is given back
+        nodes = json.load(open(os.path.join(job, "state.json")))["elastic"]["nodes"]
+        if not any(n["state"] == "DRAINING" for n in nodes):
+            break
+        time.sleep(0.3)
     out["replay_running_after_shrink"] = replay.poll() is None
     code = replay.wait()
     json.dump(out, open(os.path.join(job, "elastic_calls.json"), "w"))
@@ -128,4 +139,13 @@ def test_grow_then_shrink_mid_replay_loses_and_retries_nothing(tmp_path: Path) -
     assert all(t < drain["t"] + 0.5 for t in on_grown), "a request went to a draining engine"
     assert {e["id"] for e in fleet["engines"]} == {"node0-0", "node0-1"}  # gone from the fleet
     elastic = json.loads((job / "state.json").read_text())["elastic"]
-    assert elastic["node_seconds"]["given_back"] > 0
+    assert elastic["node_seconds"]["given_back"] > 0 and elastic["final"]
+
+    # `rl-launch status` while the node drained: its engines DRAINING, the node DRAINING in the elastic
+    # view, and the line that says so.
+    live = calls["status_draining"]
+    assert isinstance(live, dict), live
+    states = {e["id"]: e["state"] for e in live["engines"]}
+    assert states.get("node1-0") == "DRAINING" and states.get("node1-1") == "DRAINING", states
+    assert live["elastic"]["counts"]["DRAINING"] == 1, live["elastic"]
+    assert "DRAINING" in calls["status_text"] and "node-seconds held" in calls["status_text"]

@@ -420,6 +420,7 @@ def test_snapshot_is_json_serialisable_and_complete() -> None:
         "RECOVERING": 1,
         "RETIRED": 0,
         "STALE": 0,
+        "DRAINING": 0,
         "engines": 3,
         "serving": 1,
     }

@@ -329,6 +329,11 @@ class ElasticFleet:
         else:
             if nodes < 1:
                 raise ValueError(f"--nodes must be at least 1, got {nodes}")
+            if nodes >= len(serving):
+                raise ValueError(
+                    f"shrinking by {nodes} of {len(serving)} node(s) would leave no engine serving "
+                    f"({self.controller.serving_engines()} serving now); keep at least one"
+                )
             candidates = [r for r in serving if self._releasable(r) is None]
             candidates.sort(key=lambda r: (r.grow_id == "", -r.since, -r.index))
             picked = candidates[:nodes]

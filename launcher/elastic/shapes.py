@@ -109,7 +109,7 @@ def wait_answer(
         try:
             data = json.loads(path.read_text())
             return ElasticAnswer(**{k: data[k] for k in ElasticAnswer.__dataclass_fields__ if k in data})
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError, AttributeError):  # not (yet) a whole answer: keep waiting
             pass
         if time.monotonic() > deadline:
             return None

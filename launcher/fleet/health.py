@@ -454,21 +454,34 @@ class FleetHealth:
     # -- the fleet's size (``launcher.elastic``) -----------------------------------------------------
     def add(self, engines: Iterable[EngineRecord], reason: str) -> None:
         """Engines that join a running fleet (a node it grew by), HEALTHY like every engine at start (the
-        engine host published them after their own startup check). The run's restart budget grows by
-        what the new engines would have brought at start, so a bigger fleet is not on a smaller
-        per-engine budget."""
+        engine host published them after their own startup check). Checked whole before anything joins: a
+        refused add changes nothing. A URL may be one a DEAD or RETIRED engine had (its port was freed),
+        never one a live engine uses. The run's restart budget grows by what the new engines would have
+        brought at start, so a bigger fleet is not on a smaller per-engine budget."""
         with self._lock:
             now = self._clock()
-            added = []
-            for rec in engines:
-                if rec.id in self._engines:
-                    raise ValueError(f"duplicate engine id {rec.id!r}")
-                new = replace(
-                    rec, url=canonical_backend_url(rec.url), since=now, previous_urls=list(rec.previous_urls)
+            added = [
+                replace(
+                    rec,
+                    url=canonical_backend_url(rec.url),
+                    state=EngineState.HEALTHY,
+                    since=now,
+                    previous_urls=list(rec.previous_urls),
                 )
-                self._engines[rec.id] = new
-                added.append(new)
-            self._check_unique_urls()
+                for rec in engines
+            ]
+            gone = (EngineState.DEAD, EngineState.RETIRED)
+            live_urls = {r.url: r.id for r in self._engines.values() if r.state not in gone}
+            ids: set[str] = set()
+            for rec in added:
+                if rec.id in self._engines or rec.id in ids:
+                    raise ValueError(f"duplicate engine id {rec.id!r}")
+                if rec.url in live_urls:
+                    raise ValueError(f"engines {live_urls[rec.url]!r} and {rec.id!r} share the URL {rec.url}")
+                ids.add(rec.id)
+                live_urls[rec.url] = rec.id
+            for rec in added:
+                self._engines[rec.id] = rec
             if self.policy.restarts_per_run is None:
                 self.run_budget += self.policy.run_budget(len(added))
             for rec in added:

@@ -39,6 +39,7 @@ import aiohttp
 
 from launcher.gateways.kinds import GATEWAY_KINDS
 from launcher.jobdir import FINAL_PHASES, FleetSnapshot, GatewaySnapshot, JobDir, read_json
+from launcher.status.elastic import elastic_view
 from launcher.status.engine_rows import EXPECTED_SILENT, final_rows, fleet_engines, gateway_view
 from launcher.status.figures import (
     bucket_delta,
@@ -275,6 +276,7 @@ class StatusCollector:
             "cache_reset": jd.read_cache_reset() if jd is not None else None,
             "refit": refit,
             "standing": standing,
+            "elastic": elastic_view(state, now),
             "rollouts": rollouts,
             "engines": engines,
             "engine_source": source,

@@ -18,6 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from launcher.status.elastic import elastic_text
 from launcher.status.refit import refit_line
 from launcher.status.rollouts import rollouts_text
 from launcher.status.standing import standing_text
@@ -33,6 +34,7 @@ STATE_STYLES = {
     "RESTARTING": "bold cyan",
     "RECOVERING": "cyan",
     "STALE": "bold magenta",
+    "DRAINING": "bold blue",
     "STOPPED": "dim",
 }
 
@@ -44,7 +46,15 @@ CONDITION_STYLES = {
 }
 
 # Worst first: when the terminal cannot hold every row, these are the rows that must stay on screen.
-_SEVERITY = {"DEAD": 0, "SUSPECT": 1, "STALE": 2, "RESTARTING": 3, "RECOVERING": 4, "RETIRED": 5}
+_SEVERITY = {
+    "DEAD": 0,
+    "SUSPECT": 1,
+    "STALE": 2,
+    "RESTARTING": 3,
+    "RECOVERING": 4,
+    "DRAINING": 5,
+    "RETIRED": 6,
+}
 
 
 def sparkline(values: Sequence[float], width: int = 60) -> str:
@@ -421,6 +431,9 @@ def render_snapshot(
     standing = standing_text(snap.get("standing"))
     if standing is not None:
         parts.append(standing)
+    elastic = elastic_text(snap.get("elastic"))
+    if elastic is not None:
+        parts.append(elastic)
     if snap.get("engines"):
         parts.append(_summary(snap))
         parts.append(_engine_table(snap, max_rows, width))
