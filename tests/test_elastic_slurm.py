@@ -110,6 +110,8 @@ def test_grow_and_shrink_mid_replay_on_slurm(tmp_path: Path) -> None:
                 "3",
                 "--json",
                 str(tmp_path / "replay.json"),
+                "--results-dir",
+                str(tmp_path),
             ],
             env=env,
             stdout=subprocess.PIPE,
