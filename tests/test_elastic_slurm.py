@@ -76,7 +76,7 @@ def test_grow_and_shrink_mid_replay_on_slurm(tmp_path: Path) -> None:
                     "engines_per_node": 2,
                     "served_model_name": "sim-8b",
                     "startup_timeout_s": 60,
-                    "sim": {"speed": 0.5},
+                    "sim": {"speed": 0.3},
                 },
                 "router": {"backend_timeout_s": 30},
             },
@@ -167,7 +167,53 @@ def test_grow_and_shrink_mid_replay_on_slurm(tmp_path: Path) -> None:
         assert queued() == before and len(elastic(job)["grows"]) == 1
         assert all(n["state"] == "SERVING" for n in elastic(job)["nodes"])
 
-        time.sleep(4)  # the grown engines take their share of the step
+        # A grow that cannot start waits in the queue, says why, and can be cancelled: the last free node
+        # is taken by another job (whole), so the grow's job pends with Slurm's reason.
+        (free,) = {"node1", "node2", "node3"} - {driver_node, grown_node}
+        blocker = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--exclusive",
+                "-w",
+                free,
+                "-t",
+                "5",
+                "--output=/dev/null",
+                "--wrap",
+                "sleep 300",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert blocker.returncode == 0, blocker.stderr
+        blocker_id = blocker.stdout.strip().split(";")[0]
+        try:
+            grow2 = run("fleet", "grow", "elastic-fleet", "--root", str(root), "--nodes", "1")
+            assert grow2.returncode == 0 and "grow g2" in grow2.stdout, grow2.stdout + grow2.stderr
+
+            def g2() -> dict[str, Any]:
+                return next(g for g in elastic(job)["grows"] if g["id"] == "g2")
+
+            deadline = time.monotonic() + 30
+            while not (g2()["state"] == "PENDING" and g2()["reason"] not in ("", "None")):
+                assert time.monotonic() < deadline, g2()
+                time.sleep(0.5)
+            status = run("status", "elastic-fleet", "--root", str(root), "--once", timeout=60)
+            line = next((x for x in status.stdout.splitlines() if "grow g2" in x), "")
+            print(f"queued grow in status: {line.strip()}")
+            assert "PENDING (" in line, status.stdout[-2000:]
+            cancel = run("fleet", "grow", "elastic-fleet", "--root", str(root), "--cancel", "g2")
+            assert cancel.returncode == 0, cancel.stderr
+            deadline = time.monotonic() + 30
+            while g2()["job_id"] in queued() or g2()["state"] != "CANCELLED":
+                assert time.monotonic() < deadline, (g2(), queued())
+                time.sleep(0.5)
+        finally:
+            subprocess.run(["scancel", blocker_id], capture_output=True, timeout=30)
+
+        time.sleep(2)  # the grown engines take their share of the step
         t_shrink = time.time()
         shrink = run(
             "fleet",
@@ -236,6 +282,126 @@ def test_grow_and_shrink_mid_replay_on_slurm(tmp_path: Path) -> None:
         down = run("fleet", "down", "elastic-fleet", "--root", str(root), "--force", timeout=180)
         print(down.stdout[-500:], down.stderr[-500:])
     assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 60
+    while not squeue_empty():
+        assert time.monotonic() < deadline, queued()
+        time.sleep(0.5)
+    assert wait_no_leftovers(60) == []
+    assert set(node_states().values()) == {"idle"}, node_states()
+
+
+TAIL_TRAINER = r"""
+import json, os, subprocess, sys, time
+job = os.environ["RL_JOB_DIR"]
+rl = os.path.join(os.path.dirname(sys.executable), "rl-launch")
+out = {}
+def state():
+    return json.load(open(os.path.join(job, "state.json")))
+def wait(pred, timeout_s, what):
+    deadline = time.time() + timeout_s  # bounded
+    while not pred():
+        if time.time() > deadline:
+            out["timeout"] = what
+            json.dump(out, open(os.path.join(job, "tail.json"), "w"))
+            sys.exit(3)
+        time.sleep(0.5)
+def replay(scale, name):
+    return subprocess.run([rl, "bench", "replay", "--url", os.environ["RL_POLICY_BASE_URL"], "--workload",
+                           "longtail", "--scale", str(scale), "--seed", "2", "--retry-attempts", "3",
+                           "--json", os.path.join(job, name), "--results-dir", job], timeout=600).returncode
+out["step1"] = replay(0.1, "step1.json")
+released = lambda: [n for n in state()["elastic"]["nodes"] if n["state"] == "RELEASED"]
+wait(released, 60, "the tail policy to give a node back")
+node = released()[0]["name"]
+sinfo = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True, timeout=30)
+squeue = subprocess.run(["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%D %N"],
+                        capture_output=True, text=True, timeout=30)
+out["released"], out["sinfo"], out["squeue"] = node, sinfo.stdout.strip(), squeue.stdout.strip()
+# The next step starts: a new weight version; the policy asks the node back (a grow job).
+v = subprocess.run([rl, "fleet", "version", job, "--set", "step-2"], capture_output=True, text=True,
+                   timeout=120)
+out["stamp"] = v.returncode
+joined = lambda: [g for g in state()["elastic"]["grows"] if g["state"] == "JOINED"]
+wait(joined, 180, "the grow back to join")
+grow = joined()[0]
+out["grow"] = grow
+engines = lambda: {e["id"]: e for e in state()["fleet"]["engines"]}
+new_ids = [i for i in engines() if i.startswith("node%d-" % grow["indices"][0])]
+wait(lambda: all(engines()[i]["state"] == "STALE" for i in new_ids), 30, "the grown engines to be held STALE")
+out["grown_states"] = {i: engines()[i]["state"] for i in new_ids}
+urls = [engines()[i]["url"] for i in new_ids]
+args = [a for u in urls for a in ("--engine", u)]
+v = subprocess.run([rl, "fleet", "version", job, "--set", "step-2", *args], capture_output=True, text=True,
+                   timeout=120)  # the trainer refits them (here: stamps): readmitted
+out["stamp_grown"] = v.returncode
+wait(lambda: all(engines()[i]["state"] == "HEALTHY" for i in new_ids), 30, "the grown engines readmitted")
+out["step2"] = replay(0.03, "step2.json")
+json.dump(out, open(os.path.join(job, "tail.json"), "w"))
+"""
+
+
+def test_tail_policy_gives_a_node_back_and_grows_back_at_the_next_step(tmp_path: Path) -> None:
+    """The tail policy on a job of its own allocation (1 training + 2 generation nodes): the step's tail
+    shrinks the allocation itself (scontrol update: the node idle while the job runs on), the next step's
+    new weight version grows it back by a grow job, whose engines are STALE until refit."""
+    root = tmp_path / "jobs"
+    script = tmp_path / "trainer.py"
+    script.write_text(TAIL_TRAINER)
+    spec = tmp_path / "tail.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "elastic-tail",
+                "cluster": "slurm",
+                "job_root": str(root),
+                "slurm": SLURM,
+                "training": {"nodes": 1, "command": f"{sys.executable} {script}"},
+                "generation": {
+                    "nodes": 2,
+                    "engine": "sim",
+                    "engines_per_node": 2,
+                    "served_model_name": "sim-8b",
+                    "startup_timeout_s": 60,
+                    "sim": {"speed": 0.6},
+                    "elastic": {
+                        "floor_nodes": 1,
+                        "shrink_below": 0.25,
+                        "for_s": 3,
+                        "capacity_per_engine": 16,
+                    },
+                },
+                "router": {"backend_timeout_s": 30},
+            },
+            sort_keys=False,
+        )
+    )
+    sub = run("submit", str(spec), "--json", timeout=120)
+    assert sub.returncode == 0, sub.stderr
+    job = Path(json.loads(sub.stdout)["job_dir"])
+    deadline = time.monotonic() + 600
+    while JobDir(job).read_result() is None or not JobDir(job).read_result().torn_down:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the job did not end"
+        time.sleep(1)
+    result = JobDir(job).read_result()
+    out = json.loads((job / "tail.json").read_text()) if (job / "tail.json").exists() else {}
+    print(f"\ntail policy job: {result}; {json.dumps(out)[:1500]}")
+    assert result is not None and result.exit_code == 0, (
+        result,
+        out,
+        (job / "driver.log").read_text()[-3000:],
+    )
+    assert out["sinfo"] == "idle", out  # the released node went back while the job ran on
+    assert out["squeue"].split()[0] == "2", out  # the job's own allocation shrank from 3 nodes to 2
+    assert out["grown_states"] and set(out["grown_states"].values()) == {"STALE"}, out
+    for step in ("step1.json", "step2.json"):
+        row = json.loads((job / step).read_text())["rows"][0]
+        assert row["errors"] == 0 and row["retries"] == 0 and row["failed_requests"] == 0, (step, row)
+    events = [e for e in JobDir(job).read_events() if e.get("phase") == "elastic"]
+    decisions = [e["detail"] for e in events if e.get("action") == "policy"]
+    print("\n".join(decisions))
+    # (step 2's own tail may shrink again: a third decision)
+    assert len(decisions) >= 2 and "shrink 1" in decisions[0] and "grow 1" in decisions[1], decisions
+    assert "the weight version changed" in decisions[1]
     deadline = time.monotonic() + 60
     while not squeue_empty():
         assert time.monotonic() < deadline, queued()

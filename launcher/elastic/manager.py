@@ -55,9 +55,17 @@ if TYPE_CHECKING:
     from launcher.spec import ResolvedSpec
 
 LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+READ_EVERY_S = 0.9
+"""The tail policy reads the engines' load about every tick: a coarser reading adds its interval to every
+shrink's delay, and the tail is when nodes are wasted."""
 ZERO_READS_TO_DRAIN = 2
-"""In-flight read as zero this many ticks in a row (after the push that left the node out) ends a drain:
-one read may fall between a request the router just sent and the engine's counting it."""
+QUIET_S = 0.5
+"""A drain ends once in-flight reads zero this many reads in a row, spanning at least this long, after the
+push that left the node out: one read may fall between a request the router sent just before that push
+and the engine's counting it."""
+DRAIN_POLL_S = 0.25
+"""While a node drains, its engines are read this often (every tick would add up to a second to each
+drain, a second of a node held for nothing)."""
 
 
 @dataclass
@@ -96,6 +104,7 @@ class Drain:
     urls: list[str]
     reason: str
     zero_reads: int = 0
+    zero_since: float | None = None
     last_in_flight: int | None = None
 
 
@@ -170,6 +179,7 @@ class ElasticFleet:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_reading = 0.0
+        self._last_full = 0.0
         self.timeline_file = shapes.elastic_dir(job.path) / "timeline.jsonl"
         shapes.make_dirs(job.path)
 
@@ -185,7 +195,7 @@ class ElasticFleet:
         the driver's teardown with the others), and the final node-seconds are written."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(10)
+            self._thread.join(3)  # a tick stopping a host may still run: it finds the hosts closed
         now = time.time()
         for g in self.grows.values():
             if g.state in shapes.GROW_FINAL:
@@ -202,7 +212,7 @@ class ElasticFleet:
         self._write_state(final=True)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.tick_s):
+        while not self._stop.wait(DRAIN_POLL_S if self.drains else self.tick_s):
             try:
                 self.tick()
             except Exception as exc:  # one bad tick must not end resizing (nor the job)
@@ -216,8 +226,12 @@ class ElasticFleet:
             reply = self.handle(request)
             shapes.answer(self.job.path, reply)
             self._event("request" if reply.ok else "refused", reply.message, op=request.op, by=request.by)
-        self._advance_grows()
         self._advance_drains()
+        now = time.monotonic()
+        if now - self._last_full < self.tick_s * 0.9:
+            return  # between ticks: only the drains are polled faster
+        self._last_full = now
+        self._advance_grows()
         self._apply_policy()
         self._write_state()
 
@@ -514,10 +528,12 @@ class ElasticFleet:
             d.last_in_flight = sum(known) if known else None
             if host_gone or (len(known) == len(values) and sum(known) == 0):
                 d.zero_reads += 1
+                d.zero_since = now if d.zero_since is None else d.zero_since
             else:
-                d.zero_reads = 0
+                d.zero_reads, d.zero_since = 0, None
             took = now - d.started
-            if host_gone or d.zero_reads >= ZERO_READS_TO_DRAIN:
+            quiet = d.zero_reads >= ZERO_READS_TO_DRAIN and now - (d.zero_since or now) >= QUIET_S
+            if host_gone or quiet:
                 self._finish_node(i, f"drained in {took:.1f} s: no request left in flight")
             elif took > d.timeout_s:
                 self._finish_node(
@@ -592,7 +608,7 @@ class ElasticFleet:
         if self.policy is None or self.refuse_why:
             return
         now = time.time()
-        if now - self._last_reading < 2.0:
+        if now - self._last_reading < READ_EVERY_S:
             return
         self._last_reading = now
         serving_rows = [
