@@ -200,10 +200,10 @@ def test_grow_and_shrink_mid_replay_on_slurm(tmp_path: Path) -> None:
             while not (g2()["state"] == "PENDING" and g2()["reason"] not in ("", "None")):
                 assert time.monotonic() < deadline, g2()
                 time.sleep(0.5)
-            status = run("status", "elastic-fleet", "--root", str(root), "--once", timeout=60)
+            status = run("status", str(job), "--once", timeout=60)
             line = next((x for x in status.stdout.splitlines() if "grow g2" in x), "")
             print(f"queued grow in status: {line.strip()}")
-            assert "PENDING (" in line, status.stdout[-2000:]
+            assert "PENDING (" in line, status.stdout[-2000:] + status.stderr[-2000:]
             cancel = run("fleet", "grow", "elastic-fleet", "--root", str(root), "--cancel", "g2")
             assert cancel.returncode == 0, cancel.stderr
             deadline = time.monotonic() + 30

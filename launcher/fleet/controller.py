@@ -339,6 +339,8 @@ class FleetController:
                 self.where[rec.id] = (node_index, entry.index)
                 self.generation[rec.id] = entry.generation
             self.nodes.append(node_index)
+            if not self._stop.is_set():  # the dashboard shows them now, not at the next tick
+                self.state.update(fleet=self.snapshot())
             return [r.id for r in records]
 
     def drain_node(self, node_index: int, reason: str) -> list[str]:
