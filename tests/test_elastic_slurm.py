@@ -23,26 +23,9 @@ from launcher.status.rollouts import record_dir_of
 from router.record.format import read_records
 from router.state.backends import canonical_backend_url
 from tests.test_launcher_slurm import squeue_empty, wait_no_leftovers
+from tests.test_standing_fleet_slurm import RL_LAUNCH, SLURM, run, slurm_cluster  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.slurm
-
-RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
-SLURM = {"partition": "debug", "time": "00:20:00", "cpus_per_task": 2, "gpus_per_node": 0}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm_cluster() -> None:
-    from tests.test_slurm_cluster import _slurm_unreachable
-
-    reason = _slurm_unreachable()
-    if reason:
-        pytest.skip(
-            f"no Slurm cluster reachable: {reason} (slurm/cluster.sh start, then run on its login node)"
-        )
-
-
-def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([RL_LAUNCH, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def node_states() -> dict[str, str]:
@@ -53,6 +36,16 @@ def node_states() -> dict[str, str]:
 def queued() -> set[str]:
     out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30)
     return {x.strip() for x in out.stdout.split()}
+
+
+def assert_nothing_left() -> None:
+    """Nothing in the queue, no process in any node's namespace, every node idle (bounded waits)."""
+    deadline = time.monotonic() + 60
+    while not squeue_empty():
+        assert time.monotonic() < deadline, queued()
+        time.sleep(0.5)
+    assert wait_no_leftovers(60) == []
+    assert set(node_states().values()) == {"idle"}, node_states()
 
 
 def elastic(job: Path) -> dict[str, Any]:
@@ -282,12 +275,7 @@ def test_grow_and_shrink_mid_replay_on_slurm(tmp_path: Path) -> None:
         down = run("fleet", "down", "elastic-fleet", "--root", str(root), "--force", timeout=180)
         print(down.stdout[-500:], down.stderr[-500:])
     assert down.returncode == 0, down.stderr
-    deadline = time.monotonic() + 60
-    while not squeue_empty():
-        assert time.monotonic() < deadline, queued()
-        time.sleep(0.5)
-    assert wait_no_leftovers(60) == []
-    assert set(node_states().values()) == {"idle"}, node_states()
+    assert_nothing_left()
 
 
 TAIL_TRAINER = r"""
@@ -402,9 +390,7 @@ def test_tail_policy_gives_a_node_back_and_grows_back_at_the_next_step(tmp_path:
     # (step 2's own tail may shrink again: a third decision)
     assert len(decisions) >= 2 and "shrink 1" in decisions[0] and "grow 1" in decisions[1], decisions
     assert "the weight version changed" in decisions[1]
-    deadline = time.monotonic() + 60
-    while not squeue_empty():
-        assert time.monotonic() < deadline, queued()
-        time.sleep(0.5)
-    assert wait_no_leftovers(60) == []
-    assert set(node_states().values()) == {"idle"}, node_states()
+    # scontrol's resize scripts went into the job's elastic directory, not where the job was submitted from
+    assert list((job / "elastic").glob("slurm_job_*_resize.sh")), list((job / "elastic").iterdir())
+    assert not list(Path.cwd().glob("slurm_job_*_resize.*")) and not list(tmp_path.glob("slurm_job_*"))
+    assert_nothing_left()

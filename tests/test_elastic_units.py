@@ -31,6 +31,7 @@ from launcher.elastic.slurm_ops import SlurmRefused, grow_script, grow_time_limi
 from launcher.elastic.tail import Decision, Reading, TailPolicy, TailSettings
 from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy, ProbeResult, TickInput
 from launcher.spec import ResolvedSpec, parse_spec
+from tests.test_fleet_health import Clock, url
 
 # ===================================================================================================
 # The tail policy
@@ -220,18 +221,6 @@ def test_tail_settings_accept_the_bounds() -> None:
 # ===================================================================================================
 
 H, DR, RT = EngineState.HEALTHY, EngineState.DRAINING, EngineState.RETIRED
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def url(i: int) -> str:
-    return f"http://10.0.0.1:{8000 + i}"
 
 
 def fleet_of(n: int = 2, **policy: Any) -> tuple[FleetHealth, Clock]:

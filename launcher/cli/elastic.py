@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from launcher.cli.options import root_option
 from launcher.elastic import shapes
+
+if TYPE_CHECKING:
+    from launcher.elastic.client import ResizeResult
 
 
 def _job_dir(job: str, root: Path) -> Path:
@@ -40,6 +43,15 @@ def _summary(elastic: dict[str, Any]) -> str:
     if draining:
         line += f", DRAINING {', '.join(draining)}"
     return line + f"; node-seconds held {ns.get('held', 0):.0f}, given back {ns.get('given_back', 0):.0f}"
+
+
+def _print(result: ResizeResult, as_json: bool, wait: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(result.elastic, indent=2))
+        return
+    click.echo(result.answer.message)
+    if wait:
+        click.echo(_summary(result.elastic))
 
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the job's elastic state as JSON.")
@@ -99,12 +111,7 @@ def fleet_grow_command(
         raise click.BadParameter(str(exc), param_hint="--time") from None
     except ElasticError as exc:
         raise click.ClickException(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(result.elastic, indent=2))
-        return
-    click.echo(result.answer.message)
-    if wait:
-        click.echo(_summary(result.elastic))
+    _print(result, as_json, wait)
 
 
 @click.command("shrink")
@@ -152,9 +159,4 @@ def fleet_shrink_command(
         )
     except ElasticError as exc:
         raise click.ClickException(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(result.elastic, indent=2))
-        return
-    click.echo(result.answer.message)
-    if wait:
-        click.echo(_summary(result.elastic))
+    _print(result, as_json, wait)

@@ -575,7 +575,7 @@ class ElasticFleet:
                 error = ops.cancel_job(r.job_id)
                 self._set_grow(g, shapes.GROW_ENDED, "every node given back")
                 return f"grow job {r.job_id} ended" + (f" (scancel: {error})" if error else "")
-            error = ops.shrink_job(r.job_id, rest)
+            error = ops.shrink_job(r.job_id, rest, shapes.elastic_dir(self.job.path))
             return f"grow job {r.job_id} shrunk to {', '.join(rest)}" + (
                 f" (refused: {error})" if error else ""
             )
@@ -589,7 +589,7 @@ class ElasticFleet:
             if n.job_id == self.job_id and n.released_at is None and n.name not in self.training_nodes
         ]
         keep = list(dict.fromkeys(keep))
-        error = ops.shrink_job(r.job_id, keep)
+        error = ops.shrink_job(r.job_id, keep, shapes.elastic_dir(self.job.path))
         if error:
             r.detail += f"; Slurm refused the resize: {error} (the node stays allocated, idle)"
             return f"Slurm refused to shrink job {r.job_id}: {error}"

@@ -40,9 +40,9 @@ class SlurmRefused(RuntimeError):
     """Slurm (or the partition's limits) refused the resize; the message is one line with the reason."""
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, cwd=cwd)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SlurmRefused(f"{argv[0]} could not be run: {exc}") from None
 
@@ -213,12 +213,16 @@ def cancel_job(job_id: str) -> str | None:
     return None if proc.returncode == 0 else _words(proc)
 
 
-def shrink_job(job_id: str, keep: list[str]) -> str | None:
+def shrink_job(job_id: str, keep: list[str], workdir: Path) -> str | None:
     """Shrink a running job to the nodes in ``keep`` (the others go back to Slurm now; the steps still on
-    them are ended by Slurm). None on success, else Slurm's words."""
+    them are ended by Slurm). None on success, else Slurm's words.
+
+    Run in ``workdir`` (the job's ``elastic`` directory): scontrol writes ``slurm_job_<id>_resize.sh`` and
+    ``.csh`` (the new ``SLURM_*`` values) into its working directory, which would otherwise be wherever the
+    user launched the job from."""
     nodelist = ",".join(sorted(keep, key=natural_key))
     try:
-        proc = _run(["scontrol", "update", f"JobId={job_id}", f"NodeList={nodelist}"])
+        proc = _run(["scontrol", "update", f"JobId={job_id}", f"NodeList={nodelist}"], cwd=workdir)
     except SlurmRefused as exc:
         return str(exc)
     return None if proc.returncode == 0 else _words(proc)

@@ -361,16 +361,19 @@ def _resolve_record(section: RecordSection) -> ResolvedRecord:
     )
 
 
+def _max_num_seqs(gen: GenerationSection) -> int:
+    """What one engine of the spec runs at once (its kind reads ``max_num_seqs`` from its own settings)."""
+    kind = engine_kind(gen.engine)
+    return int(kind.max_num_seqs({"vllm_args": list(getattr(gen, "vllm_args", []) or []), "sim": gen.sim}))
+
+
 def _resolve_elastic(gen: GenerationSection) -> ResolvedElastic | None:
     """The tail policy with its capacity per engine: the spec's, else the engine's batch
     (``max_num_seqs``), what one engine runs at once without queueing."""
     e = gen.elastic
     if e is None:
         return None
-    kind = engine_kind(gen.engine)
-    per_engine = e.capacity_per_engine or kind.max_num_seqs(
-        {"vllm_args": list(getattr(gen, "vllm_args", []) or []), "sim": gen.sim}
-    )
+    per_engine = e.capacity_per_engine or _max_num_seqs(gen)
     return ResolvedElastic(
         floor_nodes=e.floor_nodes,
         shrink_below=e.shrink_below,
@@ -384,8 +387,7 @@ def _resolve_elastic(gen: GenerationSection) -> ResolvedElastic | None:
 def _resolve_fleet(section: FleetSection, engines: int, gen: GenerationSection) -> ResolvedFleet:
     """The fair share's capacity: the spec's, else every engine's batch (``max_num_seqs``) together,
     which is what the fleet can run at once without queueing inside the engines."""
-    kind = engine_kind(gen.engine)
-    per_engine = kind.max_num_seqs({"vllm_args": list(getattr(gen, "vllm_args", []) or []), "sim": gen.sim})
+    per_engine = _max_num_seqs(gen)
     return ResolvedFleet(
         capacity=section.capacity or max(1, engines * per_engine),
         default_weight=section.default_weight,
