@@ -2,8 +2,10 @@
 Gym-like client replays a rollout step while the fleet grows by a node and then gives it back.
 
 * grow mid-replay: the new engines join (HEALTHY) and take requests within seconds of joining;
-* shrink mid-replay: the drained node's engines get no new request, the ones in flight finish, then the
-  engines stop and leave the fleet; no request fails and none is retried;
+* shrink mid-replay: the drained node's engines get no new request, the step's requests in flight finish,
+  then the engines stop and leave the fleet; no request of the step fails and none is retried. One long
+  request sent straight to a grown engine outlasts the drain timeout: the drain is seen DRAINING in
+  `rl-launch status`, and ends by its timeout, aborting that request only (the Slurm test drains to zero);
 * bad input (below one engine, a node that is not the fleet's, a grow of 0) is refused with the reason and
   changes nothing.
 """
@@ -55,13 +57,27 @@ TRAINER = textwrap.dedent(
                                       timeout=5).read().decode()
         out["grown_served"][e["url"]] = sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
                                             if x.startswith("vllm:request_success_total"))
-    out["shrink"] = fleet("shrink", job, "--nodes", "1")
+    # One long request sent straight to a grown engine (not through the router, so not part of the step):
+    # it keeps that engine busy past the drain timeout, so the drain lasts long enough to be seen in
+    # `rl-launch status` and ends by its timeout, aborting only that request.
+    import threading
+    def long_request():
+        body = json.dumps({"model": "sim-8b", "prompt": "x", "max_tokens": 1500}).encode()
+        req = urllib.request.Request(grown[0]["url"].rstrip("/") + "/v1/completions", data=body,
+                                     headers={**key, "Content-Type": "application/json"})
+        try:
+            out["long_request"] = urllib.request.urlopen(req, timeout=120).status
+        except Exception as exc:
+            out["long_request"] = repr(exc)[:200]
+    threading.Thread(target=long_request, daemon=True).start()
+    time.sleep(0.5)
+    out["shrink"] = fleet("shrink", job, "--nodes", "1", "--drain-timeout", "8")
     st = subprocess.run([rl, "status", job, "--json"], capture_output=True, text=True, timeout=60)
     out["status_draining"] = json.loads(st.stdout) if st.returncode == 0 else st.stderr
     st = subprocess.run([rl, "status", job, "--once"], capture_output=True, text=True, timeout=60,
                         env={**os.environ, "COLUMNS": "200"})
     out["status_text"] = st.stdout
-    deadline = time.time() + 120
+    deadline = time.time() + 60
     while time.time() < deadline:  # bounded: until the node is given back
         nodes = json.load(open(os.path.join(job, "state.json")))["elastic"]["nodes"]
         if not any(n["state"] == "DRAINING" for n in nodes):
@@ -148,7 +164,9 @@ def test_grow_then_shrink_mid_replay_loses_and_retries_nothing(tmp_path: Path, f
         assert action in actions, actions
     joined = next(e for e in events if e["action"] == "grow_joined")
     released = next(e for e in events if e["action"] == "node_released")
-    assert "no request left in flight" in released["detail"], released
+    # the long request kept its engine busy: the drain ended by its timeout, aborting that one request
+    assert "drain timeout (8 s): 1 request(s) still in flight were aborted" in released["detail"], released
+    assert calls["long_request"] != 200, calls["long_request"]
 
     assert len(calls["members_after"]) == 2 and not set(calls["members_after"]) & set(calls["grown_urls"]), (
         "the front still routes to the drained engines",
