@@ -22,29 +22,27 @@ stays the one judge of engine health; this manager only changes which nodes are 
 
 Everything it does is an ``elastic`` event in ``events.jsonl`` with its reason, and the ``elastic`` part
 of the job state (``launcher.elastic.shapes``) says which nodes serve, drain or were given back, what each
-grow waits for, and the node-seconds held and given back; ``timeline.jsonl`` has the in-flight requests
-and nodes over time for the plot.
+grow waits for, and the node-seconds held and given back.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.elastic import shapes
+from launcher.bench.metrics import LOAD_GAUGES
+from launcher.elastic import shapes, slurm_ops
 from launcher.elastic.holder import release_file
 from launcher.elastic.shapes import ElasticAnswer, ElasticRequest
 from launcher.elastic.tail import Decision, Reading, TailPolicy, TailSettings
-from launcher.jobdir.atomic import append_json_line
+from launcher.fleet.controller import fan_out_now
+from launcher.slurm.request import container_srun_args
 from router.fleet.engine import EngineClient
-from router.fleet.ops import fan_out
 from router.prometheus import metric_sum, parse_metrics
 
 if TYPE_CHECKING:
@@ -54,7 +52,6 @@ if TYPE_CHECKING:
     from launcher.jobdir import JobDir, StateWriter
     from launcher.spec import ResolvedSpec
 
-LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 READ_EVERY_S = 0.9
 """The tail policy reads the engines' load about every tick: a coarser reading adds its interval to every
 shrink's delay, and the tail is when nodes are wasted."""
@@ -110,8 +107,6 @@ class Drain:
 
 def in_flight_of(urls: list[str], api_key: str | None, timeout_s: float = 2.0) -> dict[str, int | None]:
     """Each engine's requests running + waiting (its own gauges), None where the read failed."""
-    if not urls:
-        return {}
 
     async def read(engines: EngineClient, url: str) -> int | None:
         got = await engines.metrics_text(url)
@@ -120,8 +115,7 @@ def in_flight_of(urls: list[str], api_key: str | None, timeout_s: float = 2.0) -
         metrics = parse_metrics(got.value, LOAD_GAUGES)
         return int(sum(metric_sum(metrics, g) or 0 for g in LOAD_GAUGES))
 
-    values = asyncio.run(fan_out(urls, read, api_key=api_key, timeout_s=timeout_s))
-    return dict(zip(urls, values, strict=True))
+    return dict(zip(urls, fan_out_now(urls, read, timeout_s, api_key), strict=True))
 
 
 class ElasticFleet:
@@ -180,7 +174,6 @@ class ElasticFleet:
         self._thread: threading.Thread | None = None
         self._last_reading = 0.0
         self._last_full = 0.0
-        self.timeline_file = shapes.elastic_dir(job.path) / "timeline.jsonl"
         shapes.make_dirs(job.path)
 
     # -- life ---------------------------------------------------------------------------------------------
@@ -201,7 +194,7 @@ class ElasticFleet:
             if g.state in shapes.GROW_FINAL:
                 continue
             if g.job_id is not None:
-                error = self._slurm().cancel_job(g.job_id)
+                error = slurm_ops.cancel_job(g.job_id)
                 if error:
                     self.say(f"grow {g.id}: scancel {g.job_id} failed: {error}")
             self._set_grow(g, shapes.GROW_ENDED, "ended with the job")
@@ -269,14 +262,12 @@ class ElasticFleet:
             self._event("grow", f"grow {gid}: {nodes} local node(s) ({by})", grow_id=gid, nodes=nodes)
             self._start_hosts(g, ["localhost"] * nodes)
             return g
-        ops = self._slurm()
+        ops = slurm_ops
         held = [r.name for r in self.nodes.values() if r.released_at is None]
         exclude = sorted({*held, *self.training_nodes})
         try:
             ops.check_grow_fits(self.spec, nodes, len(exclude))
             limit = ops.grow_time_limit_s(self.job_id, time_limit_s, time.time())
-            from launcher.slurm.request import container_srun_args
-
             script = ops.grow_script(
                 self.spec,
                 self.job.path,
@@ -408,7 +399,7 @@ class ElasticFleet:
     def _advance_grows(self) -> None:
         for g in list(self.grows.values()):
             if g.state == shapes.GROW_PENDING and g.job_id is not None:
-                got = self._slurm().grow_job_state(g.job_id)
+                got = slurm_ops.grow_job_state(g.job_id)
                 if got is None:
                     continue
                 if got.state == "RUNNING" and got.nodes:
@@ -471,7 +462,7 @@ class ElasticFleet:
         )
 
     def _grow_job_gone(self, g: Grow) -> bool:
-        got = self._slurm().grow_job_state(g.job_id or "")
+        got = slurm_ops.grow_job_state(g.job_id or "")
         return got is not None and got.state not in ("RUNNING", "COMPLETING", "CONFIGURING")
 
     def _grow_job_lost(self, g: Grow, live: list[int]) -> None:
@@ -491,7 +482,7 @@ class ElasticFleet:
             if row.released_at is None:
                 row.released_at, row.state = time.time(), shapes.NODE_RELEASED
         if g.job_id is not None:
-            error = self._slurm().cancel_job(g.job_id)
+            error = slurm_ops.cancel_job(g.job_id)
             if error:
                 why += f" (scancel {g.job_id}: {error})"
         self._set_grow(g, state, why)
@@ -566,7 +557,7 @@ class ElasticFleet:
         """Give node ``r`` back to Slurm; what happened, in words."""
         if self.local or r.job_id is None:
             return "local mode: nothing to hand back"
-        ops = self._slurm()
+        ops = slurm_ops
         if r.grow_id:
             g = self.grows[r.grow_id]
             rest = [self.nodes[i].name for i in g.indices if self.nodes[i].released_at is None]
@@ -622,16 +613,6 @@ class ElasticFleet:
             g.state in (shapes.GROW_PENDING, shapes.GROW_STARTING) for g in self.grows.values()
         )
         reading = Reading(now, in_flight, capacity, len(serving_rows), self.controller.last_version, busy)
-        append_json_line(
-            self.timeline_file,
-            {
-                "time": now,
-                "in_flight": in_flight,
-                "capacity": capacity,
-                "nodes": len(serving_rows),
-                "nodes_held": sum(1 for r in self.nodes.values() if r.released_at is None),
-            },
-        )
         decision = self.policy.observe(reading)
         if decision is not None:
             self._decide(decision)
@@ -654,8 +635,7 @@ class ElasticFleet:
         )
 
     def _serving_urls(self) -> list[str]:
-        snap = self.controller.fleet.snapshot()
-        return [e["url"] for e in snap["engines"] if e["serving"]]
+        return self.controller.fleet.serving_urls()
 
     def _starting(self, r: NodeRow) -> bool:
         return bool(r.grow_id) and self.grows[r.grow_id].state == shapes.GROW_STARTING
@@ -694,26 +674,3 @@ class ElasticFleet:
 
     def _write_state(self, final: bool = False) -> None:
         self.state.update(elastic=self.snapshot(final))
-
-    @staticmethod
-    def _slurm() -> Any:
-        from launcher.elastic import slurm_ops
-
-        return slurm_ops
-
-
-def timeline(job_dir: str | Path) -> list[dict[str, Any]]:
-    """The in-flight requests and nodes over time the tail policy read (``timeline.jsonl``)."""
-    import json
-
-    path = shapes.elastic_dir(job_dir) / "timeline.jsonl"
-    out = []
-    try:
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    except OSError:
-        pass
-    return out
