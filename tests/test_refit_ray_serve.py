@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from launcher.jobdir import JobDir
-from tests.checkpoints import broken, checkpoint
+from tests.checkpoints import checkpoint, unloadable
 
 REFIT_TRAINER = textwrap.dedent(
     """\
@@ -136,7 +136,7 @@ def _run_job(tmp_path: Path) -> tuple[Any, Path]:
     ckpt = tmp_path / "ckpt"
     for name, fill in (("B", b"b"), ("C", b"c"), ("D", b"d")):
         checkpoint(ckpt, name, fill)
-    broken(ckpt, "broken")
+    unloadable(ckpt, "broken")
     router = {"kind": "ray-serve", "policy": "round_robin", "serve_routing": "policy"}
     return run_job(tmp_path, "refit", trainer_text=REFIT_TRAINER, router=router, name="serve")
 

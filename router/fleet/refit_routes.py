@@ -6,9 +6,12 @@ One call per trainer step loads a checkpoint directory into every engine (``POST
 trainer that streams its weights drives the same transaction in steps (``begin``, ``update`` once per
 round, ``commit``; ``lease`` keeps it alive between them, ``abort`` gives up). Bad input is refused here,
 before anything is paused: a version that is not a non-empty string, a directory that is missing,
-unreadable or of another model (``router.fleet.checkpoint``), a lease or deadline that is not a positive
-number. A transaction that ran answers 200 when the fleet moved to the new version (engines quarantined
-on the way are listed; ``ok`` is then false) and 500 when it did not.
+unreadable, cut short, of another model or another user's (``router.fleet.checkpoint``, run off the
+loop under its deadline; ``"allow_foreign_checkpoint": true`` loads another user's), a lease or
+deadline that is not a positive number below its bound (``MAX_LEASE_S``, ``MAX_DEADLINE_S``). A
+transaction that ran answers 200 when the fleet moved to the new version (engines quarantined on the
+way are listed; ``ok`` is then false) and 500 when it did not; a refit from a directory also says what
+its check read and compared (``checkpoint_check``).
 
 The weight-transfer set-up checks every engine before anything is sent to it, because on vLLM 0.32 a
 failed weight-transfer call can leave an engine without weights (``start_weight_update`` without a group
@@ -20,12 +23,19 @@ sizes of the engines before it, in the serving set's order; the group's ``world_
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
-from router.fleet.checkpoint import CheckpointRefused, check_against, reference_config
+from router.fleet.checkpoint import (
+    ALLOW_FOREIGN,
+    Checked,
+    CheckpointGuard,
+    CheckpointRefused,
+    check_directories,
+)
 from router.fleet.engine import PAUSE_MODES, EngineClient
 from router.fleet.ops import fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S, SOURCES, RefitCoordinator, RefitRefused
@@ -35,10 +45,18 @@ from router.state.backends import canonical_backend_url
 if TYPE_CHECKING:
     from router.fleet.api import FleetApi
 
+log = logging.getLogger(__name__)
+
 PLAN_TIMEOUT_S = 60.0
 """How long the set-up waits for each engine's ``/server_info`` (vLLM collects its environment once)."""
 INIT_TIMEOUT_S = 600.0
 """How long ``init_weight_transfer_engine`` may take: the engines wait there for the trainer to join."""
+MAX_LEASE_S = 300.0
+"""The longest lease a trainer may ask for: a holder that dies (or is revoked) leaves the fleet paused
+until its lease runs out, so the lease is short and renewed; 5 minutes covers any renewal gap."""
+MAX_DEADLINE_S = 3600.0
+"""The longest deadline of one refit: the largest model's reload takes minutes; an hour-long refit is a
+fleet paused for nothing (``lease_s: 1e9`` was accepted, and held every consumer's requests)."""
 
 
 def _json(status: int, payload: object) -> web.Response:
@@ -50,10 +68,10 @@ def _refused(exc: RefitRefused | CheckpointRefused | ValueError) -> web.Response
     return _json(status, {"ok": False, "error": str(exc)})
 
 
-def _positive(body: dict[str, Any], key: str, default: float) -> float:
+def _positive(body: dict[str, Any], key: str, default: float, maximum: float) -> float:
     value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ValueError(f'"{key}" must be a positive number of seconds, got {value!r}')
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= maximum:
+        raise ValueError(f'"{key}" must be a positive number of seconds, at most {maximum:g}, got {value!r}')
     return float(value)
 
 
@@ -90,6 +108,8 @@ class RefitRoutes:
         self.refit = coordinator
         self.plan: dict[str, Any] | None = None
         """The weight-transfer group the engines joined (``init``), or None."""
+        self.checks = CheckpointGuard()
+        """Runs the check before a pause off the loop, under its deadline, one at a time."""
 
     def add_routes(self, table: RouteTable) -> None:
         for method, path, handler in (
@@ -110,16 +130,19 @@ class RefitRoutes:
     async def _body(self, request: web.Request) -> dict[str, Any]:
         return await self.api._body(request)
 
-    async def _directories(self, body: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    async def _directories(self, body: dict[str, Any]) -> tuple[str, dict[str, str], Checked]:
         """``"from"`` and ``"from_by_engine"`` (``{engine url: directory}``, node-local copies), each
-        checked against the served model (read once), or ``CheckpointRefused`` / ``ValueError``: nothing
-        is paused yet."""
+        checked (``router.fleet.checkpoint``: every file read in a thread under a deadline) against the
+        served model, or ``CheckpointRefused`` / ``ValueError``: nothing is paused yet."""
         path = _text(body, "from", required=False)
         if path is None:
             raise CheckpointRefused('body needs "from": the checkpoint directory to load')
         raw = body.get("from_by_engine") or {}
         if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
             raise ValueError('"from_by_engine" must map engine URLs to directories')
+        allow_foreign = body.get(ALLOW_FOREIGN, False)
+        if not isinstance(allow_foreign, bool):
+            raise ValueError(f'"{ALLOW_FOREIGN}" must be true or false, got {allow_foreign!r}')
         members = set(self.api.backends.members)
         per_engine = {}
         for url, where in raw.items():
@@ -127,27 +150,23 @@ class RefitRoutes:
             if key not in members:
                 raise ValueError(f'"from_by_engine": {url} is not an engine of the fleet')
             per_engine[key] = where
-        root, reference = await self._reference()
-        for where in (path, *per_engine.values()):
-            check_against(where, reference, root or "?")
-        return path, per_engine
-
-    async def _reference(self) -> tuple[str | None, dict[str, Any] | None]:
-        """The served model's config: from the directory the engines loaded it from (``/v1/models`` root),
-        else from the directory the last refit loaded; ``(None, None)`` when neither can be read here."""
-        urls = list(self.api.backends.serving) or self.api._all_engines()
-        if urls:
-            async with EngineClient.open(self.api.backend_api_key, 15.0) as engines:
-                got = await engines.model_root(urls[0])
-            config = reference_config(got.value)
-            if config is not None:
-                return got.value, config
         last = self.refit.last
-        if last is not None and last.moved and last.path:
-            config = reference_config(last.path)
-            if config is not None:
-                return f"{last.path} (the last refit's)", config
-        return None, None
+        last_path = last.path if last is not None and last.moved else None
+        directories = [path, *per_engine.values()]
+        served = await self._served_root()
+        checked = await self.checks.run(check_directories, directories, served, last_path, allow_foreign)
+        log.info("refit from %s: %s", path, checked.summary())
+        return path, per_engine, checked
+
+    async def _served_root(self) -> str | None:
+        """Where the engines loaded the served model from (the first engine's ``/v1/models`` root: an
+        absolute directory, or a hub name, which the check does not read), or None."""
+        urls = list(self.api.backends.serving) or self.api._all_engines()
+        if not urls:
+            return None
+        async with EngineClient.open(self.api.backend_api_key, 15.0) as engines:
+            got = await engines.model_root(urls[0])
+        return got.value
 
     def _answer(self, txn_json: dict[str, Any], moved_or_open: bool) -> web.Response:
         return _json(200 if moved_or_open else 500, txn_json)
@@ -160,9 +179,9 @@ class RefitRoutes:
         try:
             body = await self._body(request)
             version = _text(body, "version")
-            path, per_engine = await self._directories(body)
+            path, per_engine, checked = await self._directories(body)
             expected = _text(body, "expected_checksum", required=False)
-            deadline_s = _positive(body, "deadline_s", DEFAULT_DEADLINE_S)
+            deadline_s = _positive(body, "deadline_s", DEFAULT_DEADLINE_S, MAX_DEADLINE_S)
             mode = self._mode(body)
             reset_cache = bool(body.get("reset_cache", True))
         except (ValueError, CheckpointRefused) as exc:
@@ -171,11 +190,16 @@ class RefitRoutes:
 
         async def whole() -> dict[str, Any]:
             txn = await self.refit.begin(
-                version, "directory", mode, deadline_s=deadline_s, path=path, held_by_router=True
+                version,
+                "directory",
+                mode,
+                deadline_s=deadline_s,
+                path=path,
+                held_by_router=True,
             )
             await self.refit.load(txn.id, path, per_engine)
             await self.refit.commit(txn.id, expected, reset_cache)
-            return txn.to_json()
+            return {**txn.to_json(), "checkpoint_check": checked.summary()}
 
         try:
             result = await self.refit.run(whole())
@@ -217,15 +241,21 @@ class RefitRoutes:
                     "(POST /fleet/weight_transfer/init)",
                     409,
                 )
-            lease_s = _positive(body, "lease_s", DEFAULT_LEASE_S)
-            deadline_s = _positive(body, "deadline_s", DEFAULT_DEADLINE_S)
+            lease_s = _positive(body, "lease_s", DEFAULT_LEASE_S, MAX_LEASE_S)
+            deadline_s = _positive(body, "deadline_s", DEFAULT_DEADLINE_S, MAX_DEADLINE_S)
             mode = self._mode(body)
         except (ValueError, RefitRefused) as exc:
             return _refused(exc)
         assert version is not None
         try:
             txn = await self.refit.run(
-                self.refit.begin(version, str(source), mode, lease_s=lease_s, deadline_s=deadline_s)
+                self.refit.begin(
+                    version,
+                    str(source),
+                    mode,
+                    lease_s=lease_s,
+                    deadline_s=deadline_s,
+                    )
             )
         except RefitRefused as exc:
             return _refused(exc)
@@ -244,11 +274,11 @@ class RefitRoutes:
             body = await self._body(request)
             txn_id = str(_text(body, "id"))
             self.refit.find(txn_id)
-            path, per_engine = await self._directories(body)
+            path, per_engine, checked = await self._directories(body)
             txn = await self.refit.run(self.refit.load(txn_id, path, per_engine))
         except (ValueError, RefitRefused, CheckpointRefused) as exc:
             return _refused(exc)
-        return _json(200 if txn.live() else 500, txn.to_json())
+        return _json(200 if txn.live() else 500, {**txn.to_json(), "checkpoint_check": checked.summary()})
 
     async def update(self, request: web.Request) -> web.Response:
         """``{"id", "update_info": {...}}``: one streamed round; the trainer broadcasts meanwhile."""
