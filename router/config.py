@@ -148,13 +148,31 @@ class RouterSettings(BaseModel):
     http: HttpLimits = Field(
         default=DEFAULT_HTTP_LIMITS,
         description="HTTP resource limits: head_timeout_s, keepalive_timeout_s, max_client_connections, "
-        "max_backend_header_bytes, max_error_body_bytes, body_timeout_s (see router.http.limits)",
+        "max_backend_header_bytes, max_error_body_bytes, body_timeout_s, max_connections_per_consumer, "
+        "max_body_bytes_per_consumer (see router.http.limits)",
     )
     pause_max_held: int = Field(
         default=10_000, ge=0, description="generation requests held during a fleet pause (refused above)"
     )
     pause_max_wait_s: float = Field(
         default=600.0, gt=0, description="longest a request is held during a fleet pause before refusal"
+    )
+    version_max_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="longest a request gated on a weight version (x-rl-weight-version) waits, the fleet not "
+        "paused, for an engine with that version before the no-healthy status. Shorter than a pause: a "
+        "version that is coming comes with a refit, whose pause holds the request by pause_max_wait_s; "
+        "what is left is an engine coming back, and a gated request must not outlive what a plain one "
+        "would be answered at once (a version no engine will serve is answered 400 at once)",
+    )
+    max_held_per_consumer: int | None = Field(
+        default=None,
+        ge=0,
+        description="generation requests one consumer may have held at once (paused, gated on a version, "
+        "waiting for a fair-share slot); one more is refused at once with the no-healthy status. None: its "
+        "weighted share (consumers' weights, the owner's 1) of the smaller of pause_max_held and "
+        "http.max_client_connections, so that no consumer can fill what the router holds for all",
     )
 
     @field_validator("policy")

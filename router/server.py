@@ -93,7 +93,14 @@ class GenerationRouter:
             self.consumer_keys = ConsumerKeys(config.consumers_file)  # a corrupt file raises, naming it
         self.fair: TimedFairShare | None = None
         if config.consumer_accounting:
-            self.fair = TimedFairShare(config.fair_share_capacity, config.fair_share_max_wait_s)
+            # Each consumer's held requests: its share of what the router holds (the pause gate's bound,
+            # and the connection cap, since every held request keeps its connection).
+            self.fair = TimedFairShare(
+                config.fair_share_capacity,
+                config.fair_share_max_wait_s,
+                max_held=min(config.pause_max_held, config.http.max_client_connections),
+                max_held_per_consumer=config.max_held_per_consumer,
+            )
             if self.consumer_keys is not None:
                 self.fair.registered = self.consumer_keys.consumers
         self.workers: WorkerFleet | None = None
@@ -105,7 +112,13 @@ class GenerationRouter:
         # The one gate of the router lives in its routing state, which holds requests from every worker;
         # so does the fair share of the fleet between its consumers.
         self.routing = LocalRouting(
-            self.backends, self.policy, self.metrics, config.health_managed, self.gate, self.fair
+            self.backends,
+            self.policy,
+            self.metrics,
+            config.health_managed,
+            self.gate,
+            self.fair,
+            version_max_wait_s=config.version_max_wait_s,
         )
         if self.workers is not None:
             self.workers.attach(self.routing)

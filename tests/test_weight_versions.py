@@ -313,20 +313,25 @@ async def test_a_version_hold_goes_through_the_pause_gate_again(sims, routers) -
 
 async def test_a_version_hold_is_bounded_like_a_pause(sims, routers) -> None:
     es = await sims(2)
-    r = routers([e.url + "/v1" for e in es], pause_max_wait_s=1.0, pause_max_held=1)
+    # The version gate's own time bound (version_max_wait_s), far shorter than a pause's.
+    r = routers([e.url + "/v1" for e in es], pause_max_wait_s=600.0, pause_max_held=1, version_max_wait_s=1.0)
     base = r.base_url()
     await stamp(base, "v1")
-    await stamp(base, "v2")  # v1 is known, but no engine serves it any more
-    first = asyncio.create_task(send(base, headers={WANT_HEADER: "v1"}))
-    await until(lambda: _eq(held_for_version(base), 1), "one request held for v1")
-    status, _, body = await send(base, headers={WANT_HEADER: "v1"})  # over the count bound
+    await stamp(base, "v2")  # v1 is known, but no engine serves it any more: answered at once, never held
+    status, _, body = await send(base, headers={WANT_HEADER: "v1"})
+    assert status == 400 and body["error"]["type"] == "unknown_weight_version", body
+    assert "no longer served" in body["error"]["message"] and "'v2'" in body["error"]["message"]
+    await on_loop(r, lambda: r.backends.versions.announce("v3"))  # a refit to v3 is coming: held for it
+    first = asyncio.create_task(send(base, headers={WANT_HEADER: "v3"}))
+    await until(lambda: _eq(held_for_version(base), 1), "one request held for v3")
+    status, _, body = await send(base, headers={WANT_HEADER: "v3"})  # over the count bound
     assert status == 409 and body["error"]["type"] == "weight_version_unavailable", body
     assert "at most 1 held" in body["error"]["message"]
     t0 = time.monotonic()
     status, _, body = await asyncio.wait_for(first, 10)  # over the time bound
     assert status == 409 and time.monotonic() - t0 < 5, body
     message = body["error"]["message"]
-    assert "'v1'" in message and "v2" in message and "waited 1" in message, message
+    assert "'v3'" in message and "v2" in message and "waited 1" in message, message
     m = await metrics(base)
     assert m["rl_router_version_refused_total"] == 2 and m["rl_router_version_held_requests"] == 0
     assert m['rl_router_errors_total{kind="version_bound"}'] == 2

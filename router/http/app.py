@@ -31,6 +31,7 @@ from aiohttp import web
 from router.consumers import ConsumerKeys
 from router.http.auth import Access, Credentials, RouteTable
 from router.http.connections import ConnectionGate, GuardedSockSite
+from router.http.consumer_limits import ConsumerLimits
 from router.http.forwarding import Forwarder
 from router.http.limits import HttpLimits, effective_connection_cap, raise_open_file_limit
 from router.http.status import error_body
@@ -162,9 +163,16 @@ def build_app(
     same ``RouteTable`` (the admin API in the router that owns the routing state, ``/health`` and the
     relay to it in a worker process). Each route is checked as its mark says (``router.http.auth``), and the
     application does not start with a route registered without a mark. ``consumers``: the keys of the
-    consumers file, which the routes then take too (``router.http.auth``). No middleware: each layer costs
-    every request a coroutine call and a handler chain."""
+    consumers file, which the routes then take too (``router.http.auth``), and each consumer's part of
+    this process's connections and memory is bounded (``router.http.consumer_limits``). No middleware:
+    each layer costs every request a coroutine call and a handler chain."""
     app = web.Application(client_max_size=max_request_bytes)
+    if consumers is not None:
+        # Every process that serves the port bounds each consumer's part of its connections and memory.
+        status = forwarder.config.no_healthy_backend_status
+        forwarder.consumer_limits = ConsumerLimits(
+            consumers, limits, max_request_bytes, status, forwarder.metrics
+        )
     table = RouteTable(app, Credentials(api_key, admin_token, limits.body_timeout_s, consumers))
     for path, methods in PROXIED_ROUTES:
         for method in methods:

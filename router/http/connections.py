@@ -23,12 +23,16 @@ from aiohttp.web_protocol import RequestHandler
 
 
 class ConnectionGate:
-    """Counts open client connections against a cap; reports refusals and head timeouts by kind."""
+    """Counts open client connections against a cap; reports refusals and head timeouts by kind. And
+    per consumer (``by_consumer``), the connections each has made an authenticated request on
+    (``GuardedRequestHandler.claim``): the cap is one for every consumer, so ``router.http.consumer_limits``
+    bounds each one's part of it."""
 
     def __init__(self, cap: int, on_event: Callable[[str], None] = lambda kind: None) -> None:
         self.cap = cap
         self.open = 0
         self.on_event = on_event
+        self.by_consumer: dict[str, int] = {}
 
     def admit(self) -> bool:
         if self.open >= self.cap:
@@ -39,6 +43,13 @@ class ConnectionGate:
 
     def leave(self) -> None:
         self.open -= 1
+
+    def disown(self, consumer: str) -> None:
+        n = self.by_consumer.get(consumer, 0) - 1
+        if n > 0:
+            self.by_consumer[consumer] = n
+        else:
+            self.by_consumer.pop(consumer, None)
 
 
 class GuardedRequestHandler(RequestHandler):
@@ -51,6 +62,25 @@ class GuardedRequestHandler(RequestHandler):
         self._head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
         self._admitted = False
+        self._consumer: str | None = None
+
+    @property
+    def gate(self) -> ConnectionGate:
+        return self._gate
+
+    def claim(self, consumer: str, cap: int) -> bool:
+        """Count this connection as ``consumer``'s (its request just authenticated as that consumer);
+        False, counting nothing, when the consumer already has ``cap`` connections in this process."""
+        if self._consumer == consumer:
+            return True
+        gate = self._gate
+        if gate.by_consumer.get(consumer, 0) >= cap:
+            return False
+        if self._consumer is not None:
+            gate.disown(self._consumer)
+        self._consumer = consumer
+        gate.by_consumer[consumer] = gate.by_consumer.get(consumer, 0) + 1
+        return True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -79,6 +109,9 @@ class GuardedRequestHandler(RequestHandler):
         if self._admitted:
             self._admitted = False
             self._gate.leave()
+        if self._consumer is not None:
+            self._gate.disown(self._consumer)
+            self._consumer = None
         super().connection_lost(exc)
 
     def _arm_head_deadline(self) -> None:

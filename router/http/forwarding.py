@@ -69,6 +69,7 @@ from multidict import CIMultiDict
 from router.consumers import OWNER_CONSUMER, Consumer
 from router.http.auth import CONSUMER
 from router.http.bodies import read_body
+from router.http.consumer_limits import ConsumerLimits
 from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.http.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
 from router.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -304,6 +305,9 @@ class Forwarder:
         self._requests: dict[tuple[str, int], Any] = {}
         self._latency: dict[str, Any] = {}
         self.record = record
+        # A consumer's connections and body bytes in this process (set by router.http.app.build_app
+        # where there are consumers); checked before the body is read.
+        self.consumer_limits: ConsumerLimits | None = None
         self._record_text = config.record_text
         self._session_header: str = getattr(policy, "session_header", None) or DEFAULT_SESSION_HEADER
 
@@ -331,8 +335,11 @@ class Forwarder:
             # The routing state's timed waits add to it (router.record.holds). No reset: aiohttp runs each
             # request's handler in a task of its own, whose context this changes.
             HOLDS.set(draft)
+        limits = self.consumer_limits
+        consumer = request.get(CONSUMER) if limits is not None else None
         try:
-            response = await self._proxy(request, draft)
+            refused = limits.admit(request, consumer) if limits is not None else None
+            response = refused if refused is not None else await self._proxy(request, draft)
             status = response.status
             return response
         except asyncio.CancelledError:
@@ -350,6 +357,8 @@ class Forwarder:
             if histogram is None:
                 histogram = self._latency[route] = metrics.latency.labels(route)
             histogram.observe(time.perf_counter() - started)
+            if limits is not None:
+                limits.done(request, consumer)
             if draft is not None:
                 draft.finish(status)
                 self.record.submit(draft, draft.text_bytes() if self._record_text else 0)  # type: ignore[union-attr]

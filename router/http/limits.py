@@ -15,6 +15,17 @@ Each limit closes a way for one misbehaving peer to take the router (and so ever
   (answered 500 after the retry); the headers are not buffered past it (a 200 MB header would otherwise
   sit in the router's memory).
 * ``max_error_body_bytes``: how much of a backend's 5xx body is kept to quote in the router's 500.
+* ``max_connections_per_consumer`` (0: the consumer's weighted share of this process's connection cap,
+  the owner counting as weight 1): client connections one consumer may hold in one process, counted
+  from its first authenticated request on each; a request on one more is refused (the no-healthy
+  status) and that connection closed. The cap is shared by every consumer, so without this one
+  consumer's connections (held requests, idle keep-alives) closed the others' at accept.
+* ``max_body_bytes_per_consumer``: request bodies of one consumer's requests that one process holds at
+  once (read, being read, held or in flight), declared ``Content-Length`` counted before a byte is
+  read; past it the request is refused (the no-healthy status) without reading its body. Without it a
+  consumer's held requests kept their bodies in memory for as long as they were held (8 x 8 MB: router
+  RSS +80 MB) with no bound but the connection cap x ``max_request_bytes``. 1 GiB is ~25,000 of Gym's
+  ~40 KB conversations.
 * ``body_timeout_s``: a request body the router reads must have arrived this long after its head, else
   the client gets 408 and the connection is closed; a body it does not read (a ``/health`` with a body,
   a request refused before its body) is drained and discarded for at most this long, then the
@@ -45,14 +56,26 @@ class HttpLimits:
     max_backend_header_bytes: int = 64 * 1024
     max_error_body_bytes: int = 4096
     body_timeout_s: float = 10.0
+    max_connections_per_consumer: int = 0
+    max_body_bytes_per_consumer: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in ("head_timeout_s", "keepalive_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HttpLimits.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_client_connections", "max_backend_header_bytes", "max_error_body_bytes"):
+        for name in (
+            "max_client_connections",
+            "max_backend_header_bytes",
+            "max_error_body_bytes",
+            "max_body_bytes_per_consumer",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"HttpLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_connections_per_consumer < 0:
+            raise ValueError(
+                "HttpLimits.max_connections_per_consumer must be >= 0 (0: the consumer's weighted share "
+                f"of the connection cap), got {self.max_connections_per_consumer}"
+            )
 
 
 DEFAULT_HTTP_LIMITS = HttpLimits()

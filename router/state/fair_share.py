@@ -18,7 +18,16 @@ version must not sit on a slot others could use) and gives it back when the engi
 
 A waiting request is bounded by ``max_wait_s``; past it the client gets the no-healthy-backend status with
 a reason naming the capacity (``FairShareRefused``), like the pause gate's bounds. A request whose client
-goes away leaves the queue at once. The number waiting is bounded by the router's connection cap.
+goes away leaves the queue at once.
+
+Every request the router holds counts against its consumer (``hold``): held at the pause gate, held for a
+weight version, or waiting here for a slot, from the moment it would wait until it has its slot or is
+refused. A consumer may have at most ``held_bound`` of them at once (``max_held_per_consumer``, else its
+weighted share of ``max_held``: the router's own bound on what it holds, the pause gate's and the
+connection cap's smaller); one more is refused at once with the no-healthy status, which no client
+retries. Without it the holds were bounded only router-wide, so one consumer that sent enough requests
+while the fleet was paused (or gated on a version) filled the pause gate and the connection cap, and the
+other consumers' requests were refused or their connections closed.
 
 The same object is the per-consumer ledger behind ``/metrics`` and ``GET /fleet/consumers``: requests and
 completion tokens, in flight, waiting, and ``share``: the consumer's fraction of the generation requests
@@ -42,7 +51,8 @@ SHARE_WINDOW_S = 60
 
 
 class FairShareRefused(Exception):
-    """A generation request not admitted within ``max_wait_s`` (the client's message; no-healthy status)."""
+    """A generation request not admitted within ``max_wait_s``, or one more than its consumer may have
+    held (the client's message; no-healthy status)."""
 
 
 class Account:
@@ -52,6 +62,7 @@ class Account:
         "_bucket_count",
         "_bucket_second",
         "completion_tokens",
+        "held",
         "in_flight",
         "name",
         "queue",
@@ -66,6 +77,8 @@ class Account:
         self.weight = weight
         self.in_flight = 0
         self.waiting = 0
+        self.held = 0
+        """Requests of this consumer held now: at the pause gate, for a version, or waiting for a slot."""
         self.queue: deque[tuple[float, asyncio.Future[None]]] = deque()
         self.requests = 0
         self.completion_tokens = 0
@@ -98,6 +111,7 @@ class ConsumerRow(TypedDict):
     registered: bool
     in_flight: int
     waiting: int
+    held: int
     requests: int
     completion_tokens: int
     refused: int
@@ -107,17 +121,31 @@ class ConsumerRow(TypedDict):
 class FairShare:
     """``capacity``: generation requests in flight through the router at most (None: no admission
     control, the ledger only). ``registered``: the consumers in the file now, so that the views list
-    those that sent nothing yet (set by the router that reads the file)."""
+    those that sent nothing yet and the shares of ``max_held`` are shared among them (set by the router
+    that reads the file). ``max_held``: the requests the router holds at most, all consumers together;
+    ``max_held_per_consumer``: what one consumer may have held (None: its weighted share of
+    ``max_held``)."""
 
-    def __init__(self, capacity: int | None, max_wait_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        capacity: int | None,
+        max_wait_s: float = 600.0,
+        max_held: int = 10_000,
+        max_held_per_consumer: int | None = None,
+    ) -> None:
         if capacity is not None and capacity < 1:
             raise ValueError(f"fair share capacity must be >= 1, got {capacity}")
         if max_wait_s <= 0:
             raise ValueError(f"fair share max_wait_s must be > 0, got {max_wait_s}")
+        if max_held < 0 or (max_held_per_consumer is not None and max_held_per_consumer < 0):
+            raise ValueError("fair share max_held and max_held_per_consumer must be >= 0")
         self.capacity = capacity
         self.max_wait_s = max_wait_s
+        self.max_held = max_held
+        self.max_held_per_consumer = max_held_per_consumer
         self.in_flight = 0
         self.waiting = 0
+        self.held = 0
         self.refused_total = 0
         self.accounts: dict[str, Account] = {}
         self._contending: set[Account] = set()
@@ -134,6 +162,51 @@ class FairShare:
     def _take(self, account: Account) -> None:
         account.in_flight += 1
         self.in_flight += 1
+
+    # -- what one consumer may have held ------------------------------------------------------------------
+    def held_bound(self, name: str, weight: float) -> int:
+        """The requests ``name`` may have held at once: ``max_held_per_consumer``, else its weighted share
+        of ``max_held`` among the consumers in the file and the owner (weight 1), itself included when
+        it is neither (a revoked consumer's last requests). Asked only when a request would be held, so
+        the file's table is summed off the request path's common case."""
+        if self.max_held_per_consumer is not None:
+            return self.max_held_per_consumer
+        registered = self.registered() if self.registered is not None else {}
+        total = sum(c.weight for c in registered.values()) + (0.0 if OWNER in registered else 1.0)
+        if name not in registered and name != OWNER:
+            total += weight
+        return max(1, int(self.max_held * weight / total)) if total > 0 else self.max_held
+
+    def hold(self, name: str, weight: float) -> None:
+        """Count a request of ``name`` the router is about to hold (``unhold`` ends it); raises
+        ``FairShareRefused`` at once, counted as a refusal of ``name``, when the consumer already has
+        ``held_bound`` held: the client's message names the bound and what to change."""
+        account = self._account(name, weight)
+        bound = self.held_bound(name, account.weight)
+        if account.held >= bound:
+            account.refused += 1
+            self.refused_total += 1
+            how = (
+                "max_held_per_consumer"
+                if self.max_held_per_consumer is not None
+                else f"its weighted share of the {self.max_held} the router holds at most"
+            )
+            raise FairShareRefused(
+                f"consumer {name} already has {account.held} generation requests held by the router (paused, "
+                f"gated on a weight version or waiting for a fair-share slot); at most {bound} ({how}), so "
+                "this one is refused at once: send fewer at a time, or ask the fleet's owner for a larger "
+                "weight or router.max_held_per_consumer"
+            )
+        account.held += 1
+        self.held += 1
+
+    def unhold(self, name: str) -> None:
+        """The request ``hold`` counted for ``name`` is no longer held (it has its slot, or was refused,
+        or its client left)."""
+        account = self.accounts.get(name)
+        if account is not None and account.held > 0:
+            account.held -= 1
+            self.held -= 1
 
     # -- admission ----------------------------------------------------------------------------------------
     def try_enter(self, name: str, weight: float) -> bool:
@@ -255,6 +328,7 @@ class FairShare:
                 "registered": entry is not None or name == OWNER,
                 "in_flight": account.in_flight if account is not None else 0,
                 "waiting": account.waiting if account is not None else 0,
+                "held": account.held if account is not None else 0,
                 "requests": account.requests if account is not None else 0,
                 "completion_tokens": account.completion_tokens if account is not None else 0,
                 "refused": account.refused if account is not None else 0,
@@ -268,6 +342,7 @@ class FairShare:
             "capacity": self.capacity,
             "in_flight": self.in_flight,
             "waiting": self.waiting,
+            "held": self.held,
             "refused": self.refused_total,
             "share_window_s": SHARE_WINDOW_S,
             "consumers": self.rows(),

@@ -17,15 +17,21 @@ knows it at that instant (``Chosen``), which the response carries and *done* giv
 whose engine was stamped with another version while it was in flight is counted as a straddler. A
 generation request may be gated on a version (``want``): it goes only to a serving engine that satisfies it
 (the others are excluded from the policy's choice), and while none does it is held, after the pause gate,
-until one does, bounded like a pause (the gate's ``max_held`` and ``max_wait_s``). A version the fleet does
-not know is refused at once (``UnknownVersion``).
+until one does, bounded in count by the gate's ``max_held`` and in time by ``version_max_wait_s`` (shorter
+than a pause's by default: a version that is coming comes with a refit, which the pause gate already
+held it through). A version the fleet does not know, or will not serve again (no engine it keeps has it,
+and it is neither the fleet's current version nor the pending refit's target), is refused at once
+(``UnknownVersion``) instead of held for a version that never comes.
 
 Consumers (``router.consumers``): a generation request names the consumer that sent it, and when the router
 keeps a consumer ledger (``router.state.fair_share.FairShare``: a consumers file or a fair-share capacity)
 *where to* also takes one of the fleet's fair-share slots, after the pause and version holds, waiting for
 one while the fleet is at capacity; *finished* (``finish``) gives it back and counts the request and its
-completion tokens. Here, in the one routing state, so that the capacity and the shares are exact whatever
-the number of worker processes.
+completion tokens. A request that would wait for any of them (the pause, a version, a slot) is counted
+against its consumer first (``FairShare.hold``) and refused at once past the consumer's bound, so the
+holds, like the slots, are shared: one consumer cannot fill what the router holds for all of them.
+Here, in the one routing state, so that the capacity, the shares and the holds are exact whatever the
+number of worker processes.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ from router.state.versions import VersionRefused, VersionWant
 
 # Failures of the backend's transport (not of one answer): with ``health_managed`` they take the backend
 # out of rotation at once. A 5xx is not among them: one poisoned request answered 500 by every engine
-# would otherwise eject the whole fleet; it is reported to the health controller as a failure instead.
+# would otherwise eject the whole fleet. What is reported at all is the forwarder's call
+# (``router.http.attribution``): a 5xx or a timeout only once another engine served the same request, so
+# a request that fails everywhere is charged to no engine.
 TRANSPORT_FAILURES = frozenset({"connect", "reset", "timeout", "headers_too_large", "stream_broken"})
 
 
@@ -91,7 +99,8 @@ class RoutingState(Protocol):
 
     def failed(self, request: RouteRequest, url: str, kind: str) -> None:
         """The attempt on ``url`` failed: forget its affinity, count the failure, and take a backend whose
-        transport failed out of rotation when a fleet controller owns the serving set."""
+        transport failed out of rotation when a fleet controller owns the serving set. An empty ``kind``:
+        forget the affinity only (a failure not charged to the engine, ``router.http.attribution``)."""
         ...
 
 
@@ -106,11 +115,16 @@ class LocalRouting:
         health_managed: bool,
         gate: PauseGate | None = None,
         fair: FairShare | None = None,
+        version_max_wait_s: float | None = None,
     ) -> None:
         """``fair``: the consumer ledger and fair-share admission (None: consumers are not told apart,
-        and a request's ``consumer`` is ignored)."""
+        and a request's ``consumer`` is ignored). ``version_max_wait_s``: the longest a request waits
+        for an engine with its version once the fleet is not paused (None: the gate's ``max_wait_s``)."""
         self.gate = gate if gate is not None else PauseGate()
         self.fair = fair
+        self.version_max_wait_s = (
+            version_max_wait_s if version_max_wait_s is not None else self.gate.max_wait_s
+        )
         self.backends = backends
         self.policy = policy
         self.metrics = metrics
@@ -164,21 +178,30 @@ class LocalRouting:
         """The pause gate and the version gate (``admit``), then a fair-share slot (held on return). A
         request that got its slot after the fleet paused, or lost its version, gives the slot back and
         goes through the holds again: no request reaches an engine between a pause and its resume, and
-        none sits on a slot while it waits for a version."""
+        none sits on a slot while it waits for a version. A request that has to wait for any of them is
+        one of its consumer's held requests until it has its slot (``FairShareRefused`` at once past the
+        consumer's bound)."""
         fair = self.fair
         assert fair is not None
-        while True:
-            if want is not None or self.gate.paused:
-                await self.admit(exclude, True, want)
-            await fair.enter(consumer.name, consumer.weight)
-            try:
-                admitted = self.admit_now(exclude, True, want)
-            except BaseException:
+        admitted = self.enter_now(exclude, want, consumer)
+        if admitted is not None:
+            return admitted
+        fair.hold(consumer.name, consumer.weight)
+        try:
+            while True:
+                if want is not None or self.gate.paused:
+                    await self.admit(exclude, True, want)
+                await fair.enter(consumer.name, consumer.weight)
+                try:
+                    admitted = self.admit_now(exclude, True, want)
+                except BaseException:
+                    fair.leave(consumer.name)
+                    raise
+                if admitted is not None:
+                    return admitted
                 fair.leave(consumer.name)
-                raise
-            if admitted is not None:
-                return admitted
-            fair.leave(consumer.name)
+        finally:
+            fair.unhold(consumer.name)
 
     def finish(self, consumer: str, completion_tokens: int = 0, counted: bool = True) -> None:
         if self.fair is not None:
@@ -193,7 +216,7 @@ class LocalRouting:
         serving engine satisfies ``want`` and the request may not wait."""
         if hold and self.gate.paused:
             if want is not None:
-                self.versions.check(want)  # refused at once, not after the pause
+                self.versions.check(want, self._kept())  # refused at once, not after the pause
             return None
         if want is None:
             return exclude
@@ -201,14 +224,26 @@ class LocalRouting:
 
     def _gated(self, exclude: frozenset[str], hold: bool, want: VersionWant) -> frozenset[str] | None:
         versions = self.versions
-        versions.check(want)
         serving = self.backends.serving
         unfit = versions.excluded_for(want, serving)
         if len(unfit) < len(serving):
             return exclude | unfit if unfit else exclude
         if hold:
+            versions.check(want, self._kept())  # held only for a version that may still come
             return None
+        versions.check(want)
         raise NoBackendAvailable(versions.unsatisfied(want, serving))
+
+    def _kept(self) -> tuple[str, ...]:
+        """The engines whose versions a held request may still get: the serving ones and those ejected
+        for the moment (the prober re-admits them), not those held out as stale (they come back only on
+        the fleet's current version, which ``WeightVersions.check`` counts by itself)."""
+        backends = self.backends
+        ejected = backends.ejected
+        if not ejected:
+            return backends.serving
+        stale = backends.stale
+        return (*backends.serving, *(u for u in ejected if u not in stale))
 
     async def admit(self, exclude: frozenset[str], hold: bool, want: VersionWant | None) -> frozenset[str]:
         """Wait while the fleet is paused (``hold``), then while no serving engine satisfies ``want``;
@@ -216,14 +251,15 @@ class LocalRouting:
         version goes through the pause gate again if the fleet paused meanwhile: no request reaches an
         engine between a pause and its resume."""
         versions = self.versions
-        if want is not None:
-            versions.check(want)  # at once, before any hold
         gate = self.gate
+        max_wait_s = self.version_max_wait_s
         loop = asyncio.get_running_loop()
         since: float | None = None
         try:
             while True:
                 if hold and gate.paused:
+                    if want is not None:
+                        versions.check(want, self._kept())  # at once, before the pause holds it
                     await gate.pass_through()
                 if want is None:
                     return exclude
@@ -236,13 +272,13 @@ class LocalRouting:
                         raise self._refused(want, f"at most {gate.max_held} held for a version")
                     versions.held += 1
                     since = now
-                remaining = since + gate.max_wait_s - now
+                remaining = since + max_wait_s - now
                 if remaining <= 0:
                     raise self._refused(want, f"waited {now - since:.3g} s")
                 try:
                     await asyncio.wait_for(versions.wait_change(), remaining)
                 except TimeoutError:
-                    raise self._refused(want, f"waited {gate.max_wait_s:g} s") from None
+                    raise self._refused(want, f"waited {max_wait_s:g} s") from None
         finally:
             if since is not None:
                 versions.held -= 1

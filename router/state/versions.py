@@ -8,10 +8,14 @@ place that sees both the requests and the refits, so it keeps here:
   transaction, ``POST /fleet/weight_version``) or verifies a joining engine's ``/weight_info``. A response
   carries the version of the engine that served it (``VERSION_HEADER``) as it stood when the request was
   dispatched.
-* **the fleet's versions in stamp order** (``order``), plus the version a refit in progress is moving to
-  (``pending``): what a gated request may ask for. A version that is neither (nor served by an engine)
-  is unknown, and a request gated on it is answered at once with the versions the fleet knows
-  (``WeightVersions.check``), instead of being held for a version that will never come.
+* **the fleet's versions in stamp order** (``order``), the fleet's current one (``current``) and the
+  version a refit in progress is moving to (``pending``): what a gated request may ask for. A request
+  is held only for a version that may still come: the pending refit's target, the fleet's current
+  version (an engine that restarts or joins is brought back to it), or one an engine the fleet keeps
+  serves. Any other is answered at once (``WeightVersions.check``) with the version the fleet is on:
+  a version never stamped, and an old one that every engine has moved past (exactly ``V`` for a
+  superseded ``V`` was held for the whole hold bound, outside every consumer's share, and could never
+  be served).
 * **straddlers**: a request dispatched on one version whose engine was stamped with another before the
   request ended (a keep-mode refit froze it and resumed it on new weights) is counted and listed by request
   id, per step, so a trainer can drop or reweight it. The router cannot see inside one answer; what it
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 VERSION_HEADER = "x-rl-weight-version"
@@ -37,10 +42,18 @@ ROUTER_REQUEST_ID_HEADER = "x-rl-request-id"
 """Response header: the id straddlers are listed by (the client's ``X-Request-Id``, else the router's)."""
 MAX_STRADDLERS_LISTED = 10_000
 """Straddlers listed per step at most (the count goes on): a step's metrics must stay a small answer."""
+MAX_STRADDLER_ID_BYTES = 1 << 20
+"""And their ids' characters together at most (the count goes on): the router's ids are at most 128
+(``router.http.forwarding``), so this binds first for long ones; without it 10,000 ids of 8 KB were ~80 MB
+kept in the router and sent with every ``GET /fleet/step``."""
 
 
 class UnknownVersion(ValueError):
-    """A gated request asked for a version the fleet has never stamped nor is refitting to."""
+    """A gated request asked for a version the fleet will not serve: never stamped nor being refitted
+    to, or superseded (no engine the fleet keeps has it, and it is neither the fleet's current version
+    nor the pending refit's target). Answered 400 at once: the fleet is healthy, the gate is what
+    cannot be met, so it is the client's to change (the no-healthy status would tell the operator that
+    the fleet is empty)."""
 
 
 class VersionRefused(Exception):
@@ -78,6 +91,9 @@ class WeightVersions:
         """The fleet's versions, oldest first, each once (a version stamped again keeps its place)."""
         self.pending: str | None = None
         """The version a refit in progress is moving to (a gated request for it is held, not refused)."""
+        self.current: str | None = None
+        """The fleet's version (the last fleet-wide move): engines that restart or join are brought back
+        to it, so a request gated on it is held while none serves it, not refused."""
         # asyncio.Event binds to a loop on first wait (3.10+), so one made before serving is fine.
         self._changed = asyncio.Event()
         self._rank: dict[str, int] = {}
@@ -104,6 +120,7 @@ class WeightVersions:
             self.order.append(version)
         if self.pending == version:
             self.pending = None
+        self.current = version
         self.changed()
 
     def announce(self, version: str | None) -> None:
@@ -135,15 +152,47 @@ class WeightVersions:
         out.extend(sorted({v for v in self.of.values() if v not in out}))
         return out
 
-    def check(self, want: VersionWant) -> None:
-        """Raise ``UnknownVersion`` (its message lists the known versions) for a version nobody knows."""
+    def check(self, want: VersionWant, kept: Iterable[str] | None = None) -> None:
+        """Raise ``UnknownVersion`` (its message lists the known versions) for a version nobody knows.
+        With ``kept`` (the engines serving now or coming back by themselves: ejected for a moment, not
+        held out as stale), also for a version the fleet will not serve any more: no engine of ``kept``,
+        nor the fleet's current version, nor the pending refit's target satisfies ``want`` (the message
+        names the fleet's version). The caller asks this only once no serving engine satisfies ``want``,
+        so the request path of a satisfiable gate pays nothing more."""
         v = want.version
-        if v in self._rank or v == self.pending or v in self.of.values():
+        if not (v in self._rank or v == self.pending or v in self.of.values()):
+            raise UnknownVersion(
+                f"weight version {want.version!r} is unknown to the fleet; it knows "
+                f"{self.known() or 'none yet (nothing stamped)'}"
+            )
+        if kept is None or self._may_come(want, kept):
             return
+        on = repr(self.current) if self.current is not None else "no fleet-wide version yet"
         raise UnknownVersion(
-            f"weight version {want.version!r} is unknown to the fleet; it knows "
-            f"{self.known() or 'none yet (nothing stamped)'}"
+            f"weight version {str(want)!r} is no longer served: no engine has it and no refit is moving to "
+            f"it; the fleet is on {on} (gate on the fleet's version, or on >=V, not on one it has moved "
+            "past)"
         )
+
+    def _may_come(self, want: VersionWant, kept: Iterable[str]) -> bool:
+        """Some engine of ``kept``, the fleet's current version or the pending refit's target satisfies
+        ``want``: a request held for it can be served once that engine, or the refit, is back."""
+        if any(self.satisfies(u, want) for u in kept):
+            return True
+        return any(
+            self._version_satisfies(c, want) for c in (self.current, self.pending) if c is not None
+        )
+
+    def _version_satisfies(self, have: str, want: VersionWant) -> bool:
+        """``satisfies`` for a version rather than an engine (a pending version not yet in the stamp
+        order ranks after every stamped one: it is appended when the fleet moves to it)."""
+        if have == want.version:
+            return True
+        if not want.at_least:
+            return False
+        wanted = self._rank.get(want.version)
+        mine = self._rank.get(have, len(self.order))
+        return wanted is not None and mine >= wanted
 
     def satisfies(self, url: str, want: VersionWant) -> bool:
         have = self.of.get(url)
