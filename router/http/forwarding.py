@@ -19,7 +19,10 @@ Rules, each preventing a failure seen with real clients and peers:
 * A backend that refuses, resets, times out or answers 5xx is a failed attempt, answered 500 (see
   ``router.http.status``) after at most one retry on a *different* backend while nothing has been sent.
   Generation requests are safe to repeat (no side effects beyond compute), so retry is on for every
-  route by default. A 4xx is the backend's answer to this request and passes through unchanged.
+  route by default. A 4xx is the backend's answer to this request and passes through unchanged. Which
+  failures count against an engine's health is ``router.http.attribution``'s rule: a failure that follows
+  the request (it fails on two engines, the engine blames the input, a malformed header) is the client's,
+  answered to the client and charged to no engine.
 * A client that disconnects cancels its handler (``handler_cancellation``): the upstream connection is
   aborted (the engine stops generating for nobody), the in-flight slot is released at once, and the
   request is never retried elsewhere.
@@ -34,7 +37,10 @@ Rules, each preventing a failure seen with real clients and peers:
   knew for the engine when the request was dispatched, absent when it knew none) and the id the request is
   known by (``ROUTER_REQUEST_ID_HEADER``: the client's ``X-Request-Id``, else one made here), by which a
   request that straddled a refit is listed (``router.state.versions``). Nothing is added upstream: the
-  id travels only back to the client and, with the release, to the routing state.
+  id travels only back to the client and, with the release, to the routing state. A client's id is
+  used only when it is one value of at most ``MAX_REQUEST_ID_CHARS`` printable ASCII characters; any
+  other (non-UTF-8 bytes an engine fails on, 8 KB that every straddler list and record line would keep)
+  is replaced by the router's own and not forwarded.
 * A generation request may be gated on a weight version (``WANT_HEADER``, forwarded unchanged): it goes
   only to an engine that satisfies it, its retry too, and is held by the routing state while none does;
   a malformed or unknown version is answered 400 at once, a hold past its bounds the no-healthy-backend
@@ -67,6 +73,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.consumers import OWNER_CONSUMER, Consumer
+from router.http.attribution import Blame, InputFailure, input_attributed, malformed_headers
 from router.http.auth import CONSUMER
 from router.http.bodies import read_body
 from router.http.consumer_limits import ConsumerLimits
@@ -134,6 +141,9 @@ USAGE_TAIL_CHUNKS = 4
 _USAGE_KEY = b'"completion_tokens"'
 # The record's prompt blocks when the policy computed none (cache_aware's own are reused): its default.
 RECORD_BLOCK_BYTES = 1024
+# A client's X-Request-Id longer than this (or not printable ASCII) is replaced by the router's own.
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = REQUEST_ID_HEADER.encode()
 # The answer's end the record keeps (its usage and finish reason are in the last few hundred bytes; a
 # small copy, as the record holds it until its sink has it).
 RECORD_TAIL_BYTES = 4096
@@ -214,6 +224,21 @@ def json_response(status: int, body: bytes) -> web.Response:
 def new_request_id() -> str:
     """16 hex digits of randomness (a short uuid4; ``uuid.uuid4().hex`` costs five times as much)."""
     return os.urandom(8).hex()
+
+
+def valid_request_id(value: str) -> bool:
+    """Whether a client's ``X-Request-Id`` (as aiohttp decoded it: UTF-8, undecodable bytes escaped) is
+    one the router keeps and forwards: 1 to ``MAX_REQUEST_ID_CHARS`` printable ASCII characters."""
+    return 0 < len(value) <= MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable()
+
+
+def request_id_of(headers: Any) -> str | None:
+    """The client's request id when it sent exactly one valid one, else None (none sent, or one to
+    replace: see ``valid_request_id``; two ids would let the engine and the router disagree)."""
+    given = headers.getall(REQUEST_ID_HEADER, ())
+    if len(given) == 1 and valid_request_id(given[0]):
+        return given[0]  # type: ignore[no-any-return]
+    return None
 
 
 def header_safe(value: str) -> str:
@@ -384,7 +409,11 @@ class Forwarder:
         elif self._drop_auth:
             headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
         path_qs = request.rel_url.raw_path_qs
-        request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+        request_id = request_id_of(request.headers)
+        if request_id is None:
+            request_id = new_request_id()
+            if REQUEST_ID_HEADER in request.headers:  # the client's, refused: not forwarded either
+                headers = [(n, v) for n, v in headers if n.lower() != _REQUEST_ID]
         if draft is not None:
             draft.id = request_id
 
@@ -406,6 +435,7 @@ class Forwarder:
         tried: set[str] = set()
         last: UpstreamError | None = None
         ticket: _Ticket | None = None
+        blame: Blame | None = None  # made at the first failure (router.http.attribution)
         try:
             for attempt in range(self.config.max_attempts):
                 try:
@@ -449,13 +479,26 @@ class Forwarder:
                     draft.begin(url)
                 try:
                     response = await self._attempt(
-                        request, route_request, chosen, path_qs, headers, body, request_id, ticket, draft
+                        request,
+                        route_request,
+                        chosen,
+                        path_qs,
+                        headers,
+                        body,
+                        request_id,
+                        ticket,
+                        draft,
+                        blame,
                     )
                 except UpstreamError as failure:
                     if draft is not None:
                         draft.end(failure.kind, chosen.version)
                     last = failure
-                    self._on_failure(route_request, url, failure.kind)
+                    if blame is None:
+                        blame = Blame()
+                    attributed = isinstance(failure, InputFailure) or malformed_headers(headers)
+                    charged = blame.failed(url, failure.kind, attributed)
+                    self._on_failure(route_request, url, failure.kind, charged)
                     if failure.kind == "timeout" and not self.config.retry_on_timeout:
                         break
                     continue
@@ -466,6 +509,9 @@ class Forwarder:
             if ticket is not None:
                 ticket.end()  # no answer in full (it failed, or the client left): no tokens counted
         assert last is not None
+        if blame is not None and blame.poisoned():
+            consumer_name = (request.get(CONSUMER) or OWNER_CONSUMER).name
+            self.metrics.poisoned.labels(consumer_name).inc()
         return json_response(
             BACKEND_FAILURE_STATUS,
             error_body(f"backend failed: {last}", f"backend_{last.kind}", BACKEND_FAILURE_STATUS),
@@ -505,9 +551,18 @@ class Forwarder:
         finally:
             draft.gated_s = time.perf_counter() - t0
 
-    def _on_failure(self, route_request: RouteRequest, url: str, kind: str) -> None:
+    def _on_failure(self, route_request: RouteRequest, url: str, kind: str, charged: bool = True) -> None:
+        """Count the failed attempt; the routing state forgets its affinity, and with ``charged`` counts
+        it against the engine (``router.http.attribution``; the empty kind says: affinity only)."""
         self.metrics.errors.labels(kind).inc()
-        self.routing.failed(route_request, url, kind)
+        self.routing.failed(route_request, url, kind if charged else "")
+
+    def _charge(self, path: str, held: list[tuple[str, str]]) -> None:
+        """Failures ``Blame`` held that another engine's answer put on their engines: counted now. Their
+        affinity was forgotten when they failed (no hashes: nothing more to forget)."""
+        bare = RouteRequest(path, features=[])
+        for url, kind in held:
+            self.routing.failed(bare, url, kind)
 
     async def _attempt(
         self,
@@ -520,8 +575,10 @@ class Forwarder:
         request_id: str,
         ticket: _Ticket | None = None,
         draft: RecordDraft | None = None,
+        blame: Blame | None = None,
     ) -> web.StreamResponse:
         """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client.
+        ``blame``: the request's failed attempts so far; an answer below 500 here settles them.
 
         A cancellation (the client went away) aborts the upstream connection through ``release`` and
         frees the slot in the ``finally`` blocks; it is not an ``UpstreamError``, so nothing retries it.
@@ -533,6 +590,8 @@ class Forwarder:
         slot = _Slot(self.routing, url, len(body), version, request_id)
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
+            if blame is not None and upstream.status < 500:
+                self._charge(route_request.path, blame.answered(upstream.status))
             try:
                 return await self._relay(
                     request, route_request, chosen, upstream, slot, request_id, ticket, draft
@@ -644,7 +703,8 @@ class Forwarder:
         the connection instead of reading the rest."""
         quoted = await upstream.read_at_most(self.limits.max_error_body_bytes)
         text = quoted.decode("utf-8", "replace")
-        return UpstreamError("status", f"backend {url} answered {upstream.status}: {text}", started=True)
+        failure = InputFailure if input_attributed(upstream.status, quoted) else UpstreamError
+        return failure("status", f"backend {url} answered {upstream.status}: {text}", started=True)
 
     async def _broken_stream(
         self,
@@ -656,7 +716,9 @@ class Forwarder:
         exc: UpstreamError,
     ) -> None:
         kind = "timeout" if exc.kind == "timeout" else "stream_broken"
-        self._on_failure(route_request, url, kind)
+        # A stream past the deadline was being answered: its length is the request's, not a failure of
+        # the engine (router.http.attribution). A cut stream is the engine's.
+        self._on_failure(route_request, url, kind, charged=kind != "timeout")
         if is_sse:
             await response.write(sse_error_event(f"backend {url} failed mid-stream: {exc}", kind))
             await response.write_eof()

@@ -354,6 +354,15 @@ class RouterMetrics:
         )
         self.errors = Counter("rl_router_errors", "Router-side errors, by kind", ["kind"], registry=r)
         self.retries = Counter("rl_router_retries", "Attempts retried on another backend", registry=r)
+        # Per consumer as rl_router_consumer_* are, but counted where the request ends (a worker process's
+        # counts are summed by the parent), with or without a consumers file ("owner" then).
+        self.poisoned = Counter(
+            "rl_router_consumer_poisoned",
+            "Generation requests answered 500 whose failure followed the request (it failed on two "
+            "engines, or the engine blamed the input): charged to no engine's health",
+            ["consumer"],
+            registry=r,
+        )
         self.latency = Histogram(
             "rl_router_request_duration_seconds",
             "Time from request received to response fully sent",

@@ -300,6 +300,8 @@ class LocalRouting:
 
     def failed(self, request: RouteRequest, url: str, kind: str) -> None:
         self.policy.retract(request, url)
+        if not kind:
+            return
         self.backends.record(url, ok=False)
         if self.health_managed and kind in TRANSPORT_FAILURES:
             # The controller owns re-admission; taking the backend out now stops the next requests from

@@ -76,6 +76,20 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type=_JSON)
 
 
+def _request_id(request: web.Request) -> str | None:
+    """The client's ``X-Request-Id``; ``ApiError`` 400 for one that is not UTF-8. Every answer echoes the id
+    in its JSON (``chatcmpl-<id>``), which such an id cannot be: checked before anything is scheduled, as a
+    careful engine does, so it is the client's error (this simulator used to fail in ``_json``: a 500 that
+    read as the engine's)."""
+    given = request.headers.get("X-Request-Id")
+    if given:
+        try:
+            given.encode()
+        except UnicodeEncodeError:
+            raise ApiError(400, "X-Request-Id is not valid UTF-8", param="X-Request-Id") from None
+    return given
+
+
 def _api_error(e: ApiError) -> web.Response:
     return web.Response(body=e.body(), status=e.status, content_type=_JSON)
 
@@ -365,6 +379,7 @@ class SimServer:
 
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         try:
+            given = _request_id(request)
             params = parse_generation(kind, await self._read_json(request), self.config)
             total = len(params.prompt) + params.max_tokens
             if not self.scheduler.fits_alone(total):
@@ -389,7 +404,6 @@ class SimServer:
         out = plan_output(params, self.config, self.worker.output_salt)
         # vLLM's external id: the prefix plus X-Request-Id when the client sent one (POST /abort_requests
         # names requests by it).
-        given = request.headers.get("X-Request-Id")
         rid = new_id(kind) if not given else ("chatcmpl-" if kind == "chat" else "cmpl-") + given
         req = SimRequest(
             rid,
