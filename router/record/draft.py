@@ -29,7 +29,13 @@ What else the record says, and how far to trust it:
   several choices, whichever finished last in the stream (or came last in the JSON).
 * ``text`` (``record_text``): the prompt is the request body as sent; the completion is the first
   choice's text when the answer was one JSON body read whole (a small answer), empty for a stream (its
-  text is spread over events that pass through unbuffered).
+  text is spread over events that pass through unbuffered). Both cut to the sink's text limit
+  (``format.TEXT_SHARE``), then marked ``truncated``.
+
+What a client sends never keeps its request out of the record (``record_line``): ``max_tokens`` past
+64 bits is ``null``, and a line orjson refuses (a string with lone surrogates: an id or header of bytes that
+are not UTF-8; an integer past 64 bits) is written again with those values replaced. A record that still
+cannot be built gets its minimal line (``minimal_line``).
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from router.record.holds import held_breakdown
 
 BODY_SCAN_BYTES = 2048
 _BLANKS = b" \t\r\n"
+_INT64_MAX = (1 << 63) - 1
+_INT64_MIN = -(1 << 63)
 
 
 def _value_at(data: bytes, i: int, key: bytes) -> int:
@@ -345,10 +353,53 @@ def _held(holds: dict[str, float] | None, gated_s: float | None) -> dict[str, fl
     return held_breakdown(holds or {}, gated_s or 0.0, gated_s is not None)
 
 
-def record_json(sent: dict[str, Any], clock_offset: float) -> dict[str, Any]:
+def int64(value: int | None) -> int | None:
+    """``value`` when it is a 64-bit integer (what JSON readers and orjson take), else None."""
+    return value if value is None or _INT64_MIN <= value <= _INT64_MAX else None
+
+
+def clean(value: Any) -> Any:
+    """``value`` with every string valid UTF-8 (what is not, replaced) and every integer a 64-bit one (else
+    None), in nested dicts and lists too: what orjson can write."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode()
+    if isinstance(value, bool) or not isinstance(value, int | dict | list | tuple):
+        return value
+    if isinstance(value, int):
+        return int64(value)
+    if isinstance(value, dict):
+        return {clean(k): clean(v) for k, v in value.items()}
+    return [clean(v) for v in value]
+
+
+def _cut(data: bytes, limit: int) -> tuple[str, bool]:
+    """At most ``limit`` bytes of ``data`` as text (a character cut in two is replaced), and whether it
+    was cut."""
+    if len(data) <= limit:
+        return data.decode("utf-8", "replace"), False
+    return data[:limit].decode("utf-8", "replace"), True
+
+
+def record_text(prompt: bytes, answer: bytes | None, limit: int | None) -> dict[str, Any]:
+    """The record's ``text``: the prompt, then the completion, together at most ``limit`` bytes (None: no
+    limit), with ``truncated`` when either was cut."""
+    completion = answer_text(answer) if answer else ""
+    if limit is None:
+        return {"prompt": prompt.decode("utf-8", "replace"), "completion": completion}
+    text, cut = _cut(prompt, limit)
+    rest = max(0, limit - min(len(prompt), limit))
+    said, cut_too = _cut(completion.encode("utf-8", "replace"), rest)
+    out: dict[str, Any] = {"prompt": text, "completion": said}
+    if cut or cut_too:
+        out["truncated"] = True
+    return out
+
+
+def record_json(sent: dict[str, Any], clock_offset: float, text_limit: int | None = None) -> dict[str, Any]:
     """A draft's record (``sent``: its ``__dict__``): the JSON object ``RequestRecord.to_json`` writes
     (same keys, same order; tests/test_router_record.py holds the two together). ``clock_offset``:
-    wall-clock time minus ``time.perf_counter()`` in the process that made the draft."""
+    wall-clock time minus ``time.perf_counter()`` in the process that made the draft. ``text_limit``: the
+    bytes of text a line may hold (``record_text``)."""
     d = {**_DEFAULTS, **sent}
     started = d["started"]
     tail = d["tail"]
@@ -403,19 +454,40 @@ def record_json(sent: dict[str, Any], clock_offset: float) -> dict[str, Any]:
         "finish_reason": finish_reason,
         "version": version,
         "prompt_bytes": d["prompt_bytes"],
-        "max_tokens": body_int(parts, b'"max_tokens"', b'"max_completion_tokens"'),
+        "max_tokens": int64(body_int(parts, b'"max_tokens"', b'"max_completion_tokens"')),
         "prefix": hex_hashes(hashes) if hashes else [],
     }
     prompt = d["prompt"]
     if prompt is not None:
-        answer = d["answer"]
-        out["text"] = {
-            "prompt": prompt.decode("utf-8", "replace"),
-            "completion": answer_text(answer) if answer else "",
-        }
+        out["text"] = record_text(prompt, d["answer"], text_limit)
     return out
 
 
-def record_line(sent: dict[str, Any], clock_offset: float) -> bytes:
-    """``record_json`` as a JSONL line (orjson: a third of ``json.dumps``'s cost)."""
-    return orjson.dumps(record_json(sent, clock_offset), option=orjson.OPT_APPEND_NEWLINE)
+def record_line(sent: dict[str, Any], clock_offset: float, text_limit: int | None = None) -> bytes:
+    """``record_json`` as a JSONL line (orjson: a third of ``json.dumps``'s cost). A value orjson refuses is
+    the client's doing (module doc): the line is written with it ``clean``ed, never dropped (that pass runs
+    only then, so a plain record pays nothing for it)."""
+    out = record_json(sent, clock_offset, text_limit)
+    try:
+        return orjson.dumps(out, option=orjson.OPT_APPEND_NEWLINE)
+    except orjson.JSONEncodeError:
+        return orjson.dumps(clean(out), option=orjson.OPT_APPEND_NEWLINE)
+
+
+def minimal_line(sent: dict[str, Any], clock_offset: float) -> bytes:
+    """The minimal line (``format.MINIMAL_FIELDS``) of a draft whose record could not be built: its id,
+    arrival, path, status and consumer, each ``clean``ed (and of the right type, or its default)."""
+    d = {**_DEFAULTS, **sent}
+
+    def text(value: object) -> str:
+        return value if isinstance(value, str) else repr(value)
+
+    started, status, consumer = d.get("started"), d["status"], d["consumer"]
+    record = RequestRecord(
+        id=text(d["id"]),
+        t=started + clock_offset if isinstance(started, float) else 0.0,
+        path=text(d.get("path", "")),
+        status=status if type(status) is int else 0,
+        consumer=text(consumer) if consumer is not None else None,
+    )
+    return orjson.dumps(clean(record.minimal_json()), option=orjson.OPT_APPEND_NEWLINE)

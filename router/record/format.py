@@ -32,8 +32,15 @@ Version 1, every line a JSON object with ``"v": 1`` and:
                     of the body, hex, at most ``MAX_PREFIX_BLOCKS``): what it shares with other requests,
                     with no text
 ``text``            only when the job asks for it (``router.record.text: true``): ``{"prompt": ...,
-                    "completion": ...}``
+                    "completion": ...}``, with ``"truncated": true`` when the two together were longer
+                    than ``1 / TEXT_SHARE`` of one record file (their starts are kept)
 ==================  =============================================================================
+
+Every value is what JSON can hold: a string with bytes that are not UTF-8 (a client's header) is written
+with them replaced, an integer past 64 bits (a client's ``max_tokens``) as ``null``. A request whose record
+could not be built at all still gets a *minimal* line: only ``MINIMAL_FIELDS`` (``v``, ``id``, ``t``,
+``path``, ``status``, ``consumer``), the rest read as their defaults; so no client can keep its requests out
+of the record by what it sends.
 
 Why no prompt or completion text by default: a record lives in a job directory that a team shares; the
 hashes keep what a replay needs (which requests share which prefixes, how long each is) and nothing a
@@ -53,6 +60,12 @@ RECORD_FILE = "requests.jsonl"
 """The current file in the record directory; rotated files are ``requests.<n>.jsonl`` (higher is older)
 and, per worker process, ``requests-w<k>.jsonl`` / ``requests-w<k>.<n>.jsonl``."""
 MAX_PREFIX_BLOCKS = 256
+TEXT_SHARE = 8
+"""With ``record.text``, a line's text takes at most this fraction of one record file's share of the cap
+(``max_bytes / keep_files``): even escaped (JSON's worst case is 6 bytes a byte) a line fits in a file, so
+``record.max_mb`` bounds the record whatever the prompts (a 64 MiB prompt would otherwise be one line)."""
+MINIMAL_FIELDS = ("id", "t", "path", "status", "consumer")
+"""The keys of a minimal line (a record that could not be built whole), besides ``v``."""
 
 
 @dataclass
@@ -85,7 +98,7 @@ class RequestRecord:
     prompt_bytes: int = 0
     max_tokens: int | None = None
     prefix: list[str] = field(default_factory=list)
-    text: dict[str, str] | None = None
+    text: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"v": RECORD_VERSION}
@@ -100,6 +113,10 @@ class RequestRecord:
 
     def line(self) -> bytes:
         return json.dumps(self.to_json(), separators=(",", ":")).encode() + b"\n"
+
+    def minimal_json(self) -> dict[str, Any]:
+        """The minimal line's object (``MINIMAL_FIELDS``): what is written when the whole one could not be."""
+        return {"v": RECORD_VERSION, **{name: getattr(self, name) for name in MINIMAL_FIELDS}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RequestRecord:

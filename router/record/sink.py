@@ -37,7 +37,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from router.record.draft import record_line
+from router.record.draft import minimal_line, record_line
+from router.record.format import TEXT_SHARE
 
 log = logging.getLogger("router.record")
 
@@ -199,8 +200,15 @@ class RecordFiles:
                     pass
 
 
-def build_lines(offset: float, items: list[Any]) -> tuple[list[bytes], int]:
-    """The lines of a frame's items, and how many could not be built (a bug: logged, not fatal)."""
+_LOGGED: set[str] = set()
+"""The kinds of build failure logged already: each once per process, not a traceback per request (a
+client that found one could otherwise fill the router's log, one request at a time)."""
+
+
+def build_lines(offset: float, items: list[Any], text_limit: int | None = None) -> tuple[list[bytes], int]:
+    """The lines of a frame's items, and how many could not be built at all (a bug: logged, not fatal).
+    A record that cannot be built whole is written as its minimal line (``draft.minimal_line``), so that
+    it is in the record still; ``text_limit``: the bytes of text a line may hold."""
     lines: list[bytes] = []
     failed = 0
     for item in items:
@@ -208,10 +216,26 @@ def build_lines(offset: float, items: list[Any]) -> tuple[list[bytes], int]:
             lines.append(item)
             continue
         try:
-            lines.append(record_line(item, offset))
+            lines.append(record_line(item, offset, text_limit))
+            continue
+        except Exception as exc:
+            error = exc
+        try:
+            lines.append(minimal_line(item, offset))
+            written = "its minimal line (id, status, consumer) written instead"
         except Exception:
             failed += 1
-            log.exception("request record: could not build a record; skipped")
+            written = "skipped"
+        kind = type(error).__name__
+        if kind not in _LOGGED:
+            _LOGGED.add(kind)
+            log.warning(
+                "request record: could not build a record (%s: %.200s); %s. Logged once: another %s is not",
+                kind,
+                error,
+                written,
+                kind,
+            )
     return lines, failed
 
 
@@ -237,7 +261,7 @@ def serve(files: RecordFiles, stdin: int = 0, stdout: int = 1) -> None:
         if payload is None:
             break
         offset, items = marshal.loads(payload)
-        lines, failed = build_lines(offset, items)
+        lines, failed = build_lines(offset, items, files.file_bytes // TEXT_SHARE)
         lost += failed
         files.write(lines)
         status = STATUS.pack(files.written, files.lost + lost, files.write_errors, files.bytes_on_disk())
