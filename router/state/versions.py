@@ -104,7 +104,8 @@ class WeightVersions:
         """Gated requests refused past the hold's bounds."""
         self.straddled_total = 0
         self._step_straddled = 0
-        self._step_ids: deque[str] = deque(maxlen=MAX_STRADDLERS_LISTED)
+        self._step_ids: deque[str] = deque()
+        self._step_id_bytes = 0
 
     # -- what the fleet API tells it -----------------------------------------------------------------
     def stamped(self, url: str, version: str) -> None:
@@ -234,13 +235,20 @@ class WeightVersions:
         self.straddled_total += 1
         self._step_straddled += 1
         if request_id:
-            self._step_ids.append(request_id)
+            # The latest are listed: the oldest leave once the count or the bytes are past their bound.
+            ids = self._step_ids
+            ids.append(request_id)
+            self._step_id_bytes += len(request_id)
+            while len(ids) > MAX_STRADDLERS_LISTED or self._step_id_bytes > MAX_STRADDLER_ID_BYTES:
+                self._step_id_bytes -= len(ids.popleft())
         return True
 
     def begin_step(self) -> None:
         self._step_straddled = 0
         self._step_ids.clear()
+        self._step_id_bytes = 0
 
     def step_straddlers(self) -> dict[str, object]:
-        """``{"count", "request_ids"}`` since ``begin_step`` (ids listed up to ``MAX_STRADDLERS_LISTED``)."""
+        """``{"count", "request_ids"}`` since ``begin_step`` (``count`` all of them; the latest ids listed,
+        up to ``MAX_STRADDLERS_LISTED`` and ``MAX_STRADDLER_ID_BYTES``)."""
         return {"count": self._step_straddled, "request_ids": list(self._step_ids)}
