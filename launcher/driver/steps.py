@@ -7,6 +7,9 @@ Stopping: SIGTERM first (``srun`` forwards it to the step's tasks; the engine ho
 --block`` clean up on it), then SIGKILL to the whole process group after a grace period, and on Slurm a
 final ``scancel`` of the step so nothing of it survives even where ``proctrack/linuxproc`` would leave
 background processes behind.
+
+A driver that dies without its teardown (SIGKILL, the OOM killer) stops nothing: on Slurm the job's end
+takes its steps with it; in local mode each step's reaper (``launcher.reaper``) ends the step's session.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.reaper import guard
 from launcher.slurm.srun import step_command
 
 
@@ -32,6 +36,8 @@ class Step:
     proc: subprocess.Popen[bytes]
     log: Path
     step_name: str = ""
+    reaper: subprocess.Popen[bytes] | None = None
+    """Local mode: the process that ends this step's session if the driver dies (``launcher.reaper``)."""
     _stopped: bool = field(default=False, repr=False)
 
     def alive(self) -> bool:
@@ -58,6 +64,12 @@ class Step:
             except subprocess.TimeoutExpired:
                 _signal_group(self.proc, signal.SIGKILL)
                 self.proc.wait(10)
+        if self.reaper is not None:
+            # It sees the session end within its poll and exits: wait for it, so no zombie is left.
+            try:
+                self.reaper.wait(1)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -68,7 +80,9 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 class LocalSteps:
-    """Local mode: every "node" is this machine."""
+    """Local mode: every "node" is this machine. Each step's session is guarded by a reaper
+    (``launcher.reaper``): nothing else would end it if the driver died without its teardown (on Slurm,
+    the job's end does)."""
 
     def start(
         self,
@@ -85,7 +99,7 @@ class LocalSteps:
             proc = subprocess.Popen(
                 list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        return Step(node=node, role=role, proc=proc, log=log)
+        return Step(node=node, role=role, proc=proc, log=log, reaper=guard(proc, log))
 
 
 class SrunSteps:

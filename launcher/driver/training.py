@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from launcher.reaper import guard
+
 
 class TrainingCommand:
     """The training command of one job: run once, stopped by the teardown."""
@@ -20,6 +22,7 @@ class TrainingCommand:
         self.command = command
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.reaper: subprocess.Popen[bytes] | None = None
 
     def run(self, env: dict[str, str], check: Callable[[], None]) -> int:
         """Run the command to its end; its exit code. ``check`` is called every second while it runs and
@@ -33,6 +36,8 @@ class TrainingCommand:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        # Its session ends with the driver, even one SIGKILLed: nothing else would stop it in local mode.
+        self.reaper = guard(self.proc)
         tee = threading.Thread(target=_tee, args=(self.proc, self.log_path), daemon=True)
         tee.start()
         while True:
@@ -48,6 +53,7 @@ class TrainingCommand:
         """SIGTERM to the command's process group, SIGKILL after 10 s; nothing if it never ran or has
         ended."""
         if self.proc is None or self.proc.poll() is not None:
+            self._wait_reaper()
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -56,6 +62,15 @@ class TrainingCommand:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
+                pass
+        self._wait_reaper()
+
+    def _wait_reaper(self) -> None:
+        """The reaper exits once the command's session is empty: wait for it (no zombie left)."""
+        if self.reaper is not None:
+            try:
+                self.reaper.wait(1)
+            except subprocess.TimeoutExpired:
                 pass
 
 
