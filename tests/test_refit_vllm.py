@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -436,7 +437,11 @@ def test_a_broken_directory_quarantines_its_engine_and_no_request_fails(
     e0, e1 = fleet["engines"]
     bad = fleet["logdir"] / "tiny-broken"
     shutil.copytree(tiny_model_dir, bad)
-    next(bad.glob("*.safetensors")).write_bytes(b"garbage" * 100)
+    # What the router's check passes (a garbage model.safetensors is now refused before the pause): a
+    # torch zip whose directory is whole and whose pickle is not; vLLM falls back to it and fails to load.
+    next(bad.glob("*.safetensors")).unlink()
+    with zipfile.ZipFile(bad / "pytorch_model.bin", "w") as archive:
+        archive.writestr("archive/data.pkl", b"not a pickle")
     url = router.base_url()
     results: dict[int, Any] = {}
     threads = [_in_thread(results, i, url, 64, f"rollout during the refit {i}") for i in range(6)]
