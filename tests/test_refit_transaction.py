@@ -53,6 +53,7 @@ async def test_one_call_loads_a_directory_into_every_engine(sims, router_over, t
     assert txn["ok"] and txn["phase"] == "done" and sorted(txn["verified"]) == sorted(e.url for e in engines)
     assert [s["phase"] for s in txn["steps"]] == [
         "pausing",
+        "canary",  # one engine loads and is verified first, then the rest
         "loading",
         "verifying",
         "resetting",

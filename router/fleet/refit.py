@@ -5,14 +5,31 @@ with some engines updated and some not; an engine serving new weights under the 
 reverse, the stamp racing the load); a trainer that dies mid-refit and leaves every rollout hanging; an
 engine that missed the update serving again after resume. So one transaction runs, under one deadline:
 
-    pause (keep) -> load (from a directory) or receive (streamed by the trainer) -> verify (every engine's
-    checksum equal, and equal to the trainer's expected one when given) -> reset prefix caches -> stamp
-    the version -> resume
+    pause (keep) -> load (from a directory: one canary engine first, then the rest) or receive (streamed
+    by the trainer) -> verify (every engine's checksum equal, and equal to the trainer's expected one when
+    given) -> reset prefix caches -> stamp the version -> resume
 
 * An engine that fails any step, or misses the deadline, is **quarantined**: held out of routing as
   STALE with the reason (the same hold-out ``router.fleet.api`` keeps for restarted engines, so every
   front that reads the stale list drops it), its in-flight requests aborted (they would finish on weights
   nobody verified), and named in the report. The others resume on the new version.
+* **A directory is tried on one engine first** (the *canary*: a serving engine reading the shared
+  ``from`` directory, the one with the fewest requests in flight). A checkpoint that passed the check
+  before the pause can still fail in the engine's loader, and on vLLM 0.32 a failed ``reload_weights``
+  leaves the engine without weights: loaded into every engine at once, one such checkpoint empties the
+  fleet. The canary must answer its reload, then show a readable checksum (vLLM's read fails while the
+  weights are detached: "Cannot copy out of meta tensor"), equal to ``expected_checksum`` when the
+  trainer gave it, and answer ``/health``. No generation is sent: the engine is paused for the window,
+  and on detached weights a generation step kills vLLM's engine core. A canary that fails is
+  quarantined and the transaction ends there (``failed``): no other engine was touched, and they resume
+  on the fleet's current version. Streamed (``stream``) and ``external`` weights have no canary: a
+  stream is one collective every engine of the group joins at once, and external weights are sent by
+  the trainer, not the router.
+* **The fleet remembers where its current weights are on disk** (``WeightSource``: after a directory
+  refit that moved it, that version, directory and checksum; a streamed or external refit clears it,
+  since those weights are on no disk the router knows). ``router.fleet.restore`` reloads from it every
+  engine held out without the current weights (``on_held_out``, and the fleet API on a joining engine),
+  between transactions (``between_refits``).
 * **The pause is a lease** the router holds. A trainer-driven transaction (``begin`` ... ``commit``)
   renews it; if the trainer dies or stops renewing, the router ends the transaction itself when the lease
   runs out: the engines the transaction touched (sent weights to) and did not verify stay out, the
@@ -36,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.fleet.engine import EngineAnswer, EngineClient
-from router.fleet.ops import FleetOpReport, compare_checksums
+from router.fleet.ops import FleetOpReport, checksum_digest, compare_checksums
 from router.state.backends import BackendSet
 from router.state.pause_gate import PauseGate
 
@@ -72,6 +89,21 @@ class RefitRefused(ValueError):
         self.status = status
 
 
+@dataclass(frozen=True)
+class WeightSource:
+    """Where the fleet's current weights are on disk, as verified: the directory a refit loaded into
+    engines whose checksums then agreed (``checksum``), under the version it stamped (``version``;
+    ``None`` for the directory the engines were started from, before any stamp). What
+    ``router.fleet.restore`` reloads an engine from."""
+
+    version: str | None
+    path: str
+    checksum: str | None
+    """``None`` only for the start directory when no serving engine could be read."""
+    started_from: bool = False
+    """The directory the engines were started from (the job's own choice), not a refit's."""
+
+
 @dataclass
 class EngineRefit:
     """One engine's part: ``state`` moves pending -> loaded -> verified, or to quarantined (``reason``)."""
@@ -98,6 +130,8 @@ class RefitTxn:
     ended_at: float | None = None
     steps: list[dict[str, Any]] = field(default_factory=list)
     engines: dict[str, EngineRefit] = field(default_factory=dict)
+    canary: str | None = None
+    """The engine a directory was loaded into first (``None``: no directory load, or not yet)."""
     previous_version: str | None = None
     previous_checksum: str | None = None
     checksum: str | None = None
@@ -151,6 +185,7 @@ class RefitTxn:
             "lease_s": self.lease_s,
             "lease_left_s": round(max(0.0, self._lease_until - time.monotonic()), 3) if not self.ended else 0,
             "steps": list(self.steps),
+            "canary": self.canary,
             "engines": {
                 u: {"state": e.state, "reason": e.reason, "checksum": e.checksum}
                 for u, e in self.engines.items()
@@ -193,7 +228,16 @@ class RefitCoordinator:
         self.holds_requests = holds_requests
         self.active: RefitTxn | None = None
         self.last: RefitTxn | None = None
+        self.source: WeightSource | None = None
+        """The last verified directory of the fleet's current weights (``None``: none known)."""
+        self.source_set = False
+        """True once a refit moved the fleet: ``source`` is then the whole truth (a ``None`` there means
+        the weights came by stream or by the trainer's means), and the start directory no longer is."""
+        self.on_held_out: Callable[[list[str]], None] | None = None
+        """Called with the engines a transaction held out, once it ended (``router.fleet.restore``)."""
         self._lock = asyncio.Lock()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._watchdog: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[Any]] = set()
 
@@ -204,6 +248,12 @@ class RefitCoordinator:
         self._running.add(task)
         task.add_done_callback(self._running.discard)
         return await asyncio.shield(task)
+
+    def between_refits(self) -> _BetweenRefits:
+        """``async with``: hold the coordinator's lock at a moment no transaction is active. A restore of
+        one engine must not reload it while a transaction pauses, loads or stamps it; a transaction that
+        begins meanwhile waits for the lock (a restore is bounded by its own timeouts)."""
+        return _BetweenRefits(self)
 
     def find(self, txn_id: str | None) -> RefitTxn:
         txn = self.active
@@ -261,6 +311,7 @@ class RefitCoordinator:
             txn.engines = {u: EngineRefit(u, touched=source == "external") for u in targets}
             txn._lease_until = time.monotonic() + txn.lease_s
             self.active = txn
+            self._idle.clear()
             self.backends.versions.announce(version)
             self.gate.close(mode)
             report = await self._step(txn, "pausing", "pause", txn.live(), lambda e, u: e.pause(u, mode))
@@ -277,33 +328,102 @@ class RefitCoordinator:
         self._renew_after(txn)
         return txn
 
-    async def load(self, txn_id: str, path: str, per_engine: dict[str, str] | None = None) -> RefitTxn:
+    async def load(
+        self,
+        txn_id: str,
+        path: str,
+        per_engine: dict[str, str] | None = None,
+        expected_checksum: str | None = None,
+    ) -> RefitTxn:
         """Every engine still in the transaction reloads its weights from ``path`` (checked by the caller
         before the pause), or from its own entry of ``per_engine`` (a node-local copy), each bounded by
-        what is left of the deadline."""
+        what is left of the deadline. For a ``directory`` transaction one canary engine loads first and
+        is verified (``expected_checksum`` too, when given); if it fails, it is quarantined and the
+        transaction ends here, the others untouched (``txn.ended``: there is nothing to commit)."""
         paths = per_engine or {}
         async with self._lock:
             txn = self.find(txn_id)
             txn.path = path
+            if expected_checksum is not None:
+                txn.expected_checksum = expected_checksum
             self._hold_lease(txn)
             urls = txn.live()
+            if txn.source == "directory" and urls:
+                canary = self._pick_canary(urls, path, paths)
+                txn.canary = canary
+                why = await self._try_canary(txn, canary, paths.get(canary, path))
+                if why is not None:
+                    txn.quarantine(canary, why)
+                    txn.error = (
+                        f"the canary {canary} failed, so no other engine was touched and the fleet stays on "
+                        f"{txn.previous_version!r}: {why}"
+                    )
+                    await self._end(txn, "failed")
+                    return txn
+                txn.engines[canary].state = "loaded"
+                urls = [u for u in urls if u != canary]
             for u in urls:
                 txn.engines[u].touched = True
-            report = await self._step(
-                txn,
-                "loading",
-                "reload_weights",
-                urls,
-                lambda e, u: e.reload_weights(u, paths.get(u, path)),
-                bound="load",
-            )
-            for a in report.engines:
-                if a.ok:
-                    txn.engines[a.url].state = "loaded"
-                else:
-                    txn.quarantine(a.url, f"reload from {paths.get(a.url, path)} failed: {a.detail}")
+            if urls:
+                report = await self._step(
+                    txn,
+                    "loading",
+                    "reload_weights",
+                    urls,
+                    lambda e, u: e.reload_weights(u, paths.get(u, path)),
+                    bound="load",
+                )
+                for a in report.engines:
+                    if a.ok:
+                        txn.engines[a.url].state = "loaded"
+                    else:
+                        txn.quarantine(a.url, f"reload from {paths.get(a.url, path)} failed: {a.detail}")
             self._renew_after(txn)
             return txn
+
+    def _pick_canary(self, urls: list[str], path: str, paths: dict[str, str]) -> str:
+        """A serving engine that reads the shared ``path`` (the directory the router checked), the one
+        with the fewest requests in flight (in keep mode they are frozen on it, and a failed canary's are
+        aborted); else a stale one reading ``path``; else any. A stale engine may be broken for reasons
+        of its own, and a node-local copy is not the checkpoint the others read."""
+        serving = set(self.backends.serving)
+        in_flight = self.backends.load.in_flight
+
+        def rank(u: str) -> tuple[int, int, int]:
+            return (u in paths and paths[u] != path, u not in serving, in_flight(u) if u in serving else 0)
+
+        return min(urls, key=rank)
+
+    async def _try_canary(self, txn: RefitTxn, url: str, path: str) -> str | None:
+        """Load ``path`` into the canary and verify it; ``None`` when it passed, else why not."""
+        txn.engines[url].touched = True
+        expected = txn.expected_checksum
+
+        async def one(e: EngineClient, u: str) -> EngineAnswer:
+            loaded = await e.reload_weights(u, path)
+            if not loaded.ok:
+                return EngineAnswer(u, False, loaded.status, f"reload from {path} failed: {loaded.detail}")
+            read = await e.checksum(u)
+            if not read.ok:
+                return EngineAnswer(
+                    u, False, read.status, f"checksum unreadable after the load: {read.detail}"
+                )
+            digest = checksum_digest(read.body.get("checksums") or {})
+            txn.engines[u].checksum = digest
+            if expected is not None and digest != expected:
+                return EngineAnswer(
+                    u, False, read.status, f"checksum {digest} differs from the expected {expected}"
+                )
+            health = await e.health(u)
+            if not health.ok:
+                return EngineAnswer(u, False, None, f"/health failed after the load: {health.detail}")
+            return EngineAnswer(u, True, read.status, "", {"checksum": digest})
+
+        report = await self._step(txn, "canary", "canary", [url], one, bound="load")
+        answer = report.engines[0] if report.engines else None
+        if answer is None:
+            return report.error or "the canary got no answer"
+        return None if answer.ok else f"canary: {answer.detail}"
 
     async def receive(self, txn_id: str, update_info: dict[str, Any], group: set[str]) -> RefitTxn:
         """One streamed round (vLLM's weight transfer): each engine of the trainer's ``group`` starts an
@@ -464,6 +584,11 @@ class RefitCoordinator:
             txn.moved = True
             self._moved(v)
             versions.fleet_moved_to(v)
+            self.source_set = True
+            if txn.source == "directory" and txn.path is not None and txn.checksum is not None:
+                self.source = WeightSource(v, txn.path, txn.checksum)
+            else:  # streamed or external: these weights are in no directory the router verified
+                self.source = None
         elif not txn.error:
             txn.error = "no engine took the new version"
 
@@ -495,9 +620,12 @@ class RefitCoordinator:
         if self.backends.versions.pending == txn.version:
             self.backends.versions.announce(None)
         self.last, self.active = txn, None
+        self._idle.set()
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
             self._watchdog.cancel()
         self._watchdog = None
+        if out and self.on_held_out is not None:
+            self.on_held_out(list(out))  # restores wait for the lock this transaction still holds
         log.info(
             "refit %s to %r %s in %.3f s: %d verified, %d quarantined %s",
             txn.id,
@@ -534,3 +662,23 @@ class RefitCoordinator:
             )
             log.warning("refit %s: %s; resuming the fleet", txn.id, txn.error)
             await self._end(txn, "expired")
+
+
+class _BetweenRefits:
+    """``RefitCoordinator.between_refits``' context (a class, so a task cancelled or destroyed at the
+    router's shutdown releases the lock plainly)."""
+
+    def __init__(self, coordinator: RefitCoordinator) -> None:
+        self._c = coordinator
+
+    async def __aenter__(self) -> None:
+        c = self._c
+        while True:
+            await c._idle.wait()
+            await c._lock.acquire()
+            if c.active is None or c.active.ended:
+                return
+            c._lock.release()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._c._lock.release()

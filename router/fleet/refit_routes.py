@@ -197,8 +197,9 @@ class RefitRoutes:
                 path=path,
                 held_by_router=True,
             )
-            await self.refit.load(txn.id, path, per_engine)
-            await self.refit.commit(txn.id, expected, reset_cache)
+            await self.refit.load(txn.id, path, per_engine, expected)
+            if not txn.ended:  # a canary that failed ended it: the fleet stays on its version
+                await self.refit.commit(txn.id, expected, reset_cache)
             return {**txn.to_json(), "checkpoint_check": checked.summary()}
 
         try:
@@ -278,7 +279,8 @@ class RefitRoutes:
             txn = await self.refit.run(self.refit.load(txn_id, path, per_engine))
         except (ValueError, RefitRefused, CheckpointRefused) as exc:
             return _refused(exc)
-        return _json(200 if txn.live() else 500, {**txn.to_json(), "checkpoint_check": checked.summary()})
+        ok = bool(txn.live()) and not txn.ended  # ended: its canary failed
+        return _json(200 if ok else 500, {**txn.to_json(), "checkpoint_check": checked.summary()})
 
     async def update(self, request: web.Request) -> web.Response:
         """``{"id", "update_info": {...}}``: one streamed round; the trainer broadcasts meanwhile."""
