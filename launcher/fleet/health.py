@@ -74,7 +74,9 @@ RECOVERING                  HEALTHY      ``recovered_after`` [2] consecutive pas
                                          (pushed to the front, which checks its weight version on admission)
 HEALTHY/SUSPECT             STALE        the front holds it out as stale (``TickInput.stale`` names it)
 STALE                       HEALTHY      the front answered and no longer holds it out (refit and stamped)
-STALE                       DEAD         ``dead_after`` [3] failing probes, or ``mark_dead``
+STALE                       DEAD         ``dead_after`` [3] failing probes, or ``mark_dead``, or the front
+                                         says a reload cannot bring its weights back
+                                         (``router.fleet.restore.needs_restart``); never for STALE alone
 RECOVERING                  DEAD         ``dead_after`` [3] failing probes since the restart, or
                                          ``recovery_timeout_s`` [300] without readmission
 any but RETIRED             DRAINING     ``drain(id, reason)``: the fleet is shrinking
@@ -115,6 +117,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, TypedDict
 
+from router.fleet.restore import needs_restart
 from router.state.backends import canonical_backend_url
 
 
@@ -657,6 +660,8 @@ class FleetHealth:
         self._count(rec, evidence)
         if evidence.verdict is Verdict.FAIL and rec.strikes >= self.policy.dead_after:
             self._move(rec, EngineState.DEAD, f"stale engine failed {rec.strikes} health checks", now)
+        elif held_out is not None and needs_restart(held_out):
+            self._move(rec, EngineState.DEAD, f"held out by the front: {held_out}", now)
         elif readmitted:
             self._reset_counters(rec)
             self._move(rec, EngineState.HEALTHY, "readmitted by the front: refit to the fleet's version", now)

@@ -15,7 +15,8 @@ The router's own part:
   weights and version) is held out as *stale* until its ``/weight_info`` shows the current version;
   ``GET /fleet/stale`` tells the trainer which engines need a refit, and stamping them
   (``POST /fleet/weight_version`` with ``engines``) readmits them. Before the first stamp nothing is held
-  out (every engine serves the checkpoint).
+  out (every engine serves the checkpoint). When the fleet's weights are in a directory it verified, it
+  restores such an engine itself (``router.fleet.restore``), as it does the engines a refit quarantined.
 * **Step metrics**: ``POST /fleet/step/begin`` snapshots the engines' counters, ``GET /fleet/step``
   answers the delta since then (``router.fleet.engine_counters``).
 
@@ -43,6 +44,7 @@ from router.fleet.engine_counters import Snapshot, delta, step_dict
 from router.fleet.ops import FleetOpReport, compare_checksums, fan_out
 from router.fleet.refit import RefitCoordinator
 from router.fleet.refit_routes import RefitRoutes
+from router.fleet.restore import Restorer
 from router.http.auth import Access, RouteTable
 from router.state.backends import BackendSet, canonical_backend_url
 from router.state.pause_gate import PauseGate
@@ -100,6 +102,15 @@ class FleetApi:
             holds_requests=holds_requests,
         )
         self.refit_routes = RefitRoutes(self, self.refit)
+        self.restorer = Restorer(
+            backends,
+            self.refit,
+            backend_api_key,
+            current=lambda: self.current_version,
+            served_root=self.refit_routes._served_root,
+            guard=self.refit_routes.checks,
+        )
+        self.refit.on_held_out = self.restorer.request_all
 
     def _moved_to(self, version: str) -> None:
         self.current_version = version
@@ -123,6 +134,12 @@ class FleetApi:
         ):
             table.add(method, path, handler, Access.ADMIN)
         self.refit_routes.add_routes(table)
+        table.app.on_cleanup.append(self._close)
+
+    async def _close(self, app: web.Application) -> None:
+        """At the application's cleanup (the router's shutdown): end the restores still running, which
+        would otherwise be destroyed half-way when the loop closes."""
+        await self.restorer.close()
 
     # -- helpers ----------------------------------------------------------------------------------
     async def _fan(
@@ -323,7 +340,8 @@ class FleetApi:
         else:
             got = a.body.get("weight_version") if a.ok else a.detail
             self.backends.hold_out_stale(url, f"serves version {got!r}, the fleet is on {wanted!r}")
-            log.warning("engine %s is stale (%r, fleet on %r): held out until refit", url, got, wanted)
+            log.warning("engine %s is stale (%r, fleet on %r): held out, to be restored", url, got, wanted)
+            self.restorer.request(url)
 
     # -- checksums -----------------------------------------------------------------------------------
     async def checksum(self, request: web.Request) -> web.Response:
