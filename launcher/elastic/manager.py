@@ -60,6 +60,10 @@ QUIET_S = 0.5
 """A drain ends once in-flight reads zero this many reads in a row, spanning at least this long, after the
 push that left the node out: one read may fall between a request the router sent just before that push
 and the engine's counting it."""
+MAX_LOCAL_NODES = 8
+"""A local job's generation nodes in all, grown ones included: each is one more engine host with its
+engines on this one machine, so an unbounded ``--nodes`` (``["localhost"] * nodes``) was as many hosts as
+asked, until the machine ran out of memory or processes."""
 DRAIN_POLL_S = 0.25
 """While a node drains, its engines are read this often (every tick would add up to a second to each
 drain, a second of a node held for nothing)."""
@@ -214,7 +218,10 @@ class ElasticFleet:
     def tick(self) -> None:
         for request in shapes.take_requests(self.job.path):
             if isinstance(request, tuple):
-                shapes.answer(self.job.path, ElasticAnswer(request[0], False, request[1]))
+                if request[0]:
+                    shapes.answer(self.job.path, ElasticAnswer(request[0], False, request[1]))
+                else:  # no answer can be named for it: said in the driver's log instead
+                    self.say(f"elastic: ignored {request[1]}")
                 continue
             reply = self.handle(request)
             shapes.answer(self.job.path, reply)
@@ -258,6 +265,13 @@ class ElasticFleet:
         gid = f"g{len(self.grows) + 1}"
         g = Grow(gid, nodes, by, time.time())
         if self.local:
+            held = sum(1 for r in self.nodes.values() if r.released_at is None)
+            if held + nodes > MAX_LOCAL_NODES:
+                raise ValueError(
+                    f"--nodes {nodes}: a local job runs every node's engines on this machine, at most "
+                    f"{MAX_LOCAL_NODES} generation node(s) in all, and it holds {held}; ask for at most "
+                    f"{max(MAX_LOCAL_NODES - held, 0)}"
+                )
             self.grows[gid] = g
             self._event("grow", f"grow {gid}: {nodes} local node(s) ({by})", grow_id=gid, nodes=nodes)
             self._start_hosts(g, ["localhost"] * nodes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,21 @@ from typing import Any, Literal
 from launcher.jobdir.atomic import write_json_atomic
 
 Op = Literal["grow", "shrink", "cancel"]
+
+REQUEST_ID = re.compile(r"[0-9a-z-]{1,64}")
+"""What a request id may be: it names the request's and the answer's files, so nothing that reaches out
+of their directory (``../x`` had the answer written to ``elastic/x.json``). The CLI's ids are
+``<ms>-<hex>``."""
+
+
+def check_id(request_id: object) -> str:
+    """``request_id`` if it is a request id, else ``ValueError`` saying what one is."""
+    if not isinstance(request_id, str) or not REQUEST_ID.fullmatch(request_id):
+        raise ValueError(
+            f"request id {str(request_id)[:80]!r} is not one: 1-64 of [0-9a-z-] (the CLI makes them)"
+        )
+    return request_id
+
 
 ELASTIC_DIR = "elastic"
 
@@ -62,6 +78,7 @@ class ElasticRequest:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ElasticRequest:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        check_id(known.get("id"))
         return cls(**known)
 
 
@@ -96,14 +113,14 @@ def make_dirs(job_dir: str | Path) -> None:
 def send(job_dir: str | Path, request: ElasticRequest) -> None:
     """Leave ``request`` for the job's driver (atomically: it never reads half a request)."""
     make_dirs(job_dir)
-    write_json_atomic(requests_dir(job_dir) / f"{request.id}.json", asdict(request))
+    write_json_atomic(requests_dir(job_dir) / f"{check_id(request.id)}.json", asdict(request))
 
 
 def wait_answer(
     job_dir: str | Path, request_id: str, timeout_s: float, poll_s: float = 0.2
 ) -> ElasticAnswer | None:
     """The driver's answer to ``request_id``, or None if none came within ``timeout_s``."""
-    path = answers_dir(job_dir) / f"{request_id}.json"
+    path = answers_dir(job_dir) / f"{check_id(request_id)}.json"
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -118,7 +135,9 @@ def wait_answer(
 
 def take_requests(job_dir: str | Path) -> list[ElasticRequest | tuple[str, str]]:
     """The requests waiting, oldest first, each removed as it is taken. A file that is not a request comes
-    back as ``(id, why)`` so the driver can answer it instead of ignoring it."""
+    back as ``(id, why)`` so the driver can answer it instead of ignoring it; ``id`` is the file's name,
+    ``''`` when that is not a request id (no answer can be named for it). A request whose id is not its
+    file's name is refused: the answer goes where the asker waits, under that name."""
     d = requests_dir(job_dir)
     try:
         names = sorted(n for n in os.listdir(d) if n.endswith(".json"))
@@ -127,11 +146,17 @@ def take_requests(job_dir: str | Path) -> list[ElasticRequest | tuple[str, str]]
     out: list[ElasticRequest | tuple[str, str]] = []
     for name in names:
         path = d / name
+        stem = name[: -len(".json")]
         try:
-            data = json.loads(path.read_text())
-            out.append(ElasticRequest.from_json(data))
+            check_id(stem)
+            request = ElasticRequest.from_json(json.loads(path.read_text()))
+            if request.id != stem:
+                raise ValueError(f"its id {request.id!r} is not its file's name")
+            out.append(request)
         except (OSError, ValueError, TypeError) as exc:
-            out.append((name[: -len(".json")], f"unreadable request {name}: {exc}"))
+            named = stem if REQUEST_ID.fullmatch(stem) else ""
+            shown = name if named else repr(name[:100])  # a stranger name is quoted, cut, on one line
+            out.append((named, f"unreadable request {shown}: {exc}"))
         try:
             path.unlink()
         except OSError:
@@ -141,7 +166,7 @@ def take_requests(job_dir: str | Path) -> list[ElasticRequest | tuple[str, str]]
 
 def answer(job_dir: str | Path, reply: ElasticAnswer) -> None:
     make_dirs(job_dir)
-    write_json_atomic(answers_dir(job_dir) / f"{reply.id}.json", asdict(reply))
+    write_json_atomic(answers_dir(job_dir) / f"{check_id(reply.id)}.json", asdict(reply))
 
 
 def node_seconds(nodes: list[dict[str, Any]], now: float) -> tuple[float, float]:

@@ -101,8 +101,15 @@ def check_grow_fits(spec: ResolvedSpec, nodes: int, held_in_partition: int) -> N
 
 def grow_time_limit_s(fleet_job_id: str | None, wanted_s: float | None, now: float) -> int:
     """The grow job's time limit: what was asked, never past the fleet job's own end (Slurm's EndTime),
-    in whole minutes, rounded down."""
+    in whole minutes, rounded down. A fleet job whose end Slurm does not give (squeue does not list it,
+    or did not answer) is refused a grow: its limit would fall back to what was asked, and the grow could
+    outlive the job by that much."""
     end = job_end_time(fleet_job_id) if fleet_job_id else None
+    if fleet_job_id and end is None:
+        raise SlurmRefused(
+            f"Slurm gives no end time for the job ({fleet_job_id}: squeue does not list it or did not "
+            "answer), and a grow must end with the job: try again once squeue lists it"
+        )
     left = end - now if end is not None else None
     if left is not None and left < MIN_GROW_S:
         raise SlurmRefused(
