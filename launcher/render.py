@@ -27,6 +27,7 @@ from pathlib import Path
 import jinja2
 
 from launcher import __version__
+from launcher.jobdir.ownership import make_private
 from launcher.slurm.request import build_request
 from launcher.spec import ResolvedSpec
 
@@ -123,7 +124,7 @@ def write_sbatch(
     """Render to ``out`` (default ``default_script_path``) and create ``job_root``, since Slurm writes
     the batch log there (``#SBATCH --output``) and silently fails a job whose log directory is missing."""
     text = render_sbatch(resolved, overrides=overrides)
-    Path(resolved.job_root).mkdir(parents=True, exist_ok=True)
+    make_private(resolved.job_root)  # 0700 when made here: mkdir(parents=True) took the umask's 775
     path = Path(out) if out is not None else default_script_path(resolved)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

@@ -105,7 +105,12 @@ def _submit_held(spec: ResolvedSpec) -> str:
 
 def submit_slurm(spec: ResolvedSpec) -> tuple[str, Path]:
     """Submit; return (job id, job directory). Nothing is left queued if submission fails."""
-    Path(spec.job_root).mkdir(parents=True, exist_ok=True)
+    from launcher.jobdir.ownership import Untrusted, ensure_job_root
+
+    try:  # 0700 when made here; one others may rename things in is refused before anything is queued
+        ensure_job_root(spec.job_root)
+    except Untrusted as exc:
+        raise SubmitError(str(exc)) from None
     submitted = time.time()
     job_id = _submit_held(spec)
     job = JobDir(spec.job_dir(job_id))

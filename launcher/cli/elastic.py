@@ -18,17 +18,21 @@ if TYPE_CHECKING:
 
 
 def _job_dir(job: str, root: Path) -> Path:
-    """A job, or a standing fleet by name (its record points at its job directory)."""
+    """A job, or a standing fleet by name (its record points at its job directory); only the caller's
+    own (``find_job`` and ``read_record`` refuse another user's, naming it: a grow or shrink request
+    written into a planted directory would wait on answers its owner writes)."""
     from launcher.fleet.standing import FleetRefused, read_record
-    from launcher.jobdir.lookup import JobNotFound, find_job
+    from launcher.jobdir.lookup import JobNotFound, JobRefused, find_job
 
     try:
         return find_job(job, root)
+    except JobRefused as exc:
+        raise click.ClickException(str(exc)) from None
     except JobNotFound as exc:
         try:
             record = read_record(root, job)
-        except FleetRefused:
-            record = None
+        except FleetRefused as refused:
+            raise click.ClickException(str(refused)) from None
         if record is None:
             raise click.ClickException(str(exc)) from None
         return Path(record.job_dir)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,8 @@ from typing import Any
 import click
 
 from launcher.cli.options import lookup_job, root_option
-from launcher.jobdir import JobDir, is_same_process
-from launcher.jobdir.lookup import created_at, job_dirs
+from launcher.jobdir import JobDir, NotTheDriver, driver_pid
+from launcher.jobdir.lookup import JobNotFound, created_at, job_dirs
 
 
 def slurm_job_id(job_dir: Path) -> str | None:
@@ -104,7 +103,15 @@ def _fleet_cell(row: dict[str, Any]) -> str:
 def list_command(as_json: bool, root: Path) -> None:
     """The jobs under the job root, oldest first (queued ones included); standing fleets with the jobs
     attached to them."""
-    rows = [job_summary(d) for d in job_dirs(root)]
+    skipped: list[tuple[Path, str]] = []
+    try:
+        dirs = job_dirs(root, skipped)
+    except JobNotFound as exc:  # a root others may rename things in
+        raise click.ClickException(str(exc)) from None
+    if skipped:  # on stderr: --json's stdout stays the list
+        more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+        click.echo(f"not listed, not yours to trust: {skipped[0][1]}{more}", err=True)
+    rows = [job_summary(d) for d in dirs]
     if as_json:
         click.echo(json.dumps(rows, indent=2, default=str))
         return
@@ -131,18 +138,12 @@ def list_command(as_json: bool, root: Path) -> None:
 
 
 def _driver_process(job: JobDir) -> int:
-    """The pid of a local job's driver, checked to be that job's driver (a recycled pid must not be
-    signalled)."""
-    state = job.read_state()
-    pid = state.get("driver_pid")
-    if not pid:
-        raise click.ClickException(f"{job.path} records no driver process (it has not started)")
-    host = state.get("driver_host")
-    if host and host != socket.gethostname():
-        raise click.ClickException(f"the driver of {job.path} runs on {host}; cancel it there")
-    if not is_same_process(int(pid), state.get("driver_start_ticks")):
-        raise click.ClickException(f"the driver of {job.path} (pid {pid}) is not running")
-    return int(pid)
+    """The pid of a local job's driver, checked to be that job's driver (``driver_pid``: a recycled pid,
+    or any process a state names, must not be signalled)."""
+    try:
+        return driver_pid(job.path, job.read_state())
+    except NotTheDriver as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @click.command("cancel")
@@ -158,7 +159,7 @@ def _driver_process(job: JobDir) -> int:
 def cancel_command(job: str, wait: bool, timeout_s: float, root: Path) -> None:
     """Cancel a job, queued or running: scancel (the driver tears everything down on SIGTERM), or SIGTERM
     to a local job's driver."""
-    from launcher.slurm.queue import cancel, is_final, job_state
+    from launcher.slurm.queue import cancel_own, is_final, job_state
 
     d = lookup_job(job, root)
     jd = JobDir(d)
@@ -167,7 +168,7 @@ def cancel_command(job: str, wait: bool, timeout_s: float, root: Path) -> None:
     if ended is not None:
         raise click.ClickException(f"{d.name} has already ended ({ended.outcome}: {ended.reason})")
     if job_id is not None:
-        error = cancel(job_id)
+        error = cancel_own(job_id)
         if error:
             raise click.ClickException(f"scancel {job_id} failed: {error}")
         click.echo(f"cancelled Slurm job {job_id} ({d})")

@@ -271,6 +271,13 @@ def submit_command(
             raise click.ClickException(str(exc)) from None
     from launcher.submit import SubmitError, submit_job
 
+    if not in_allocation:  # a job root others may rename things in: refused before anything starts
+        from launcher.jobdir.ownership import Untrusted, ensure_job_root
+
+        try:
+            ensure_job_root(resolved.job_root)
+        except Untrusted as exc:
+            raise click.ClickException(str(exc)) from None
     if resolved.role == "attached" and not in_allocation:
         from launcher.fleet.lifecycle import check_attachable
         from launcher.fleet.standing import FleetRefused

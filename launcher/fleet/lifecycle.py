@@ -9,7 +9,10 @@ and a job can find a fleet that is still queued.
 
 ``fleet_down``: refused while jobs are attached (unless ``force``): their next request would fail. It
 asks the driver to end cleanly (the ``down`` file), waits for its teardown, and only if the driver does
-not finish in time escalates to ``scancel`` / SIGTERM, so nothing of the fleet is left on any node.
+not finish in time escalates to ``scancel`` / SIGTERM, so nothing of the fleet is left on any node. It
+acts only on what is the caller's: the record and its job directory (``standing.read_record``), a Slurm
+job Slurm lists under the caller's uid, a pid that is provably the fleet's driver; in a shared job root
+another user's planted record had it SIGTERM a process of the caller's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from launcher.fleet import standing
 from launcher.fleet.standing import FleetRecord, FleetRefused
-from launcher.jobdir import JobDir, SubmittedJob
+from launcher.jobdir import JobDir, NotTheDriver, SubmittedJob, driver_pid
 from launcher.spec import ResolvedSpec
 
 
@@ -107,9 +110,9 @@ def fleet_down(
             "requests would fail. Wait for them to end, or pass --force"
         )
     if state == "queued" and record.slurm_job_id:
-        from launcher.slurm.queue import cancel
+        from launcher.slurm.queue import cancel_own
 
-        error = cancel(record.slurm_job_id)
+        error = cancel_own(record.slurm_job_id)
         if error:
             raise FleetRefused(f"scancel {record.slurm_job_id} failed: {error}")
         standing.remove_record(job_root, record)
@@ -148,17 +151,26 @@ def _wait_ended(record: FleetRecord, timeout_s: float) -> bool:
 
 
 def _stop_hard(record: FleetRecord) -> None:
+    """``scancel`` the fleet's Slurm job, or SIGTERM its local driver: only a job Slurm lists as the
+    caller's, only a pid that is provably the fleet's driver (``launcher.jobdir.driver_pid``: a record
+    is the caller's by now, but its state may name any process). ``FleetRefused`` when neither may be
+    done, with the reason."""
     if record.slurm_job_id:
-        from launcher.slurm.queue import cancel
+        from launcher.slurm.queue import cancel_own
 
-        cancel(record.slurm_job_id)
+        error = cancel_own(record.slurm_job_id)
+        if error:
+            raise FleetRefused(f"fleet {record.name!r} not stopped: {error}")
         return
-    state = JobDir(record.job_dir).read_state()
-    pid = state.get("driver_pid")
-    from launcher.jobdir import is_same_process
-
-    if pid and is_same_process(int(pid), state.get("driver_start_ticks")):
-        os.kill(int(pid), signal.SIGTERM)
+    job = JobDir(record.job_dir)
+    try:
+        pid = driver_pid(job.path, job.read_state())
+    except NotTheDriver as exc:
+        raise FleetRefused(f"fleet {record.name!r} not stopped: {exc}") from None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # it ended meanwhile
 
 
 def check_attachable(spec: ResolvedSpec, say: Callable[[str], None]) -> FleetRecord:

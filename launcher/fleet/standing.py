@@ -18,10 +18,12 @@ another model has wasted the hour; each of those is refused at submit time with 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pwd
 import socket
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -29,6 +31,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from launcher.jobdir import JobDir, write_json_atomic
+from launcher.jobdir.ownership import (
+    Untrusted,
+    check_root,
+    ensure_job_root,
+    entry_problem,
+    make_private,
+    user_label,
+)
 
 FLEETS_DIR = "fleets"
 CONSUMERS_FILE = "consumers.json"
@@ -108,35 +118,106 @@ def new_record(
     )
 
 
+# -- the records: only the caller's own are read or written -------------------------------------------
+# In a shared job root another user can plant ``fleets/`` or a record naming a job directory whose state
+# names a process of the caller's; ``fleet down`` then signalled it (security review 2026-12, finding 6).
+# So ``fleets/`` is 0700 and the caller's, and a record counts only when its file, its ``uid`` and its job
+# directory are all the caller's (``launcher.jobdir.ownership``).
+
+
+def _fleets_dir(job_root: str | Path, create: bool) -> Path:
+    """``<job_root>/fleets``, made 0700 with ``create``; ``FleetRefused`` when the root or the directory
+    is not the caller's to trust. One of the caller's own left group-readable by an earlier rl-launch
+    (made from the umask) is chmodded 0700."""
+    root = Path(job_root).expanduser()
+    d = root / FLEETS_DIR
+    try:
+        if create:
+            ensure_job_root(root)
+            make_private(d)
+        else:
+            check_root(root)
+    except Untrusted as exc:
+        raise FleetRefused(str(exc)) from None
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return d
+    if st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(d, 0o700)
+        st = os.lstat(d)
+    why = entry_problem(d, "fleets directory", st)
+    if why is not None:
+        raise FleetRefused(
+            f"{why}; its records are not trusted (another user may have planted them): ask its owner to "
+            "remove it, or use a job root of your own"
+        )
+    return d
+
+
+def _load_record(path: Path) -> FleetRecord:
+    """The record at ``path`` if the caller may trust it, else ``FleetRefused`` naming the path and its
+    owner. ``FileNotFoundError`` when there is none; other ``OSError``/``ValueError``/``TypeError``: torn.
+    Opened without following a symlink or blocking on a FIFO, and judged by the opened file's own stat,
+    so what is checked is what is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FleetRefused(
+                entry_problem(path, "fleet record") or f"fleet record {path}: a symlink"
+            ) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise FleetRefused(f"fleet record {path} is not a regular file: refused")
+        why = entry_problem(path, "fleet record", st)
+        if why is not None:
+            raise FleetRefused(why)
+        data = json.loads(f.read())
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    record = FleetRecord.from_json(data)
+    if record.uid != os.getuid():
+        owner = user_label(record.uid) if isinstance(record.uid, int) else repr(record.uid)
+        raise FleetRefused(f"fleet record {path} names {owner} as the fleet's owner, not you: refused")
+    why = entry_problem(Path(record.job_dir), "its job directory")
+    if why is not None:
+        raise FleetRefused(f"fleet record {path}: {why}")
+    return record
+
+
 def write_record(job_root: str | Path, record: FleetRecord) -> Path:
-    path = record_path(job_root, record.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = _fleets_dir(job_root, create=True) / f"{record.name}.json"
     write_json_atomic(path, record.to_json())
     return path
 
 
 def read_record(job_root: str | Path, name: str) -> FleetRecord | None:
-    path = record_path(job_root, name)
+    """The caller's record of fleet ``name``; None when there is none; ``FleetRefused`` when it is
+    unreadable, or not the caller's (the file, its ``uid`` or its job directory), naming path and owner."""
+    path = _fleets_dir(job_root, create=False) / f"{name}.json"
     try:
-        data = json.loads(path.read_text())
+        return _load_record(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError) as exc:
         raise FleetRefused(
             f"fleet record {path}: unreadable ({exc}); remove it and bring the fleet up"
         ) from None
-    return FleetRecord.from_json(data)
 
 
 def list_records(job_root: str | Path) -> list[FleetRecord]:
-    d = Path(job_root).expanduser() / FLEETS_DIR
+    """The caller's readable records under ``job_root``; any other record is left out."""
+    d = _fleets_dir(job_root, create=False)
     if not d.is_dir():
         return []
     out = []
     for path in sorted(d.glob("*.json")):
         try:
-            out.append(FleetRecord.from_json(json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError):
+            out.append(_load_record(path))
+        except (FleetRefused, OSError, ValueError, TypeError):
             continue
     return out
 

@@ -2,7 +2,7 @@
 
 from launcher.jobdir.atomic import append_json_line, read_json, write_json_atomic, write_text_atomic
 from launcher.jobdir.layout import JobDir, StateWriter
-from launcher.jobdir.process import is_same_process, start_ticks
+from launcher.jobdir.process import NotTheDriver, driver_pid, is_same_process, start_ticks
 from launcher.jobdir.records import (
     FINAL_PHASES,
     PHASES,
@@ -32,9 +32,11 @@ __all__ = [
     "GatewaySnapshot",
     "JobDir",
     "JobResult",
+    "NotTheDriver",
     "StateWriter",
     "SubmittedJob",
     "append_json_line",
+    "driver_pid",
     "engine_id",
     "is_same_process",
     "read_json",

@@ -149,9 +149,13 @@ class JobDir:
     def create(self) -> JobDir:
         """The job directory and its fixed folders, 0700 whatever the umask: the files inside are
         trusted (state, listings, control requests) or private (logs, secrets), and a folder made from a
-        group-writable umask let group members replace them."""
+        group-writable umask let group members replace them. A missing job root is made 0700 too
+        (``ownership.make_private``: ``parents=True`` made it from the umask, 775 under umask 002)."""
+        from launcher.jobdir.ownership import make_private
+
+        make_private(self.path.parent)
         for d in (self.path, self.logs, self.engines):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, exist_ok=True)
             os.chmod(d, 0o700)
         return self
 

@@ -5,15 +5,23 @@ One place for it, so ``list``, ``logs``, ``cancel``, ``status`` and every ``flee
 job a word names and on what "newest" means (submission time, not the directory's mtime, which every
 state update of a running job moves forward). Lookup failures are ``JobNotFound`` with a one-line message
 saying where it looked and what to do; the CLI prints it as the command's error.
+
+Only the caller's own job directories are found (``launcher.jobdir.ownership``): in a shared job root
+another user can plant a directory whose state names a process of yours (``cancel`` SIGTERMs it) or a
+Slurm id, and newer than your own it would have been "the newest job". Other users' directories are
+skipped when scanning, and named (with their owner) when asked for; a root that others may rename
+things in is refused whole.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 from launcher.jobdir.layout import JobDir
+from launcher.jobdir.ownership import entry_problem, root_problem
 
 DEFAULT_ROOT = "~/rl-launch/jobs"
 """The job root when none is given: the spec's default ``job_root`` (``launcher.spec.DEFAULT_JOB_ROOT``;
@@ -22,6 +30,11 @@ DEFAULT_ROOT = "~/rl-launch/jobs"
 
 class JobNotFound(LookupError):
     """No job answers to the given ``JOB`` (or there is no job at all) under the job root."""
+
+
+class JobRefused(JobNotFound):
+    """The job named (or the job root) is not the caller's to act on; a ``JobNotFound``, so every
+    command that prints a failed lookup prints this one line too."""
 
 
 def default_root() -> Path:
@@ -47,16 +60,41 @@ def created_at(d: Path) -> float:
         return 0.0
 
 
-def job_dirs(root: Path) -> list[Path]:
-    """Every job under ``root``, oldest first."""
+def job_dirs(root: Path, skipped: list[tuple[Path, str]] | None = None) -> list[Path]:
+    """Every job of the caller's under ``root``, oldest first. Entries that are not the caller's own
+    directories (another user's, a symlink, writable by others) are left out, each added to ``skipped``
+    with the reason when given. ``JobRefused`` for a root that is not safe to use."""
     if not root.is_dir():
         return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and JobDir(p).exists()]
+    why = root_problem(root)
+    if why is not None:
+        raise JobRefused(why)
+    dirs = []
+    for p in root.iterdir():
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if not (stat.S_ISLNK(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            continue
+        problem = entry_problem(p, "directory", st)
+        # another user's entry (its inside may be unreadable, and is untrusted); one of the caller's
+        # own that is not a job (submitit's folder, a symlink) is no news
+        foreign = st.st_uid != os.getuid()
+        if problem is None and JobDir(p).exists():
+            dirs.append(p)
+        elif problem is not None and (foreign or JobDir(p).exists()) and skipped is not None:
+            skipped.append((p, problem))
     return sorted(dirs, key=lambda p: (created_at(p), p.name))
 
 
+def _matches(d: Path, job: str) -> bool:
+    return d.name == job or d.name.endswith(f"-{job}")
+
+
 def find_job(job: str | None, root: Path) -> Path:
-    """The named job's directory; the newest job under ``root`` when ``job`` is None."""
+    """The named job's directory; the newest job under ``root`` when ``job`` is None. Only the caller's
+    own: a directory given by path, or the only match by name, that is not is refused with its owner."""
     if job is None:
         dirs = job_dirs(root)
         if not dirs:
@@ -64,10 +102,17 @@ def find_job(job: str | None, root: Path) -> Path:
         return dirs[-1]
     path = Path(job)
     if path.is_dir():
+        problem = entry_problem(path.resolve(), "job directory")
+        if problem is not None:
+            raise JobRefused(problem)
         return path
-    for d in reversed(job_dirs(root)):
-        if d.name == job or d.name.endswith(f"-{job}") or JobDir(d).slurm_job_id() == job:
+    skipped: list[tuple[Path, str]] = []
+    for d in reversed(job_dirs(root, skipped)):
+        if _matches(d, job) or JobDir(d).slurm_job_id() == job:
             return d
+    for d, problem in skipped:
+        if _matches(d, job):
+            raise JobRefused(f"job {job!r}: {problem}")
     raise JobNotFound(f"no job {job!r} under {root} (rl-launch list shows the jobs there)")
 
 

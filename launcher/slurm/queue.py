@@ -8,6 +8,7 @@ crashes because the controller is busy helps nobody.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -106,6 +107,34 @@ def cancel(job_id: str) -> str | None:
     if proc.returncode != 0:
         return proc.stderr.strip() or proc.stdout.strip() or f"scancel exited with {proc.returncode}"
     return None
+
+
+def owner_uid(job_id: str) -> int | None:
+    """The uid Slurm lists job ``job_id`` under (``squeue %U``); None when it is not in the queue, or
+    Slurm did not answer."""
+    proc = _run(["squeue", "-h", "-j", str(job_id), "-o", "%U"])
+    if proc is None or proc.returncode != 0:
+        return None
+    for line in proc.stdout.splitlines():
+        if line.strip().isdigit():
+            return int(line.strip())
+    return None
+
+
+def cancel_own(job_id: str) -> str | None:
+    """``scancel`` the job only if Slurm lists it as the caller's; None on success, else why not.
+
+    For a job id read from a file (a job directory's record, a fleet record): a record another user
+    wrote could name any job, and a Slurm operator's (or root's) scancel would cancel it. A job Slurm
+    no longer lists has nothing left to cancel, and one whose owner Slurm cannot tell is left alone."""
+    uid = owner_uid(job_id)
+    if uid is None:
+        return f"Slurm does not list job {job_id} (ended, or the controller did not answer): not cancelled"
+    if uid != os.getuid():
+        from launcher.jobdir.ownership import user_label
+
+        return f"Slurm job {job_id} belongs to {user_label(uid)}, not to you: not cancelled"
+    return cancel(job_id)
 
 
 def describe_state(job_id: str) -> str:
