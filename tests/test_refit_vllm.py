@@ -30,7 +30,7 @@ import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.vllm.engine import VllmEngine
-from launcher.fleet.client import FleetClient, FleetOpError
+from launcher.fleet.client import FleetClient, FleetOpError, RefitError
 from router import GenerationRouter, RouterConfig
 from router.fleet.engine_counters import parse_counters
 from tests.test_engine_key_guard import KEY, PROBES, _call, expected, refused_without_key
@@ -380,6 +380,16 @@ def _greedy(engine_url: str) -> list[str]:
     return texts
 
 
+def _until(check: Any, timeout_s: float) -> bool:
+    """Poll ``check()`` every 0.1 s for at most ``timeout_s``; whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _chat_with_headers(url: str, content: str) -> tuple[int, dict[str, str], Any]:
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
     req = urllib.request.Request(
@@ -431,7 +441,8 @@ def test_a_broken_directory_quarantines_its_engine_and_no_request_fails(
     """One engine given a broken copy (its config is right, its weights file is not): vLLM 0.32's reload
     fails and leaves the engine without weights (its next generation step would kill the core); the
     transaction quarantines it with the reason, the other engine moves to the new version, the fleet is
-    resumed, and the rollouts in flight all complete. Last: it leaves engine 1 without weights."""
+    resumed, and the rollouts in flight all complete; then the fleet restores engine 1 from the directory
+    it verified (``router.fleet.restore``), with no trainer call."""
     client: FleetClient = fleet["client"]
     router: GenerationRouter = fleet["router"]
     e0, e1 = fleet["engines"]
@@ -453,11 +464,100 @@ def test_a_broken_directory_quarantines_its_engine_and_no_request_fails(
     why = txn["quarantined"][e1.url]
     assert "reload from" in why and "tiny-broken" in why, why
     assert [results[i][0] for i in range(6)] == [200] * 6, results
-    assert router.serving_backends() == [e0.url] and e1.url in client.stale_engines()
     assert not router.gate.paused
+    assert _until(lambda: client.stale_engines() == {}, 60), client.stale_engines()
+    assert sorted(router.serving_backends()) == sorted([e0.url, e1.url])
+    assert len(client.checksum().result["groups"]) == 1 and _weight_version(e1.url) == "step-3"
     req = urllib.request.Request(e0.url + "/is_paused", headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert json.loads(resp.read())["is_paused"] is False
     assert all(_chat(url, 4, f"after {i}")[0] == 200 for i in range(4))
     assert client.weight_version(check=False).result["current"] == "step-3"
     print(f"\n[refit vllm] broken directory on one engine: quarantined with {why[:160]!r}")
+
+
+UNKNOWN_TENSOR = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+tensors = load_file(sys.argv[1])
+tensors["model.layers.0.mlp.bogus.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+save_file(tensors, sys.argv[1], metadata={"format": "pt"})
+"""
+
+
+def _stream(url: str, n: int, tag: str) -> tuple[dict[int, Any], list[threading.Thread]]:
+    """``n`` rollouts sent 0.1 s apart, each in a thread (a bounded stream during a refit)."""
+    results: dict[int, Any] = {}
+    threads = []
+    for i in range(n):
+        threads.append(_in_thread(results, i, url, 32, f"{tag} {i}"))
+        time.sleep(0.1)
+    return results, threads
+
+
+def test_a_cut_checkpoint_is_refused_and_a_failing_canary_costs_one_engine(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """Issue 28's finding 1 on real vLLM: refit to B; a copy of B with ``model.safetensors`` cut to half
+    its size is refused before the pause (the router reads every header); a well-formed copy of B that
+    vLLM's loader refuses (a tensor the model has no parameter for) is tried on one canary engine only,
+    which is quarantined while the other is never touched; no request fails; and the canary serves B
+    again, restored by the fleet from B's directory, with no trainer call."""
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    url = router.base_url()
+    engines = fleet["engines"]
+    step_b = _perturbed_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-step-b4", 3.0)
+    moved = client.load_weights(step_b, "step-4")
+    assert moved["ok"], moved
+    on_b = moved["checksum"]
+    cut = fleet["logdir"] / "tiny-step-b4-cut"
+    shutil.copytree(step_b, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    results, threads = _stream(url, 8, "during the cut refit")
+    with pytest.raises(ValueError, match="shorter than") as refused:
+        client.load_weights(cut, "step-5-cut")
+    for t in threads:
+        t.join(300)
+    assert [results[i][0] for i in range(8)] == [200] * 8, results
+    assert client.weight_version().result["current"] == "step-4"
+    odd = fleet["logdir"] / "tiny-step-b4-odd"
+    shutil.copytree(step_b, odd)
+    out = subprocess.run(
+        [vllm_python, "-c", UNKNOWN_TENSOR, str(odd / "model.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    results, threads = _stream(url, 8, "during the odd refit")
+    with pytest.raises(RefitError) as failed:
+        client.load_weights(odd, "step-5-odd")
+    for t in threads:
+        t.join(300)
+    txn = failed.value.txn
+    canary = txn["canary"]
+    other = next(e for e in engines if e.url != canary)
+    assert txn["phase"] == "failed" and list(txn["quarantined"]) == [canary], txn
+    why = txn["quarantined"][canary]
+    assert why.startswith("canary: reload from") and "no module or parameter named" in why, why
+    assert txn["engines"][other.url]["state"] == "pending"  # never touched
+    assert [results[i][0] for i in range(8)] == [200] * 8, results
+    assert client.weight_version(check=False).result["current"] == "step-4"
+    assert _weight_version(other.url) == "step-4"
+    # The fleet restores the canary from B's directory by itself.
+    assert _until(lambda: client.stale_engines() == {}, 60), client.stale_engines()
+    groups = client.checksum().result["groups"]
+    assert list(groups) == [on_b] and sorted(groups[on_b]) == sorted(e.url for e in engines), groups
+    assert _weight_version(canary) == "step-4"
+    assert client.refit_state()["last"]["id"] == txn["id"]  # no refit since: restored, not refit
+    before = _generation_tokens(canary)
+    for i in range(4):
+        status, headers, _ = _chat_with_headers(url, f"after the restore {i}")
+        assert status == 200 and headers.get("x-rl-weight-version") == "step-4", headers
+    assert _generation_tokens(canary) > before
+    print(
+        f"\n[refit vllm] cut checkpoint refused before the pause: {str(refused.value)[:200]!r}; "
+        f"canary {canary} quarantined with {why[:160]!r}, restored to step-4 ({on_b}); 16/16 rollouts 200"
+    )
