@@ -9,7 +9,21 @@ that file's shape: the launcher and the router both import it.
 The file::
 
     {"version": 1, "consumers": {NAME: {"key_sha256": HEX, "weight": 1.0, "admin": false,
-                                       "job": "...", "attached_at": 1767000000.0}}}
+                                       "job": "...", "attached_at": 1767000000.0},
+                                 NAME.admin: {"key_sha256": HEX, "admin": true, "account": NAME, ...}}}
+
+Two kinds of entry, one credential each (``Consumer.account``):
+
+* a **client key** (no ``account``): what the job's rollout workers send (its Gym overlay and environment
+  carry it), taken on the client routes only. Every rollout worker and agent sandbox reads it, so it
+  never opens an admin route, whatever the job's rights: ``admin`` is false for the entries the launcher
+  writes (``admin: true`` on a client key, one key for both uses registered by hand with
+  ``add_consumer(admin=True)``, still opens them: the owner chose that for a key it handed out itself).
+* an **admin key** (``account``: the consumer it acts for): the job's own ``secrets/admin_token``,
+  registered for a consumer its fleet's owner marked admin. It opens the refit routes (``/fleet/*``),
+  never a client route (one use each: a leaked admin key generates nothing, and requests are never
+  counted under a second ledger name), nor the owner's ``/workers`` (``router.http.auth``). Named
+  ``<account>.admin``; revoking the account revokes it too (``remove_consumer``).
 
 Choices, each against a failure:
 
@@ -29,6 +43,7 @@ Choices, each against a failure:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import hmac
@@ -75,10 +90,19 @@ def check_name(name: str) -> str:
     return name
 
 
+ADMIN_SUFFIX = ".admin"
+"""An admin key's entry name: ``<account>.admin`` (``admin_entry_name``)."""
+
+
+def admin_entry_name(account: str) -> str:
+    return check_name(check_name(account) + ADMIN_SUFFIX)
+
+
 @dataclass(frozen=True)
 class Consumer:
-    """One consumer of the fleet. ``weight``: its share of the fleet's capacity when jobs contend
-    (``router.state.fair_share``); ``admin``: it may call the admin routes (pause, refit)."""
+    """One entry of the fleet's consumers file. ``weight``: its share of the fleet's capacity when jobs
+    contend (``router.state.fair_share``); ``admin``: it may call the refit routes (pause, refit);
+    ``account``: set on an admin key, the consumer it acts for (module doc), empty on a client key."""
 
     name: str
     key_sha256: str
@@ -86,15 +110,23 @@ class Consumer:
     admin: bool = False
     job: str = ""
     attached_at: float = 0.0
+    account: str = ""
+
+    @property
+    def is_admin_key(self) -> bool:
+        return bool(self.account)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "key_sha256": self.key_sha256,
             "weight": self.weight,
             "admin": self.admin,
             "job": self.job,
             "attached_at": self.attached_at,
         }
+        if self.account:
+            out["account"] = self.account
+        return out
 
     @classmethod
     def from_json(cls, name: str, data: Any) -> Consumer:
@@ -117,7 +149,15 @@ class Consumer:
         attached = data.get("attached_at", 0.0)
         if isinstance(attached, bool) or not isinstance(attached, int | float):
             raise ValueError(f"consumer {name!r}: attached_at must be a number, got {attached!r}")
-        return cls(name, key, float(weight), admin, job, float(attached))
+        account = data.get("account", "")
+        if account != "":
+            if not isinstance(account, str) or name != f"{account}{ADMIN_SUFFIX}" or not admin:
+                raise ValueError(
+                    f"consumer {name!r}: account must name the consumer whose admin key this is "
+                    f"(entry <account>{ADMIN_SUFFIX}, admin true), got {account!r}"
+                )
+            check_name(account)
+        return cls(name, key, float(weight), admin, job, float(attached), account)
 
 
 OWNER_CONSUMER = Consumer(OWNER, "", 1.0, True)
@@ -210,6 +250,10 @@ def add_consumer(
     """Register ``name`` with the hash of ``key``. Refuses (``ValueError``) a name already present
     unless ``replace``, a bad name or weight, and an empty key; returns the entry written."""
     check_name(name)
+    if name.endswith(ADMIN_SUFFIX):
+        raise ValueError(
+            f"consumer name {name!r}: names ending {ADMIN_SUFFIX!r} are the admin keys' (add_admin_key)"
+        )
     if not isinstance(key, str) or not key:
         raise ValueError("a consumer key must be a non-empty string")
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not _positive(weight):
@@ -225,14 +269,36 @@ def add_consumer(
     return entry
 
 
+def add_admin_key(
+    path: str | os.PathLike[str], account: str, key: str, job: str = "", weight: float = 1.0
+) -> Consumer:
+    """Register ``key`` as the admin key of consumer ``account`` (entry ``<account>.admin``, replacing
+    one there): it opens the refit routes only (module doc). ``weight``: the account's, so the entry
+    reads like it; admission counts requests under the account, never this entry."""
+    if not isinstance(key, str) or not key:
+        raise ValueError("an admin key must be a non-empty string")
+    name = admin_entry_name(account)
+    p = Path(path)
+    entry = Consumer(name, hash_key(key), float(weight), True, job, time.time(), account)
+    with _locked(p):
+        consumers = read_consumers(p)
+        consumers[name] = entry
+        _write(p, consumers)
+    return entry
+
+
 def remove_consumer(path: str | os.PathLike[str], name: str) -> bool:
-    """Revoke ``name`` (its key stops working within ``ConsumerKeys.reload_every_s``). False when it was
-    not registered."""
+    """Revoke ``name`` and its admin key if it has one (their keys stop working within
+    ``ConsumerKeys.reload_every_s``; whatever the keys held, a pause or a refit, ends with them:
+    ``router.fleet.revocation``). False when it was not registered."""
     p = Path(path)
     with _locked(p):
         consumers = read_consumers(p)
-        if consumers.pop(name, None) is None:
+        gone = [n for n, c in consumers.items() if n == name or c.account == name]
+        if not gone:
             return False
+        for n in gone:
+            del consumers[n]
         _write(p, consumers)
     return True
 
@@ -317,6 +383,25 @@ class ConsumerKeys:
         return found
 
     def consumers(self) -> dict[str, Consumer]:
-        """The table now (re-read first if due)."""
+        """The table now, every entry (re-read first if due)."""
         self.refresh()
         return dict(self._by_name)
+
+    def accounts(self) -> dict[str, Consumer]:
+        """The consumers as the fair share counts them: the client keys' entries, each marked ``admin``
+        when the account has an admin key (what "may refit" means for it), without the admin keys'
+        own entries (their requests are never counted under a name of their own)."""
+        self.refresh()
+        with_admin = {c.account for c in self._by_name.values() if c.account and c.admin}
+        return {
+            n: (dataclasses.replace(c, admin=True) if n in with_admin and not c.admin else c)
+            for n, c in self._by_name.items()
+            if not c.account
+        }
+
+    def holds(self, consumer: Consumer) -> bool:
+        """Whether ``consumer``'s key is still registered (re-read first if due): a request admitted
+        with a key that has since been revoked is refused when it is dispatched (``router.http.auth``)."""
+        self.refresh()
+        current = self._by_hash.get(consumer.key_sha256)
+        return current is not None and current.name == consumer.name

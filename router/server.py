@@ -102,7 +102,7 @@ class GenerationRouter:
                 max_held_per_consumer=config.max_held_per_consumer,
             )
             if self.consumer_keys is not None:
-                self.fair.registered = self.consumer_keys.consumers
+                self.fair.registered = self.consumer_keys.accounts  # admin keys count as their account
         self.workers: WorkerFleet | None = None
         if config.workers > 1:
             self.workers = WorkerFleet(config)
@@ -191,6 +191,7 @@ class GenerationRouter:
             worker_health_timeout_s=self.config.worker_health_timeout_s,
             max_pending=self.config.max_pending_registrations,
             backend_api_key=self._engine_key(),
+            health_managed=self.config.health_managed,
         )
         admin.add_routes(table)
         self.fleet.add_routes(table)

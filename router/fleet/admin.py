@@ -8,6 +8,14 @@ engine's fault. ``/readiness`` is the "can it route at all" question (at least o
 drive this router unchanged: ``POST /workers {"url": ...}`` blocks until the worker's ``GET /health`` is
 2xx, then admits it; a timeout or a duplicate is a 400 with ``"code": "ADD_WORKER_FAILED"``.
 
+``/workers`` is the fleet owner's (``Access.OWNER``: the admin token, never a consumer's key): the serving
+set decides where the engine key goes, since every fan-out (pause, refit, reset) presents it to every
+member. Where a fleet controller owns the serving set (``health_managed``: a job's router, which the
+controller pushes the engines it started to), ``POST /workers`` is refused outright, without a probe: an
+engine the controller did not start would get the engine key on the next fan-out and be routed to until
+the controller's next push removed it; engines join such a fleet through the controller (``rl-launch
+fleet grow``). ``GET`` and ``DELETE`` stay (a removed engine comes back with the controller's next push).
+
 A registration that waits is an outbound probe loop the caller started, so it lives only as long as some
 caller waits for it: when every caller of a pending URL has disconnected the loop is cancelled (before,
 a stranger's URL was probed for 300 s after the caller left). Callers of the same pending URL share one
@@ -55,8 +63,11 @@ class AdminApi:
         max_pending: int = 64,
         disconnect_poll_s: float = 0.2,
         backend_api_key: str | None = None,
+        health_managed: bool = False,
     ) -> None:
+        """``health_managed``: a fleet controller owns the serving set (module doc)."""
         self.backend_api_key = backend_api_key
+        self.health_managed = health_managed
         self.backends = backends
         self.metrics = metrics
         self.policy_name = policy_name
@@ -72,9 +83,9 @@ class AdminApi:
         table.add("GET", "/health", health, Access.OPEN)
         table.add("GET", "/readiness", self.readiness, Access.OPEN)
         table.add("GET", "/metrics", self.metrics_endpoint, Access.OPEN)
-        table.add("GET", "/workers", self.list_workers, Access.ADMIN)
-        table.add("POST", "/workers", self.add_worker, Access.ADMIN)
-        table.add("DELETE", "/workers/{url:.+}", self.delete_worker, Access.ADMIN)
+        table.add("GET", "/workers", self.list_workers, Access.OWNER)
+        table.add("POST", "/workers", self.add_worker, Access.OWNER)
+        table.add("DELETE", "/workers/{url:.+}", self.delete_worker, Access.OWNER)
         table.add("POST", "/fleet/reset_prefix_cache", self.reset_prefix_cache, Access.ADMIN)
 
     async def readiness(self, request: web.Request) -> web.Response:
@@ -97,6 +108,17 @@ class AdminApi:
         )
 
     async def add_worker(self, request: web.Request) -> web.Response:
+        if self.health_managed:
+            return _json(
+                403,
+                {
+                    "success": False,
+                    "code": ADD_WORKER_FAILED,
+                    "message": "this router's serving set is its fleet controller's: it admits only the "
+                    "engines the controller started (grow the fleet with `rl-launch fleet grow`); the "
+                    "engine key is never sent to a worker added here",
+                },
+            )
         try:
             payload = orjson.loads(await request.read())
             raw = payload["url"]

@@ -1,13 +1,16 @@
 """Who may call which route: every route declares its access where it is registered, and one check reads it.
 
-Three kinds of access (``Access``):
+Four kinds of access (``Access``):
 
 * ``OPEN``: no credential. ``/health``, ``/readiness`` and ``/metrics``, as vLLM's, so probes and
   scrapers need no secret.
 * ``CLIENT``: the client API key when one is set (the proxied routes and the router's 404).
-* ``ADMIN``: the admin token, else the client key (``RouterConfig.admin_secret``): ``/workers`` and
-  ``/fleet/*``, which add, remove, pause and refit engines. Separate from the client key because that
-  one travels to every rollout worker (it is in Gym's config).
+* ``ADMIN``: the admin token, else the client key (``RouterConfig.admin_secret``): ``/fleet/*``, which
+  pause and refit engines. Separate from the client key because that one travels to every rollout worker
+  (it is in Gym's config).
+* ``OWNER``: as ``ADMIN``, but never a consumer's key, admin or not: ``/workers``, the serving set. Who
+  changes it decides where the engine key is sent (every fan-out presents it to every member), so it
+  stays with the fleet's owner; an admin consumer keeps the refit routes.
 
 Why marks and not a list of path prefixes: with a list, a route added outside it was open by default
 (``/fleet/`` had to be remembered in two places). Now a route is registered only through a
@@ -22,14 +25,17 @@ runs, with the admin cap and the body deadline (``router.http.bodies.read_admin_
 
 Consumers (``router.consumers``, with ``RouterConfig.consumers_file``): the jobs attached to a standing
 fleet each have a key of their own, listed (hashed) in the consumers file the launcher edits. A client
-route then takes the router's API key (the fleet owner: consumer ``owner``) or any consumer's key, and
-requires one of them (an open client route would make a revoked key work as no key); an admin route takes
-the admin token or the key of a consumer marked ``admin`` (a job the owner lets pause and refit); a plain
-consumer's key there is 403 with what to do, not 401, since the key itself is good. Who called is put on
-the request (``CONSUMER``) for the forwarder: fair share and the per-consumer counts need it. Each
-process checks against its own ``ConsumerKeys`` of the same file (the worker processes included), which
-re-reads it within half a second of a change. Without a consumers file the checks are those above,
-unchanged, and nothing is put on the request.
+route then takes the router's API key (the fleet owner: consumer ``owner``) or any consumer's client
+key, and requires one of them (an open client route would make a revoked key work as no key); an admin
+key there is 403 (one use each: it is the job's admin token, not a rollout credential). An admin route
+takes the admin token or a consumer's admin key (``router.consumers``: a job the owner lets pause and
+refit); a client key there is 403 with what to do, not 401, since the key itself is good; an owner route
+takes the admin token alone (a consumer's key, 403). Who called is put on the request (``CONSUMER``) for
+the forwarder: fair share and the per-consumer counts need it, and a request held (paused, waiting for
+its share) re-checks its key when it is dispatched (``still_admitted``): a key revoked meanwhile is 401
+then, not served up to ``pause_max_wait_s`` later. Each process checks against its own ``ConsumerKeys``
+of the same file (the worker processes included), which re-reads it within half a second of a change.
+Without a consumers file the checks are those above, unchanged, and nothing is put on the request.
 
 ``RouterConfig`` refuses a router with neither an admin token nor an API key unless ``insecure_admin``
 is set, on every address (loopback is every local user).
@@ -56,12 +62,35 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CONSUMER = web.RequestKey("consumer", Consumer)
 """Who made the request, where the router has a consumers file: a consumer, or ``OWNER_CONSUMER``."""
+_KEYS = web.RequestKey("consumer_keys", ConsumerKeys)
+"""The table the request's consumer was found in, for ``still_admitted``."""
 
 
 class Access(enum.Enum):
     OPEN = "open"
     CLIENT = "client"
     ADMIN = "admin"
+    OWNER = "owner"
+
+
+def holder_of(request: web.Request) -> str | None:
+    """The consumer whose key made ``request`` (an admin route's caller), or None for the fleet's owner
+    (its admin token is never revoked) and for a router without consumers: what a pause or refit records
+    as its holder, so that revoking that key ends it (``router.fleet.revocation``)."""
+    consumer = request.get(CONSUMER)
+    if consumer is None or consumer is OWNER_CONSUMER:
+        return None
+    return consumer.name
+
+
+def still_admitted(request: web.Request) -> bool:
+    """Whether the key ``request`` was admitted with is still registered: False once its consumer was
+    revoked (the owner's key and a router without consumers: always True)."""
+    consumer = request.get(CONSUMER)
+    keys = request.get(_KEYS)
+    if consumer is None or keys is None or consumer is OWNER_CONSUMER:
+        return True
+    return keys.holds(consumer)
 
 
 @dataclass(frozen=True)
@@ -130,7 +159,9 @@ class RouteTable:
             if c.consumers is not None:
                 return _client_or_consumer_checked(handler, c.api_key, c.consumers)
             return handler if c.api_key is None else _client_checked(handler, c.api_key)
-        return _admin_checked(handler, c.admin_token, c.body_timeout_s, c.consumers)
+        return _admin_checked(
+            handler, c.admin_token, c.body_timeout_s, c.consumers, owner_only=access is Access.OWNER
+        )
 
     async def _refuse_unmarked(self, app: web.Application) -> None:
         unmarked = [
@@ -202,15 +233,29 @@ def _client_or_consumer_checked(handler: Handler, api_key: str | None, consumers
             consumer = consumers.lookup(given)
             if consumer is None:
                 return _refuse(401, "invalid or missing API key", "unauthorized")
+            if consumer.is_admin_key:
+                return _refuse(
+                    403,
+                    f"{consumer.name} is consumer {consumer.account}'s admin key (the refit routes only); "
+                    "generation takes the job's client key (its secrets/api_key, the Gym overlay's)",
+                    "forbidden",
+                )
             request[CONSUMER] = consumer
+            request[_KEYS] = consumers
         return await handler(request)
 
     return checked
 
 
 def _admin_checked(
-    handler: Handler, admin_token: str | None, body_timeout_s: float, consumers: ConsumerKeys | None = None
+    handler: Handler,
+    admin_token: str | None,
+    body_timeout_s: float,
+    consumers: ConsumerKeys | None = None,
+    owner_only: bool = False,
 ) -> Handler:
+    """``owner_only``: an ``Access.OWNER`` route, which no consumer's key opens (module doc)."""
+
     async def checked(request: web.Request) -> web.StreamResponse:
         if admin_token is not None:
             given = _bearer(request)
@@ -221,6 +266,14 @@ def _admin_checked(
                 consumer = consumers.lookup(given) if consumers is not None else None
                 if consumer is None:
                     return _refuse(401, "admin token required", "unauthorized")
+                if owner_only:
+                    return _refuse(
+                        403,
+                        f"consumer {consumer.account or consumer.name} may not call {request.method} "
+                        f"{request.path}: the serving set is the fleet owner's alone (admin consumers "
+                        "pause and refit through /fleet/*)",
+                        "forbidden",
+                    )
                 if not consumer.admin:
                     return _refuse(
                         403,

@@ -339,8 +339,8 @@ def worker_routes(table: RouteTable, relay: ParentRelay, parent_routes: list[Mar
     routes and its other open routes relayed (module doc), the router's 404 for the rest."""
     table.add("GET", "/health", health, Access.OPEN)
     for route in parent_routes:
-        if route.access is Access.ADMIN:
-            table.add(route.method, route.path, relay.admin, Access.ADMIN)
+        if route.access in (Access.ADMIN, Access.OWNER):
+            table.add(route.method, route.path, relay.admin, route.access)
         elif route.access is Access.OPEN and (route.method, route.path) != ("GET", "/health"):
             table.add(route.method, route.path, relay.state, Access.OPEN)
         # Client routes are the proxied ones, served by the worker itself, and the parent's 404.
