@@ -38,6 +38,7 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.consumers import ConsumerKeys
+from router.fleet import revocation
 from router.fleet.admin import AdminApi
 from router.fleet.api import FleetApi
 from router.http.app import bind_listening_socket, build_app, not_found, runner_kwargs, serve_guarded
@@ -239,7 +240,8 @@ class GenerationRouter:
         self._background.extend(asyncio.get_running_loop().create_task(c) for c in self._background_jobs())
 
     def _background_jobs(self) -> list[Coroutine[Any, Any, None]]:
-        """The prober when standalone, and the no-backend warning when nothing feeds the router."""
+        """The prober when standalone, the no-backend warning when nothing feeds the router, and with
+        consumers the end of what a revoked key held (``router.fleet.revocation``)."""
         c = self.config
         jobs: list[Coroutine[Any, Any, None]] = []
         if c.probing:
@@ -254,6 +256,8 @@ class GenerationRouter:
             jobs.append(prober.run())
         if not c.health_managed:
             jobs.append(warn_while_empty(self.backends))
+        if self.consumer_keys is not None:
+            jobs.append(revocation.watch(self.consumer_keys, self.fleet))
         return jobs
 
     async def _shutdown(self) -> None:

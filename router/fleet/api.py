@@ -45,7 +45,7 @@ from router.fleet.ops import FleetOpReport, compare_checksums, fan_out
 from router.fleet.refit import RefitCoordinator
 from router.fleet.refit_routes import RefitRoutes
 from router.fleet.restore import Restorer
-from router.http.auth import Access, RouteTable
+from router.http.auth import Access, RouteTable, holder_of
 from router.state.backends import BackendSet, canonical_backend_url
 from router.state.pause_gate import PauseGate
 
@@ -87,6 +87,9 @@ class FleetApi:
         self.backend_api_key = backend_api_key
         self.engine_timeout_s = engine_timeout_s
         self.current_version: str | None = None
+        self.pause_holder: str | None = None
+        """The consumer whose key made the plain pause in force (None: the owner, or no pause): revoking
+        that key resumes the fleet (``end_held_by``)."""
         self._verifying: set[asyncio.Task[None]] = set()
         self._step: int = 0
         self._step_started: float = 0.0
@@ -190,6 +193,7 @@ class FleetApi:
         if (busy := self.refit.busy()) is not None:
             return _json(409, {"ok": False, "error": busy})
         self.gate.close(mode)
+        self.pause_holder = holder_of(request)
         report = await self._fan("pause", self._all_engines(), lambda e, u: e.pause(u, mode))
         report.result = {"mode": mode, "router_holding": self.holds_requests}
         log.info("fleet pause (%s): ok=%s in %.3f s", mode, report.ok, report.took_s)
@@ -198,6 +202,22 @@ class FleetApi:
     async def resume(self, request: web.Request) -> web.Response:
         if (busy := self.refit.busy()) is not None:
             return _json(409, {"ok": False, "error": busy})
+        report = await self._resume()
+        return _answer(report)
+
+    async def end_held_by(self, holder: str, why: str) -> str | None:
+        """``holder``'s key was revoked: abort the refit transaction it began, or resume the plain pause
+        it made (nobody would resume it: the fleet would hold every consumer's requests until they time
+        out). What was ended, in words, or None when it held nothing."""
+        txn = await self.refit.abort_if_held_by(holder, why)
+        if txn is not None:
+            return f"refit {txn.id} to {txn.version!r} aborted"
+        if self.pause_holder == holder and self.gate.stats().paused and self.refit.busy() is None:
+            report = await self._resume()
+            return f"pause resumed (ok={report.ok})"
+        return None
+
+    async def _resume(self) -> FleetOpReport:
         report = await self._fan("resume", self._all_engines(), lambda e, u: e.resume(u))
         # Released even when an engine failed to resume: holding every request forever is worse, and
         # the 500 below tells the trainer which engine is still paused.
@@ -207,8 +227,9 @@ class FleetApi:
             "held_longest_wait_s": figures["longest_wait_s"],
             "paused_for_s": figures["paused_for_s"],
         }
+        self.pause_holder = None
         log.info("fleet resume: ok=%s, %d held requests released", report.ok, figures["released"])
-        return _answer(report)
+        return report
 
     async def is_paused(self, request: web.Request) -> web.Response:
         report = await self._fan("is_paused", self._all_engines(), lambda e, u: e.paused_answer(u))

@@ -139,6 +139,9 @@ class RefitTxn:
     moved: bool = False
     router_holding: bool = True
     """False where the front holds no request during the pause (vllm-router: the engines hold them)."""
+    holder: str | None = None
+    """The consumer whose key began it (``router.http.auth.holder_of``); None: the fleet's owner. Revoking
+    that key ends the transaction (``abort_if_held_by``, from ``router.fleet.revocation``)."""
     released: dict[str, Any] = field(default_factory=dict)
     """What the router held during the pause: ``released`` requests and their ``longest_wait_s``."""
     """True once the fleet's version is ``version`` (some engine verified and stamped)."""
@@ -200,6 +203,7 @@ class RefitTxn:
             "moved": self.moved,
             "held": self.released,
             "router_holding": self.router_holding,
+            "holder": self.holder,
             "ok": self.moved and not quarantined,
         }
 
@@ -285,6 +289,7 @@ class RefitCoordinator:
         deadline_s: float = DEFAULT_DEADLINE_S,
         path: str | None = None,
         held_by_router: bool = False,
+        holder: str | None = None,
     ) -> RefitTxn:
         """Pause the fleet for a transaction towards ``version``. Refused (nothing paused) when another
         runs or no engine is in the fleet. ``held_by_router``: the router itself runs every step (a
@@ -307,6 +312,7 @@ class RefitCoordinator:
                 previous_version=self._current(),
                 previous_checksum=self.last.checksum if self.last is not None else None,
                 router_holding=self.holds_requests,
+                holder=holder,
             )
             txn.engines = {u: EngineRefit(u, touched=source == "external") for u in targets}
             txn._lease_until = time.monotonic() + txn.lease_s
@@ -477,6 +483,18 @@ class RefitCoordinator:
             finally:
                 await self._end(txn, "done" if txn.moved else "failed")
             return txn
+
+    async def abort_if_held_by(self, holder: str, why: str) -> RefitTxn | None:
+        """Abort the transaction in progress if ``holder`` began it (its key was revoked: nobody will
+        commit it, and the fleet must not stay paused until the lease or deadline runs out); the
+        transaction aborted, or None. A step running now (a load) finishes first (the lock)."""
+        txn = self.active
+        if txn is None or txn.ended or txn.holder != holder:
+            return None
+        try:
+            return await self.abort(txn.id, why)
+        except RefitRefused:  # it ended meanwhile
+            return None
 
     async def abort(self, txn_id: str | None, why: str) -> RefitTxn:
         """End the transaction without moving the fleet: touched engines stay out, the rest resume."""

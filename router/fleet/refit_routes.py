@@ -39,7 +39,7 @@ from router.fleet.checkpoint import (
 from router.fleet.engine import PAUSE_MODES, EngineClient
 from router.fleet.ops import fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S, SOURCES, RefitCoordinator, RefitRefused
-from router.http.auth import Access, RouteTable
+from router.http.auth import Access, RouteTable, holder_of
 from router.state.backends import canonical_backend_url
 
 if TYPE_CHECKING:
@@ -196,6 +196,7 @@ class RefitRoutes:
                 deadline_s=deadline_s,
                 path=path,
                 held_by_router=True,
+                holder=holder_of(request),
             )
             await self.refit.load(txn.id, path, per_engine, expected)
             if not txn.ended:  # a canary that failed ended it: the fleet stays on its version
@@ -256,7 +257,8 @@ class RefitRoutes:
                     mode,
                     lease_s=lease_s,
                     deadline_s=deadline_s,
-                    )
+                    holder=holder_of(request),
+                )
             )
         except RefitRefused as exc:
             return _refused(exc)

@@ -74,7 +74,7 @@ from multidict import CIMultiDict
 
 from router.consumers import OWNER_CONSUMER, Consumer
 from router.http.attribution import Blame, InputFailure, input_attributed, malformed_headers
-from router.http.auth import CONSUMER
+from router.http.auth import CONSUMER, still_admitted
 from router.http.bodies import read_body
 from router.http.consumer_limits import ConsumerLimits
 from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
@@ -470,6 +470,10 @@ class Forwarder:
                     # The first dispatch took the consumer's slot; a retry goes on with it.
                     ticket = _Ticket(routing, consumer.name)
                     consumer = None
+                if not attempt and not still_admitted(request):
+                    # Revoked while it was held (a pause, its fair share): refused now, not served.
+                    _Slot(routing, chosen.url, len(body), chosen.version, request_id).release()
+                    return json_response(401, error_body("the API key was revoked", "unauthorized", 401))
                 hold = False
                 if attempt:
                     self.metrics.retries.inc()
