@@ -32,6 +32,8 @@ only ever signals that one session: never ``ray stop``, which ends every Ray on 
 users' and other jobs' included.
 
 It exits, doing nothing, when the session ends while the driver lives (the driver stopped the step).
+
+The same watch ends a Ray Serve replica's engine with its replica (``launcher.gateways.ray_serve.reaper``).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def watch(parent: int, leader: int, ticks: int | None, grace_s: float = GRACE_S)
     if not session_left(leader, ticks):
         return False
     print(
-        f"[rl-launch reaper] the driver (pid {parent}) is gone: ending session {leader}",
+        f"[rl-launch reaper] pid {parent}, which started session {leader}, is gone: ending the session",
         file=sys.stderr,
         flush=True,
     )

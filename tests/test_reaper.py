@@ -98,7 +98,7 @@ def test_a_sigkilled_driver_takes_the_whole_session_of_its_step(tmp_path: Path) 
             os.kill(pid, signal.SIGKILL)
     assert left == [], left
     said = log.read_text()
-    assert f"the driver (pid {driver.pid}) is gone: ending session {leader}" in said, said
+    assert f"pid {driver.pid}, which started session {leader}, is gone: ending the session" in said, said
     # the leader went on SIGTERM (its group's); what ignores it or left the group, on SIGKILL
     assert f"SIGKILLed after 10 s: {sorted([stubborn, grouped])}" in said, said
     assert took < 10 + 5, took

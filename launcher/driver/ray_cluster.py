@@ -255,8 +255,10 @@ class RayCluster:
             step.stop(grace_s=grace_s)  # a no-op for workers the driver's teardown stopped already
         if self.head is not None:
             self.head.stop(grace_s=grace_s)
-            # `ray start --block` stops its node's processes on SIGTERM; `ray stop` on this node catches
-            # stragglers of this cluster only when nothing else uses Ray here, so it is not run blindly.
+            # `ray start --block` stops its node's processes on SIGTERM. Never `ray stop`: it ends every
+            # Ray on the machine, other jobs' too. A straggler of this head's session (Ray starts its
+            # workers in process groups of their own) is ended by the head's reaper once the driver has
+            # exited (launcher.reaper), as everything of the session is if the driver is SIGKILLed.
         t.join(shutdown_timeout_s if not hurry else 0.5)
         self.disconnected = not t.is_alive()
         self.workers.clear()
