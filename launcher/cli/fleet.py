@@ -97,8 +97,8 @@ def reset_cache_command(job: str | None, timeout_s: float, as_json: bool, root: 
     t = time.monotonic()
     if route.via_fleet_route and state.get("fleet_url"):
         report = _via_router(jd, str(state["fleet_url"]), timeout_s)
-    else:  # straight at the job's engines (with the job's API key where they take it)
-        key = jd.read_api_key() if route.with_api_key else None
+    else:  # straight at the job's engines (with the job's engine key where they take one)
+        key = jd.read_engine_key() if route.with_api_key else None
         report = _via_engines(jd, route.engine_path, key, timeout_s)
     jd.write_cache_reset(report.to_json())
     jd.log_event(

@@ -220,6 +220,7 @@ class Driver:
             self.job.write_spec(self.spec)
         self.job.new_api_key()
         self.job.new_admin_token()
+        self.job.new_engine_key(client_key=self.front.engines_take_client_key)
         self.job.new_ray_token()
 
     # -- phases ----------------------------------------------------------------------------------------
@@ -324,6 +325,7 @@ class Driver:
             port=self.router_port.port,
             api_key=self.job.read_api_key(),
             admin_token=self.job.read_admin_token(),
+            engine_key=self.job.read_engine_key(),
             say=self._say,
             generation_nodes=tuple(self.generation_nodes) if not self.local else (),
             reserve_port=lambda: reserve_port(host, r.port_range),

@@ -123,7 +123,7 @@ class EngineHostLauncher:
             startup_timeout_s=gen.startup_timeout_s,
             log_dir=str(self.job.logs),
             job_dir=str(self.job.path),
-            api_key_file=str(self.job.api_key_file),
+            api_key_file=str(self.job.engine_key_file),  # the engines' own key, no client's
             node_index=index,
             **engine_kind(gen.engine).host_fields(gen, os.environ),
             **self.front.engine_host_fields(self.spec.router, self.engine_runtime),

@@ -5,10 +5,12 @@
   directory), its time limit or a cancel, revoking the key of every consumer whose job ended on the way.
 * ``StandingAttachment`` (a job whose spec says ``generation: {fleet: NAME}``): before anything else it
   checks the fleet again (it may have ended while this job was queued), waits (bounded) while it is still
-  starting, registers a consumer key of its own and points the job at the fleet's URL; at teardown it
-  removes its key. Whatever the job held on the fleet (a pause, a refit in progress, held requests) is
-  released by the refit transaction's lease (``router.fleet.refit``), not here: a SIGKILLed driver runs no
-  teardown, and the lease holds then too.
+  starting, registers a consumer key of its own (a client key; and, for a consumer the fleet's spec marks
+  admin, the job's admin token as its admin key: ``launcher.fleet.standing.attach``) and points the job
+  at the fleet's URL; at teardown it removes its keys. Whatever the job held on the fleet ends with its
+  keys, not here: the router aborts a refit transaction or resumes a pause whose holder's key is revoked
+  (``router.fleet.revocation``), and a SIGKILLed driver, which runs no teardown, is revoked by the fleet's
+  driver when it sees the job ended (``prune_ended``).
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ class StandingAttachment:
             },
         }
         if mine.admin and fleet_state.get("fleet_url"):
-            fields["fleet_url"] = fleet_state["fleet_url"]  # the job's own key is admin there
+            # the job's own admin token is its admin key there (its client key is not)
+            fields["fleet_url"] = fleet_state["fleet_url"]
         self.state.update(**fields)
         took = round(time.monotonic() - t, 2)
         detail = (

@@ -171,7 +171,7 @@ class ElasticFleet:
             else None
         )
         try:
-            self.api_key: str | None = job.read_api_key()
+            self.api_key: str | None = job.read_engine_key()  # the engines' gauges take it
         except OSError:
             self.api_key = None
         self._stop = threading.Event()

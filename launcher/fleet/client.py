@@ -22,7 +22,7 @@ half-stamped fleet never passes silently; ``check=False`` returns the report ins
 The builtin router serves these routes itself; for ``router.kind: vllm-router`` and ``ray-serve`` the driver
 serves them beside the front (``launcher.gateways.fleet_endpoint``: same routes, but the engines, not the
 front, hold the requests that arrive during a pause). ``from_job_dir`` finds the right URL in the job state
-(``fleet_url``; a job on a standing fleet uses its own consumer key there) and refuses fronts without these
+(``fleet_url``; a job on a standing fleet uses its own admin key there) and refuses fronts without these
 routes (Dynamo) with the reason.
 """
 
@@ -159,9 +159,10 @@ class FleetClient:
                 f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (router.kind {having} "
                 "have them; rl-launch fleet reset-cache works for every front)" + (f": {why}" if why else "")
             )
-        # A job on a standing fleet refits with its own consumer key, which the fleet's owner made an
-        # admin consumer (fleet.consumers.<job>.admin); the driver records fleet_url only then.
-        token = jd.read_api_key() if state.get("attached_to") else jd.read_admin_token()
+        # A job on a standing fleet refits with its own admin token, which the fleet registered as its
+        # admin key when its owner made it an admin consumer (fleet.consumers.<job>.admin); the driver
+        # records fleet_url only then. Never the client key: that one is every rollout worker's.
+        token = jd.read_admin_token()
         return cls(url, token, timeout_s)
 
     # -- transport ----------------------------------------------------------------------------------

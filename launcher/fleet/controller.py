@@ -119,7 +119,7 @@ class FleetController:
         """The fleet's weight version as the front last reported it: kept only to re-seed a front that
         restarted and forgot it (``_reseed_version``), never to judge an engine."""
         try:
-            self._engine_key: str | None = job.read_api_key()
+            self._engine_key: str | None = job.read_engine_key()
         except OSError:  # a job without one (tests): engines without a key
             self._engine_key = None
         self.hosts = hosts

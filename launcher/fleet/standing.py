@@ -351,25 +351,26 @@ def wait_serving(
 # -- consumers -------------------------------------------------------------------------------------------
 def attach(record: FleetRecord, consumer: JobDir, job_name: str, weight: float, admin: bool) -> str:
     """Register ``consumer`` with the fleet: a new client key in the consumer's own 0600 key file (the
-    one its Gym overlay and environment read), its hash in the fleet's consumers file. Returns the
-    consumer's name there (its job directory's name: unique per job)."""
-    from router.consumers import add_consumer
+    one its Gym overlay and environment read), its hash in the fleet's consumers file, never an admin
+    credential (every rollout worker and agent sandbox reads it). ``admin`` (the fleet's spec marks the
+    job so): the job's own ``secrets/admin_token`` is registered too, as the consumer's admin key
+    (``router.consumers``), for the refit routes; only the job's driver and trainer read that file.
+    Returns the consumer's name there (its job directory's name: unique per job)."""
+    from router.consumers import add_admin_key, add_consumer
 
     consumer.new_api_key()
     name = consumer.path.name
+    path = consumers_path(record.job_dir)
     add_consumer(
-        consumers_path(record.job_dir),
-        name,
-        consumer.read_api_key(),
-        weight=weight,
-        admin=admin,
-        job=str(consumer.path),
-        replace=True,
+        path, name, consumer.read_api_key(), weight=weight, admin=False, job=str(consumer.path), replace=True
     )
+    if admin:
+        add_admin_key(path, name, consumer.read_admin_token(), job=str(consumer.path), weight=weight)
     return name
 
 
 def detach(record_job_dir: str | Path, name: str) -> bool:
+    """Revoke consumer ``name``'s keys, its admin key included (``router.consumers.remove_consumer``)."""
     from router.consumers import remove_consumer
 
     return remove_consumer(consumers_path(record_job_dir), name)
@@ -405,7 +406,10 @@ def attached(fleet_job: str | Path) -> dict[str, Any]:
 def prune_ended(fleet_job: str | Path) -> dict[str, str]:
     """Revoke the key of every consumer whose job ended; ``{name: why}`` of those removed."""
     removed = {}
-    for name, c in attached(fleet_job).items():
+    table = attached(fleet_job)
+    for name, c in table.items():
+        if c.account and c.account in table:
+            continue  # an admin key goes with its account's entry
         why = consumer_ended(JobDir(c.job)) if c.job else None
         if why is not None and detach(fleet_job, name):
             removed[name] = why

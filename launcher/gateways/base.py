@@ -74,9 +74,17 @@ class GatewayContext:
     port: int
     """Reserved once from the spec's port range: a restarted front rebinds the same URL."""
     api_key: str
-    """What clients (Gym) send, and what engines expect."""
+    """What clients (Gym) send."""
     admin_token: str
     """The front's admin surface (``/workers``): the driver and the fleet controller only."""
+    engine_key: str = ""
+    """What the engines take (``secrets/engine_key``): presented by the front in place of the client's
+    key and by every fleet call to the engines; the API key itself where
+    ``FrontKind.engines_take_client_key``. Empty: the API key (a context made without one, in tests)."""
+
+    @property
+    def engines_key(self) -> str:
+        return self.engine_key or self.api_key
     say: Callable[[str], None] = field(default=lambda message: None)
     generation_nodes: tuple[str, ...] = ()
     """Hostnames of the generation nodes (where a gateway that owns its engines places them)."""

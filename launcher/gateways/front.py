@@ -144,6 +144,12 @@ class FrontKind(Generic[S]):
     forwards_client_key: ClassVar[bool] = False
     """Whether the front passes the client's ``Authorization`` on to the workers it routes to: a worker
     the job does not own then receives the job's API key (``status`` flags that)."""
+    engines_take_client_key: ClassVar[bool] = False
+    """Whether the engines behind this front must take the client's key because the front passes it on
+    to them as it came (vllm-router; Ray Serve's replicas forward the client's headers to their engine).
+    Then the job's ``secrets/engine_key`` is a copy of its API key. Otherwise it is a key of its own that
+    the front presents in place of the client's (the builtin router's ``backend_api_key``), and no
+    client, owner or consumer, can call an engine's routes directly."""
     bench_arm: ClassVar[str | None] = None
     """``module:function`` of the bench's ``<kind>[:OPTION]`` arm (``launcher.bench.arms``), if any."""
 

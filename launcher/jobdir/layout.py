@@ -11,6 +11,9 @@ Layout (on the shared filesystem, so every node and the login node see it)::
       gym_overlay.yaml        policy_base_url / policy_api_key / policy_model_name for NeMo-Gym
       secrets/api_key         the per-run client API key, 0600 in a 0700 directory
       secrets/admin_token     the router's admin token (router and fleet controller only), 0600
+      secrets/engine_key      what the engines take (the front and the fleet's own calls present it; no
+                              client holds it), 0600; a copy of api_key behind a front that passes the
+                              client's key on to the engines (``FrontKind.engines_take_client_key``)
       secrets/ray_token       the job's Ray token (RAY_AUTH_TOKEN_PATH of every Ray node, the driver and
                               the training command), 0600
       secrets/<name>          a component's own credential (``new_secret``; e.g. Dynamo's etcd password), 0600
@@ -122,6 +125,10 @@ class JobDir:
         return self.path / "secrets" / "admin_token"
 
     @property
+    def engine_key_file(self) -> Path:
+        return self.path / "secrets" / "engine_key"
+
+    @property
     def ray_token_file(self) -> Path:
         return self.path / "secrets" / "ray_token"
 
@@ -216,6 +223,20 @@ class JobDir:
         or remove the router's engines with it."""
         return self._new_secret(self.admin_token_file)
 
+    def new_engine_key(self, client_key: bool = False) -> Path:
+        """The engines' own key, so that no client key (the owner's, in every rollout worker's Gym
+        config, nor a consumer's) opens an engine's routes (``/pause``, ``/collective_rpc``...) directly.
+        ``client_key``: a copy of the API key instead, for a front that passes the client's key on to
+        the engines (they must then take it)."""
+        if not client_key:
+            return self._new_secret(self.engine_key_file)
+        path = self.engine_key_file
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.read_api_key())
+        return path
+
     def new_ray_token(self) -> Path:
         """Ray's own: whoever holds it runs code as the job's user on every node (Ray's token auth)."""
         return self._new_secret(self.ray_token_file)
@@ -225,6 +246,14 @@ class JobDir:
 
     def read_admin_token(self) -> str:
         return self.admin_token_file.read_text().strip()
+
+    def read_engine_key(self) -> str:
+        """The engines' key; the API key for a job directory made before there was one (its engines
+        take the API key: a running job must stay reachable by the status and the fleet commands)."""
+        try:
+            return self.engine_key_file.read_text().strip()
+        except FileNotFoundError:
+            return self.read_api_key()
 
     # -- state and events (read side; the driver writes through StateWriter) ---------------------------
     def read_state(self) -> dict[str, Any]:

@@ -302,8 +302,9 @@ class StatusCollector:
         step = txn = None
         if fleet_url is not None:
             try:
-                # a job attached to a standing fleet (an admin consumer) uses its own consumer key there
-                token = jd.read_api_key() if jd.read_state().get("attached_to") else jd.read_admin_token()
+                # a job attached to a standing fleet (an admin consumer) uses its own admin token there,
+                # which the fleet registered as its admin key (router.consumers)
+                token = jd.read_admin_token()
             except (OSError, ValueError):
                 token = None
             if token:
@@ -354,10 +355,10 @@ class StatusCollector:
 
     @staticmethod
     def _engine_key(jd: JobDir) -> tuple[str | None, str | None]:
-        """``(key, problem)``: the job's API key for its engines' ``/metrics``, or None and why when the
+        """``(key, problem)``: the job's engine key for its engines' ``/metrics``, or None and why when the
         key file cannot be read (the engines are scraped without it: the dashboard shows the rest)."""
         try:
-            return jd.read_api_key() or None, None
+            return jd.read_engine_key() or None, None
         except (OSError, ValueError) as exc:
             return None, (
                 f"the job's API key is unreadable ({type(exc).__name__}: {exc}); engine /metrics scraped "

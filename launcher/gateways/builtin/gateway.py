@@ -37,18 +37,17 @@ class BuiltinRouterGateway(Gateway):
         from router.config import RouterConfig
 
         ctx = self.context
-        sharing: dict[str, Any] = {}
+        # The engines take the job's engine key: a client's key (the owner's, a consumer's) is replaced,
+        # never passed on (the engines refuse it, and it is not theirs to see).
+        sharing: dict[str, Any] = {"backend_api_key": ctx.engines_key}
         if ctx.spec.fleet is not None:
             # A standing fleet: the consumers' keys (hashes) from the file their jobs register in, and
             # the fair share of the fleet's in-flight capacity between them (launcher.fleet.standing).
             from launcher.fleet.standing import consumers_path
 
-            sharing = {
+            sharing |= {
                 "consumers_file": str(consumers_path(ctx.job.path)),
                 "fair_share_capacity": ctx.spec.fleet.capacity,
-                # The engines take the fleet's own key: a consumer's key is replaced, never passed on
-                # (the engines would refuse it, and it is not theirs to see).
-                "backend_api_key": ctx.api_key,
             }
         config = RouterConfig.from_settings(
             ctx.spec.router,

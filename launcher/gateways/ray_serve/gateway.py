@@ -280,7 +280,7 @@ class RayServeGateway(Gateway):
         ctx = self.context
         port = ctx.reserve_port() if ctx.reserve_port is not None else 0  # 0: the OS's choice
         try:
-            self.fleet = FleetEndpoint(ctx.host, port, ctx.admin_token, ctx.api_key).start()
+            self.fleet = FleetEndpoint(ctx.host, port, ctx.admin_token, ctx.engines_key).start()
             self.fleet.watch(self._fleet_changed)
         except Exception as exc:
             raise GatewayError(f"ray-serve: the fleet endpoint did not start on {ctx.host}: {exc}") from exc

@@ -26,6 +26,7 @@ class RayServeFront(FrontKind[RayServeRouterSection]):
     gateway = "launcher.gateways.ray_serve.gateway:RayServeGateway"
     has_fleet_routes = True  # served by the driver beside Serve (launcher.gateways.fleet_endpoint)
     owns_engines = True
+    engines_take_client_key = True  # each replica forwards the client's headers to its engine
     no_elastic_why = (
         "router.kind ray-serve places its replicas itself inside the job's Ray cluster (Serve's own "
         "num_replicas and autoscaling move them between the nodes that cluster has); rl-launch adds no Slurm "

@@ -94,7 +94,7 @@ class VllmRouterGateway(Gateway):
         ctx = self.context
         port = ctx.reserve_port() if ctx.reserve_port is not None else 0  # 0: the OS's choice
         try:
-            self.fleet = FleetEndpoint(ctx.host, port, ctx.admin_token, ctx.api_key).start()
+            self.fleet = FleetEndpoint(ctx.host, port, ctx.admin_token, ctx.engines_key).start()
         except Exception as exc:
             raise GatewayError(f"vllm-router: the fleet endpoint did not start on {ctx.host}: {exc}") from exc
 

@@ -33,6 +33,7 @@ class VllmRouterFront(FrontKind[VllmRouterFrontSection]):
     gateway = "launcher.gateways.vllm_router.gateway:VllmRouterGateway"
     has_fleet_routes = True  # served by the driver beside it (fleet_endpoint)
     forwards_client_key = True  # vllm-router passes each client's Authorization on to the worker it picks
+    engines_take_client_key = True  # so its engines take the client's key
     bench_arm = "launcher.gateways.vllm_router.bench_arm:vllm_router_arm"
 
     def rules(self, router: VllmRouterFrontSection, cluster: str) -> list[Issue]:
