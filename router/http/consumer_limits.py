@@ -73,7 +73,7 @@ class ConsumerLimits:
         shares = self._shares
         keys = self.consumers
         if shares.reloads != keys.reloads:  # re-read since: the weights may have changed
-            table = keys.consumers()
+            table = keys.accounts()  # an admin key is no consumer of its own: its weight is its account's
             shares.weights = {name: c.weight for name, c in table.items()}
             shares.total = sum(shares.weights.values()) + 1.0  # the owner
             shares.reloads = keys.reloads
