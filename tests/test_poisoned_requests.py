@@ -61,7 +61,11 @@ def test_held_failures_are_charged_only_once_another_engine_served() -> None:
     assert not bad_input.failed("a", "status", False)
     assert bad_input.answered(400) == [] and not bad_input.poisoned()  # the next engine said the input is bad
     alone = Blame()
-    assert not alone.failed("a", "timeout", False) and not alone.poisoned()  # no second opinion: nobody's
+    assert not alone.failed("a", "timeout", False) and not alone.poisoned()  # no engine left: nobody's
+    assert Blame().failed("a", "status", False, retried=False)  # retries configured off: one engine judges
+    last = Blame()
+    assert not last.failed("a", "status", False) and not last.failed("b", "status", False, retried=False)
+    assert last.poisoned()  # the last attempt allowed failed too: still the request's
     blamed = Blame()
     assert not blamed.failed("a", "status", True) and blamed.poisoned()  # the engine blamed the input
     assert blamed.answered(200) == []

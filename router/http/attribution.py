@@ -14,10 +14,14 @@ back STALE. So an attempt's failure is charged to its engine only where the engi
   engine answered it below 400: the held failure was its engine's, charged then. The next engine failed it
   too (5xx or timeout): the request is **poisoned**, charged to no engine and counted against its
   consumer (``rl_router_consumer_poisoned_total``). The next engine answered 4xx (the request is bad, and
-  only the first engine crashed on it), or there was no next attempt (no other engine left, retries off,
-  the client went away): not charged either. One engine alone cannot tell a bad request from a bad engine,
+  only the first engine crashed on it), or no next attempt could be made (no other engine left, the
+  client went away): not charged either. One engine alone cannot tell a bad request from a bad engine,
   and charging it would let one consumer restart the last serving engine (or a canary) at will; such an
-  engine is still judged by its ``/health`` probes, and by every request another engine serves.
+  engine is still judged by its ``/health`` probes, and by every request another engine serves. A router
+  configured for no second opinion (``max_attempts: 1``, or a timeout with ``retry_on_timeout`` off)
+  charges such a failure at once, as it always did: it chose to judge by one engine's answer (a
+  standalone router's passive ejection of an engine that fails every request while ``/health`` passes
+  rests on it).
 * A 5xx whose error body the engine attributes to the input (``input_attributed``), or a request
   carrying a malformed header (``malformed_headers``): the request's, never charged. Still retried: the
   status contract stays (5xx -> one retry elsewhere -> 500).
@@ -100,14 +104,15 @@ class Blame:
         self._held: list[tuple[str, str]] = []
         self._attributed = False
 
-    def failed(self, url: str, kind: str, attributed: bool) -> bool:
+    def failed(self, url: str, kind: str, attributed: bool, retried: bool = True) -> bool:
         """An attempt on ``url`` failed with ``kind``; True when it is charged to ``url`` now (the
         transport's failures). ``attributed``: the engine's answer, or the request's headers, put it on
-        the request."""
+        the request. ``retried``: whether the router's settings allow another attempt after this one (not
+        whether an engine is left for it); a first failure with none is charged at once (module doc)."""
         if attributed:
             self._attributed = True
             return False
-        if kind in HELD_KINDS:
+        if kind in HELD_KINDS and (retried or self._held):
             self._held.append((url, kind))
             return False
         return True

@@ -501,7 +501,10 @@ class Forwarder:
                     if blame is None:
                         blame = Blame()
                     attributed = isinstance(failure, InputFailure) or malformed_headers(headers)
-                    charged = blame.failed(url, failure.kind, attributed)
+                    retried = attempt + 1 < self.config.max_attempts and (
+                        failure.kind != "timeout" or self.config.retry_on_timeout
+                    )
+                    charged = blame.failed(url, failure.kind, attributed, retried)
                     self._on_failure(route_request, url, failure.kind, charged)
                     if failure.kind == "timeout" and not self.config.retry_on_timeout:
                         break
@@ -514,8 +517,7 @@ class Forwarder:
                 ticket.end()  # no answer in full (it failed, or the client left): no tokens counted
         assert last is not None
         if blame is not None and blame.poisoned():
-            consumer_name = (request.get(CONSUMER) or OWNER_CONSUMER).name
-            self.metrics.poisoned.labels(consumer_name).inc()
+            self.metrics.poisoned((request.get(CONSUMER) or OWNER_CONSUMER).name)
         return json_response(
             BACKEND_FAILURE_STATUS,
             error_body(f"backend failed: {last}", f"backend_{last.kind}", BACKEND_FAILURE_STATUS),

@@ -354,15 +354,7 @@ class RouterMetrics:
         )
         self.errors = Counter("rl_router_errors", "Router-side errors, by kind", ["kind"], registry=r)
         self.retries = Counter("rl_router_retries", "Attempts retried on another backend", registry=r)
-        # Per consumer as rl_router_consumer_* are, but counted where the request ends (a worker process's
-        # counts are summed by the parent), with or without a consumers file ("owner" then).
-        self.poisoned = Counter(
-            "rl_router_consumer_poisoned",
-            "Generation requests answered 500 whose failure followed the request (it failed on two "
-            "engines, or the engine blamed the input): charged to no engine's health",
-            ["consumer"],
-            registry=r,
-        )
+        self._poisoned: Counter | None = None
         self.latency = Histogram(
             "rl_router_request_duration_seconds",
             "Time from request received to response fully sent",
@@ -383,6 +375,22 @@ class RouterMetrics:
         if workers is not None:
             self.registry.register(_WorkersCollector(workers))
         self.own_registry = r
+
+    def poisoned(self, consumer: str) -> None:
+        """Count a generation request of ``consumer`` answered 500 whose failure followed the request (it
+        failed on two engines, or the engine blamed the input: ``router.http.attribution``), charged to no
+        engine's health. Per consumer as the ``rl_router_consumer_*`` families, but counted where the
+        request ends (a worker process's counts are summed by the parent), "owner" without a consumers
+        file; the family is made at the first one, so a router that never had one lists none (a router
+        without consumers lists no consumer family)."""
+        if self._poisoned is None:
+            self._poisoned = Counter(
+                "rl_router_consumer_poisoned",
+                "Generation requests answered 500 whose failure followed the request, charged to no engine",
+                ["consumer"],
+                registry=self.own_registry,
+            )
+        self._poisoned.labels(consumer).inc()
 
     def watch_record(self, counts: RecordCounts | None, directory: str | None) -> None:
         """Report this process's request record counts with its other per-request counts (summed over
