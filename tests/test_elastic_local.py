@@ -50,7 +50,8 @@ TRAINER = textwrap.dedent(
     time.sleep(5)  # the new engines take their share
     import urllib.request
     grown = json.load(open(os.path.join(job, "engines", "node-1.urls.json")))["engines"]
-    key = {"Authorization": "Bearer " + os.environ["RL_POLICY_API_KEY"]}
+    # The engines take the job's own engine key (no client key opens them); the job's user can read it.
+    key = {"Authorization": "Bearer " + open(os.path.join(job, "secrets", "engine_key")).read().strip()}
     out["grown_served"] = {}
     for e in grown:  # each grown engine's own count of finished requests, before it is drained
         text = urllib.request.urlopen(urllib.request.Request(e["url"].rstrip("/") + "/metrics", headers=key),

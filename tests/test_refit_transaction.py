@@ -333,7 +333,8 @@ async def test_a_gated_request_is_held_until_its_version_is_stamped(sims, router
         status, headers, body = await asyncio.wait_for(task, 30)
         assert status == 200 and headers["x-rl-weight-version"] == "v2", (headers, body)
     status, _, body = await send_with_headers(url, {"x-rl-weight-version": "v1"})
-    assert status == 409 and "v1" in body["error"]["message"]  # nobody serves v1 any more: bounded wait
+    # Nobody serves v1 any more and no refit moves to it: answered at once, never held (issue 28 #4).
+    assert status == 400 and "'v1' is no longer served" in body["error"]["message"], body
 
 
 async def send_with_headers(url: str, headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:
