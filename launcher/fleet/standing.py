@@ -181,7 +181,7 @@ def _load_record(path: Path) -> FleetRecord:
     record = FleetRecord.from_json(data)
     if record.uid != os.getuid():
         owner = user_label(record.uid) if isinstance(record.uid, int) else repr(record.uid)
-        raise FleetRefused(f"fleet record {path} names {owner} as the fleet's owner, not you: refused")
+        raise FleetRefused(f"fleet record {path} says the fleet belongs to {owner}, not to you: refused")
     why = entry_problem(Path(record.job_dir), "its job directory")
     if why is not None:
         raise FleetRefused(f"fleet record {path}: {why}")
