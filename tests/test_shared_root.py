@@ -352,3 +352,43 @@ def test_a_root_owned_by_another_user_is_refused(tmp_path: Path, probe: OtherUse
     line = one_line_error(run("list", "--root", str(root)))
     assert f"job root {root} belongs to user {probe.name} (uid {probe.uid})" in line, line
     assert "use a job root of your own" in line
+
+
+# -- scancel ---------------------------------------------------------------------------------------------
+@pytest.mark.slurm
+def test_scancel_only_of_a_job_slurm_lists_as_yours(tmp_path: Path, probe: OtherUser) -> None:
+    """The caller's own job directory and fleet record name another user's Slurm job (a record gone
+    wrong, a copied directory): root, or a Slurm operator, could scancel it; neither ``cancel`` nor
+    ``fleet down`` does. On the local Slurm cluster, the other user's job held in the queue."""
+    from launcher.jobdir import SubmittedJob
+    from launcher.slurm import queue
+    from tests.test_slurm_cluster import _slurm_unreachable
+
+    reason = _slurm_unreachable()
+    if reason:
+        pytest.skip(
+            f"no Slurm cluster reachable: {reason} (slurm/cluster.sh start, then run on its login node)"
+        )
+    argv = ["sbatch", "--parsable", "--hold", "--output=/dev/null", "--chdir=/", "--wrap", "sleep 600"]
+    submitted = probe.run(argv)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        root = tmp_path / "jobs"
+        job = JobDir(root / f"own-{job_id}").create()
+        job.write_submitted(
+            SubmittedJob(job_id=job_id, name="own", cluster="slurm", t=time.time(), job_dir=str(job.path))
+        )
+        line = one_line_error(run("cancel", job.path.name, "--root", str(root), "--no-wait"))
+        assert f"Slurm job {job_id} belongs to user {probe.name} (uid {probe.uid}), not to you" in line, line
+        record = standing.FleetRecord(
+            "prod", str(job.path), "slurm", standing.cluster_id("slurm"), os.getuid(), "x", "m", job_id, 0.0
+        )
+        standing.write_record(root, record)
+        line = one_line_error(run("fleet", "down", "prod", "--root", str(root), "--timeout", "3"))
+        assert f"Slurm job {job_id} belongs to user {probe.name}" in line, line
+        entry = queue.squeue_entry(job_id)
+        assert entry is not None and entry.state == "PENDING", entry
+        print(f"\nscancel refused: {line}")
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
