@@ -35,10 +35,12 @@ TRAINER = textwrap.dedent(
     import glob
     engines = [e for f in sorted(glob.glob(os.path.join(job, "engines", "node-*.urls.json")))
                for e in json.load(open(f))["engines"]]  # node 0's engines first
+    # The engines take the job's own engine key (no client key opens them); the job's user can read it.
+    engine_key = open(os.path.join(job, "secrets", "engine_key")).read().strip()
     def fault(url, what):
         req = urllib.request.Request(url + "/sim/fault", data=json.dumps({"mode": what}).encode(),
                                      headers={"Content-Type": "application/json",
-                                              "Authorization": "Bearer " + os.environ["RL_POLICY_API_KEY"]})
+                                              "Authorization": "Bearer " + engine_key})
         urllib.request.urlopen(req, timeout=5).read()
     if mode == "kill_all":
         for e in engines:

@@ -38,8 +38,8 @@ TRAINER = textwrap.dedent(
     from router.prometheus import metric_sum, parse_metrics
     counters = {}
     for e in JobDir(job).engine_entries():
-        req = urllib.request.Request(e.url + "/metrics",
-                                     headers={"Authorization": "Bearer " + os.environ["RL_POLICY_API_KEY"]})
+        req = urllib.request.Request(e.url + "/metrics",  # the engines take the job's engine key only
+                                     headers={"Authorization": "Bearer " + JobDir(job).read_engine_key()})
         text = urllib.request.urlopen(req, timeout=5).read().decode()
         m = parse_metrics(text, ("vllm:",))
         counters[e.url] = {"requests": metric_sum(m, "vllm:request_success_total"),

@@ -148,12 +148,13 @@ async def run_arm_async(
     this replay used during it (``launcher.bench.cpu``), its ``warnings`` what may have decided its times.
     """
     engines = [_root(u) for u in engine_urls]
-    before = await scrape(engines, api_key=config.api_key) if engines else []
+    scrape_key = config.engine_key or config.api_key
+    before = await scrape(engines, api_key=scrape_key) if engines else []
     client = ReplayClient([_v1(u) for u in client_urls], config, on_session_end)
     stop = asyncio.Event()
     sampler = None
     if watch.sample_s > 0 and engines:
-        sampler = asyncio.create_task(sample_load(engines, watch.sample_s, stop, api_key=config.api_key))
+        sampler = asyncio.create_task(sample_load(engines, watch.sample_s, stop, api_key=scrape_key))
     cpu = CpuWatch(in_process=watch.in_process).start()
     try:
         result = await client.run(trace)
@@ -161,7 +162,7 @@ async def run_arm_async(
         used = cpu.stop()
         stop.set()
         samples = await sampler if sampler is not None else []
-    after = await scrape(engines, api_key=config.api_key) if engines else []
+    after = await scrape(engines, api_key=scrape_key) if engines else []
     client_counts = None
     if arm == DIRECT or len(client_urls) > 1:
         counts = result.target_counts()

@@ -81,6 +81,9 @@ class ClientConfig:
     max_wall_s: float = 3600.0
     temperature: float = 1.0
     api_key: str | None = None
+    engine_key: str | None = None
+    """What the engines' own routes take for the counter scrapes (inside a job: its engine key, which no
+    client key opens); None: ``api_key`` (a fleet the bench started itself, or engines given by hand)."""
 
 
 @dataclass(slots=True)

@@ -42,6 +42,20 @@ def default_results_dir() -> Path:
     return Path(job_dir) / "bench" if job_dir else Path(DEFAULT_RESULTS_DIR)
 
 
+def job_engine_key() -> str | None:
+    """Inside a job (``$RL_JOB_DIR``): the key its engines take, for the counter scrapes of a ``--url``
+    replay (the engines refuse the client key); None outside a job or where it cannot be read."""
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    if not job_dir:
+        return None
+    from launcher.jobdir import JobDir
+
+    try:
+        return JobDir(Path(job_dir)).read_engine_key() or None
+    except (OSError, ValueError):
+        return None
+
+
 def job_engine_urls() -> list[str]:
     """Inside a job (``$RL_JOB_DIR``): the engines its listings name, for the per-engine figures of a
     ``--url`` replay. The router's ``GET /workers`` needs the admin token, which a trainer never holds;

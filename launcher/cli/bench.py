@@ -22,6 +22,7 @@ from launcher.bench.replay import (
     DEFAULT_RESULTS_DIR,
     ReplayPlan,
     default_results_dir,
+    job_engine_key,
     job_engine_urls,
     progress_bar,
     run_arms,
@@ -376,6 +377,7 @@ def replay_command(
 
     if url and not engine_urls:
         engine_urls = tuple(job_engine_urls())
+        config.engine_key = job_engine_key()
     plan = ReplayPlan(
         config,
         url=url,
