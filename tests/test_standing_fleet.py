@@ -385,13 +385,13 @@ def test_bad_attachments_are_refused_before_anything_starts(tmp_path: Path, flee
 
 
 def test_readme_standing_fleet_commands(tmp_path: Path) -> None:
-    """The README's two commands for a local standing fleet, as written (in a home of their own, so the
-    jobs land under its ~/rl-launch/jobs), then ``rl-launch fleet down``."""
+    """The two commands of docs/standing-fleets.md for a local standing fleet, as written (in a home of
+    their own, so the jobs land under its ~/rl-launch/jobs), then ``rl-launch fleet down``."""
     import re
 
     root = Path(__file__).resolve().parents[1]
-    text = (root / "README.md").read_text()
-    section = text[text.index("### A standing fleet") :]
+    text = (root / "docs" / "standing-fleets.md").read_text()
+    section = text[text.index("# Standing fleets") :]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
     assert block
     commands = [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]

@@ -7,7 +7,7 @@ cannot (it runs on the host, where Slurm puts it), so with a container the batch
 as a one-task ``srun`` step in the container on its own node; the driver's children (Ray head, router,
 training command) inherit the container, and every step the driver starts (Ray workers, engine hosts)
 carries the same ``--container-*`` arguments. The image must therefore be able to call ``srun`` (most
-sites mount the Slurm client into pyxis containers; see the README's container section). Without a
+sites mount the Slurm client into pyxis containers; see docs/operations.md, "Containers"). Without a
 container the batch shell ``exec``s the driver directly, as before.
 
 Why ``exec``: the time-limit warning is requested as ``--signal=B:USR2@N`` (batch shell only: the engine

@@ -21,10 +21,10 @@ What the launcher runs on the driver node, all stopped at teardown:
   (``gateway_frontend``, ``frontend_url``) for operators and tests on the driver node.
 
 Not authenticated by Dynamo 1.6, and therefore only on loopback in local mode and refused on ``cluster:
-slurm`` without ``router.dynamo.allow_insecure_network`` (README, "Behind Dynamo"): each worker's request
-plane (TCP, ``DYN_TCP_RPC_HOST``) and system status server (``/health``, ``/engine/*``; the engine URL our
-probes use), the frontend's TCP response-stream listener, and with ``discovery: file`` the ZMQ event
-plane. They listen on the nodes' addresses because the other nodes must reach them.
+slurm`` without ``router.dynamo.allow_insecure_network`` (docs/fronts.md, "Behind Dynamo"): each worker's
+request plane (TCP, ``DYN_TCP_RPC_HOST``) and system status server (``/health``, ``/engine/*``; the engine
+URL our probes use), the frontend's TCP response-stream listener, and with ``discovery: file`` the ZMQ
+event plane. They listen on the nodes' addresses because the other nodes must reach them.
 
 Membership (``set_serving``): Dynamo's discovery decides which workers the frontend routes to; there is no
 "add/remove this URL" call. The controller's serving set is therefore enforced through the workers

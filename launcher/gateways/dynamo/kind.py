@@ -33,9 +33,9 @@ class DynamoOptions(Section):
     allow_insecure_network: bool = False
     """``cluster: slurm`` refuses a Dynamo job without it: Dynamo 1.6 authenticates nothing the workers
     listen on (request plane, system status server with its ``/engine/*`` routes), and on a cluster they
-    listen on the nodes' addresses. ``true`` accepts that on a network you trust (README, "Behind
-    Dynamo"); etcd, NATS and the front URL check the job's secrets either way. No effect with ``cluster:
-    local``, where everything listens on loopback."""
+    listen on the nodes' addresses. ``true`` accepts that on a network you trust (docs/fronts.md,
+    "Behind Dynamo"); etcd, NATS and the front URL check the job's secrets either way. No effect with
+    ``cluster: local``, where everything listens on loopback."""
 
     @field_validator("frontend_args", "worker_args", mode="before")
     @classmethod
@@ -85,7 +85,7 @@ class DynamoFront(FrontKind[DynamoRouterSection]):
                     "required with router.kind: dynamo on cluster: slurm: Dynamo's workers take requests "
                     "(TCP request plane) and /engine/* calls (system status server) from anyone on the "
                     "cluster network, with no authentication; set it to true on a network you trust "
-                    '(README, "Behind Dynamo"), or use another router.kind',
+                    '(docs/fronts.md, "Behind Dynamo"), or use another router.kind',
                 )
             ]
         return []

@@ -24,7 +24,7 @@ The secrets are ``<job>/secrets/dynamo_etcd_password`` and ``dynamo_nats_token``
 ``JobDir.new_secret``); ``DynamoPlanes.secret_files`` names them, and every process that starts a worker
 or the frontend reads them into that process's environment.
 
-Left open (the README's "Behind Dynamo" says so, and ``cluster: slurm`` refuses to start without
+Left open (docs/fronts.md's "Behind Dynamo" says so, and ``cluster: slurm`` refuses to start without
 ``router.dynamo.allow_insecure_network``): etcd and NATS traffic is not encrypted (no TLS: the password and
 token cross the network in clear text), and what the workers themselves listen on (see
 ``launcher.gateways.dynamo``). etcd 3.4 also writes the user-add request, password included, into its
