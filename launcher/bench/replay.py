@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,11 +43,14 @@ def default_results_dir() -> Path:
     return Path(job_dir) / "bench" if job_dir else Path(DEFAULT_RESULTS_DIR)
 
 
-def job_engine_key() -> str | None:
+def job_engine_key(engine_urls: Sequence[str]) -> str | None:
     """Inside a job (``$RL_JOB_DIR``): the key its engines take, for the counter scrapes of a ``--url``
-    replay (the engines refuse the client key); None outside a job or where it cannot be read."""
+    replay (the engines refuse the client key), when every one of ``engine_urls`` is one of the job's
+    own engines; None otherwise (outside a job, or an engine of someone else's: the engine key is never
+    sent to a URL the job did not start)."""
     job_dir = os.environ.get(JOB_DIR_ENV)
-    if not job_dir:
+    own = {_engine_root(u) for u in job_engine_urls()}
+    if not job_dir or not engine_urls or not {_engine_root(u) for u in engine_urls} <= own:
         return None
     from launcher.jobdir import JobDir
 
@@ -54,6 +58,10 @@ def job_engine_key() -> str | None:
         return JobDir(Path(job_dir)).read_engine_key() or None
     except (OSError, ValueError):
         return None
+
+
+def _engine_root(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def job_engine_urls() -> list[str]:

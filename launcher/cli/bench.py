@@ -377,7 +377,8 @@ def replay_command(
 
     if url and not engine_urls:
         engine_urls = tuple(job_engine_urls())
-        config.engine_key = job_engine_key()
+    if url:
+        config.engine_key = job_engine_key(engine_urls)
     plan = ReplayPlan(
         config,
         url=url,
