@@ -179,16 +179,17 @@ def _slurm_queue_cleared(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture
 async def sims():  # type: ignore[no-untyped-def]
-    """``await make(n, **sim_config)``: ``n`` started ``SimServer``s (speed 20), stopped after the test."""
+    """``await make(n, api_key=None, **sim_config)``: ``n`` started ``SimServer``s (speed 20), stopped
+    after the test; ``api_key``: the key they require (a job's engines take its engine key only)."""
     from launcher.engines.sim.config import SimConfig
     from launcher.engines.sim.server import SimServer
 
     made: list[SimServer] = []
 
-    async def make(n: int = 2, **config: object) -> list[SimServer]:
+    async def make(n: int = 2, api_key: str | None = None, **config: object) -> list[SimServer]:
         out = []
         for i in range(n):
-            sim = SimServer(SimConfig(speed=20.0, **config), index=i)  # type: ignore[arg-type]
+            sim = SimServer(SimConfig(speed=20.0, **config), index=i, api_key=api_key)  # type: ignore[arg-type]
             await sim.start()
             out.append(sim)
         made.extend(out)

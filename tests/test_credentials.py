@@ -26,7 +26,7 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,17 +86,9 @@ def routers(request: pytest.FixtureRequest) -> Iterator[Callable[..., Generation
 
 
 @pytest.fixture
-async def engines() -> AsyncIterator[list[Any]]:
+async def engines(sims) -> list[Any]:  # type: ignore[no-untyped-def]
     """Two simulated engines that take the engine key only, as a job's engines do."""
-    from launcher.engines.sim.config import SimConfig
-    from launcher.engines.sim.server import SimServer
-
-    made = [SimServer(SimConfig(speed=20.0), index=i, api_key=ENGINE_KEY) for i in range(2)]
-    for sim in made:
-        await sim.start()
-    yield made
-    for sim in made:
-        await sim.stop()
+    return await sims(2, api_key=ENGINE_KEY)  # type: ignore[no-any-return]
 
 
 async def call(

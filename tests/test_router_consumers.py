@@ -17,7 +17,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -252,18 +252,10 @@ async def consumers_view(base: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def keyed_sims() -> AsyncIterator[list[Any]]:
+async def keyed_sims(sims) -> list[Any]:  # type: ignore[no-untyped-def]
     """Two simulated engines that require the fleet owner's key, as a fleet's engines do: a consumer's key
     must never reach them (they would answer 401)."""
-    from launcher.engines.sim.config import SimConfig
-    from launcher.engines.sim.server import SimServer
-
-    made = [SimServer(SimConfig(speed=20.0), index=i, api_key=OWNER_KEY) for i in range(2)]
-    for sim in made:
-        await sim.start()
-    yield made
-    for sim in made:
-        await sim.stop()
+    return await sims(2, api_key=OWNER_KEY)  # type: ignore[no-any-return]
 
 
 async def test_consumer_owner_and_admin_keys(keyed_sims, routers, tmp_path: Path) -> None:
