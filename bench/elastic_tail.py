@@ -13,7 +13,7 @@ Run it on the login node of the project's local Slurm cluster (3 nodes):
     slurm/cluster.sh exec .venv/bin/python bench/elastic_tail.py [--scale 0.1] [--seed 1] [--repeats 1]
 
 The in-flight curve is read from each job's request record (a request is in flight from its arrival until
-its answer ended), the nodes from the elastic state the driver wrote (``launcher.elastic.shapes``).
+its answer ended), the nodes from the elastic state the driver wrote (``launcher.fleet.elastic.shapes``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from launcher.jobdir import JobDir
-from launcher.status.rollouts import record_dir_of
+from launcher.jobdir.paths import record_dir as record_dir_of
 from router.record.format import read_records
 
 RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))

@@ -24,11 +24,11 @@ import yaml
 from click.testing import CliRunner
 
 from launcher.cli.main import main
-from launcher.driver.steps import SrunSteps
-from launcher.render import render_sbatch
 from launcher.slurm import build_request
 from launcher.slurm.srun import driver_launch_line, signal_option, step_command
 from launcher.spec import load_resolved
+from launcher.steps.processes import SrunSteps
+from launcher.submit.render import render_sbatch
 
 IMAGE = "nvcr.io/nvidia/nemo-rl:v0.4"
 CONTAINER_FLAGS = [

@@ -1,6 +1,6 @@
 """The driver's own listeners (``GET /status``, the fleet endpoint beside vllm-router), which bind the node's
 address and so are reachable by anyone on the cluster: a token on every route, and the router's head
-deadline and connection cap (``launcher.driver.listener``), against real sockets on 127.0.0.1.
+deadline and connection cap (``launcher.net.listener``), against real sockets on 127.0.0.1.
 
 The floods are bounded: 300 connections (the attacker review's figure), held for at most the head
 deadline plus a few seconds.
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.driver.listener import LISTENER_LIMITS
 from launcher.driver.status_server import StatusServer
 from launcher.gateways.fleet_endpoint import FleetEndpoint
 from launcher.jobdir import JobDir, StateWriter
+from launcher.net.listener import LISTENER_LIMITS
 from router.http.limits import HttpLimits
 
 FLOOD = 300

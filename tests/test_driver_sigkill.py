@@ -2,7 +2,7 @@
 every process of its Ray session, the router actor, the engine host and its simulated engines, the
 training command. Real Ray, real simulated engines, the real router.
 
-Before ``launcher.reaper`` the Ray head (``ray start --block``, its own session), gcs_server, raylet,
+Before ``launcher.steps.reaper`` the Ray head (``ray start --block``, its own session), gcs_server, raylet,
 the agents, the client server, the engine host with both engines and ``sleep 600`` all stayed up.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.driver.ray_node import private_temp_dir
+from launcher.steps.ray_node import private_temp_dir
 from tests.test_fleet_local import job_processes
 from tests.test_stop_local import start_job
 

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 from launcher.driver.engine_hosts import EngineHostLauncher
-from launcher.driver.steps import LocalSteps
-from launcher.elastic import holder, shapes, slurm_ops
-from launcher.elastic.manager import MAX_LOCAL_NODES, ElasticFleet
-from launcher.elastic.shapes import ElasticAnswer, ElasticRequest
-from launcher.elastic.slurm_ops import SlurmRefused, grow_time_limit_s
+from launcher.fleet.elastic import holder, shapes, slurm_ops
+from launcher.fleet.elastic.manager import MAX_LOCAL_NODES, ElasticFleet
+from launcher.fleet.elastic.shapes import ElasticAnswer, ElasticRequest
+from launcher.fleet.elastic.slurm_ops import SlurmRefused, grow_time_limit_s
 from launcher.gateways.kinds import front_kind
 from launcher.jobdir import JobDir, StateWriter, write_json_atomic
 from launcher.spec import parse_spec
+from launcher.steps.processes import LocalSteps
 
 
 class Clock:

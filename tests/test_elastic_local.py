@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from launcher.jobdir import JobDir
-from launcher.status.rollouts import record_dir_of
+from launcher.jobdir.paths import record_dir as record_dir_of
 from router.record.format import read_records
 from router.state.backends import canonical_backend_url
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from launcher.jobdir import JobDir
-from launcher.status.rollouts import record_dir_of
+from launcher.jobdir.paths import record_dir as record_dir_of
 from router.record.format import read_records
 from router.state.backends import canonical_backend_url
 from tests.test_launcher_slurm import squeue_empty, wait_no_leftovers

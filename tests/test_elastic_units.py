@@ -25,11 +25,11 @@ from typing import Any
 
 import pytest
 
-from launcher.elastic import holder, shapes, slurm_ops
-from launcher.elastic.shapes import ElasticAnswer, ElasticRequest
-from launcher.elastic.slurm_ops import SlurmRefused, grow_script, grow_time_limit_s
-from launcher.elastic.tail import Decision, Reading, TailPolicy, TailSettings
 from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy, ProbeResult, TickInput
+from launcher.fleet.elastic import holder, shapes, slurm_ops
+from launcher.fleet.elastic.shapes import ElasticAnswer, ElasticRequest
+from launcher.fleet.elastic.slurm_ops import SlurmRefused, grow_script, grow_time_limit_s
+from launcher.fleet.elastic.tail import Decision, Reading, TailPolicy, TailSettings
 from launcher.spec import ResolvedSpec, parse_spec
 from tests.test_fleet_health import Clock, url
 
@@ -433,7 +433,7 @@ def test_remove_forgets_a_drained_engine() -> None:
 
 
 # ===================================================================================================
-# The CLI <-> driver files (launcher.elastic.shapes)
+# The CLI <-> driver files (launcher.fleet.elastic.shapes)
 # ===================================================================================================
 
 
@@ -538,7 +538,7 @@ def test_node_seconds() -> None:
 
 
 # ===================================================================================================
-# The grow job (launcher.elastic.slurm_ops)
+# The grow job (launcher.fleet.elastic.slurm_ops)
 # ===================================================================================================
 
 
@@ -620,7 +620,7 @@ def test_grow_script_asks_for_the_generation_resources(
         "exec",
         sys.executable,
         "-m",
-        "launcher.elastic.holder",
+        "launcher.fleet.elastic.holder",
         "--job-dir",
         str(job_dir),
         "--fleet-job",
@@ -647,7 +647,7 @@ def test_grow_script_in_a_container(tmp_path: Path) -> None:
     assert '--nodelist="$SLURMD_NODENAME"' in last[0]
     for a in args:
         assert a in last[0]
-    assert last[0].endswith(f"-m launcher.elastic.holder --job-dir {job_dir} --fleet-job 123 --grow g1")
+    assert last[0].endswith(f"-m launcher.fleet.elastic.holder --job-dir {job_dir} --fleet-job 123 --grow g1")
 
 
 def test_grow_script_without_exclude(tmp_path: Path) -> None:
@@ -695,7 +695,7 @@ def test_grow_time_limit_never_outlasts_the_fleet_job(monkeypatch: pytest.Monkey
 
 
 # ===================================================================================================
-# The grow holder (launcher.elastic.holder.why_end)
+# The grow holder (launcher.fleet.elastic.holder.why_end)
 # ===================================================================================================
 
 

@@ -62,7 +62,7 @@ def _until(check: Callable[[], bool], timeout_s: float = 15.0, what: str = "") -
 
 @pytest.fixture
 def engines() -> Iterator[list[str]]:
-    from launcher.bench.arms import sim_fleet
+    from launcher.engines.sim.local import sim_fleet
 
     with sim_fleet(3, {"speed": 20}) as urls:
         yield urls
@@ -385,7 +385,7 @@ STRANGER_TRAINER = textwrap.dedent(
 def test_local_job_managed_router_removes_a_strangers_worker(tmp_path: Path, vllm_router_bin: str) -> None:
     """A stranger's ``POST /workers`` into the job's managed vllm-router (which would hand it rollouts
     with the job's API key) is removed within a few fleet ticks, and the job's events say so."""
-    from launcher.bench.arms import sim_fleet
+    from launcher.engines.sim.local import sim_fleet
     from tests.test_fleet_local import job_processes
 
     with sim_fleet(1, {"speed": 20, "model_name": "sim-8b"}) as (foreign,):
@@ -409,7 +409,7 @@ def test_example_job_registers_into_an_external_router_and_leaves_it_running(
     """examples/local-vllm-router.yaml switched to external mode: the job's engines serve through a
     vllm-router it does not own; at the end they are gone from it, another job's worker stays, and the
     router keeps running."""
-    from launcher.bench.arms import sim_fleet
+    from launcher.engines.sim.local import sim_fleet
     from tests.test_fleet_local import job_processes
 
     with sim_fleet(1, {"speed": 20, "model_name": "sim-8b"}) as foreign:  # another job's, same model

@@ -1,5 +1,5 @@
-"""The launcher's credentials stay where they are sent (``launcher.http_call``): a redirect is refused, never
-followed with ``Authorization``, and no proxy named in the environment sees a call. Against real servers
+"""The launcher's credentials stay where they are sent (``launcher.net.http_call``): a redirect is refused,
+never followed with ``Authorization``, and no proxy named in the environment sees a call. Against real servers
 on 127.0.0.1 that record what reaches them (``tests/recording_server.py``).
 """
 
@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from launcher.fleet.client import FleetClient
 from launcher.jobdir import JobDir, StateWriter
+from launcher.spec.snapshot import write_spec
 from tests.recording_server import RecordingServer
 
 TOKEN = "admin-token-that-must-stay-home"
@@ -64,7 +65,7 @@ async def test_fleet_reset_cache_refuses_a_redirect_from_the_fleet_url(tmp_path:
     try:
         job = JobDir(tmp_path / "jobs" / "j1").create()
         job.new_admin_token()
-        job.write_spec(load_resolved("examples/local.yaml"))  # the builtin router: through its route
+        write_spec(job, load_resolved("examples/local.yaml"))  # the builtin router: through its route
         StateWriter(job).update(router_url=front.url, fleet_url=front.url, phase="training")
         result = await in_thread(
             lambda: CliRunner().invoke(fleet_group, ["reset-cache", "j1", "--root", str(tmp_path / "jobs")])

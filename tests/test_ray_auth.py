@@ -41,7 +41,7 @@ ATTACKER = textwrap.dedent(
 TRAINER = textwrap.dedent(
     """\
     import json, os, socket, subprocess, sys
-    from launcher.driver.ray_node import private_temp_dir
+    from launcher.steps.ray_node import private_temp_dir
     job = os.environ["RL_JOB_DIR"]
     attacker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attacker.py")
     address = os.environ["RAY_ADDRESS"]

@@ -1,4 +1,4 @@
-"""``launcher.reaper``: a local step's session ends with the driver that started it, however the driver
+"""``launcher.steps.reaper``: a local step's session ends with the driver that started it, however the driver
 ends, and never otherwise. Real processes; no Ray (``tests/test_driver_sigkill.py`` runs a whole job)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.driver.steps import LocalSteps
 from launcher.jobdir import start_ticks
-from launcher.reaper import end_session, session_members
+from launcher.steps.processes import LocalSteps
+from launcher.steps.reaper import end_session, session_members
 
 # A step like Ray's head: one child in the leader's group that ignores SIGTERM (only SIGKILL ends it) and
 # one that moved to a process group of its own inside the session (as Ray's workers do).
@@ -34,7 +34,7 @@ DRIVER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from launcher.driver.steps import LocalSteps
+    from launcher.steps.processes import LocalSteps
     log = Path(sys.argv[1])
     step = LocalSteps().start("localhost", "demo", [sys.executable, "-c", sys.argv[2]], {}, log)
     print(step.proc.pid, step.reaper.pid, flush=True)

@@ -22,6 +22,7 @@ from launcher.fleet.client import FleetClient, FleetOpError, flatten
 from launcher.fleet.controller import FleetController
 from launcher.gateways.base import Gateway, GatewayView
 from launcher.jobdir import EngineEntry, EngineListing, JobDir, StateWriter
+from launcher.spec.snapshot import write_spec
 from router import GenerationRouter
 from router.config import RouterConfig
 from router.fleet.engine_counters import delta, parse_counters
@@ -424,7 +425,7 @@ async def test_fleet_cli_drives_the_window_and_refuses_other_kinds(sims, tmp_pat
     )
     router.serve_in_background()
     try:
-        job.write_spec(load_resolved("examples/local.yaml"))
+        write_spec(job, load_resolved("examples/local.yaml"))
         StateWriter(job).update(router_url=router.base_url(), fleet_url=router.base_url(), phase="running")
         root = ["--root", str(tmp_path / "jobs")]
 
@@ -449,7 +450,7 @@ async def test_fleet_cli_drives_the_window_and_refuses_other_kinds(sims, tmp_pat
         await engines[1].stop()
         result = await in_thread(cli, "pause")
         assert result.exit_code == 1 and "did not comply" in result.output and "FAIL" in result.output
-        job.write_spec(load_resolved("examples/local-dynamo.yaml"))
+        write_spec(job, load_resolved("examples/local-dynamo.yaml"))
         StateWriter(job).update(fleet_url=None)  # a front without /fleet routes records none
         result = await in_thread(cli, "resume")
         assert result.exit_code == 1 and "router.kind 'dynamo'" in result.output

@@ -11,7 +11,7 @@ the venv's ``rl-launch``.
 
 Besides the planted files, each check that stands between a record and a signal is tested alone, with
 the caller's own files: a state without start ticks, a pid whose command line is not the job's driver,
-a process of another user. A lookalike driver (``python -m launcher.fleet.run_local JOB`` resolved to a
+a process of another user. A lookalike driver (``python -m launcher.driver.run_local JOB`` resolved to a
 sleeping module of the test's) shows the checks still let the real thing be signalled.
 """
 
@@ -73,7 +73,7 @@ def victim() -> Iterator[subprocess.Popen[bytes]]:
 
 @pytest.fixture
 def lookalike(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
-    """A process whose command line is a local fleet's driver's (``python -m launcher.fleet.run_local
+    """A process whose command line is a local fleet's driver's (``python -m launcher.driver.run_local
     JOB``), for the caller's own job directory ``JOB`` (not yet a job: the test writes its state). Its
     module is the test's own, which sleeps: run from its folder, ``-m`` finds it first."""
     fake = tmp_path / "lookalike"
@@ -84,7 +84,7 @@ def lookalike(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
     job = JobDir(tmp_path / "jobs" / "own-fleet").create()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher.fleet.run_local", str(job.path)], cwd=fake, env=env
+        [sys.executable, "-m", "launcher.driver.run_local", str(job.path)], cwd=fake, env=env
     )
     deadline = time.monotonic() + 10
     while b"run_local" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():

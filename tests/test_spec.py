@@ -22,9 +22,9 @@ import yaml
 from click.testing import CliRunner
 
 from launcher.cli.main import main
-from launcher.render import render_sbatch
 from launcher.slurm import build_request, expand_hostlist, format_time, parse_time, split_nodes
 from launcher.spec import ResolvedSpec, SpecError, load_resolved, load_spec, parse_spec
+from launcher.submit.render import render_sbatch
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -672,7 +672,7 @@ def test_cli_dry_run_and_in_allocation_exclude(tmp_path: Path, no_sbatch: Path) 
 
 def test_submit_surfaces_sbatchs_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Slurm's own message reaches the user and nothing is left queued (here a fake sbatch refuses)."""
-    from launcher.submit import SubmitError, submit_job
+    from launcher.submit.job import SubmitError, submit_job
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -27,9 +27,10 @@ from rich.console import Console
 from launcher.cli.main import main
 from launcher.engines.sim import SimFleet
 from launcher.jobdir import JobDir
+from launcher.status.charts import sparkline
 from launcher.status.collect import StatusCollector, collect_snapshot
 from launcher.status.figures import lowest_bucket_bound
-from launcher.status.render import render_snapshot, sparkline
+from launcher.status.render import render_snapshot
 from router import GenerationRouter
 from router.config import RouterConfig
 from router.ports import free_port

@@ -24,6 +24,7 @@ from launcher.bench.cpu import CpuWatch
 from launcher.bench.metrics import deltas, sample_load, scrape
 from launcher.bench.report import summarize
 from launcher.bench.trace import Trace
+from launcher.engines.sim.local import sim_fleet, url_root
 from launcher.gateways.kinds import GATEWAY_KINDS
 
 DIRECT = "direct"
@@ -74,7 +75,7 @@ def front_for(
     option = arm.split(":", 1)[1] if ":" in arm else None
     start = getattr(importlib.import_module(module), function)
     with start(n_engines, option, dict(sim_options or {}), sim_process) as (url, engines):
-        yield url, [_root(u) for u in engines]
+        yield url, [url_root(u) for u in engines]
 
 
 @dataclass(slots=True)
@@ -105,11 +106,6 @@ def _v1(url: str) -> str:
     return u if u.endswith("/v1") else u + "/v1"
 
 
-def _root(url: str) -> str:
-    u = url.rstrip("/")
-    return u[:-3] if u.endswith("/v1") else u
-
-
 async def router_workers(router_url: str, timeout_s: float = 5.0, token: str | None = None) -> list[str]:
     """Engine URLs behind a router, from its vllm-router-compatible ``GET /workers`` (empty if none).
     ``token``: the router's admin token (the launcher uses the run's API key for both)."""
@@ -117,7 +113,7 @@ async def router_workers(router_url: str, timeout_s: float = 5.0, token: str | N
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
-            http.get(_root(router_url) + "/workers", headers=headers, allow_redirects=False) as resp,
+            http.get(url_root(router_url) + "/workers", headers=headers, allow_redirects=False) as resp,
         ):
             if resp.status != 200:
                 return []
@@ -127,7 +123,7 @@ async def router_workers(router_url: str, timeout_s: float = 5.0, token: str | N
     urls = data.get("urls") if isinstance(data, dict) else None
     if not urls and isinstance(data, dict):
         urls = [w.get("url") for w in data.get("workers") or [] if isinstance(w, dict)]
-    return [_root(u) for u in urls or [] if isinstance(u, str)]
+    return [url_root(u) for u in urls or [] if isinstance(u, str)]
 
 
 async def run_arm_async(
@@ -147,7 +143,7 @@ async def run_arm_async(
     ``engine_urls`` may be given with or without ``/v1``. The row's ``cpu`` is what every process of
     this replay used during it (``launcher.bench.cpu``), its ``warnings`` what may have decided its times.
     """
-    engines = [_root(u) for u in engine_urls]
+    engines = [url_root(u) for u in engine_urls]
     scrape_key = config.engine_key or config.api_key
     before = await scrape(engines, api_key=scrape_key) if engines else []
     client = ReplayClient([_v1(u) for u in client_urls], config, on_session_end)
@@ -228,58 +224,8 @@ def run_url(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Simulated fleet + router per arm
+# Router per arm
 # ----------------------------------------------------------------------------------------------------
-def _sim_fleet_cls() -> Any:
-    try:
-        from launcher.engines.sim import SimFleet
-    except ImportError as exc:  # the simulator is a separate package of this project
-        raise RuntimeError(f"--compare needs the vLLM simulator (launcher.engines.sim): {exc}") from exc
-    return SimFleet
-
-
-@contextlib.contextmanager
-def sim_fleet(
-    n_engines: int, sim_options: Mapping[str, Any] | None = None, *, process: bool = False
-) -> Iterator[list[str]]:
-    """Start ``n_engines`` simulated vLLM engines; yield their root URLs; stop them on exit.
-
-    ``sim_options`` are ``SimConfig`` fields (``speed``, ``num_gpu_blocks``, ...); the simulator rejects
-    an unknown one rather than ignore it, since a silently dropped knob would change what is measured.
-    In-process the fleet runs on a background thread of this process; with ``process`` it runs in a
-    child process (``python -m launcher.engines.sim``), so the engines' CPU time does not compete with
-    the client and the router for this process's GIL, at the cost of a slower start. The replay's
-    default is the child process (``run_compare``); in-process is for tests and debugging.
-    """
-    if process:
-        import time
-
-        from launcher.engines.base import EngineSpec
-        from launcher.engines.sim import SimEngine
-        from launcher.engines.sim.cli import options_to_flags
-
-        args = options_to_flags(dict(sim_options or {}))
-        engine = SimEngine(
-            EngineSpec(model="sim-model", startup_timeout_s=60.0, extra_args=args), engines=n_engines
-        )
-        engine.start()
-        try:
-            engine.wait_ready(time.monotonic() + 60.0)
-            yield [_root(u) for u in engine.urls]
-        finally:
-            engine.stop()
-        return
-    try:
-        fleet = _sim_fleet_cls()(n_engines, **dict(sim_options or {}))
-    except TypeError as exc:  # an unknown SimConfig field: a usage error, not a crash
-        raise ValueError(f"simulator option: {exc}") from exc
-    urls = fleet.start()
-    try:
-        yield [_root(u) for u in urls]
-    finally:
-        fleet.stop()
-
-
 @contextlib.contextmanager
 def router_for(
     engine_urls: Sequence[str],

@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-from router.fleet.engine import EngineClient
+from router.fleet.engine import LOAD_GAUGES, EngineClient
 from router.fleet.ops import fan_out
 from router.prometheus import metric_sum, parse_metrics
 
@@ -63,7 +63,6 @@ def deltas(
     return out
 
 
-LOAD_GAUGES: tuple[str, ...] = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 async def sample_load(

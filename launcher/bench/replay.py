@@ -30,6 +30,7 @@ from launcher.bench.report import (
     write_timeline_png,
 )
 from launcher.bench.trace import Trace
+from launcher.jobdir.paths import bench_dir
 
 DEFAULT_RESULTS_DIR = "bench/results"
 JOB_DIR_ENV = "RL_JOB_DIR"
@@ -40,7 +41,7 @@ def default_results_dir() -> Path:
     """``$RL_JOB_DIR/bench`` inside a job, else ``bench/results``: a job's outputs belong in its job
     directory, never in whatever directory it was submitted from (which Slurm makes the job's cwd)."""
     job_dir = os.environ.get(JOB_DIR_ENV)
-    return Path(job_dir) / "bench" if job_dir else Path(DEFAULT_RESULTS_DIR)
+    return bench_dir(job_dir) if job_dir else Path(DEFAULT_RESULTS_DIR)
 
 
 def job_engine_key(engine_urls: Sequence[str]) -> str | None:

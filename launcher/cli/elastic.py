@@ -1,5 +1,5 @@
 """``rl-launch fleet grow JOB --nodes N`` and ``rl-launch fleet shrink JOB --nodes N | --node NAME``:
-resizing a running job's generation fleet (``launcher.elastic.client`` does the work; this parses and
+resizing a running job's generation fleet (``launcher.fleet.elastic.client`` does the work; this parses and
 prints). JOB is a job (id, name, directory) or a standing fleet's name."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from launcher.cli.options import root_option
-from launcher.elastic import shapes
+from launcher.fleet.elastic import shapes
 
 if TYPE_CHECKING:
-    from launcher.elastic.client import ResizeResult
+    from launcher.fleet.elastic.client import ResizeResult
 
 
 def _job_dir(job: str, root: Path) -> Path:
@@ -98,7 +98,7 @@ def fleet_grow_command(
 ) -> None:
     """Add generation nodes to a running job: a Slurm job of their own (the spec's resources, none of the
     job's nodes), whose engines join the fleet once healthy. A grow that queues says why; --cancel it."""
-    from launcher.elastic.client import ElasticError, cancel, grow
+    from launcher.fleet.elastic.client import ElasticError, cancel, grow
     from launcher.slurm.time import parse_time
 
     jd = _job_dir(job, root)
@@ -146,7 +146,7 @@ def fleet_shrink_command(
 ) -> None:
     """Drain generation nodes and give them back to Slurm: no new request goes to their engines, the ones
     in flight finish (at most the drain timeout), then the engines stop and the nodes are released."""
-    from launcher.elastic.client import ElasticError, shrink
+    from launcher.fleet.elastic.client import ElasticError, shrink
 
     jd = _job_dir(job, root)
     if (nodes is None) == (not names):

@@ -32,8 +32,8 @@ import click
 
 from launcher.cli.options import lookup_job, root_option
 from launcher.fleet.client import FleetClient
-from launcher.http_call import bearer, open_url
 from launcher.jobdir import JobDir
+from launcher.net.http_call import bearer, open_url
 from router.fleet.cache_reset import CacheResetReport, reset_engines
 from router.fleet.engine import PAUSE_MODES
 from router.fleet.ops import FleetOpReport
@@ -91,8 +91,9 @@ def reset_cache_command(job: str | None, timeout_s: float, as_json: bool, root: 
         raise click.ClickException(f"job {jd.path.name} has no serving fleet (state: {state.get('phase')})")
     from launcher.engines.kinds import engine_kind
     from launcher.gateways.kinds import front_kind
+    from launcher.spec.snapshot import read_spec
 
-    spec = jd.read_spec()
+    spec = read_spec(jd)
     route = front_kind(spec.router.kind).cache_reset(engine_kind(spec.generation.engine))
     t = time.monotonic()
     if route.via_fleet_route and state.get("fleet_url"):
@@ -140,7 +141,9 @@ def _client(job: str | None, root: Path, timeout_s: float, op: str) -> tuple[Job
                 "as a plain consumer; only the fleet's owner (rl-launch fleet ... on the fleet's job) or a "
                 "job the fleet's spec names with admin: true under fleet.consumers may"
             )
-        kind = jd.read_spec().router.kind
+        from launcher.spec.snapshot import read_spec
+
+        kind = read_spec(jd).router.kind
         with_routes = ", ".join(n for n, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
         why = front_kind(kind).no_fleet_routes_why
         raise click.ClickException(

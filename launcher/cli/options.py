@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from launcher.jobdir.lookup import DEFAULT_ROOT, JobNotFound, default_root, find_job, find_target
+from launcher.jobdir.lookup import DEFAULT_ROOT, JobNotFound, default_root, find_job
 
 
 def _root_or_default(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path:
@@ -34,6 +34,28 @@ def lookup_job(job: str | None, root: Path) -> Path:
         return find_job(job, root)
     except JobNotFound as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def find_target(job: str | None, root: Path) -> tuple[Path | None, str | None]:
+    """``(job dir, Slurm id)``: the named job, or the newest job directory when none is named.
+
+    Here rather than in ``launcher.jobdir`` (floor 1), because it asks Slurm: the job directory's lookup
+    knows only directories, and Slurm's helpers name the job directory's owner check, so the two
+    packages each importing the other made a circle.
+
+    A Slurm job that is still queued has no directory yet (the driver makes it on the allocation), so a
+    bare job id that Slurm knows resolves to ``(None, id)`` and shows as queued instead of "no such job".
+    """
+    if job is None:
+        return find_job(None, root), None
+    try:
+        return find_job(job, root), None
+    except JobNotFound:
+        from launcher.slurm import queue
+
+        if job.isdigit() and queue.describe_state(job) not in ("", "?"):
+            return None, job
+        raise
 
 
 def lookup_target(job: str | None, root: Path) -> tuple[Path | None, str | None]:

@@ -117,7 +117,7 @@ def validate_command(spec: Path, overrides: tuple[str, ...], as_json: bool) -> N
 )
 def render_command(spec: Path, overrides: tuple[str, ...], output: Path | None) -> None:
     """Write the standalone sbatch script of a job spec (submit it with `sbatch FILE`)."""
-    from launcher.render import render_sbatch, write_sbatch
+    from launcher.submit.render import render_sbatch, write_sbatch
 
     resolved = _load(spec, overrides)
     if resolved.slurm is None:
@@ -175,7 +175,7 @@ def launch_lines(resolved: ResolvedSpec, request: SlurmRequest) -> list[str]:
         inner = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
         where = "the submitit batch script's setup line (its own command line after it is never reached)"
     else:
-        from launcher.render import driver_command, rl_launch_command
+        from launcher.submit.render import driver_command, rl_launch_command
 
         inner = driver_command(rl_launch_command(), resolved.spec_path or "SPEC")
         where = "the last line of the batch script (rl-launch render)"
@@ -269,7 +269,7 @@ def submit_command(
                 require(["sbatch", "srun"], f"submitting {spec} (cluster: slurm)")
         except SlurmCommandMissing as exc:
             raise click.ClickException(str(exc)) from None
-    from launcher.submit import SubmitError, submit_job
+    from launcher.submit.job import SubmitError, submit_job
 
     if not in_allocation:  # a job root others may rename things in: refused before anything starts
         from launcher.jobdir.ownership import Untrusted, ensure_job_root
@@ -279,8 +279,8 @@ def submit_command(
         except Untrusted as exc:
             raise click.ClickException(str(exc)) from None
     if resolved.role == "attached" and not in_allocation:
-        from launcher.fleet.lifecycle import check_attachable
         from launcher.fleet.standing import FleetRefused
+        from launcher.submit.fleet import check_attachable
 
         try:  # before anything is allocated: a job that could not attach must not wait in the queue
             check_attachable(resolved, lambda m: click.echo(m, err=True))

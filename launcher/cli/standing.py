@@ -1,5 +1,5 @@
 """``rl-launch fleet up SPEC`` and ``rl-launch fleet down NAME``: standing fleets from the command line
-(``launcher.fleet.lifecycle`` does the work; this only parses and prints)."""
+(``launcher.submit.fleet`` does the work; this only parses and prints)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def fleet_up_command(
 ) -> None:
     """Start a standing fleet (a spec with a fleet: section): engines, router and fleet controller, named,
     serving until `rl-launch fleet down NAME`, its time limit or a cancel."""
-    from launcher.fleet.lifecycle import fleet_up
     from launcher.jobdir import JobDir
+    from launcher.submit.fleet import fleet_up
 
     resolved = _load(spec, overrides)
     if resolved.role != "fleet":
@@ -71,7 +71,7 @@ def fleet_up_command(
 def fleet_down_command(name: str, force: bool, timeout_s: float, root: Path) -> None:
     """Bring a standing fleet down: refused while jobs are attached unless --force; nothing of it is left
     running on any node, nor in the queue."""
-    from launcher.fleet.lifecycle import fleet_down
+    from launcher.submit.fleet import fleet_down
 
     try:
         fleet_down(name, root, force=force, timeout_s=timeout_s, say=lambda m: click.echo(m, err=True))

@@ -37,20 +37,21 @@ from typing import Any
 from launcher.driver.engine_hosts import EngineHostLauncher
 from launcher.driver.gateway_watcher import GatewayFleetWatcher
 from launcher.driver.gym_wiring import wire_gym
-from launcher.driver.ray_cluster import RayCluster, driver_process_env
 from launcher.driver.standing import StandingAttachment, StandingFleet
 from launcher.driver.status_server import StatusServer
-from launcher.driver.steps import LocalSteps, SrunSteps, node_address
 from launcher.driver.stopping import TIME_LIMIT_EXIT, JobFailed, StopSignals, Terminated, TimeLimitReached
 from launcher.driver.training import TrainingCommand
-from launcher.elastic.manager import ElasticFleet
 from launcher.fleet import HealthPolicy
 from launcher.fleet.controller import FleetController
+from launcher.fleet.elastic.manager import ElasticFleet
 from launcher.gateways import Gateway, GatewayContext, GatewayError, gateway_class, make_gateway
 from launcher.gateways.kinds import front_kind
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks
 from launcher.slurm.request import container_srun_args
 from launcher.spec import ResolvedSpec
+from launcher.spec.snapshot import write_spec
+from launcher.steps.processes import LocalSteps, SrunSteps, node_address
+from launcher.steps.ray_cluster import RayCluster, driver_process_env
 from router.ports import PortHold, free_port, reserve_port
 
 
@@ -85,7 +86,7 @@ class Driver:
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
         self.elastic: ElasticFleet | None = None
-        """Grow, drain and the tail policy (``launcher.elastic``), for a fleet of engine hosts."""
+        """Grow, drain and the tail policy (``launcher.fleet.elastic``), for a fleet of engine hosts."""
         self.standing: StandingFleet | StandingAttachment | None = None
         """A standing fleet's serving loop, or a job's attachment to one (``launcher.driver.standing``)."""
 
@@ -191,15 +192,15 @@ class Driver:
         return self.spec.gym.model_name
 
     def _write_rollout_plots(self) -> None:
-        """The step timeline and per-engine load of the job's own record (``launcher.status.rollout_plots``),
+        """The step timeline and per-engine load of the job's own record (``launcher.record.plots``),
         once the router has flushed it; a failure costs the plots, never the job's result."""
         if not self.spec.record.enabled or self.spec.role == "attached":
             return
-        from launcher.status.rollout_plots import write_job_plots
-        from launcher.status.rollouts import record_dir_of
+        from launcher.jobdir.paths import plots_dir, record_dir
+        from launcher.record.plots import write_job_plots
 
         try:
-            written = write_job_plots(record_dir_of(self.job.path), self.job.path / "plots")
+            written = write_job_plots(record_dir(self.job.path), plots_dir(self.job.path))
         except Exception as exc:
             self._say(f"rollout plots not written: {exc!r}")
             return
@@ -217,7 +218,7 @@ class Driver:
 
     def _write_spec(self) -> None:
         if not self.job.spec_file.exists():  # ``submit`` wrote the snapshot this job runs; keep it
-            self.job.write_spec(self.spec)
+            write_spec(self.job, self.spec)
         self.job.new_api_key()
         self.job.new_admin_token()
         self.job.new_engine_key(client_key=self.front.engines_take_client_key)

@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from launcher.driver.steps import LocalSteps, SrunSteps, Step, node_address, wait_for_file
 from launcher.driver.stopping import JobFailed
 from launcher.engines.host_config import EngineHostConfig
 from launcher.engines.kinds import engine_kind
 from launcher.gateways.front import FrontKind
 from launcher.jobdir import JobDir, StateWriter
 from launcher.spec import ResolvedSpec
+from launcher.steps.processes import LocalSteps, SrunSteps, Step, node_address, wait_for_file
 
 
 class EngineHostSteps:
@@ -58,7 +58,7 @@ class EngineHostSteps:
         self.launch(node_index)
 
     def stop(self, node_index: int, grace_s: float = 15.0) -> None:
-        """Stop one node's host for good (the node leaves the fleet: ``launcher.elastic``)."""
+        """Stop one node's host for good (the node leaves the fleet: ``launcher.fleet.elastic``)."""
         with self._lock:
             step = self.steps.pop(node_index, None)
         if step is not None:
@@ -95,7 +95,7 @@ class EngineHostLauncher:
         self.generation_nodes, self.front, self.local, self.say = generation_nodes, front, local, say
         self.hosts = EngineHostSteps(self.launch_host)
         self.node_jobs: dict[int, str] = {}
-        """Generation nodes held by another Slurm job than the driver's (a grow, ``launcher.elastic``):
+        """Generation nodes held by another Slurm job than the driver's (a grow, ``launcher.fleet.elastic``):
         node index -> that job's id, which their steps are started into (``srun --jobid``)."""
         self.engine_runtime: dict[str, Any] = {}
         """What the engines need of the gateway's runtime (Dynamo: discovery and planes); see

@@ -23,6 +23,7 @@ from launcher.fleet import standing
 from launcher.fleet.standing import FleetRecord, FleetRefused
 from launcher.jobdir import JobDir, StateWriter
 from launcher.spec import ResolvedSpec
+from launcher.spec.snapshot import read_spec
 
 _TICK_S = 1.0
 _PRUNE_EVERY_S = 2.0
@@ -99,7 +100,7 @@ class StandingAttachment:
         except FleetRefused as exc:
             raise RuntimeError(str(exc)) from None
         fleet_job = JobDir(self.record.job_dir)
-        rules = fleet_job.read_spec().fleet
+        rules = read_spec(fleet_job).fleet
         if rules is None:
             raise RuntimeError(f"generation.fleet {gen.fleet!r}: {fleet_job.path} is not a standing fleet")
         mine = rules.consumer(self.spec.name)

@@ -20,8 +20,8 @@ import json
 
 from aiohttp import web
 
-from launcher.driver.listener import LISTENER_LIMITS, DriverListener
 from launcher.jobdir import JobDir
+from launcher.net.listener import LISTENER_LIMITS, DriverListener
 from router.http.auth import Access, Credentials, RouteTable
 from router.http.limits import HttpLimits
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.reaper import guard
+from launcher.steps.reaper import guard
 
 
 class TrainingCommand:

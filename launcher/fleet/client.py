@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from launcher.http_call import bearer, open_url
+from launcher.net.http_call import bearer, open_url
 from router.fleet.engine import PAUSE_MODES
 from router.fleet.ops import FleetOpReport
 from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S
@@ -152,7 +152,9 @@ class FleetClient:
                     f"{state['attached_to'].get('fleet')!r} as a plain consumer (no pause or refit; the "
                     "fleet's spec names admin consumers under fleet.consumers)"
                 )
-            kind = jd.read_spec().router.kind
+            from launcher.spec.snapshot import read_spec
+
+            kind = read_spec(jd).router.kind
             having = ", ".join(name for name, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
             why = front_kind(kind).no_fleet_routes_why
             raise ValueError(

@@ -142,7 +142,7 @@ class FleetController:
                 records.append(EngineRecord(id=eid, node=entry.node, url=canonical_backend_url(entry.url)))
         self.nodes: list[int] = list(range(node_count))
         """The generation nodes (indices) whose engines are in the fleet: the allocation's, then any it
-        grew by (``launcher.elastic``); a node drained away leaves it."""
+        grew by (``launcher.fleet.elastic``); a node drained away leaves it."""
         self.draining_nodes: set[int] = set()
         """Nodes being drained: their host is stopped on purpose, so its exit condemns nothing."""
         self.pushes = 0
@@ -322,7 +322,7 @@ class FleetController:
         reported it (for the dashboard; nothing here judges by it)."""
         return {**self.fleet.snapshot(), "current_version": self.last_version}
 
-    # -- membership (``launcher.elastic``) -------------------------------------------------------------
+    # -- membership (``launcher.fleet.elastic``) -------------------------------------------------------------
     def add_node(self, node_index: int, reason: str) -> list[str]:
         """The engines node ``node_index``'s host published join the fleet (HEALTHY; the front judges
         their weight version when the next tick pushes them). Returns their ids."""

@@ -37,7 +37,7 @@ RETIRED        no       Terminal: a restart budget is spent. The run continues w
 DRAINING       no       Leaving the fleet (``rl-launch fleet shrink`` or the tail policy): the router sends
                         it nothing new, its requests in flight finish, then the driver stops it and
                         ``remove``s it. Not probed, never restarted, never fatal: a node on its way back
-                        to Slurm is not a failure (``launcher.elastic``).
+                        to Slurm is not a failure (``launcher.fleet.elastic``).
 STALE          no       Up and answering, but held out by the front because it serves another weight
                         version than the fleet's current one: a restarted engine comes back with the
                         checkpoint's weights while the rest serve newer ones, and rollouts from it would
@@ -454,7 +454,7 @@ class FleetHealth:
             self._move(rec, EngineState.DEAD, reason, self._clock())
             return True
 
-    # -- the fleet's size (``launcher.elastic``) -----------------------------------------------------
+    # -- the fleet's size (``launcher.fleet.elastic``) -----------------------------------------------------
     def add(self, engines: Iterable[EngineRecord], reason: str) -> None:
         """Engines that join a running fleet (a node it grew by), HEALTHY like every engine at start (the
         engine host published them after their own startup check). Checked whole before anything joins: a

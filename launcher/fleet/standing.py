@@ -39,9 +39,10 @@ from launcher.jobdir.ownership import (
     make_private,
     user_label,
 )
+from launcher.jobdir.paths import FLEETS_DIR
+from launcher.jobdir.paths import consumers_file as consumers_path
+from launcher.jobdir.paths import fleet_record_file as record_path
 
-FLEETS_DIR = "fleets"
-CONSUMERS_FILE = "consumers.json"
 DOWN_FILE = "down.json"
 """``rl-launch fleet down`` writes it into the fleet's job directory; the fleet's driver then ends cleanly
 (exit 0, "brought down"), where a signal would have recorded a cancel."""
@@ -75,14 +76,6 @@ class FleetRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FleetRecord:
         return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})  # type: ignore[arg-type]
-
-
-def record_path(job_root: str | Path, name: str) -> Path:
-    return Path(job_root).expanduser() / FLEETS_DIR / f"{name}.json"
-
-
-def consumers_path(fleet_job: str | Path) -> Path:
-    return Path(fleet_job) / CONSUMERS_FILE
 
 
 def cluster_id(cluster: str) -> str:

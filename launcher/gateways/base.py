@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from launcher.gateways.kinds import UnknownFront, front_kind
+from launcher.jobdir.paths import record_dir
 
 if TYPE_CHECKING:
     from launcher.jobdir import EngineListing, JobDir
@@ -169,7 +170,7 @@ class Gateway(ABC):
         if not rec.enabled:
             return {}
         return {
-            "record_dir": str(self.context.job.path / "record"),
+            "record_dir": str(record_dir(self.context.job.path)),
             "record_max_bytes": rec.max_bytes,
             "record_keep_files": rec.keep_files,
             "record_text": rec.text,

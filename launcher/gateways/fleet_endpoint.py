@@ -18,7 +18,7 @@ What differs from the builtin router is who holds requests during a pause: nothi
 endpoint, so the engines do (vLLM and the simulator queue new requests while paused and schedule them on
 resume), with no bound in count or time; the pause answer says ``router_holding: false``.
 
-An aiohttp app on its own event loop in a daemon thread of the driver (``launcher.driver.listener``, with
+An aiohttp app on its own event loop in a daemon thread of the driver (``launcher.net.listener``, with
 the router's head deadline and connection cap: it listens on the node's address, open to the cluster):
 the fleet controller's thread (vllm-router) or the gateway fleet watcher's (Ray Serve) hands it the
 engines, and its loop owns the ``BackendSet`` (``BackendSet`` mutates on one loop only).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from launcher.driver.listener import LISTENER_LIMITS, DriverListener
+from launcher.net.listener import LISTENER_LIMITS, DriverListener
 from router.fleet.api import FleetApi
 from router.fleet.cache_reset import CacheResetReport, reset_engines
 from router.fleet.engine import VLLM_RESET_PATH

@@ -38,9 +38,9 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from launcher.jobdir.atomic import append_json_line, read_json, write_json_atomic, write_text_atomic
+from launcher.jobdir.atomic import append_json_line, read_json, write_json_atomic
 from launcher.jobdir.records import (
     ControlRequests,
     EngineEntry,
@@ -48,9 +48,6 @@ from launcher.jobdir.records import (
     JobResult,
     SubmittedJob,
 )
-
-if TYPE_CHECKING:
-    from launcher.spec import ResolvedSpec
 
 _LISTING = re.compile(r"^node-(\d+)\.urls\.json$")
 
@@ -328,19 +325,6 @@ class JobDir:
 
     def write_control(self, node_index: int, requests: ControlRequests) -> None:
         write_json_atomic(self.control_file(node_index), requests.to_dict())
-
-    # -- the spec snapshot ------------------------------------------------------------------------------
-    def write_spec(self, spec: ResolvedSpec) -> None:
-        """The resolved spec, as the job will run it: ``submit`` writes it, and the driver runs this
-        snapshot, not the YAML file, which the user may edit while the job is queued."""
-        write_text_atomic(self.spec_file, spec.to_yaml())
-
-    def read_spec(self) -> ResolvedSpec:
-        import yaml
-
-        from launcher.spec import ResolvedSpec
-
-        return ResolvedSpec.model_validate(yaml.safe_load(self.spec_file.read_text()))
 
     # -- result and submission ----------------------------------------------------------------------
     def read_result(self) -> JobResult | None:

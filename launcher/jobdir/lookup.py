@@ -114,21 +114,3 @@ def find_job(job: str | None, root: Path) -> Path:
         if _matches(d, job):
             raise JobRefused(f"job {job!r}: {problem}")
     raise JobNotFound(f"no job {job!r} under {root} (rl-launch list shows the jobs there)")
-
-
-def find_target(job: str | None, root: Path) -> tuple[Path | None, str | None]:
-    """``(job dir, Slurm id)``: the named job, or the newest job directory when none is named.
-
-    A Slurm job that is still queued has no directory yet (the driver makes it on the allocation), so a
-    bare job id that Slurm knows resolves to ``(None, id)`` and shows as queued instead of "no such job".
-    """
-    if job is None:
-        return find_job(None, root), None
-    try:
-        return find_job(job, root), None
-    except JobNotFound:
-        from launcher.slurm import queue
-
-        if job.isdigit() and queue.describe_state(job) not in ("", "?"):
-            return None, job
-        raise

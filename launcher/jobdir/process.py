@@ -18,11 +18,11 @@ from typing import Any
 
 _LOCAL_JOB = re.compile(r"-local-\d{8}-\d{6}-(\d+)$")
 """A local job's directory name, ``<name>-local-<date>-<time>-<pid of its driver>``
-(``launcher.submit.run_in_allocation``): how a driver started as ``rl-launch submit SPEC`` (whose command
-line names no job directory) is matched to its job."""
+(``launcher.driver.entry.run_in_allocation``): how a driver started as ``rl-launch submit SPEC``
+(whose command line names no job directory) is matched to its job."""
 
 _CLI_MODULES = ("launcher.cli", "launcher.cli.__main__")
-_RUN_LOCAL = "launcher.fleet.run_local"
+_RUN_LOCAL = "launcher.driver.run_local"
 
 
 class NotTheDriver(RuntimeError):
@@ -99,7 +99,7 @@ def _same_dir(arg: str, cwd: Path | None, job: Path) -> bool:
 
 def runs_driver_of(argv: list[str], cwd: Path | None, job: Path, pid: int) -> bool:
     """Whether ``argv`` (of process ``pid``, working in ``cwd``) is the driver of job directory ``job``:
-    ``python -m launcher.fleet.run_local JOB`` (a local standing fleet), or ``rl-launch submit`` with
+    ``python -m launcher.driver.run_local JOB`` (a local standing fleet), or ``rl-launch submit`` with
     ``--job-dir JOB`` or, for a local job, the pid its directory's name ends in."""
     target = _python_target(argv)
     if target is None:

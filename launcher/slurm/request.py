@@ -19,10 +19,11 @@ Layout: heterogeneous job (when Slurm forces it)
     one allocation cannot express it, so the request becomes a heterogeneous job: component 0 is
     training, component 1 generation, separated by ``#SBATCH hetjob``. Each component then has its own
     node list (``SLURM_JOB_NODELIST_HET_GROUP_0`` / ``_1``). submitit cannot submit it, so
-    ``SlurmRequest.submitit_parameters`` is ``None`` and the rendered sbatch script (``launcher.render``)
-    is the way to submit. Job-wide options (name, log file) go in component 0; options a component
-    must not inherit by accident (time, account, QOS, partition, resources) are written into every
-    component explicitly rather than relying on Slurm's option propagation rules.
+    ``SlurmRequest.submitit_parameters`` is ``None`` and the rendered sbatch script
+    (``launcher.submit.render``) is the way to submit. Job-wide options (name, log file) go in
+    component 0; options a component must not inherit by accident (time, account, QOS, partition,
+    resources) are written into every component explicitly rather than relying on Slurm's option
+    propagation rules.
 
 Containers (pyxis/enroot) and the time-limit warning: ``launcher.slurm.srun`` (the batch shell ``exec``s
 the driver, in a container step when the spec has one; every step carries the ``--container-*``

@@ -94,8 +94,8 @@ def step_command(
 ) -> list[str]:
     """``srun`` argv for one long-lived process on ``node`` (a Ray worker, an engine host).
 
-    ``jobid``: in that job's allocation (a grow job's node, ``launcher.elastic``) rather than the one the
-    caller runs in; Slurm lets a user start steps in any of their running jobs.
+    ``jobid``: in that job's allocation (a grow job's node, ``launcher.fleet.elastic``) rather than the
+    one the caller runs in; Slurm lets a user start steps in any of their running jobs.
 
     ``--overlap`` lets steps share the node's CPUs with the driver's own step; ``--kill-on-bad-exit=0``
     so one engine host's death is reported by the driver (naming the node) instead of killing the whole

@@ -57,7 +57,7 @@ class ResolvedTraining(_Resolved):
 
 
 class ResolvedElastic(_Resolved):
-    """``generation.elastic`` with its capacity per engine filled in (``launcher.elastic.tail``)."""
+    """``generation.elastic`` with its capacity per engine filled in (``launcher.fleet.elastic.tail``)."""
 
     floor_nodes: int
     shrink_below: float

@@ -221,7 +221,7 @@ EngineName = Literal[tuple(ENGINE_KINDS)]  # type: ignore[valid-type]
 
 
 class ElasticSection(Section):
-    """The tail policy (``launcher.elastic.tail``), off unless given: once a step's load has reached
+    """The tail policy (``launcher.fleet.elastic.tail``), off unless given: once a step's load has reached
     ``shrink_below`` of the fleet's capacity, in-flight requests below it for ``for_s`` shrink the fleet
     to ``floor_nodes`` (drained, handed back to Slurm); the next step's start (a new weight version) or
     load above ``grow_above`` of the smaller fleet's capacity grows it back."""

@@ -6,8 +6,9 @@
 see exactly the same figures.
 """
 
+from launcher.status.charts import sparkline
 from launcher.status.collect import StatusCollector, collect_snapshot
-from launcher.status.render import render_snapshot, sparkline
+from launcher.status.render import render_snapshot
 
 __all__ = [
     "StatusCollector",

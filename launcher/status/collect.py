@@ -39,6 +39,9 @@ import aiohttp
 
 from launcher.gateways.kinds import GATEWAY_KINDS
 from launcher.jobdir import FINAL_PHASES, FleetSnapshot, GatewaySnapshot, JobDir, read_json
+from launcher.jobdir.paths import record_dir as record_dir_of
+from launcher.record.tail import read_tail
+from launcher.record.view import rollouts_view
 from launcher.status.elastic import elastic_view
 from launcher.status.engine_rows import EXPECTED_SILENT, final_rows, fleet_engines, gateway_view
 from launcher.status.figures import (
@@ -50,7 +53,6 @@ from launcher.status.figures import (
     windowed_ratio,
 )
 from launcher.status.refit import fetch_refit, fetch_step, pause_view
-from launcher.status.rollouts import read_tail, record_dir_of, rollouts_view
 from launcher.status.samples import EngineSample, RouterSample, Scrape, canonical_url, fetch_metrics
 from launcher.status.standing import fetch_consumers, fetch_version
 from router.fleet.engine import EngineClient
@@ -320,7 +322,7 @@ class StatusCollector:
         self, jd: JobDir, state: dict[str, Any], refit: dict[str, Any] | None, now: float
     ) -> dict[str, Any] | None:
         """The current step's slowest sessions and timeline from the request record
-        (``launcher.status.rollouts``): since the trainer's last ``begin_step`` when there is one, else the
+        (``launcher.record.view``): since the trainer's last ``begin_step`` when there is one, else the
         whole record's tail. A job on a standing fleet reads the fleet's record, its own requests only."""
         step = (refit or {}).get("step") or {}
         since = step.get("started_at") if isinstance(step, dict) else None

@@ -3,7 +3,7 @@ given back), each grow (queued with Slurm's reason, starting, joined), the tail 
 and the node-seconds held and given back.
 
 Read from the ``elastic`` part of the job state, which the driver's elastic manager writes every second
-(``launcher.elastic.shapes`` owns its shape); the node-seconds are recomputed at the moment of looking
+(``launcher.fleet.elastic.shapes`` owns its shape); the node-seconds are recomputed at the moment of looking
 while the job runs, and taken as written once it ended. Nothing here fails the dashboard: a state without
 the section (a job before its fleet serves, an older job) shows nothing.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.text import Text
 
-from launcher.elastic import shapes
+from launcher.fleet.elastic import shapes
 
 
 def elastic_view(state: dict[str, Any], now: float) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from rich.text import Text
 
-from launcher.http_call import bearer
+from launcher.net.http_call import bearer
 from router.prometheus import metric_sum, parse_metrics
 
 _GAUGES = {

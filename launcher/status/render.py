@@ -7,9 +7,7 @@ reason in red, because a row that silently disappears is worse than one that say
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from rich.cells import cell_len
@@ -18,12 +16,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from launcher.status.charts import sparkline
 from launcher.status.elastic import elastic_text
 from launcher.status.refit import refit_line
 from launcher.status.rollouts import rollouts_text
 from launcher.status.standing import standing_text
-
-BLOCKS = "▁▂▃▄▅▆▇█"
 
 STATE_STYLES = {
     "HEALTHY": "bold green",
@@ -55,19 +52,6 @@ _SEVERITY = {
     "DRAINING": 5,
     "RETIRED": 6,
 }
-
-
-def sparkline(values: Sequence[float], width: int = 60) -> str:
-    """The last ``width`` values as unicode blocks, scaled to their maximum (zero = the lowest block,
-    so an idle stretch still reads as a line rather than a gap)."""
-    values = [v for v in values[-width:] if v is not None and math.isfinite(v)]
-    if not values:
-        return ""
-    top = max(values)
-    if top <= 0:
-        return BLOCKS[0] * len(values)
-    last = len(BLOCKS) - 1
-    return "".join(BLOCKS[min(last, max(0, round(v / top * last)))] for v in values)
 
 
 def fmt_seconds(v: float | None) -> str:

@@ -1,159 +1,17 @@
-"""The current step's rollouts on the dashboard, from the router's request record (``router.record``):
-its slowest sessions (turns, the engines they moved between, where their time went, weight versions) and
-a step timeline (requests in flight over time, sessions finished, the tail's share of the step).
-
-When a step is slow the question is which rollouts were the tail and where their time went: held by
-the router (a pause, a version gate, the fair share), waiting for the first byte (the engine's queue and
-prefill: a cache miss shows here), decoding, or between turns (the client's own time: tool calls, Gym).
-The aggregate ``/metrics`` cannot answer it; the record can, per session.
-
-Bounded: only the last ``TAIL_BYTES`` of each record file are read (the record may be hundreds of MB),
-off the dashboard's event loop; a session whose first turns lie before that window shows what is in it.
-"""
+"""The current step's rollouts on the dashboard: the figures of ``launcher.record.view`` as rich text."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from rich.text import Text
 
-from router.record.format import RECORD_VERSION, RequestRecord
-from router.record.sessions import conversations
-
-TAIL_BYTES = 8 << 20
-TOP = 8
-TIMELINE_BINS = 60
-
-
-def read_tail(
-    record_dir: str | Path, since: float | None, consumer: str | None = None
-) -> list[RequestRecord]:
-    """The records of the current (unrotated) files that arrived at or after ``since``, read from the last
-    ``TAIL_BYTES`` of each file; ``consumer``: only that consumer's (a job on a standing fleet)."""
-    import orjson
-
-    d = Path(record_dir)
-    if not d.is_dir():
-        return []
-    out: list[RequestRecord] = []
-    for f in d.glob("requests*.jsonl"):
-        if f.name.count(".") != 1:  # requests[-wK].N.jsonl: rotated, older
-            continue
-        try:
-            size = f.stat().st_size
-            with f.open("rb") as fh:
-                if size > TAIL_BYTES:
-                    fh.seek(size - TAIL_BYTES)
-                    fh.readline()  # a partial first line
-                data = fh.read()
-        except OSError:
-            continue
-        for raw in data.split(b"\n"):
-            if not raw:
-                continue
-            try:
-                obj = orjson.loads(raw)
-                if obj.get("v") != RECORD_VERSION or (since is not None and obj["t"] < since):
-                    continue
-                if consumer is not None and obj.get("consumer") != consumer:
-                    continue
-                out.append(RequestRecord.from_json(obj))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # a line being written, or another shape: the next refresh has it whole
-    out.sort(key=lambda r: r.t)
-    return out
-
-
-def _end(r: RequestRecord) -> float:
-    return r.t + (r.duration_s or 0.0)
-
-
-def rollouts_view(records: list[RequestRecord], now: float, top: int = TOP) -> dict[str, Any] | None:
-    """The slowest sessions and the step timeline of ``records`` (None: no record yet)."""
-    if not records:
-        return None
-    sessions = []
-    for key, rs in conversations(records, infer_sessions=True)[0]:
-        engines: list[str] = []
-        for r in rs:
-            if r.engine and (not engines or engines[-1] != r.engine):
-                engines.append(r.engine)
-        held = sum(sum(r.held_s.values()) for r in rs)
-        first_byte = sum(max(0.0, (r.ttfb_s or 0.0) - sum(r.held_s.values())) for r in rs)
-        decode = sum(max(0.0, (r.duration_s or 0.0) - (r.ttfb_s or 0.0)) for r in rs)
-        busy = sum(r.duration_s or 0.0 for r in rs)
-        start, end = rs[0].t, max(_end(r) for r in rs)
-        sessions.append(
-            {
-                "session": key,
-                "turns": len(rs),
-                "start": start,
-                "end": end,
-                "span_s": round(end - start, 3),
-                "engines": engines,
-                "moves": max(0, len(engines) - 1),
-                "phases_s": {
-                    "held": round(held, 3),
-                    "first_byte": round(first_byte, 3),
-                    "decode": round(decode, 3),
-                    "between_turns": round(max(0.0, end - start - busy), 3),
-                },
-                "versions": sorted({r.version for r in rs if r.version}),
-                "failed": sum(r.status >= 400 for r in rs),
-                "completion_tokens": sum(r.completion_tokens or 0 for r in rs),
-                "last_request": rs[-1].id,
-            }
-        )
-    sessions.sort(key=lambda s: s["span_s"], reverse=True)
-    t0 = min(r.t for r in records)
-    t1 = max(max(_end(r) for r in records), t0 + 1e-6)
-    return {
-        "start": t0,
-        "end": t1,
-        "requests": len(records),
-        "sessions": len(sessions),
-        "slowest": sessions[:top],
-        "timeline": _timeline(records, sessions, t0, t1),
-    }
-
-
-def _timeline(
-    records: list[RequestRecord], sessions: list[dict[str, Any]], t0: float, t1: float
-) -> dict[str, Any]:
-    """In flight per bin (requests overlapping it), sessions finished by each bin's end, and the tail's
-    share: the time after 90% of the sessions had finished, over the whole span."""
-    width = (t1 - t0) / TIMELINE_BINS
-    in_flight = [0] * TIMELINE_BINS
-    for r in records:
-        a = int((r.t - t0) / width)
-        b = int((_end(r) - t0) / width)
-        for i in range(max(0, a), min(TIMELINE_BINS - 1, b) + 1):
-            in_flight[i] += 1
-    ends = sorted(s["end"] for s in sessions)
-    finished = []
-    j = 0
-    for i in range(TIMELINE_BINS):
-        edge = t0 + (i + 1) * width
-        while j < len(ends) and ends[j] <= edge:
-            j += 1
-        finished.append(j)
-    t90 = ends[max(0, int(0.9 * len(ends)) - 1)] if ends else t1
-    return {
-        "bin_s": round(width, 3),
-        "in_flight": in_flight,
-        "sessions_finished": finished,
-        "t90_s": round(t90 - t0, 3),
-        "tail_share": round((t1 - t90) / (t1 - t0), 3),
-    }
+from launcher.status.charts import sparkline
 
 
 def rollouts_text(view: dict[str, Any] | None) -> Text | None:
     if not view:
         return None
-    from launcher.status.render import sparkline
-
     tl = view["timeline"]
     t = Text()
     t.append("rollouts ", style="bold")
@@ -177,7 +35,3 @@ def rollouts_text(view: dict[str, Any] | None) -> Text | None:
         )
     t.rstrip()
     return t
-
-
-def record_dir_of(job_dir: str | os.PathLike[str]) -> Path:
-    return Path(job_dir) / "record"

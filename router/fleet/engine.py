@@ -51,6 +51,10 @@ UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
 WEIGHT_CHECKER_PATH = "/weight_checker"
 METRICS_PATH = "/metrics"
 COLLECTIVE_RPC_PATH = "/collective_rpc"
+
+LOAD_GAUGES: tuple[str, ...] = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+"""The engine's load, as its ``/metrics`` gauges: the bench's samples and the elastic tail policy read the
+same two, so a drain decision and the figures that judge it never count load differently."""
 """vLLM's dev route that runs one method on every worker of the engine (``reload_weights`` here)."""
 WORLD_SIZE_PATH = "/get_world_size"
 SERVER_INFO_PATH = "/server_info"

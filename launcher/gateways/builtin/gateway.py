@@ -32,7 +32,7 @@ class BuiltinRouterGateway(Gateway):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME
+        from launcher.steps.ray_cluster import ROUTER_ACTOR_NAME
         from router.actor import remote_router_actor
         from router.config import RouterConfig
 
@@ -43,10 +43,10 @@ class BuiltinRouterGateway(Gateway):
         if ctx.spec.fleet is not None:
             # A standing fleet: the consumers' keys (hashes) from the file their jobs register in, and
             # the fair share of the fleet's in-flight capacity between them (launcher.fleet.standing).
-            from launcher.fleet.standing import consumers_path
+            from launcher.jobdir.paths import consumers_file
 
             sharing |= {
-                "consumers_file": str(consumers_path(ctx.job.path)),
+                "consumers_file": str(consumers_file(ctx.job.path)),
                 "fair_share_capacity": ctx.spec.fleet.capacity,
             }
         config = RouterConfig.from_settings(

@@ -52,6 +52,7 @@ from launcher.engines.dynamo.worker import DynamoPlanes, dynamo_python
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
 from launcher.gateways.dynamo.kind import DYNAMO
 from launcher.gateways.dynamo.runtime import EtcdNats, ManagedProcess, private_dir
+from launcher.jobdir.paths import dynamo_dir
 from router.ports import free_port
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class DynamoGateway(Gateway):
         super().__init__(*args, **kwargs)
         ctx = self.context
         self.options = ctx.spec.router.dynamo
-        self.data_dir = ctx.job.path / "dynamo"
+        self.data_dir = dynamo_dir(ctx.job.path)
         self.python = ""
         self.runtime: EtcdNats | None = None
         self.frontend: ManagedProcess | None = None

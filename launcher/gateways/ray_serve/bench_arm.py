@@ -59,13 +59,13 @@ def local_plan(
 def local_ray() -> Iterator[None]:
     """A local Ray for this process unless one is connected already (loopback only), locked like a job's:
     its own token (other local users cannot attach and run code as this user) and its files in a private
-    directory (``launcher.driver.ray_node``), never the shared, world-writable ``/tmp/ray``."""
+    directory (``launcher.steps.ray_node``), never the shared, world-writable ``/tmp/ray``."""
     import secrets
 
     import ray
 
-    from launcher.driver.ray_cluster import reload_ray_auth
-    from launcher.driver.ray_node import make_private, private_temp_dir
+    from launcher.steps.ray_cluster import reload_ray_auth
+    from launcher.steps.ray_node import make_private, private_temp_dir
 
     if ray.is_initialized():
         yield

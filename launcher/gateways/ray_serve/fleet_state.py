@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.jobdir import read_json, write_json_atomic
+from launcher.jobdir.paths import serve_fleet_file
 
 READ_EVERY_S = 0.5
 """How stale a replica process's view of the file may be: one read per process per period, whatever the
@@ -108,7 +109,7 @@ class FleetState:
 
 
 def fleet_state_path(job_dir: str | Path) -> Path:
-    return Path(job_dir) / "engines" / "serve-fleet.json"
+    return serve_fleet_file(job_dir)
 
 
 def write_fleet_state(job_dir: str | Path, state: FleetState) -> None:

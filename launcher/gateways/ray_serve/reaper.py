@@ -6,7 +6,7 @@ also means nothing kills it when its replica dies without running ``__del__`` (S
 replica that misses its graceful-shutdown timeout or is stuck in its constructor, ``ray.kill``, an OOM
 kill). A vLLM engine left behind would hold its GPUs until the allocation ends.
 
-The watch and the stop are ``launcher.reaper``'s, which ends a local job's steps with their driver the
+The watch and the stop are ``launcher.steps.reaper``'s, which ends a local job's steps with their driver the
 same way: the replica started this process (its parent), the engine's pid is its session's id; SIGTERM
 to the engine's group, SIGKILL after 5 s to whatever is left of its session.
 """
@@ -17,7 +17,7 @@ import signal
 import sys
 
 from launcher.jobdir import start_ticks
-from launcher.reaper import watch
+from launcher.steps.reaper import watch
 
 GRACE_S = 5.0
 

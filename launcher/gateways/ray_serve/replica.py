@@ -34,6 +34,7 @@ import aiohttp
 from launcher.gateways.ray_serve.fleet_state import FleetStateReader
 from launcher.gateways.ray_serve.plan import ServePlan
 from launcher.jobdir import write_json_atomic
+from launcher.jobdir.paths import serve_registry_dir
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and what aiohttp sets itself: never forwarded either way.
 HOP_BY_HOP = frozenset(
@@ -63,7 +64,7 @@ def registry_dir(job_dir: str) -> Path:
     """Where each replica records ``{replica, node, url, pid, log}`` (the job directory, shared by every
     node): the gateway's view joins these with the replicas Ray reports alive, so a record a killed
     replica could not remove is never shown."""
-    path = Path(job_dir) / "engines" / "serve"
+    path = serve_registry_dir(job_dir)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

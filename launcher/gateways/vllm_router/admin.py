@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from launcher.gateways.vllm_router.command import root_url
-from launcher.http_call import open_url
+from launcher.net.http_call import open_url
 
 _CALL_TIMEOUT_S = 5.0
 # A POST waits on the router's health check of the engine; the registrar's own bound on one attempt

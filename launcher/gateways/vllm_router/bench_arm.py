@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from launcher.bench.arms import sim_fleet
+from launcher.engines.sim.local import sim_fleet
 from launcher.gateways.vllm_router.admin import Registrar, VllmRouterAdmin
 from launcher.gateways.vllm_router.command import VLLM_ROUTER_POLICIES, VllmRouterSection, router_command
 from launcher.gateways.vllm_router.process import VllmRouterProcess

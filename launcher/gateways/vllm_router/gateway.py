@@ -116,8 +116,8 @@ class VllmRouterGateway(Gateway):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from launcher.driver.ray_cluster import ROUTER_ACTOR_NAME
         from launcher.gateways.vllm_router.process import remote_vllm_router_actor
+        from launcher.steps.ray_cluster import ROUTER_ACTOR_NAME
 
         ctx = self.context
         url = f"http://{ctx.host}:{ctx.port}"

@@ -9,7 +9,7 @@ final ``scancel`` of the step so nothing of it survives even where ``proctrack/l
 background processes behind.
 
 A driver that dies without its teardown (SIGKILL, the OOM killer) stops nothing: on Slurm the job's end
-takes its steps with it; in local mode each step's reaper (``launcher.reaper``) ends the step's session.
+takes its steps with it; in local mode each step's reaper (``launcher.steps.reaper``) ends the step's session.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.reaper import guard
 from launcher.slurm.srun import step_command
+from launcher.steps.reaper import guard
 
 
 @dataclass
@@ -37,7 +37,8 @@ class Step:
     log: Path
     step_name: str = ""
     reaper: subprocess.Popen[bytes] | None = None
-    """Local mode: the process that ends this step's session if the driver dies (``launcher.reaper``)."""
+    """Local mode: the process that ends this step's session if the driver dies
+    (``launcher.steps.reaper``)."""
     _stopped: bool = field(default=False, repr=False)
 
     def alive(self) -> bool:
@@ -81,7 +82,7 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 class LocalSteps:
     """Local mode: every "node" is this machine. Each step's session is guarded by a reaper
-    (``launcher.reaper``): nothing else would end it if the driver died without its teardown (on Slurm,
+    (``launcher.steps.reaper``): nothing else would end it if the driver died without its teardown (on Slurm,
     the job's end does)."""
 
     def start(

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from launcher.jobdir.atomic import write_json_atomic
+from launcher.jobdir.paths import elastic_answers_dir as answers_dir
+from launcher.jobdir.paths import elastic_dir
+from launcher.jobdir.paths import elastic_requests_dir as requests_dir
 
 Op = Literal["grow", "shrink", "cancel"]
 
@@ -37,7 +40,6 @@ def check_id(request_id: object) -> str:
     return request_id
 
 
-ELASTIC_DIR = "elastic"
 
 # Grow states, in order (ENDED/CANCELLED/FAILED are final).
 GROW_PENDING = "PENDING"
@@ -91,18 +93,6 @@ class ElasticAnswer:
     message: str
     grow_id: str = ""
     nodes: list[str] = field(default_factory=list)
-
-
-def elastic_dir(job_dir: str | Path) -> Path:
-    return Path(job_dir) / ELASTIC_DIR
-
-
-def requests_dir(job_dir: str | Path) -> Path:
-    return elastic_dir(job_dir) / "requests"
-
-
-def answers_dir(job_dir: str | Path) -> Path:
-    return elastic_dir(job_dir) / "answers"
 
 
 def make_dirs(job_dir: str | Path) -> None:

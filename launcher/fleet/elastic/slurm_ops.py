@@ -4,7 +4,7 @@ Why a grow is its own job and not a bigger allocation: Slurm cannot add nodes to
 (``scontrol update`` only shrinks one; growing means a second job that is merged into it by hand, which
 most sites forbid). A separate job keeps the site's accounting and limits, and queues like any other job,
 so a busy partition makes a grow wait (its reason shown) instead of failing it. Its batch process is a
-holder (``launcher.elastic.holder``) that keeps the allocation while the fleet's job lives; the fleet's
+holder (``launcher.fleet.elastic.holder``) that keeps the allocation while the fleet's job lives; the fleet's
 driver starts the engine hosts into it (``srun --jobid``), so they are the driver's steps like every other
 (restarted, stopped, watched by the same code). The holder ends the grow job when the fleet's job is gone
 however it ended, so a driver killed with SIGKILL leaves no allocation behind.
@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.jobdir.paths import grow_file
 from launcher.slurm.nodes import expand_hostlist, natural_key
 from launcher.slurm.queue import job_end_time
 from launcher.slurm.request import resource_directives
@@ -155,7 +156,7 @@ def grow_script(
         for w in (
             sys.executable,
             "-m",
-            "launcher.elastic.holder",
+            "launcher.fleet.elastic.holder",
             "--job-dir",
             str(job_dir),
             "--fleet-job",
@@ -175,7 +176,7 @@ def grow_script(
 
 def submit_grow(script: str, job_dir: Path, grow_id: str) -> str:
     """``sbatch`` the grow job; its id, or ``SlurmRefused`` with sbatch's words."""
-    path = job_dir / "elastic" / f"grow-{grow_id}.sbatch"
+    path = grow_file(job_dir, grow_id, "sbatch")
     path.write_text(script)
     path.chmod(0o600)
     proc = _run(["sbatch", "--parsable", str(path)])

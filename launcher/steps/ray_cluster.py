@@ -15,7 +15,7 @@ Environment choices (each against a failure seen on these clusters):
   to Ray cluster``. Always ``token``, whatever ``RAY_AUTH_MODE`` the user's shell had: it used to be
   ``disabled`` because Ray turns token auth on by itself once ``~/.ray/auth_token`` exists, and workers
   then could not join; a token of the job's own, given to every node, ends both problems.
-* Ray's files in a directory only the job's user can enter (``launcher.driver.ray_node``), never the
+* Ray's files in a directory only the job's user can enter (``launcher.steps.ray_node``), never the
   shared ``/tmp/ray``, whose folders Ray makes 0777.
 * ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in local mode: without it Ray rewrites 127.0.0.1 to the
   machine's external address, and its processes talk over that interface.
@@ -32,8 +32,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from launcher.driver.ray_node import node_command
-from launcher.driver.steps import LocalSteps, SrunSteps, Step
+from launcher.steps.processes import LocalSteps, SrunSteps, Step
+from launcher.steps.ray_node import node_command
 
 # The job's named actors (the router: "router") live here, so a training script or an operator attached to
 # the same cluster (RAY_ADDRESS) can find them with ray.get_actor("router", namespace=RAY_NAMESPACE).
@@ -258,7 +258,7 @@ class RayCluster:
             # `ray start --block` stops its node's processes on SIGTERM. Never `ray stop`: it ends every
             # Ray on the machine, other jobs' too. A straggler of this head's session (Ray starts its
             # workers in process groups of their own) is ended by the head's reaper once the driver has
-            # exited (launcher.reaper), as everything of the session is if the driver is SIGKILLed.
+            # exited (launcher.steps.reaper), as everything of the session is if the driver is SIGKILLed.
         t.join(shutdown_timeout_s if not hurry else 0.5)
         self.disconnected = not t.is_alive()
         self.workers.clear()

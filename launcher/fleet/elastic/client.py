@@ -1,11 +1,11 @@
 """Resizing a running job from outside it: the Python calls behind ``rl-launch fleet grow/shrink``.
 
-A request goes to the job's driver through its job directory (``launcher.elastic.shapes``); the driver
+A request goes to the job's driver through its job directory (``launcher.fleet.elastic.shapes``); the driver
 checks it against the live fleet and answers at once (a refusal names the reason and changes nothing).
 ``wait`` then follows the job state until the grow has joined (or failed) or the drained nodes are given
 back, bounded by ``timeout_s``.
 
-    from launcher.elastic.client import grow, shrink
+    from launcher.fleet.elastic.client import grow, shrink
     g = grow("~/rl-launch/jobs/grpo-1234", nodes=2)             # submits a grow job, returns its id
     shrink("~/rl-launch/jobs/grpo-1234", node_names=["gpu7"])   # drains gpu7, hands it back
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.elastic import shapes
-from launcher.elastic.shapes import ElasticAnswer, ElasticRequest
+from launcher.fleet.elastic import shapes
+from launcher.fleet.elastic.shapes import ElasticAnswer, ElasticRequest
 from launcher.jobdir import JobDir
 
 ANSWER_TIMEOUT_S = 30.0
@@ -52,8 +52,9 @@ def check_resizable(job_dir: str | Path) -> JobDir:
         raise ElasticError(f"job {name}'s driver is not running: nothing to resize")
     try:
         from launcher.gateways.kinds import front_kind
+        from launcher.spec.snapshot import read_spec
 
-        why = front_kind(jd.read_spec().router.kind).no_elastic_why
+        why = front_kind(read_spec(jd).router.kind).no_elastic_why
     except (OSError, ValueError):
         why = ""
     if why:

@@ -21,8 +21,8 @@ stays the one judge of engine health; this manager only changes which nodes are 
   engine, a node that is not the fleet's (or runs the driver), a grow the partition can never run.
 
 Everything it does is an ``elastic`` event in ``events.jsonl`` with its reason, and the ``elastic`` part
-of the job state (``launcher.elastic.shapes``) says which nodes serve, drain or were given back, what each
-grow waits for, and the node-seconds held and given back.
+of the job state (``launcher.fleet.elastic.shapes``) says which nodes serve, drain or were given back,
+what each grow waits for, and the node-seconds held and given back.
 """
 
 from __future__ import annotations
@@ -35,22 +35,21 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from launcher.bench.metrics import LOAD_GAUGES
-from launcher.elastic import shapes, slurm_ops
-from launcher.elastic.holder import release_file
-from launcher.elastic.shapes import ElasticAnswer, ElasticRequest
-from launcher.elastic.tail import Decision, Reading, TailPolicy, TailSettings
 from launcher.fleet.controller import fan_out_now
+from launcher.fleet.elastic import shapes, slurm_ops
+from launcher.fleet.elastic.holder import release_file
+from launcher.fleet.elastic.hosts import EngineHostFleet
+from launcher.fleet.elastic.shapes import ElasticAnswer, ElasticRequest
+from launcher.fleet.elastic.tail import Decision, Reading, TailPolicy, TailSettings
 from launcher.slurm.request import container_srun_args
-from router.fleet.engine import EngineClient
+from router.fleet.engine import LOAD_GAUGES, EngineClient
 from router.prometheus import metric_sum, parse_metrics
 
 if TYPE_CHECKING:
-    from launcher.driver.engine_hosts import EngineHostLauncher
-    from launcher.driver.ray_cluster import RayCluster
     from launcher.fleet.controller import FleetController
     from launcher.jobdir import JobDir, StateWriter
     from launcher.spec import ResolvedSpec
+    from launcher.steps.ray_cluster import RayCluster
 
 READ_EVERY_S = 0.9
 """The tail policy reads the engines' load about every tick: a coarser reading adds its interval to every
@@ -129,7 +128,7 @@ class ElasticFleet:
         job: JobDir,
         state: StateWriter,
         controller: FleetController,
-        engines: EngineHostLauncher,
+        engines: EngineHostFleet,
         ray: RayCluster | None,
         *,
         local: bool,

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from launcher.jobdir.paths import grow_file
 from launcher.slurm.queue import is_final, job_state
 
 POLL_S = 3.0
@@ -44,7 +45,7 @@ STATE_STALE_S = 300.0
 
 
 def release_file(job_dir: Path, grow_id: str) -> Path:
-    return job_dir / "elastic" / f"grow-{grow_id}.release"
+    return grow_file(job_dir, grow_id, "release")
 
 
 class FleetJobWatch:

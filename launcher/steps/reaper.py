@@ -1,5 +1,5 @@
-"""``python -m launcher.reaper --parent PID --session SID --ticks T``: a session of processes ends with the
-process that started it, however that process ends.
+"""``python -m launcher.steps.reaper --parent PID --session SID --ticks T``: a session of processes ends
+with the process that started it, however that process ends.
 
 What it guards: a local-mode step (the Ray head's ``ray start --block``, an engine host, the training
 command) runs in a session of its own, so the driver can stop all of it by process group. The same
@@ -163,7 +163,7 @@ def guard(
     argv = [
         sys.executable,
         "-m",
-        "launcher.reaper",
+        "launcher.steps.reaper",
         "--parent",
         str(os.getpid()),
         "--session",

@@ -1,6 +1,6 @@
 """The tail policy (``generation.elastic``): give nodes back while a step's last sessions run, take them
 again when the next step starts. Pure: it sees one reading at a time and says what to do and why; the
-driver's elastic manager (``launcher.elastic.manager``) does it. The bench and the tests drive the same
+driver's elastic manager (``launcher.fleet.elastic.manager``) does it. The bench and the tests drive the same
 object with readings of their own.
 
 Why these rules:

@@ -29,6 +29,7 @@ from launcher.fleet import standing
 from launcher.fleet.standing import FleetRecord, FleetRefused
 from launcher.jobdir import JobDir, NotTheDriver, SubmittedJob, driver_pid
 from launcher.spec import ResolvedSpec
+from launcher.spec.snapshot import write_spec
 
 
 def fleet_up(spec: ResolvedSpec, say: Callable[[str], None], wait_s: float | None) -> FleetRecord:
@@ -45,7 +46,7 @@ def fleet_up(spec: ResolvedSpec, say: Callable[[str], None], wait_s: float | Non
                 f"first with `rl-launch fleet down {spec.name}`"
             )
     if spec.cluster == "slurm":
-        from launcher.submit import submit_slurm
+        from launcher.submit.job import submit_slurm
 
         job_id, job_dir = submit_slurm(spec)
         record = standing.new_record(spec.name, job_dir, "slurm", spec.generation.served_model_name, job_id)
@@ -60,7 +61,7 @@ def fleet_up(spec: ResolvedSpec, say: Callable[[str], None], wait_s: float | Non
 
 def _start_local(spec: ResolvedSpec, say: Callable[[str], None]) -> FleetRecord:
     job = JobDir(spec.job_dir(f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")).create()
-    job.write_spec(spec)
+    write_spec(job, spec)
     job.write_submitted(
         SubmittedJob(
             job_id="",
@@ -77,7 +78,7 @@ def _start_local(spec: ResolvedSpec, say: Callable[[str], None]) -> FleetRecord:
     log = (job.logs / "fleet-up.log").open("ab")
     # Its own session: the terminal's Ctrl-C or hangup does not reach it; `fleet down` ends it.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher.fleet.run_local", str(job.path)],
+        [sys.executable, "-m", "launcher.driver.run_local", str(job.path)],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,

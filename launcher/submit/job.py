@@ -22,49 +22,23 @@ exit code.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from launcher.driver.entry import driver_entry, run_in_allocation
 from launcher.jobdir import JobDir, SubmittedJob
-from launcher.slurm import build_request, split_nodes
+from launcher.slurm import build_request
 from launcher.slurm.queue import cancel as scancel
 from launcher.slurm.queue import is_final, job_state
 from launcher.spec import ResolvedSpec
+from launcher.spec.snapshot import write_spec
 
 
 class SubmitError(RuntimeError):
     """Slurm refused the job; the message carries Slurm's own words."""
-
-
-def run_in_allocation(spec: ResolvedSpec, job_dir: Path | None = None) -> int:
-    """The driver, inside an allocation (or on this machine for ``cluster: local``). A job directory
-    that holds a submitted snapshot runs that snapshot."""
-    from launcher.driver.driver import Driver
-
-    if job_dir is None:
-        job_id = os.environ.get("SLURM_JOB_ID") or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        job_dir = spec.job_dir(job_id)
-    job = JobDir(job_dir)
-    if job.spec_file.exists() and job.submitted_file.exists():
-        spec = job.read_spec()
-    nodes = split_nodes(spec)
-    return Driver(spec, job.path, list(nodes.training), list(nodes.generation)).run()
-
-
-def _driver_entry(job_root: str, name: str) -> int:
-    """What the submitit job runs (a module-level function, so it unpickles on the node): the snapshot
-    in ``<job_root>/<name>-<SLURM_JOB_ID>``, written before the job was released."""
-    job = JobDir(Path(job_root) / f"{name}-{os.environ['SLURM_JOB_ID']}")
-    spec = job.read_spec()
-    code = run_in_allocation(spec, job.path)
-    if code != 0:
-        result = job.read_result()
-        raise SystemExit(f"rl-launch job failed (exit {code}): {result.reason if result else ''}")
-    return code
 
 
 def _submit_held(spec: ResolvedSpec) -> str:
@@ -85,13 +59,13 @@ def _submit_held(spec: ResolvedSpec) -> str:
         executor.update_parameters(**params)
         executor.update_parameters(slurm_setup=request.submitit_setup_for(executor))
         try:
-            job = executor.submit(_driver_entry, spec.job_root, spec.name)
+            job = executor.submit(driver_entry, spec.job_root, spec.name)
         except subprocess.CalledProcessError as exc:
             raise SubmitError(f"sbatch refused the job: {_stderr(exc)}") from None
         except Exception as exc:  # submitit wraps sbatch's failure in its own errors
             raise SubmitError(f"sbatch refused the job: {exc}") from None
         return str(job.job_id)
-    from launcher.render import write_sbatch
+    from launcher.submit.render import write_sbatch
 
     script = write_sbatch(spec)
     try:
@@ -116,7 +90,7 @@ def submit_slurm(spec: ResolvedSpec) -> tuple[str, Path]:
     job = JobDir(spec.job_dir(job_id))
     try:
         job.create()
-        job.write_spec(spec)
+        write_spec(job, spec)
         job.write_submitted(
             SubmittedJob(
                 job_id=job_id,

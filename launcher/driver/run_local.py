@@ -1,6 +1,6 @@
-"""``python -m launcher.fleet.run_local JOB_DIR``: the detached driver of a local standing fleet.
+"""``python -m launcher.driver.run_local JOB_DIR``: the detached driver of a local standing fleet.
 
-``launcher.fleet.lifecycle.fleet_up`` writes the job directory (the resolved spec snapshot and the
+``launcher.submit.fleet.fleet_up`` writes the job directory (the resolved spec snapshot and the
 submitted record) and starts this in a session of its own; it runs exactly that snapshot, as a Slurm
 job's driver does, until ``rl-launch fleet down``.
 """
@@ -12,11 +12,12 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
+    from launcher.driver.entry import run_in_allocation
     from launcher.jobdir import JobDir
-    from launcher.submit import run_in_allocation
+    from launcher.spec.snapshot import read_spec
 
     job = JobDir(Path(argv[0]))
-    return run_in_allocation(job.read_spec(), job.path)
+    return run_in_allocation(read_spec(job), job.path)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``python -m launcher.driver.ray_node --job-dir DIR -- ray start ...``: one Ray node of a job, started on
+"""``python -m launcher.steps.ray_node --job-dir DIR -- ray start ...``: one Ray node of a job, started on
 its own node with SIGUSR2 ignored and Ray's files in a directory only the job's user can enter.
 
 Why a private directory: without ``--temp-dir`` Ray writes its sessions, logs and Unix sockets under the
@@ -87,7 +87,7 @@ def make_private(path: Path) -> Path:
 
 def node_command(job_dir: str | os.PathLike[str], ray_argv: Sequence[str]) -> list[str]:
     """The argv that starts ``ray_argv`` (``ray start ...``, no ``--temp-dir``) as a node of the job."""
-    return [sys.executable, "-m", "launcher.driver.ray_node", "--job-dir", str(job_dir), "--", *ray_argv]
+    return [sys.executable, "-m", "launcher.steps.ray_node", "--job-dir", str(job_dir), "--", *ray_argv]
 
 
 def main(argv: list[str] | None = None) -> None:
