@@ -20,9 +20,22 @@ Layout (on the shared filesystem, so every node and the login node see it)::
       engines/node-<i>.json          the engine host's config for generation node i (driver)
       engines/node-<i>.urls.json     EngineListing: what node i serves, or its start error (engine host)
       engines/node-<i>.control.json  ControlRequests: restart requests (fleet controller)
+      engines/serve-fleet.json       the Ray Serve front's fleet state (its gateway)
+      engines/serve/<replica>.json   one Ray Serve replica's engine (that replica)
       logs/                   engine, engine-host, Ray and training logs
+      cache_reset.json        the last fleet-wide cache reset (driver), for the dashboard
+      record/                 the router's request record (router.record; read by launcher.record)
+      plots/                  a finished job's step timeline and engine load (driver, at teardown)
+      elastic/                grow jobs' sbatch scripts and release files; requests/ and answers/ of resizes
+      consumers.json          a standing fleet's consumers and keys (fleet owner), 0600
+      dynamo/                 the Dynamo front's etcd data and planes' configs
+      bench/                  a replay run as the job's training command
       result.json             JobResult, written last (driver)
 
+    <job_root>/fleets/<name>.json   a standing fleet's record (``launcher.fleet.standing``)
+
+The paths of the entries below ``logs/`` whose contents a feature package owns are composed in
+``paths.py``, not by the package: a reader and its writer then cannot drift to two spellings.
 Every file has one writer; writes are atomic with unique temporary names (``atomic.py``). Listings are
 always returned in numeric node order, so engine N of ``rl-launch logs --engine N``, the dashboard's rows
 and the fleet controller's ids name the same engine from 11 nodes on.
