@@ -77,10 +77,10 @@ def lookalike(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
     JOB``), for the caller's own job directory ``JOB`` (not yet a job: the test writes its state). Its
     module is the test's own, which sleeps: run from its folder, ``-m`` finds it first."""
     fake = tmp_path / "lookalike"
-    (fake / "launcher" / "fleet").mkdir(parents=True)
+    (fake / "launcher" / "driver").mkdir(parents=True)
     (fake / "launcher" / "__init__.py").write_text("")
-    (fake / "launcher" / "fleet" / "__init__.py").write_text("")
-    (fake / "launcher" / "fleet" / "run_local.py").write_text("import time\ntime.sleep(600)\n")
+    (fake / "launcher" / "driver" / "__init__.py").write_text("")
+    (fake / "launcher" / "driver" / "run_local.py").write_text("import time\ntime.sleep(600)\n")
     job = JobDir(tmp_path / "jobs" / "own-fleet").create()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.Popen(

@@ -576,7 +576,7 @@ def no_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("submit_job must not be called")
 
-    monkeypatch.setattr("launcher.submit.submit_job", forbidden)
+    monkeypatch.setattr("launcher.submit.job.submit_job", forbidden)
     return record
 
 
@@ -642,7 +642,7 @@ def test_cli_submit_dry_run_hetjob(tmp_path: Path, no_sbatch: Path) -> None:
 
 def test_cli_submit_calls_submit_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple] = []
-    monkeypatch.setattr("launcher.submit.submit_job", lambda spec, **kw: calls.append((spec, kw)))
+    monkeypatch.setattr("launcher.submit.job.submit_job", lambda spec, **kw: calls.append((spec, kw)))
     bin_dir = tmp_path / "bin"  # --in-allocation checks that srun exists (a Slurm-less machine has none)
     bin_dir.mkdir()
     (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
