@@ -73,7 +73,7 @@ from multidict import CIMultiDict
 
 from router.config import SECRET_FIELDS, RouterConfig
 from router.consumers import ConsumerKeys
-from router.fleet.api import ENGINE_TIMEOUT_S
+from router.fleet.fleet import ENGINE_TIMEOUT_S
 from router.http.app import build_app, health, not_found, serve_guarded
 from router.http.auth import Access, MarkedRoute, RouteTable
 from router.http.forwarding import HOP_BY_HOP, Forwarder, ForwardingConfig
