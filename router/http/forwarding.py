@@ -85,9 +85,9 @@ from router.policies.consistent_hash import DEFAULT_SESSION_HEADER, session_key
 from router.policies.prefix_index import block_hashes, prompt_start
 from router.record.draft import RecordDraft, json_int
 from router.record.format import MAX_PREFIX_BLOCKS
-from router.record.holds import HOLDS
 from router.record.writer import RecordWriter
 from router.state.fair_share import FairShareRefused
+from router.state.holds import holds_of
 from router.state.metrics import RouterMetrics
 from router.state.pause_gate import PauseRefused
 from router.state.routing import Chosen, RoutingState
@@ -357,9 +357,6 @@ class Forwarder:
         draft: RecordDraft | None = None
         if self.record is not None and route in HELD_DURING_PAUSE:
             draft = RecordDraft(route, started)
-            # The routing state's timed waits add to it (router.record.holds). No reset: aiohttp runs each
-            # request's handler in a task of its own, whose context this changes.
-            HOLDS.set(draft)
         limits = self.consumer_limits
         consumer = request.get(CONSUMER) if limits is not None else None
         try:
@@ -439,8 +436,8 @@ class Forwarder:
         try:
             for attempt in range(self.config.max_attempts):
                 try:
-                    if draft is not None and want is not None and not attempt:
-                        chosen = await self._dispatch_gated(draft, route_request, want, consumer)
+                    if draft is not None and not attempt:
+                        chosen = await self._dispatch_recorded(draft, route_request, hold, want, consumer)
                     else:
                         chosen = await routing.dispatch(route_request, frozenset(tried), hold, want, consumer)
                 except PauseRefused as exc:
@@ -546,16 +543,29 @@ class Forwarder:
             draft.prompt = body
         return later
 
-    async def _dispatch_gated(
-        self, draft: RecordDraft, route_request: RouteRequest, want: VersionWant, consumer: Consumer | None
+    async def _dispatch_recorded(
+        self,
+        draft: RecordDraft,
+        route_request: RouteRequest,
+        hold: bool,
+        want: VersionWant | None,
+        consumer: Consumer | None,
     ) -> Chosen:
-        """The first dispatch of a recorded request gated on a version: timed whole, since the version
-        gate's wait is what is left of it once the timed waits are taken out (``router.record.holds``)."""
+        """The first dispatch of a recorded request: what held it goes on its draft, from the answer
+        (``Chosen.held``) or from the refusal (``router.state.holds``). Gated on a version, it is timed
+        whole, since the version gate's wait is what is left of it once the reported waits are taken
+        out (``router.record.holds``)."""
         t0 = time.perf_counter()
         try:
-            return await self.routing.dispatch(route_request, frozenset(), True, want, consumer)
+            chosen = await self.routing.dispatch(route_request, frozenset(), hold, want, consumer)
+        except BaseException as exc:
+            draft.add_holds(holds_of(exc))
+            raise
         finally:
-            draft.gated_s = time.perf_counter() - t0
+            if want is not None:
+                draft.gated_s = time.perf_counter() - t0
+        draft.add_holds(chosen.held)
+        return chosen
 
     def _on_failure(self, route_request: RouteRequest, url: str, kind: str, charged: bool = True) -> None:
         """Count the failed attempt; the routing state forgets its affinity, and with ``charged`` counts
@@ -592,7 +602,7 @@ class Forwarder:
         # ``dispatch`` counted the request in flight, weighted by the body's size: a multi-turn request
         # resends its whole context, so the bytes in flight per backend approximate the KV each engine
         # holds (cache_aware bounds on it).
-        url, version = chosen
+        url, version = chosen.url, chosen.version
         slot = _Slot(self.routing, url, len(body), version, request_id)
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
@@ -622,7 +632,7 @@ class Forwarder:
         tokens once the engine has answered in full (before the backend slot is released, so that both
         reach the routing state together). ``draft``: the request's record, given the answer's status,
         when its head left, and the answer's last bytes (its usage, read on the writer's thread)."""
-        url, version = chosen
+        url, version = chosen.url, chosen.version
         resp_headers = CIMultiDict(
             (n.decode("latin-1"), v.decode("latin-1"))
             for n, v in filter_raw_headers(upstream.raw_headers, _RESPONSE_DROP)

@@ -38,10 +38,10 @@ answer while the fleet is at capacity (``CANCEL`` withdraws it; ``FAIR_SHARE_REF
 engine's completion tokens) gives back. So the capacity and the shares are those of one router, whatever
 the number of workers.
 
-Holds, for the request record (``router.record.holds``): a request the parent held answers ``OK_HELD``
+Holds, for the request record (``router.state.holds``): a request the parent held answers ``OK_HELD``
 instead of ``OK``, with the seconds it waited at the pause gate and for a fair-share slot (two f32 before
-the URL), which the worker adds to its recorded request's holds; a decision that did not wait is a plain
-``OK``, as before.
+the URL), which the worker puts on its answer (``Chosen.held``) as a one-process router does; a decision
+that did not wait is a plain ``OK``, as before.
 
 A worker that dies leaves requests counted in flight; the parent keeps a ledger per channel and releases
 whatever a closed channel still held (backend slots and fair-share slots), so a crashed worker cannot
@@ -62,8 +62,8 @@ import orjson
 
 from router.consumers import Consumer
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
-from router.record.holds import HOLDS, Holds, add_hold
 from router.state.fair_share import FairShareRefused
+from router.state.holds import NO_HOLDS, PAUSE, SHARE, Holds
 from router.state.pause_gate import PauseRefused
 from router.state.routing import Chosen, LocalRouting
 from router.state.versions import UnknownVersion, VersionRefused, VersionWant
@@ -349,7 +349,7 @@ class WorkerChannel(_Framed):
         version = routing.versions.of.get(url)
         v = version.encode() if version is not None else b""
         if holds:
-            held = _HELD.pack(holds.get("pause", 0.0), holds.get("share", 0.0))
+            held = _HELD.pack(holds.get(PAUSE, 0.0), holds.get(SHARE, 0.0))
             self.send(frame(CHOSEN, _CHOSEN.pack(rid, OK_HELD) + held + _U16.pack(len(u)) + u + v))
         else:
             self.send(frame(CHOSEN, _CHOSEN.pack(rid, OK) + _U16.pack(len(u)) + u + v))
@@ -374,10 +374,9 @@ class WorkerChannel(_Framed):
         """Answer once the fleet resumes (in arrival order across all workers) and an engine has the
         wanted version, or refuse past the bounds; cancelled by the worker's CANCEL or when its channel
         closes."""
-        holds = Holds()
-        HOLDS.set(holds)  # this task's own context: timed by the gate (router.record.holds)
+        holds = Holds()  # the seconds the gate held it, answered with the decision
         try:
-            exclude = await self.service.routing.admit(exclude, hold, want)
+            exclude = await self.service.routing.admit(exclude, hold, want, holds)
         except (PauseRefused, UnknownVersion, VersionRefused, NoBackendAvailable) as exc:
             self._refuse(rid, exc)
             return
@@ -393,10 +392,9 @@ class WorkerChannel(_Framed):
     ) -> None:
         """``_hold`` for a request of a consumer: the holds, then its fair-share slot (in the order the
         fair share grants slots across all workers), or a refusal past the bounds."""
-        holds = Holds()
-        HOLDS.set(holds)  # this task's own context: timed by the gate and the fair share
+        holds = Holds()  # the seconds the gate and the fair share held it, answered with the decision
         try:
-            exclude = await self.service.routing.enter(exclude, want, consumer)
+            exclude = await self.service.routing.enter(exclude, want, consumer, holds)
         except (PauseRefused, UnknownVersion, VersionRefused, NoBackendAvailable, FairShareRefused) as exc:
             self._refuse(rid, exc)
             return
@@ -483,8 +481,6 @@ class RemoteRouting(_Framed):
         self._stats = stats
         # request id -> (its answer, the request, the consumer whose fair-share slot an OK answer holds)
         self._pending: dict[int, tuple[asyncio.Future[Chosen], RouteRequest, str | None]] = {}
-        # request id -> (pause, share) seconds an OK_HELD answer reported, until its dispatch reads them
-        self._holds: dict[int, tuple[float, float]] = {}
         self._next = 0
         self.closed = False
 
@@ -529,14 +525,8 @@ class RemoteRouting(_Framed):
             return await future
             # A cancelled wait leaves the entry: its answer is then released at once (see on_frame).
         try:
-            chosen = await future
-            held = self._holds.pop(rid, None)
-            if held is not None:
-                add_hold("pause", held[0])
-                add_hold("share", held[1])
-            return chosen
+            return await future
         except asyncio.CancelledError:
-            self._holds.pop(rid, None)
             # The client went away, perhaps while held at the pause gate: withdraw it there (the parent
             # answers WITHDRAWN, or has answered already and that answer is given back in on_frame).
             if rid in self._pending:
@@ -587,10 +577,13 @@ class RemoteRouting(_Framed):
             future, request, consumer = entry
             if ok == OK or ok == OK_HELD:
                 pos = _CHOSEN.size
-                held = None
+                held: Holds | None = None
                 if ok == OK_HELD:
-                    held = _HELD.unpack_from(payload, pos)
+                    pause, share = _HELD.unpack_from(payload, pos)
                     pos += _HELD.size
+                    held = Holds()
+                    held.add(PAUSE, pause)
+                    held.add(SHARE, share)
                 (n,) = _U16.unpack_from(payload, pos)
                 pos += 2
                 url = payload[pos : pos + n].decode()
@@ -603,9 +596,7 @@ class RemoteRouting(_Framed):
                     self.release(url, request.size)
                     self._send_failed(request, url, "")
                 else:
-                    if held is not None:
-                        self._holds[rid] = held
-                    future.set_result(Chosen(url, version))
+                    future.set_result(Chosen(url, version, held or NO_HOLDS))
                 return
             if future.cancelled():
                 return
@@ -617,7 +608,6 @@ class RemoteRouting(_Framed):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._holds.clear()
         for future, _request, _consumer in self._pending.values():
             if not future.done():
                 future.set_exception(NoBackendAvailable("the router's routing state is gone"))
