@@ -538,7 +538,7 @@ class RemoteRouting(_Framed):
     ) -> None:
         # Written at once, not at the end of the loop turn: the forwarder releases before the client
         # gets the end of its answer, and this frame must be on its way before the client's next turn
-        # can reach the routing state through another worker (see forwarding._Slot).
+        # can reach the routing state through another worker (see router.http.slots.Slot).
         u = url.encode()
         if dispatched_on and len(dispatched_on) < 0x4000:  # a u16 of UTF-8 (a longer one is not tracked)
             v = dispatched_on.encode()

@@ -76,7 +76,8 @@ from router.consumers import ConsumerKeys
 from router.fleet.fleet import ENGINE_TIMEOUT_S
 from router.http.app import build_app, health, not_found, serve_guarded
 from router.http.auth import Access, MarkedRoute, RouteTable
-from router.http.forwarding import HOP_BY_HOP, Forwarder, ForwardingConfig
+from router.http.forwarding import Forwarder, ForwardingConfig
+from router.http.headers import HOP_BY_HOP
 from router.http.status import error_body
 from router.multiprocess.decisions import DecisionService, RemoteRouting, WorkerChannel
 from router.policies import make_policy
