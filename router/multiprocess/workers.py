@@ -79,7 +79,8 @@ from router.http.auth import Access, MarkedRoute, RouteTable
 from router.http.forwarding import Forwarder, ForwardingConfig
 from router.http.headers import HOP_BY_HOP
 from router.http.status import error_body
-from router.multiprocess.decisions import DecisionService, RemoteRouting, WorkerChannel
+from router.multiprocess.decisions import DecisionService, WorkerChannel
+from router.multiprocess.remote import RemoteRouting
 from router.policies import make_policy
 from router.record.metrics import watch_record
 from router.record.writer import RecordWriter

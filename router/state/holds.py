@@ -6,7 +6,7 @@ process, so the figures travel with the answer: the gate and the fair share add 
 request to the ``Holds`` that ``dispatch`` hands them, and ``dispatch`` returns them on its answer
 (``router.state.routing.Chosen.held``); a dispatch that raises (a refusal past a bound, a client gone)
 leaves them on the exception (``holds_of``). With workers, the parent's figures ride the decision frame
-back (``router.multiprocess.decisions``). Explicit, not a contextvar: the answer carries what it measured
+back (``router.multiprocess.wire``). Explicit, not a contextvar: the answer carries what it measured
 whichever task or process ran the wait (Ray Serve's request router warns against a contextvar for
 per-request attribution for the same reason).
 

@@ -71,7 +71,7 @@ class _FleetCollector(Collector):
         yield decisions
 
 
-# A worker process's per-request samples, as sent to the parent (router.multiprocess.decisions STATS):
+# A worker process's per-request samples, as sent to the parent (router.multiprocess.wire STATS):
 # [[family name, type, help, [[sample name, labels, value], ...]], ...]
 Snapshot = list[list[Any]]
 

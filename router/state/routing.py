@@ -3,7 +3,7 @@
 A request asks the state three things: *where to* (``dispatch``: the policy chooses, learns the choice and
 counts the request in flight, in one step so that no other request can decide between the choice and the
 count), *done* (``release``) and *how it went* (``succeeded`` / ``failed``). ``LocalRouting`` answers in this
-process; ``router.multiprocess.decisions.RemoteRouting`` answers from the router's parent process, so that
+process; ``router.multiprocess.remote.RemoteRouting`` answers from the router's parent process, so that
 every worker process routes with the same prefix index, in-flight and byte counts and serving set: affinity
 and the load bound are then exactly those of one process.
 
