@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 import orjson  # noqa: E402
 
-from router.multiprocess.decisions import DecisionService, RemoteRouting  # noqa: E402
+from router.multiprocess.decisions import DecisionService  # noqa: E402
+from router.multiprocess.remote import RemoteRouting  # noqa: E402
 from router.policies import LoadTracker, RouteRequest, make_policy  # noqa: E402
 from router.state.backends import BackendSet  # noqa: E402
 from router.state.metrics import RouterMetrics  # noqa: E402

@@ -20,6 +20,10 @@ from typing import Any
 from router.config import RouterConfig
 from router.server import GenerationRouter
 
+ROUTER_ACTOR_NAME = "router"
+"""The name of the router's Ray actor in the job's namespace: a training script or an operator attached to
+the job's cluster finds it with ``ray.get_actor(ROUTER_ACTOR_NAME, namespace=...)``."""
+
 # A restarted actor may start while the dead one's socket is still being torn down.
 ACTOR_MIN_BIND_RETRY_S = 10.0
 

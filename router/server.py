@@ -15,8 +15,8 @@ Lifecycle choices, each against a failure clients cannot recover from on their o
 * With ``RouterConfig.record_dir`` every generation request leaves one line in the request record
   (``router.record``), written off the request path by the process that proxied it; the record's
   directory is made in the constructor too, so one that cannot be made fails construction, naming it.
-  The pause gate and the fair share are timed ones (``router.record.holds``): a record says how long
-  each held its request.
+  The pause gate and the fair share report how long they held each request on its routing answer
+  (``router.state.holds``), and its record says so (``held_s``).
 * The socket is bound as ``router.http.app.bind_listening_socket`` says (``SO_REUSEADDR`` for a restarted
   process, ``bind_retry_s`` for the moment a dying one still holds it), and the application is the one
   ``router.http.app`` builds and serves for every process of the router.
@@ -48,10 +48,12 @@ from router.http.forwarding import Forwarder, ForwardingConfig
 from router.http.limits import HttpLimits
 from router.multiprocess.workers import WorkerFleet
 from router.policies import LoadTracker, Policy, make_policy
-from router.record.holds import TimedFairShare, TimedPauseGate
+from router.record.metrics import watch_record
 from router.record.writer import RecordWriter
 from router.state.backends import BackendSet, canonical_backend_url
+from router.state.fair_share import FairShare
 from router.state.metrics import RouterMetrics
+from router.state.pause_gate import PauseGate
 from router.state.probing import NO_BACKENDS_WARNING, HealthProber, warn_while_empty
 from router.state.routing import LocalRouting
 
@@ -87,16 +89,15 @@ class GenerationRouter:
         self.host = config.host
         self.backends = BackendSet(self.policy, LoadTracker())
         self.backends.replace(configured)
-        # Timed: a recorded request's held_s says how long each of them held it (router.record.holds).
-        self.gate = TimedPauseGate(config.pause_max_held, config.pause_max_wait_s)
+        self.gate = PauseGate(config.pause_max_held, config.pause_max_wait_s)
         self.consumer_keys: ConsumerKeys | None = None
         if config.consumers_file is not None:
             self.consumer_keys = ConsumerKeys(config.consumers_file)  # a corrupt file raises, naming it
-        self.fair: TimedFairShare | None = None
+        self.fair: FairShare | None = None
         if config.consumer_accounting:
             # Each consumer's held requests: its share of what the router holds (the pause gate's bound,
             # and the connection cap, since every held request keeps its connection).
-            self.fair = TimedFairShare(
+            self.fair = FairShare(
                 config.fair_share_capacity,
                 config.fair_share_max_wait_s,
                 max_held=min(config.pause_max_held, config.http.max_client_connections),
@@ -126,7 +127,7 @@ class GenerationRouter:
         # The record of the requests this process proxies (none with workers: they accept every client
         # connection and write their own); a directory that cannot be made fails here, naming it.
         self.record = RecordWriter.of(config)
-        self.metrics.watch_record(self.record, config.record_dir)
+        watch_record(self.metrics, self.record, config.record_dir)
         self.forwarder = Forwarder(
             self.routing,
             self.policy,
@@ -375,7 +376,6 @@ class GenerationRouter:
         workers = self.workers
         return [] if workers is None else self._call(workers.pids)
 
-
     def current_weight_version(self) -> str | None:
         """The fleet's weight version as last stamped through ``/fleet/weight_version`` (None: never)."""
         return self.fleet.current_version
@@ -383,6 +383,7 @@ class GenerationRouter:
     def restore_weight_version(self, version: str) -> None:
         """Seed the version after a restart of this router (the fleet controller remembers it), so a
         restarted router does not admit stale engines; engines are not called."""
+
         def seed() -> None:
             if self.fleet.current_version is None:
                 self.fleet.current_version = version

@@ -28,7 +28,7 @@ from launcher.fleet import EngineRecord, EngineState, FleetHealth, HealthPolicy,
 from router import GenerationRouter
 from router.consumers import add_consumer, new_key
 from router.http.attribution import Blame, input_attributed, malformed_headers
-from router.http.forwarding import MAX_REQUEST_ID_CHARS, valid_request_id
+from router.http.headers import MAX_REQUEST_ID_CHARS, valid_request_id
 from router.prometheus import metric_by_label, parse_metrics
 from router.record.draft import RecordDraft, minimal_line, record_line
 from router.record.format import MINIMAL_FIELDS, TEXT_SHARE, read_records

@@ -36,7 +36,7 @@ from router.consumers import (
     read_consumers,
     remove_consumer,
 )
-from router.http.forwarding import completion_tokens
+from router.http.recording import completion_tokens
 from router.prometheus import metric_by_label, parse_metrics
 from router.state.fair_share import FairShare, FairShareRefused
 from tests.http_backends import WORKER_MODES, mode_id, router_factory

@@ -22,6 +22,9 @@ The router's own part:
 
 All routes are registered as admin routes (``router.http.auth.Access.ADMIN``). Every call to an engine
 goes through ``router.fleet.engine.EngineClient``, which presents the engine key (``backend_api_key``).
+What the routes, the refit transaction and the restores share (backends, engine key, current version,
+the fan-out) is one ``router.fleet.fleet.Fleet`` view, which each of them takes: nothing below calls back
+into this class.
 
 This is the fleet's one judge of staleness: the fleet controller (``launcher.fleet.controller``) does not
 compare versions itself; its STALE state follows what this API holds out (``BackendSet.stale``), read
@@ -33,14 +36,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import orjson
 from aiohttp import web
 
-from router.fleet.engine import PAUSE_MODES, EngineAnswer, EngineClient
+from router.fleet.engine import PAUSE_MODES, EngineClient
 from router.fleet.engine_counters import Snapshot, delta, step_dict
+from router.fleet.fleet import ENGINE_TIMEOUT_S, Fleet
 from router.fleet.ops import FleetOpReport, compare_checksums, fan_out
 from router.fleet.refit import RefitCoordinator
 from router.fleet.refit_routes import RefitRoutes
@@ -52,8 +54,6 @@ from router.state.pause_gate import PauseGate
 log = logging.getLogger(__name__)
 
 
-ENGINE_TIMEOUT_S = 120.0
-"""How long one fleet operation waits for the engines' answers."""
 COUNTERS_TIMEOUT_S = 15.0
 """How long a read of the engines' counters waits (a step's metrics must not stall the trainer long)."""
 
@@ -81,12 +81,10 @@ class FleetApi:
     ) -> None:
         """``holds_requests``: False where no request passes through this process (the driver's fleet
         endpoint beside vllm-router): the engines then hold new requests during a pause, not the gate."""
+        self.fleet = Fleet(backends, backend_api_key, engine_timeout_s)
         self.backends = backends
         self.holds_requests = holds_requests
         self.gate = gate
-        self.backend_api_key = backend_api_key
-        self.engine_timeout_s = engine_timeout_s
-        self.current_version: str | None = None
         self.pause_holder: str | None = None
         """The consumer whose key made the plain pause in force (None: the owner, or no pause): revoking
         that key resumes the fleet (``end_held_by``)."""
@@ -95,28 +93,24 @@ class FleetApi:
         self._step_started: float = 0.0
         self._step_snapshot: Snapshot | None = None
         backends.admission = self._on_new_member
-        self.refit = RefitCoordinator(
-            backends,
-            gate,
-            self._fan,
-            self._all_engines,
-            moved=self._moved_to,
-            current=lambda: self.current_version,
-            holds_requests=holds_requests,
-        )
-        self.refit_routes = RefitRoutes(self, self.refit)
+        self.refit = RefitCoordinator(self.fleet, gate, holds_requests=holds_requests)
+        self.refit_routes = RefitRoutes(self.fleet, self.refit)
         self.restorer = Restorer(
-            backends,
+            self.fleet,
             self.refit,
-            backend_api_key,
-            current=lambda: self.current_version,
-            served_root=self.refit_routes._served_root,
+            served_root=self.refit_routes.served_root,
             guard=self.refit_routes.checks,
         )
         self.refit.on_held_out = self.restorer.request_all
 
-    def _moved_to(self, version: str) -> None:
-        self.current_version = version
+    @property
+    def current_version(self) -> str | None:
+        """The fleet's weight version (``Fleet.current_version``)."""
+        return self.fleet.current_version
+
+    @current_version.setter
+    def current_version(self, version: str | None) -> None:
+        self.fleet.current_version = version
 
     def add_routes(self, target: RouteTable | web.Application) -> None:
         """Every route here is an admin route (``router.http.auth``). ``target``: the router's table, or an
@@ -145,45 +139,16 @@ class FleetApi:
         await self.restorer.close()
 
     # -- helpers ----------------------------------------------------------------------------------
-    async def _fan(
-        self,
-        op: str,
-        urls: list[str],
-        call: Callable[[EngineClient, str], Awaitable[EngineAnswer]],
-        timeout_s: float | None = None,
-    ) -> FleetOpReport:
-        """``timeout_s``: each engine's bound (a refit's step passes what its deadline leaves, a load can
-        take minutes); ``None``: ``engine_timeout_s``."""
-        t0 = time.monotonic()
-        timeout = self.engine_timeout_s if timeout_s is None else timeout_s
-        answers = await fan_out(urls, call, api_key=self.backend_api_key, timeout_s=timeout)
-        return FleetOpReport(op, answers, took_s=round(time.monotonic() - t0, 4))
-
     async def _snapshot(self) -> tuple[Snapshot, dict[str, str]]:
         """Every engine's counters now, and ``{url: why}`` for those that could not be read."""
         reads = await fan_out(
-            self._all_engines(),
+            self.fleet.all_engines(),
             lambda e, u: e.counters(u),
-            api_key=self.backend_api_key,
+            api_key=self.fleet.engine_key,
             timeout_s=COUNTERS_TIMEOUT_S,
         )
         snapshot = {r.url: r.value for r in reads if r.value is not None}
         return snapshot, {r.url: r.error for r in reads if r.value is None}
-
-    def _all_engines(self) -> list[str]:
-        """Serving engines plus those held out as stale (they are paused and resumed like the rest)."""
-        stale = self.backends.stale
-        return [u for u in self.backends.members if u in stale or u in self.backends.serving]
-
-    @staticmethod
-    async def _body(request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
-        if not raw:
-            return {}
-        data = orjson.loads(raw)
-        if not isinstance(data, dict):
-            raise ValueError("body must be a JSON object")
-        return data
 
     # -- pause / resume -----------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
@@ -194,7 +159,7 @@ class FleetApi:
             return _json(409, {"ok": False, "error": busy})
         self.gate.close(mode)
         self.pause_holder = holder_of(request)
-        report = await self._fan("pause", self._all_engines(), lambda e, u: e.pause(u, mode))
+        report = await self.fleet.fan("pause", self.fleet.all_engines(), lambda e, u: e.pause(u, mode))
         report.result = {"mode": mode, "router_holding": self.holds_requests}
         log.info("fleet pause (%s): ok=%s in %.3f s", mode, report.ok, report.took_s)
         return _answer(report)
@@ -218,7 +183,7 @@ class FleetApi:
         return None
 
     async def _resume(self) -> FleetOpReport:
-        report = await self._fan("resume", self._all_engines(), lambda e, u: e.resume(u))
+        report = await self.fleet.fan("resume", self.fleet.all_engines(), lambda e, u: e.resume(u))
         # Released even when an engine failed to resume: holding every request forever is worse, and
         # the 500 below tells the trainer which engine is still paused.
         figures = self.gate.release()
@@ -232,7 +197,7 @@ class FleetApi:
         return report
 
     async def is_paused(self, request: web.Request) -> web.Response:
-        report = await self._fan("is_paused", self._all_engines(), lambda e, u: e.paused_answer(u))
+        report = await self.fleet.fan("is_paused", self.fleet.all_engines(), lambda e, u: e.paused_answer(u))
         engines = {a.url: bool(a.body.get("is_paused")) for a in report.engines if a.ok}
         s = self.gate.stats()
         report.result = {
@@ -247,13 +212,13 @@ class FleetApi:
 
     async def abort(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             ids = body.get("request_ids") or []
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
                 raise ValueError("request_ids must be a list of strings")
         except ValueError as exc:
             return _bad(str(exc))
-        report = await self._fan("abort", self._all_engines(), lambda e, u: e.abort(u, ids))
+        report = await self.fleet.fan("abort", self.fleet.all_engines(), lambda e, u: e.abort(u, ids))
         per_engine = {a.url: int(a.body.get("aborted", 0)) for a in report.engines if a.ok and a.body}
         report.result = {
             # Abort-all counts what each engine actually held; an abort by ids is acknowledged per id by
@@ -266,7 +231,9 @@ class FleetApi:
 
     # -- weight version ----------------------------------------------------------------------------
     async def get_version(self, request: web.Request) -> web.Response:
-        report = await self._fan("weight_version", self._all_engines(), lambda e, u: e.weight_info(u))
+        report = await self.fleet.fan(
+            "weight_version", self.fleet.all_engines(), lambda e, u: e.weight_info(u)
+        )
         versions = {a.url: a.body["weight_version"] for a in report.engines if a.ok}
         report.result = {
             "current": self.current_version,
@@ -287,7 +254,7 @@ class FleetApi:
         ``{"version": v, "engines": [url...]}`` stamps only those (refit stale engines), readmitting each
         whose ``/weight_info`` then shows the fleet's current version."""
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             version = body.get("version", self.current_version)
             if not isinstance(version, str) or not version:
                 raise ValueError('body needs "version": a non-empty string')
@@ -308,7 +275,7 @@ class FleetApi:
                 )
         else:
             targets = list(self.backends.serving)
-        report = await self._fan("set_weight_version", targets, lambda e, u: e.stamp(u, version))
+        report = await self.fleet.fan("set_weight_version", targets, lambda e, u: e.stamp(u, version))
         if not any(a.ok for a in report.engines):
             # No engine took it (e.g. none runs in dev mode): holding every engine out would take the
             # whole fleet down for a configuration error; nothing changes and the 500 says why.
@@ -349,7 +316,7 @@ class FleetApi:
 
     async def _verify(self, url: str) -> None:
         wanted = self.current_version
-        async with EngineClient.open(self.backend_api_key, self.engine_timeout_s) as engines:
+        async with EngineClient.open(self.fleet.engine_key, self.fleet.engine_timeout_s) as engines:
             a = await engines.weight_info(url)
         if url not in self.backends.members:
             return
@@ -366,7 +333,7 @@ class FleetApi:
 
     # -- checksums -----------------------------------------------------------------------------------
     async def checksum(self, request: web.Request) -> web.Response:
-        report = await self._fan("checksum", list(self.backends.serving), lambda e, u: e.checksum(u))
+        report = await self.fleet.fan("checksum", list(self.backends.serving), lambda e, u: e.checksum(u))
         report.result, report.error = compare_checksums(report.engines)
         for a in report.engines:
             a.body = None  # the per-parameter tables are large; the groups say what matters

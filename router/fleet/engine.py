@@ -68,6 +68,9 @@ VLLM_RESET_PATH = "/reset_prefix_cache"
 DYNAMO_RESET_PATH = "/engine/flush_cache"
 """A ``dynamo.vllm`` worker's system server (the RL admin route)."""
 
+LOAD_GAUGES: tuple[str, ...] = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+"""The engine's load gauges on ``METRICS_PATH``: requests running and waiting; their sum is its load."""
+
 PAUSE_MODES = ("abort", "wait", "keep")
 """vLLM's ``PauseMode``: abort in-flight requests, wait for them to finish, or freeze them until resume."""
 

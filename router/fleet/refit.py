@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.fleet.engine import EngineAnswer, EngineClient
+from router.fleet.fleet import EngineCall, Fleet
 from router.fleet.ops import FleetOpReport, checksum_digest, compare_checksums
-from router.state.backends import BackendSet
 from router.state.pause_gate import PauseGate
 
 log = logging.getLogger(__name__)
@@ -73,12 +73,6 @@ it still move to the new version instead of missing the deadline together."""
 STEP_TIMEOUT_S = 120.0
 """The most one engine may take over a step other than the load (pause, checksum, reset, stamp): one that
 hangs there must not eat the reserve the steps after it need."""
-
-Fan = Callable[
-    [str, list[str], Callable[[EngineClient, str], Awaitable[EngineAnswer]], float | None],
-    Awaitable[FleetOpReport],
-]
-"""``fan(op, urls, call, timeout_s)``: one engine call fanned out, judged (``FleetApi._fan``)."""
 
 
 class RefitRefused(ValueError):
@@ -211,24 +205,12 @@ class RefitTxn:
 class RefitCoordinator:
     """Runs at most one transaction at a time for one fleet (the router's, or the fleet endpoint's)."""
 
-    def __init__(
-        self,
-        backends: BackendSet,
-        gate: PauseGate,
-        fan: Fan,
-        engines: Callable[[], list[str]],
-        moved: Callable[[str], None],
-        current: Callable[[], str | None],
-        holds_requests: bool = True,
-    ) -> None:
-        """``engines``: the fleet's engines now (serving and stale); ``moved(v)``: the fleet's version is
-        now ``v``; ``current()``: the fleet's version before the transaction."""
-        self.backends = backends
+    def __init__(self, fleet: Fleet, gate: PauseGate, holds_requests: bool = True) -> None:
+        """``fleet``: its engines (serving and stale) are the transaction's, its ``current_version`` is
+        the version before it and becomes the new one when the transaction moves the fleet."""
+        self.fleet = fleet
+        self.backends = fleet.backends
         self.gate = gate
-        self._fan = fan
-        self._engines = engines
-        self._moved = moved
-        self._current = current
         self.holds_requests = holds_requests
         self.active: RefitTxn | None = None
         self.last: RefitTxn | None = None
@@ -298,7 +280,7 @@ class RefitCoordinator:
             reason = self.busy()
             if reason is not None:
                 raise RefitRefused(reason, 409)
-            targets = self._engines()
+            targets = self.fleet.all_engines()
             if not targets:
                 raise RefitRefused("no engine is in the fleet: nothing to refit", 409)
             txn = RefitTxn(
@@ -309,7 +291,7 @@ class RefitCoordinator:
                 deadline_s=deadline_s,
                 lease_s=deadline_s if held_by_router else lease_s,
                 path=path,
-                previous_version=self._current(),
+                previous_version=self.fleet.current_version,
                 previous_checksum=self.last.checksum if self.last is not None else None,
                 router_holding=self.holds_requests,
                 holder=holder,
@@ -511,7 +493,7 @@ class RefitCoordinator:
         phase: str,
         op: str,
         urls: list[str],
-        call: Callable[[EngineClient, str], Awaitable[EngineAnswer]],
+        call: EngineCall,
         bound: str = "step",
     ) -> FleetOpReport:
         """``bound``: ``"load"``, a step that may take minutes, gets what the deadline leaves but the
@@ -533,7 +515,7 @@ class RefitCoordinator:
         elif not urls:
             report = FleetOpReport(op, error="no engine left in the refit")
         else:
-            report = await self._fan(op, urls, call, left)
+            report = await self.fleet.fan(op, urls, call, left)
             for a in report.engines:
                 if not a.ok and a.status is None and "Timeout" in a.detail:
                     a.detail = f"missed the refit's deadline ({txn.deadline_s:g} s): {a.detail}"
@@ -600,7 +582,7 @@ class RefitCoordinator:
             self.backends.clear_stale(u)
         if txn.live():
             txn.moved = True
-            self._moved(v)
+            self.fleet.current_version = v
             versions.fleet_moved_to(v)
             self.source_set = True
             if txn.source == "directory" and txn.path is not None and txn.checksum is not None:

@@ -24,7 +24,7 @@ sizes of the engines before it, in the serving set's order; the group's ``world_
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -37,13 +37,11 @@ from router.fleet.checkpoint import (
     check_directories,
 )
 from router.fleet.engine import PAUSE_MODES, EngineClient
+from router.fleet.fleet import Fleet
 from router.fleet.ops import fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S, SOURCES, RefitCoordinator, RefitRefused
 from router.http.auth import Access, RouteTable, holder_of
 from router.state.backends import canonical_backend_url
-
-if TYPE_CHECKING:
-    from router.fleet.api import FleetApi
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +101,8 @@ def rank_plan(sizes: list[tuple[str, int]]) -> dict[str, Any]:
 
 
 class RefitRoutes:
-    def __init__(self, api: FleetApi, coordinator: RefitCoordinator) -> None:
-        self.api = api
+    def __init__(self, fleet: Fleet, coordinator: RefitCoordinator) -> None:
+        self.fleet = fleet
         self.refit = coordinator
         self.plan: dict[str, Any] | None = None
         """The weight-transfer group the engines joined (``init``), or None."""
@@ -127,9 +125,6 @@ class RefitRoutes:
             table.add(method, path, handler, Access.ADMIN)
 
     # -- helpers ----------------------------------------------------------------------------------------
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        return await self.api._body(request)
-
     async def _directories(self, body: dict[str, Any]) -> tuple[str, dict[str, str], Checked]:
         """``"from"`` and ``"from_by_engine"`` (``{engine url: directory}``, node-local copies), each
         checked (``router.fleet.checkpoint``: every file read in a thread under a deadline) against the
@@ -143,7 +138,7 @@ class RefitRoutes:
         allow_foreign = body.get(ALLOW_FOREIGN, False)
         if not isinstance(allow_foreign, bool):
             raise ValueError(f'"{ALLOW_FOREIGN}" must be true or false, got {allow_foreign!r}')
-        members = set(self.api.backends.members)
+        members = set(self.fleet.backends.members)
         per_engine = {}
         for url, where in raw.items():
             key = canonical_backend_url(url)
@@ -153,18 +148,18 @@ class RefitRoutes:
         last = self.refit.last
         last_path = last.path if last is not None and last.moved else None
         directories = [path, *per_engine.values()]
-        served = await self._served_root()
+        served = await self.served_root()
         checked = await self.checks.run(check_directories, directories, served, last_path, allow_foreign)
         log.info("refit from %s: %s", path, checked.summary())
         return path, per_engine, checked
 
-    async def _served_root(self) -> str | None:
+    async def served_root(self) -> str | None:
         """Where the engines loaded the served model from (the first engine's ``/v1/models`` root: an
         absolute directory, or a hub name, which the check does not read), or None."""
-        urls = list(self.api.backends.serving) or self.api._all_engines()
+        urls = list(self.fleet.backends.serving) or self.fleet.all_engines()
         if not urls:
             return None
-        async with EngineClient.open(self.api.backend_api_key, 15.0) as engines:
+        async with EngineClient.open(self.fleet.engine_key, 15.0) as engines:
             got = await engines.model_root(urls[0])
         return got.value
 
@@ -177,7 +172,7 @@ class RefitRoutes:
         "reset_cache"?}``: the whole transaction, run by the router (a trainer killed meanwhile does not
         stop it)."""
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             version = _text(body, "version")
             path, per_engine, checked = await self._directories(body)
             expected = _text(body, "expected_checksum", required=False)
@@ -224,15 +219,15 @@ class RefitRoutes:
             {
                 "active": active.to_json() if active is not None else None,
                 "last": last.to_json() if last is not None else None,
-                "current": self.api.current_version,
-                "known_versions": self.api.backends.versions.known(),
+                "current": self.fleet.current_version,
+                "known_versions": self.fleet.backends.versions.known(),
             },
         )
 
     async def begin(self, request: web.Request) -> web.Response:
         """``{"version", "source": "stream"|"external"|"directory", "lease_s"?, "deadline_s"?, "mode"?}``."""
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             version = _text(body, "version")
             source = body.get("source", "external")
             if source not in SOURCES:
@@ -266,7 +261,7 @@ class RefitRoutes:
 
     async def lease(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             txn = self.refit.renew(str(_text(body, "id")))
         except (ValueError, RefitRefused) as exc:
             return _refused(exc)
@@ -274,7 +269,7 @@ class RefitRoutes:
 
     async def load(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             txn_id = str(_text(body, "id"))
             self.refit.find(txn_id)
             path, per_engine, checked = await self._directories(body)
@@ -287,7 +282,7 @@ class RefitRoutes:
     async def update(self, request: web.Request) -> web.Response:
         """``{"id", "update_info": {...}}``: one streamed round; the trainer broadcasts meanwhile."""
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             txn_id = str(_text(body, "id"))
             info = body.get("update_info")
             if not isinstance(info, dict):
@@ -303,7 +298,7 @@ class RefitRoutes:
 
     async def commit(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             txn_id = str(_text(body, "id"))
             expected = _text(body, "expected_checksum", required=False)
             reset_cache = bool(body.get("reset_cache", True))
@@ -314,7 +309,7 @@ class RefitRoutes:
 
     async def abort(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             txn_id = _text(body, "id", required=False)
             why = str(body.get("why") or "aborted by the trainer")
             txn = await self.refit.run(self.refit.abort(txn_id, why))
@@ -326,10 +321,10 @@ class RefitRoutes:
     async def _plan(self) -> dict[str, Any]:
         """The rank plan over the serving engines, or ``RefitRefused`` naming every engine that cannot
         join an NCCL group (nothing is sent to any engine then)."""
-        urls = list(self.api.backends.serving)
+        urls = list(self.fleet.backends.serving)
         if not urls:
             raise RefitRefused("no engine is serving: no weight-transfer group to form", 409)
-        key = self.api.backend_api_key
+        key = self.fleet.engine_key
         infos = await fan_out(urls, lambda e, u: e.server_info(u), api_key=key, timeout_s=PLAN_TIMEOUT_S)
         sizes = await fan_out(urls, lambda e, u: e.world_size(u), api_key=key, timeout_s=PLAN_TIMEOUT_S)
         problems = []
@@ -366,7 +361,7 @@ class RefitRoutes:
         group at its rank offset (the trainer joins as rank 0 meanwhile); ``init_info`` passes the
         trainer's wire parameters (``packed``, buffer sizes) through."""
         try:
-            body = await self._body(request)
+            body = await self.fleet.read_body(request)
             address = _text(body, "master_address")
             port = body.get("master_port")
             if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
@@ -392,7 +387,7 @@ class RefitRoutes:
             return e.init_weight_transfer(u, info)
 
         report = await self.refit.run(
-            self.api._fan("init_weight_transfer", list(offsets), init, INIT_TIMEOUT_S)
+            self.fleet.fan("init_weight_transfer", list(offsets), init, INIT_TIMEOUT_S)
         )
         report.result = plan
         if report.ok:

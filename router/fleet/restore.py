@@ -43,9 +43,9 @@ from typing import Any
 
 from router.fleet.checkpoint import CheckpointGuard, CheckpointRefused, check_directories
 from router.fleet.engine import EngineClient
+from router.fleet.fleet import Fleet
 from router.fleet.ops import checksum_digest, compare_checksums, fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, RefitCoordinator, WeightSource
-from router.state.backends import BackendSet
 
 log = logging.getLogger(__name__)
 
@@ -76,20 +76,18 @@ class Restorer:
 
     def __init__(
         self,
-        backends: BackendSet,
+        fleet: Fleet,
         coordinator: RefitCoordinator,
-        api_key: str | None,
-        current: Callable[[], str | None],
         served_root: Callable[[], Awaitable[str | None]],
         guard: CheckpointGuard,
     ) -> None:
-        """``current()``: the fleet's version now; ``served_root()``: the served model's directory as the
-        engines report it; ``guard``: the checkpoint check's runner (shared with the refit routes, so
-        one stalled mount holds one thread, not one per caller)."""
-        self.backends = backends
+        """``fleet``: its backends, engine key and version now (``current_version``); ``served_root()``:
+        the served model's directory as the engines report it; ``guard``: the checkpoint check's runner
+        (shared with the refit routes, so one stalled mount holds one thread, not one per caller)."""
+        self.fleet = fleet
+        self.backends = fleet.backends
         self.coordinator = coordinator
-        self.api_key = api_key
-        self._current = current
+        self.api_key = fleet.engine_key
         self._served_root = served_root
         self._guard = guard
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -184,7 +182,7 @@ class Restorer:
                 stamp = await engines.stamp(url, source.version)
                 if not stamp.ok:
                     return f"{path} failed: version {source.version!r} not stamped: {stamp.detail}", False
-        if self._current() != source.version or url not in self.backends.members:
+        if self.fleet.current_version != source.version or url not in self.backends.members:
             return f"{path} failed: the fleet moved on while it loaded", False
         if source.version is not None:
             self.backends.versions.stamped(url, source.version)
@@ -201,7 +199,7 @@ class Restorer:
     async def _source(self, url: str) -> WeightSource:
         """The verified directory of the fleet's current weights, or ``NothingToRestore``."""
         c = self.coordinator
-        current = self._current()
+        current = self.fleet.current_version
         if c.source_set:
             if c.source is None:
                 raise NothingToRestore(

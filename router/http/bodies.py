@@ -25,6 +25,9 @@ from aiohttp import StreamReader, web
 
 from router.http.status import error_body
 
+LARGE_BODY_BYTES = 256 * 1024
+"""Bodies above this size are digested off the event loop (the policy's ``prepare``, the record's block
+hashes), in a worker thread: hashing megabytes on the loop would stall every other request."""
 ADMIN_MAX_BODY_BYTES = 1024 * 1024
 """The largest body an admin route accepts: a small JSON document (``/fleet/abort`` with ~20k request
 ids fits)."""

@@ -58,43 +58,45 @@ Rules, each preventing a failure seen with real clients and peers:
   key, not the consumers' (an engine would answer a consumer's request 401), and a consumer's key is its
   own business. Its ``Authorization`` is replaced with the engine key (``backend_api_key``, else the
   router's API key), or dropped when there is none.
+
+This module chooses, retries and accounts; the other jobs are one module each: the headers that cross
+and the request id (``router.http.headers``), relaying an answer and judging its attempt
+(``router.http.relay``), the slots given back once (``router.http.slots``), and what a record and the
+consumer ledger read off the passing bytes (``router.http.recording``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from router.consumers import OWNER_CONSUMER, Consumer
-from router.http.attribution import Blame, InputFailure, input_attributed, malformed_headers
+from router.http.attribution import Blame, InputFailure, malformed_headers
 from router.http.auth import CONSUMER, still_admitted
-from router.http.bodies import read_body
+from router.http.bodies import LARGE_BODY_BYTES, read_body
 from router.http.consumer_limits import ConsumerLimits
+from router.http.headers import REQUEST_DROP, REQUEST_ID, filter_raw_headers, new_request_id, request_id_of
 from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
-from router.http.status import BACKEND_FAILURE_STATUS, error_body, sse_error_event
-from router.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from router.http.recording import draft_request, record_hashes
+from router.http.relay import Relay
+from router.http.slots import Slot, Ticket
+from router.http.status import BACKEND_FAILURE_STATUS, error_body
+from router.http.upstream import UpstreamError, UpstreamPool
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
-from router.policies.consistent_hash import DEFAULT_SESSION_HEADER, session_key
-from router.policies.prefix_index import block_hashes, prompt_start
-from router.record.draft import RecordDraft, json_int
-from router.record.format import MAX_PREFIX_BLOCKS
-from router.record.holds import HOLDS
+from router.policies.consistent_hash import DEFAULT_SESSION_HEADER
+from router.record.draft import RecordDraft
 from router.record.writer import RecordWriter
 from router.state.fair_share import FairShareRefused
+from router.state.holds import holds_of
 from router.state.metrics import RouterMetrics
 from router.state.pause_gate import PauseRefused
 from router.state.routing import Chosen, RoutingState
 from router.state.versions import (
     REQUEST_ID_HEADER,
-    ROUTER_REQUEST_ID_HEADER,
-    VERSION_HEADER,
     WANT_HEADER,
     UnknownVersion,
     VersionRefused,
@@ -104,56 +106,9 @@ from router.state.versions import (
 if TYPE_CHECKING:
     from router.config import RouterConfig
 
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"trailers",
-        b"transfer-encoding",
-        b"upgrade",
-    }
-)
-# Recomputed for the upstream request (Host from the backend URL, length from the body); Expect is the
-# router's own business (see module doc).
-_REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
-# Content-Length is set from the bytes actually relayed; the router's own headers are the router's (an
-# engine's would otherwise pass for them).
-_RESPONSE_DROP = HOP_BY_HOP | {
-    b"content-length",
-    VERSION_HEADER.encode(),
-    ROUTER_REQUEST_ID_HEADER.encode(),
-}
-# Responses up to this size with a known length are read whole before answering (see module doc).
-SMALL_RESPONSE_BYTES = 256 * 1024
-# Bodies above this size are digested by the policy in a worker thread, off the event loop.
-LARGE_BODY_BYTES = 256 * 1024
 JSON = "application/json"
 # Held while the fleet is paused (generation); /tokenize and /v1/models do not reach the engine core.
 HELD_DURING_PAUSE = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
-# Where the engine's usage is looked for: the end of a small answer, else the last chunks relayed.
-USAGE_TAIL_BYTES = 16 * 1024
-USAGE_TAIL_CHUNKS = 4
-_USAGE_KEY = b'"completion_tokens"'
-# The record's prompt blocks when the policy computed none (cache_aware's own are reused): its default.
-RECORD_BLOCK_BYTES = 1024
-# A client's X-Request-Id longer than this (or not printable ASCII) is replaced by the router's own.
-MAX_REQUEST_ID_CHARS = 128
-_REQUEST_ID = REQUEST_ID_HEADER.encode()
-# The answer's end the record keeps (its usage and finish reason are in the last few hundred bytes; a
-# small copy, as the record holds it until its sink has it).
-RECORD_TAIL_BYTES = 4096
-
-
-def completion_tokens(tail: bytes) -> int:
-    """The last ``"completion_tokens": N`` in ``tail`` (the end of an answer), 0 when there is none. A
-    match inside a JSON string has its opening quote escaped, or is not followed by ``:`` (a key is; a
-    string value ends with ``,`` or ``}``), so generated text cannot pass for it."""
-    return json_int(tail, _USAGE_KEY) or 0
 
 
 @dataclass
@@ -191,108 +146,8 @@ class ForwardingConfig:
         )
 
 
-def record_tail(chunks: list[bytes]) -> bytes:
-    """The last ``RECORD_TAIL_BYTES`` of a stream, from its last chunks (the last alone when it is
-    long enough: no join of the others)."""
-    last = chunks[-1]
-    if len(last) >= RECORD_TAIL_BYTES or len(chunks) == 1:
-        return last[-RECORD_TAIL_BYTES:]
-    return b"".join(chunks)[-RECORD_TAIL_BYTES:]
-
-
-def _record_hashes(body: bytes) -> list[int]:
-    """The record's block hashes of a prompt whose policy computed none (pure: runs in a thread too)."""
-    return block_hashes(body, RECORD_BLOCK_BYTES, prompt_start(body), MAX_PREFIX_BLOCKS)
-
-
-def filter_raw_headers(
-    raw: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]
-) -> list[tuple[bytes, bytes]]:
-    """Copy raw headers without hop-by-hop ones and without any header that ``Connection`` names."""
-    raw = list(raw)
-    extra: set[bytes] = set()
-    for name, value in raw:
-        if name.lower() == b"connection":
-            extra.update(token.strip().lower() for token in value.split(b","))
-    return [(n, v) for n, v in raw if (low := n.lower()) not in drop and low not in extra]
-
-
 def json_response(status: int, body: bytes) -> web.Response:
     return web.Response(status=status, body=body, content_type=JSON)
-
-
-def new_request_id() -> str:
-    """16 hex digits of randomness (a short uuid4; ``uuid.uuid4().hex`` costs five times as much)."""
-    return os.urandom(8).hex()
-
-
-def valid_request_id(value: str) -> bool:
-    """Whether a client's ``X-Request-Id`` (as aiohttp decoded it: UTF-8, undecodable bytes escaped) is
-    one the router keeps and forwards: 1 to ``MAX_REQUEST_ID_CHARS`` printable ASCII characters."""
-    return 0 < len(value) <= MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable()
-
-
-def request_id_of(headers: Any) -> str | None:
-    """The client's request id when it sent exactly one valid one, else None (none sent, or one to
-    replace: see ``valid_request_id``; two ids would let the engine and the router disagree)."""
-    given = headers.getall(REQUEST_ID_HEADER, ())
-    if len(given) == 1 and valid_request_id(given[0]):
-        return given[0]  # type: ignore[no-any-return]
-    return None
-
-
-def header_safe(value: str) -> str:
-    """``value`` as a header value: a version with control or non-ASCII characters is percent-encoded
-    (a stamp is any string; a CR or LF in a header would fail every answer)."""
-    if value.isascii() and value.isprintable():
-        return value
-    from urllib.parse import quote
-
-    return quote(value, safe="", errors="surrogateescape")
-
-
-class _Slot:
-    """One attempt's in-flight count, released once: as soon as the backend has answered in full and
-    before the end of the answer reaches the client, or when the attempt ends otherwise.
-
-    Why before the client: a Gym session sends its next turn the moment it has this answer. With
-    worker processes that turn may be parsed by another worker, whose decision could reach the routing
-    state before this worker's release, and would then see the session's engine one request (and one
-    whole context of bytes) busier than it is: measured on the replay bench, that moved enough turns
-    off their engine to cost 1-2.5 points of prefix-cache hits."""
-
-    __slots__ = ("_request_id", "_routing", "_url", "_version", "_weight")
-
-    def __init__(
-        self, routing: RoutingState, url: str, weight: int, version: str | None, request_id: str
-    ) -> None:
-        self._routing: RoutingState | None = routing
-        self._url = url
-        self._weight = weight
-        self._version = version
-        self._request_id = request_id
-
-    def release(self) -> None:
-        routing, self._routing = self._routing, None
-        if routing is not None:
-            routing.release(self._url, self._weight, self._version, self._request_id)
-
-
-class _Ticket:
-    """A generation request's fair-share slot and place in the consumer ledger, ended once: when the
-    engine has answered in full (with its completion tokens, just before the backend slot is released),
-    or when the request ends otherwise."""
-
-    __slots__ = ("_routing", "name")
-
-    def __init__(self, routing: RoutingState, name: str) -> None:
-        self._routing: RoutingState | None = routing
-        self.name = name
-
-    def end(self, tokens: int = 0) -> None:
-        routing, self._routing = self._routing, None
-        if routing is not None:
-            routing.finish(self.name, tokens)
 
 
 class Forwarder:
@@ -318,6 +173,8 @@ class Forwarder:
         # No cap on connections: a fleet of engines each serving hundreds of concurrent sessions would
         # otherwise queue inside the router (aiohttp's client pool defaults to 100 in all).
         self.pool = UpstreamPool(config.connect_timeout_s, config.backend_timeout_s)
+        # The answer's side of each attempt (router.http.relay): relayed, or judged a failed attempt.
+        self.relay = Relay(routing, metrics, config.record_text)
         self.limits = DEFAULT_HTTP_LIMITS
         self.use_limits(DEFAULT_HTTP_LIMITS)
         self._auth = (
@@ -340,6 +197,7 @@ class Forwarder:
         """Apply the backend-side limits (header bytes, quoted error body); called before serving."""
         self.limits = limits
         self.pool.max_header_bytes = limits.max_backend_header_bytes
+        self.relay.max_error_body_bytes = limits.max_error_body_bytes
 
     async def close(self) -> None:
         await self.pool.close()
@@ -357,9 +215,6 @@ class Forwarder:
         draft: RecordDraft | None = None
         if self.record is not None and route in HELD_DURING_PAUSE:
             draft = RecordDraft(route, started)
-            # The routing state's timed waits add to it (router.record.holds). No reset: aiohttp runs each
-            # request's handler in a task of its own, whose context this changes.
-            HOLDS.set(draft)
         limits = self.consumer_limits
         consumer = request.get(CONSUMER) if limits is not None else None
         try:
@@ -400,9 +255,11 @@ class Forwarder:
             )
         else:
             route_request = self.policy.prepare(route_request)
-        if draft is not None and self._draft_request(draft, request, route_request):
-            draft.hashes = await asyncio.get_running_loop().run_in_executor(None, _record_hashes, body)
-        headers = filter_raw_headers(request.raw_headers, _REQUEST_DROP)
+        if draft is not None and draft_request(
+            draft, request, route_request, self._session_header, self._accounting, self._record_text
+        ):
+            draft.hashes = await asyncio.get_running_loop().run_in_executor(None, record_hashes, body)
+        headers = filter_raw_headers(request.raw_headers, REQUEST_DROP)
         if self._auth is not None:
             headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
             headers.append(self._auth)
@@ -413,7 +270,7 @@ class Forwarder:
         if request_id is None:
             request_id = new_request_id()
             if REQUEST_ID_HEADER in request.headers:  # the client's, refused: not forwarded either
-                headers = [(n, v) for n, v in headers if n.lower() != _REQUEST_ID]
+                headers = [(n, v) for n, v in headers if n.lower() != REQUEST_ID]
         if draft is not None:
             draft.id = request_id
 
@@ -434,13 +291,13 @@ class Forwarder:
             consumer = request.get(CONSUMER) or OWNER_CONSUMER
         tried: set[str] = set()
         last: UpstreamError | None = None
-        ticket: _Ticket | None = None
+        ticket: Ticket | None = None
         blame: Blame | None = None  # made at the first failure (router.http.attribution)
         try:
             for attempt in range(self.config.max_attempts):
                 try:
-                    if draft is not None and want is not None and not attempt:
-                        chosen = await self._dispatch_gated(draft, route_request, want, consumer)
+                    if draft is not None and not attempt:
+                        chosen = await self._dispatch_recorded(draft, route_request, hold, want, consumer)
                     else:
                         chosen = await routing.dispatch(route_request, frozenset(tried), hold, want, consumer)
                 except PauseRefused as exc:
@@ -468,11 +325,11 @@ class Forwarder:
                     )
                 if consumer is not None:
                     # The first dispatch took the consumer's slot; a retry goes on with it.
-                    ticket = _Ticket(routing, consumer.name)
+                    ticket = Ticket(routing, consumer.name)
                     consumer = None
                 if not attempt and not still_admitted(request):
                     # Revoked while it was held (a pause, its fair share): refused now, not served.
-                    _Slot(routing, chosen.url, len(body), chosen.version, request_id).release()
+                    Slot(routing, chosen.url, len(body), chosen.version, request_id).release()
                     return json_response(401, error_body("the API key was revoked", "unauthorized", 401))
                 hold = False
                 if attempt:
@@ -505,7 +362,7 @@ class Forwarder:
                         failure.kind != "timeout" or self.config.retry_on_timeout
                     )
                     charged = blame.failed(url, failure.kind, attributed, retried)
-                    self._on_failure(route_request, url, failure.kind, charged)
+                    self.relay.failed(route_request, url, failure.kind, charged)
                     if failure.kind == "timeout" and not self.config.retry_on_timeout:
                         break
                     continue
@@ -523,45 +380,29 @@ class Forwarder:
             error_body(f"backend failed: {last}", f"backend_{last.kind}", BACKEND_FAILURE_STATUS),
         )
 
-    def _draft_request(self, draft: RecordDraft, request: web.Request, route_request: RouteRequest) -> bool:
-        """The request's part of its record: what is known before routing. The prompt's block hashes are
-        the policy's own when it computed them (cache_aware), else computed here; True when they are
-        still to be computed, off the loop (a large body, as ``prepare`` is)."""
-        body = route_request.body
-        features = route_request.features
-        later = False
-        if isinstance(features, list):
-            hashes: list[int] | None = features
-        elif len(body) > LARGE_BODY_BYTES:
-            hashes, later = None, True
-        else:
-            hashes = _record_hashes(body) if body else None
-        draft.read_body(body, hashes)
-        draft.session_key = session_key(request.headers, self._session_header, case_insensitive=True)
-        if self._accounting:
-            consumer = request.get(CONSUMER)
-            if consumer is not None:
-                draft.consumer = consumer.name
-        if self._record_text:
-            draft.prompt = body
-        return later
-
-    async def _dispatch_gated(
-        self, draft: RecordDraft, route_request: RouteRequest, want: VersionWant, consumer: Consumer | None
+    async def _dispatch_recorded(
+        self,
+        draft: RecordDraft,
+        route_request: RouteRequest,
+        hold: bool,
+        want: VersionWant | None,
+        consumer: Consumer | None,
     ) -> Chosen:
-        """The first dispatch of a recorded request gated on a version: timed whole, since the version
-        gate's wait is what is left of it once the timed waits are taken out (``router.record.holds``)."""
+        """The first dispatch of a recorded request: what held it goes on its draft, from the answer
+        (``Chosen.held``) or from the refusal (``router.state.holds``). Gated on a version, it is timed
+        whole, since the version gate's wait is what is left of it once the reported waits are taken
+        out (``router.record.holds``)."""
         t0 = time.perf_counter()
         try:
-            return await self.routing.dispatch(route_request, frozenset(), True, want, consumer)
+            chosen = await self.routing.dispatch(route_request, frozenset(), hold, want, consumer)
+        except BaseException as exc:
+            draft.add_holds(holds_of(exc))
+            raise
         finally:
-            draft.gated_s = time.perf_counter() - t0
-
-    def _on_failure(self, route_request: RouteRequest, url: str, kind: str, charged: bool = True) -> None:
-        """Count the failed attempt; the routing state forgets its affinity, and with ``charged`` counts
-        it against the engine (``router.http.attribution``; the empty kind says: affinity only)."""
-        self.metrics.errors.labels(kind).inc()
-        self.routing.failed(route_request, url, kind if charged else "")
+            if want is not None:
+                draft.gated_s = time.perf_counter() - t0
+        draft.add_holds(chosen.held)
+        return chosen
 
     def _charge(self, path: str, held: list[tuple[str, str]]) -> None:
         """Failures ``Blame`` held that another engine's answer put on their engines: counted now. Their
@@ -579,7 +420,7 @@ class Forwarder:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         request_id: str,
-        ticket: _Ticket | None = None,
+        ticket: Ticket | None = None,
         draft: RecordDraft | None = None,
         blame: Blame | None = None,
     ) -> web.StreamResponse:
@@ -592,143 +433,17 @@ class Forwarder:
         # ``dispatch`` counted the request in flight, weighted by the body's size: a multi-turn request
         # resends its whole context, so the bytes in flight per backend approximate the KV each engine
         # holds (cache_aware bounds on it).
-        url, version = chosen
-        slot = _Slot(self.routing, url, len(body), version, request_id)
+        url, version = chosen.url, chosen.version
+        slot = Slot(self.routing, url, len(body), version, request_id)
         try:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             if blame is not None and upstream.status < 500:
                 self._charge(route_request.path, blame.answered(upstream.status))
             try:
-                return await self._relay(
+                return await self.relay.relay(
                     request, route_request, chosen, upstream, slot, request_id, ticket, draft
                 )
             finally:
                 upstream.release()
         finally:
             slot.release()
-
-    async def _relay(
-        self,
-        request: web.Request,
-        route_request: RouteRequest,
-        chosen: Chosen,
-        upstream: UpstreamResponse,
-        slot: _Slot,
-        request_id: str,
-        ticket: _Ticket | None = None,
-        draft: RecordDraft | None = None,
-    ) -> web.StreamResponse:
-        """``ticket``: the request's place in the consumer ledger, ended with the engine's completion
-        tokens once the engine has answered in full (before the backend slot is released, so that both
-        reach the routing state together). ``draft``: the request's record, given the answer's status,
-        when its head left, and the answer's last bytes (its usage, read on the writer's thread)."""
-        url, version = chosen
-        resp_headers = CIMultiDict(
-            (n.decode("latin-1"), v.decode("latin-1"))
-            for n, v in filter_raw_headers(upstream.raw_headers, _RESPONSE_DROP)
-        )
-        resp_headers[ROUTER_REQUEST_ID_HEADER] = header_safe(request_id)
-        if version is not None:
-            resp_headers[VERSION_HEADER] = header_safe(version)
-        if draft is not None:
-            draft.a_status = upstream.status
-        if upstream.status >= 500:
-            raise await self._status_failure(url, upstream)
-        length = upstream.content_length
-        content_type = upstream.header(b"content-type") or b""
-        is_sse = content_type.startswith(b"text/event-stream")
-        if length is not None and length <= SMALL_RESPONSE_BYTES and not is_sse:
-            payload = await upstream.read()  # an UpstreamError here is still retryable: nothing sent
-            # The backend has answered in full: counted before the client write, which may fail.
-            self.routing.succeeded(url)
-            if ticket is not None:
-                ticket.end(completion_tokens(payload[-USAGE_TAIL_BYTES:]))
-            if draft is not None:
-                draft.tail = payload[-RECORD_TAIL_BYTES:]
-                if self._record_text:
-                    draft.answer = payload
-            slot.release()  # the engine's work is done; see _Slot
-            response = web.Response(status=upstream.status, headers=resp_headers, body=payload)
-            try:
-                await response.prepare(request)
-                if draft is not None:
-                    draft.head_at = time.perf_counter()
-                await response.write_eof()
-            except ConnectionResetError:
-                self.metrics.errors.labels("client_gone").inc()
-                if draft is not None:
-                    draft.outcome("client_gone")
-            return response
-
-        response = web.StreamResponse(status=upstream.status, headers=resp_headers)
-        if length is not None:
-            response.content_length = length
-        # From here on the client has a status line: failures can no longer be retried.
-        if draft is not None and is_sse:
-            draft.sse = True
-        try:
-            await response.prepare(request)
-            if draft is not None:
-                draft.head_at = time.perf_counter()
-            chunks = upstream.iter_chunks()
-            # The last chunks relayed, kept by reference (no copy) to find the usage in (module doc).
-            tail: list[bytes] | None = [] if ticket is not None or draft is not None else None
-            while True:
-                try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    if ticket is not None and tail is not None:
-                        ticket.end(completion_tokens(b"".join(tail)[-USAGE_TAIL_BYTES:]))
-                    if draft is not None and tail:
-                        draft.tail = record_tail(tail)
-                    slot.release()  # before the end of the stream reaches the client; see _Slot
-                    break
-                except UpstreamError as exc:
-                    if draft is not None:
-                        draft.outcome("timeout" if exc.kind == "timeout" else "stream_broken")
-                    await self._broken_stream(request, response, route_request, url, is_sse, exc)
-                    return response
-                if tail is not None:
-                    tail.append(chunk)
-                    if len(tail) > USAGE_TAIL_CHUNKS:
-                        del tail[0]
-                await response.write(chunk)
-            await response.write_eof()
-        except ConnectionResetError:
-            # The client went away (ClientConnectionResetError is one): not the backend's fault.
-            self.metrics.errors.labels("client_gone").inc()
-            if draft is not None:
-                draft.outcome("client_gone")
-            return response
-        self.routing.succeeded(url)
-        return response
-
-    async def _status_failure(self, url: str, upstream: UpstreamResponse) -> UpstreamError:
-        """A 5xx answer as a failed attempt, quoting the start of the backend's error body. Reads at most
-        ``max_error_body_bytes``; a longer body leaves the exchange incomplete, so ``release`` closes
-        the connection instead of reading the rest."""
-        quoted = await upstream.read_at_most(self.limits.max_error_body_bytes)
-        text = quoted.decode("utf-8", "replace")
-        failure = InputFailure if input_attributed(upstream.status, quoted) else UpstreamError
-        return failure("status", f"backend {url} answered {upstream.status}: {text}", started=True)
-
-    async def _broken_stream(
-        self,
-        request: web.Request,
-        response: web.StreamResponse,
-        route_request: RouteRequest,
-        url: str,
-        is_sse: bool,
-        exc: UpstreamError,
-    ) -> None:
-        kind = "timeout" if exc.kind == "timeout" else "stream_broken"
-        # A stream past the deadline was being answered: its length is the request's, not a failure of
-        # the engine (router.http.attribution). A cut stream is the engine's.
-        self._on_failure(route_request, url, kind, charged=kind != "timeout")
-        if is_sse:
-            await response.write(sse_error_event(f"backend {url} failed mid-stream: {exc}", kind))
-            await response.write_eof()
-        elif request.transport is not None:
-            # No in-band way to signal an error in a plain body: cut the connection so the client sees
-            # a short body (length mismatch) instead of a truncated answer that looks whole.
-            request.transport.close()

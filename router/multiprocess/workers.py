@@ -73,13 +73,16 @@ from multidict import CIMultiDict
 
 from router.config import SECRET_FIELDS, RouterConfig
 from router.consumers import ConsumerKeys
-from router.fleet.api import ENGINE_TIMEOUT_S
+from router.fleet.fleet import ENGINE_TIMEOUT_S
 from router.http.app import build_app, health, not_found, serve_guarded
 from router.http.auth import Access, MarkedRoute, RouteTable
-from router.http.forwarding import HOP_BY_HOP, Forwarder, ForwardingConfig
+from router.http.forwarding import Forwarder, ForwardingConfig
+from router.http.headers import HOP_BY_HOP
 from router.http.status import error_body
-from router.multiprocess.decisions import DecisionService, RemoteRouting, WorkerChannel
+from router.multiprocess.decisions import DecisionService, WorkerChannel
+from router.multiprocess.remote import RemoteRouting
 from router.policies import make_policy
+from router.record.metrics import watch_record
 from router.record.writer import RecordWriter
 from router.state.metrics import RouterMetrics, Snapshot, per_request_snapshot
 from router.state.routing import LocalRouting
@@ -371,7 +374,7 @@ async def serve_worker(
     # This worker's own record file (requests-w<index>.jsonl); its counts are summed by the parent, which
     # reports the directory's bytes.
     record = RecordWriter.of(config, index)
-    metrics.watch_record(record, None)
+    watch_record(metrics, record, None)
     forwarder = Forwarder(
         routing,
         policy,

@@ -45,6 +45,7 @@ import hashlib
 import re
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -242,8 +243,8 @@ class RecordDraft:
     Class attributes hold the defaults, so a request sets only what it has (most never touch half of
     these: no session, no consumer, no hold, one attempt), and what it set is its ``__dict__``: what the
     writer sends to the sink as it is (``marshal`` takes a dict of plain data). Times are raw
-    ``time.perf_counter()`` readings; the sink subtracts. ``add``: where the routing state's timed waits
-    add their seconds (``router.record.holds``)."""
+    ``time.perf_counter()`` readings; the sink subtracts. ``add_holds``: what the routing state reported
+    held the request (``router.state.holds``), added by the forwarder (``router.record.holds``)."""
 
     id = ""
     status = 0
@@ -296,6 +297,11 @@ class RecordDraft:
         if holds is None:
             holds = self.holds = {}
         holds[kind] = holds.get(kind, 0.0) + seconds
+
+    def add_holds(self, held: Mapping[str, float]) -> None:
+        """What held this request, as its ``dispatch`` reported it (``Chosen.held``, or a refusal's)."""
+        for kind, seconds in held.items():
+            self.add(kind, seconds)
 
     def begin(self, engine: str) -> None:
         """An attempt on ``engine`` starts (the engine's answer status goes to ``a_status``)."""

@@ -39,7 +39,6 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import router
 from router.record.draft import RecordDraft
 from router.record.format import RECORD_FILE, RequestRecord
 from router.record.sink import FRAME, STATUS
@@ -265,7 +264,9 @@ class RecordWriter:
     def _ensure_sink(self) -> subprocess.Popen[bytes] | None:
         if self._sink is not None or self._gave_up:
             return self._sink
-        root = str(Path(router.__file__).resolve().parent.parent)
+        # The directory that holds the router package (record/ -> router/ -> it), so the sink process
+        # imports this very copy of router/ whatever its working directory.
+        root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path}
         try:

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any, TypedDict
 
 from router.consumers import OWNER, Consumer
+from router.state.holds import SHARE, Holds
 
 SHARE_WINDOW_S = 60
 
@@ -218,12 +219,22 @@ class FairShare:
             return True
         return False
 
-    async def enter(self, name: str, weight: float) -> None:
+    async def enter(self, name: str, weight: float, held: Holds | None = None) -> None:
         """Take a slot, waiting for one at most ``max_wait_s`` (``FairShareRefused`` past it). On return
         the caller holds the slot and must give it back (``finish`` or ``leave``); a cancelled wait holds
-        none."""
+        none. ``held``: where the seconds waited are added (``SHARE``), granted or not, for the request's
+        record."""
         if self.try_enter(name, weight):
             return
+        t0 = time.perf_counter()
+        try:
+            await self._wait(name)
+        finally:
+            if held is not None:
+                held.add(SHARE, time.perf_counter() - t0)
+
+    async def _wait(self, name: str) -> None:
+        """``enter``'s wait for a slot once none was free."""
         account = self.accounts[name]
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()

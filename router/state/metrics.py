@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router.record.format import record_files
 from router.state.backends import BackendSet
 from router.state.fair_share import FairShare
 from router.state.pause_gate import PauseGate
@@ -72,7 +71,7 @@ class _FleetCollector(Collector):
         yield decisions
 
 
-# A worker process's per-request samples, as sent to the parent (router.multiprocess.decisions STATS):
+# A worker process's per-request samples, as sent to the parent (router.multiprocess.wire STATS):
 # [[family name, type, help, [[sample name, labels, value], ...]], ...]
 Snapshot = list[list[Any]]
 
@@ -282,54 +281,6 @@ class _ConsumerCollector(Collector):
             yield capacity
 
 
-class RecordCounts(Protocol):
-    """What a request record writer counts (``router.record.writer.RecordWriter``)."""
-
-    written: int
-    write_errors: int
-
-    @property
-    def dropped(self) -> int: ...
-
-
-class _RecordCollector(Collector):
-    """A process's request record counts, read at scrape time (plain ints on the writer)."""
-
-    def __init__(self, counts: RecordCounts) -> None:
-        self._counts = counts
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        c = self._counts
-        yield CounterMetricFamily(
-            "rl_router_record_written", "Request records written to the record files", value=c.written
-        )
-        yield CounterMetricFamily(
-            "rl_router_record_dropped",
-            "Request records not written (the record's queue was full, or a write failed)",
-            value=c.dropped,
-        )
-        yield CounterMetricFamily(
-            "rl_router_record_write_errors", "Writes of request records that failed", value=c.write_errors
-        )
-
-
-class _RecordBytesCollector(Collector):
-    """Bytes of the record directory's files now, every process's together (read from the directory at
-    scrape time: the one figure no single process counts)."""
-
-    def __init__(self, directory: str) -> None:
-        self._directory = directory
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        total = 0
-        for f in record_files(self._directory):
-            try:
-                total += f.stat().st_size
-            except OSError:  # rotated away since the listing
-                pass
-        yield GaugeMetricFamily("rl_router_record_bytes", "Bytes of request records on disk now", value=total)
-
-
 class RouterMetrics:
     """``backends``: the routing state's view (None in a worker process, whose parent reports it).
     ``gate``: the fleet pause gate, reported where the routing state lives (the parent of worker
@@ -391,15 +342,6 @@ class RouterMetrics:
                 registry=self.own_registry,
             )
         self._poisoned.labels(consumer).inc()
-
-    def watch_record(self, counts: RecordCounts | None, directory: str | None) -> None:
-        """Report this process's request record counts with its other per-request counts (summed over
-        the workers by the parent), and, where ``directory`` is given (the process that renders the
-        router's metrics), the bytes on disk of the whole record."""
-        if counts is not None:
-            self.own_registry.register(_RecordCollector(counts))
-        if directory is not None:
-            self.registry.register(_RecordBytesCollector(directory))
 
     async def refresh(self) -> None:
         """Fetch the workers' counts before a render (nothing to do in a single process)."""

@@ -21,6 +21,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from router.state.holds import PAUSE, Holds
+
 
 class PauseRefused(Exception):
     """A generation request the gate would not hold (``max_held`` reached or ``max_wait_s`` passed); the
@@ -118,9 +120,16 @@ class PauseGate:
             if not fut.done():
                 fut.cancel()  # timed out or the client went away: no longer held
 
-    async def pass_through(self) -> None:
-        """Hold until resume; raise ``PauseRefused`` (with the client's message) where ``hold`` refuses."""
-        if not await self.hold():
+    async def pass_through(self, held: Holds | None = None) -> None:
+        """Hold until resume; raise ``PauseRefused`` (with the client's message) where ``hold`` refuses.
+        ``held``: where the seconds held are added (``PAUSE``), refused or not, for the request's record."""
+        t0 = time.perf_counter()
+        try:
+            admitted = await self.hold()
+        finally:
+            if held is not None:
+                held.add(PAUSE, time.perf_counter() - t0)
+        if not admitted:
             raise PauseRefused(
                 f"fleet paused for a weight update; request not held (at most {self.max_held} held, "
                 f"each at most {self.max_wait_s:g} s)"

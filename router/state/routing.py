@@ -3,7 +3,7 @@
 A request asks the state three things: *where to* (``dispatch``: the policy chooses, learns the choice and
 counts the request in flight, in one step so that no other request can decide between the choice and the
 count), *done* (``release``) and *how it went* (``succeeded`` / ``failed``). ``LocalRouting`` answers in this
-process; ``router.multiprocess.decisions.RemoteRouting`` answers from the router's parent process, so that
+process; ``router.multiprocess.remote.RemoteRouting`` answers from the router's parent process, so that
 every worker process routes with the same prefix index, in-flight and byte counts and serving set: affinity
 and the load bound are then exactly those of one process.
 
@@ -32,17 +32,23 @@ against its consumer first (``FairShare.hold``) and refused at once past the con
 holds, like the slots, are shared: one consumer cannot fill what the router holds for all of them.
 Here, in the one routing state, so that the capacity, the shares and the holds are exact whatever the
 number of worker processes.
+
+What held a request (``router.state.holds``): the pause gate and the fair share add the seconds they held
+it to the ``Holds`` that ``dispatch`` gives them, and ``dispatch`` answers them on ``Chosen.held`` (or
+leaves them on the exception it raises), for the request's record.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
 from router.consumers import Consumer
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.state.backends import BackendSet
 from router.state.fair_share import FairShare
+from router.state.holds import NO_HOLDS, Holds, leave_on
 from router.state.metrics import RouterMetrics
 from router.state.pause_gate import PauseGate
 from router.state.versions import VersionRefused, VersionWant
@@ -56,10 +62,12 @@ TRANSPORT_FAILURES = frozenset({"connect", "reset", "timeout", "headers_too_larg
 
 
 class Chosen(NamedTuple):
-    """Where ``dispatch`` sent a request, and that engine's weight version then (None: unknown)."""
+    """Where ``dispatch`` sent a request, that engine's weight version then (None: unknown), and what
+    held the request before (``router.state.holds``: ``{"pause": s, "share": s}``, empty when nothing)."""
 
     url: str
     version: str | None
+    held: Mapping[str, float] = NO_HOLDS
 
 
 class RoutingState(Protocol):
@@ -79,7 +87,8 @@ class RoutingState(Protocol):
         bounds; without ``hold``, ``NoBackendAvailable`` at once). ``consumer`` (with ``hold``, where the
         state keeps a consumer ledger): then take one of the consumer's fair-share slots, waiting while
         the fleet is at capacity (``FairShareRefused`` past the bound); a normal return holds the slot,
-        which ``finish`` gives back."""
+        which ``finish`` gives back. What held the request is on the answer (``Chosen.held``), or on
+        the exception raised after a hold (``router.state.holds.holds_of``)."""
         ...
 
     def finish(self, consumer: str, completion_tokens: int = 0, counted: bool = True) -> None:
@@ -148,15 +157,27 @@ class LocalRouting:
     ) -> Chosen:
         fair = self.fair
         if hold and consumer is not None and fair is not None:
-            exclude = await self.enter(exclude, want, consumer)
+            held = Holds()
             try:
-                url = self.dispatch_now(request, exclude)
-            except BaseException:
-                fair.leave(consumer.name)
+                exclude = await self.enter(exclude, want, consumer, held)
+                try:
+                    url = self.dispatch_now(request, exclude)
+                except BaseException:
+                    fair.leave(consumer.name)
+                    raise
+            except BaseException as exc:
+                leave_on(exc, held)
                 raise
-            return Chosen(url, self.versions.of.get(url) or None)
+            return Chosen(url, self.versions.of.get(url) or None, held or NO_HOLDS)
         if want is not None or (hold and self.gate.paused):  # the one check when neither
-            exclude = await self.admit(exclude, hold, want)
+            held = Holds()
+            try:
+                exclude = await self.admit(exclude, hold, want, held)
+                url = self.dispatch_now(request, exclude)
+            except BaseException as exc:
+                leave_on(exc, held)
+                raise
+            return Chosen(url, self.versions.of.get(url) or None, held or NO_HOLDS)
         url = self.dispatch_now(request, exclude)
         return Chosen(url, self.versions.of.get(url) or None)
 
@@ -173,14 +194,18 @@ class LocalRouting:
         return admitted
 
     async def enter(
-        self, exclude: frozenset[str], want: VersionWant | None, consumer: Consumer
+        self,
+        exclude: frozenset[str],
+        want: VersionWant | None,
+        consumer: Consumer,
+        held: Holds | None = None,
     ) -> frozenset[str]:
         """The pause gate and the version gate (``admit``), then a fair-share slot (held on return). A
         request that got its slot after the fleet paused, or lost its version, gives the slot back and
         goes through the holds again: no request reaches an engine between a pause and its resume, and
         none sits on a slot while it waits for a version. A request that has to wait for any of them is
         one of its consumer's held requests until it has its slot (``FairShareRefused`` at once past the
-        consumer's bound)."""
+        consumer's bound). ``held``: where the gate and the fair share add the seconds they held it."""
         fair = self.fair
         assert fair is not None
         admitted = self.enter_now(exclude, want, consumer)
@@ -190,8 +215,8 @@ class LocalRouting:
         try:
             while True:
                 if want is not None or self.gate.paused:
-                    await self.admit(exclude, True, want)
-                await fair.enter(consumer.name, consumer.weight)
+                    await self.admit(exclude, True, want, held)
+                await fair.enter(consumer.name, consumer.weight, held)
                 try:
                     admitted = self.admit_now(exclude, True, want)
                 except BaseException:
@@ -245,11 +270,18 @@ class LocalRouting:
         stale = backends.stale
         return (*backends.serving, *(u for u in ejected if u not in stale))
 
-    async def admit(self, exclude: frozenset[str], hold: bool, want: VersionWant | None) -> frozenset[str]:
+    async def admit(
+        self,
+        exclude: frozenset[str],
+        hold: bool,
+        want: VersionWant | None,
+        held: Holds | None = None,
+    ) -> frozenset[str]:
         """Wait while the fleet is paused (``hold``), then while no serving engine satisfies ``want``;
         answer ``exclude`` plus the serving engines that do not satisfy ``want``. A request held for a
         version goes through the pause gate again if the fleet paused meanwhile: no request reaches an
-        engine between a pause and its resume."""
+        engine between a pause and its resume. ``held``: where the pause gate adds the seconds it held
+        the request (the version gate's share is timed by the caller, ``router.state.holds.GATE``)."""
         versions = self.versions
         gate = self.gate
         max_wait_s = self.version_max_wait_s
@@ -260,7 +292,7 @@ class LocalRouting:
                 if hold and gate.paused:
                     if want is not None:
                         versions.check(want, self._kept())  # at once, before the pause holds it
-                    await gate.pass_through()
+                    await gate.pass_through(held)
                 if want is None:
                     return exclude
                 admitted = self._gated(exclude, hold, want)
