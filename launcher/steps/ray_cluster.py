@@ -35,10 +35,10 @@ from pathlib import Path
 from launcher.steps.processes import LocalSteps, SrunSteps, Step
 from launcher.steps.ray_node import node_command
 
-# The job's named actors (the router: "router") live here, so a training script or an operator attached to
-# the same cluster (RAY_ADDRESS) can find them with ray.get_actor("router", namespace=RAY_NAMESPACE).
+# The job's named actors (the router: router.actor.ROUTER_ACTOR_NAME) live here, so a training script or
+# an operator attached to the same cluster (RAY_ADDRESS) can find them with
+# ray.get_actor("router", namespace=RAY_NAMESPACE).
 RAY_NAMESPACE = "rl-launch"
-ROUTER_ACTOR_NAME = "router"
 
 
 # What a process needs to reach the job's Ray; os.environ of the driver carries them from ray.init on.

@@ -51,10 +51,6 @@ UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
 WEIGHT_CHECKER_PATH = "/weight_checker"
 METRICS_PATH = "/metrics"
 COLLECTIVE_RPC_PATH = "/collective_rpc"
-
-LOAD_GAUGES: tuple[str, ...] = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-"""The engine's load, as its ``/metrics`` gauges: the bench's samples and the elastic tail policy read the
-same two, so a drain decision and the figures that judge it never count load differently."""
 """vLLM's dev route that runs one method on every worker of the engine (``reload_weights`` here)."""
 WORLD_SIZE_PATH = "/get_world_size"
 SERVER_INFO_PATH = "/server_info"
@@ -69,7 +65,9 @@ DYNAMO_RESET_PATH = "/engine/flush_cache"
 """A ``dynamo.vllm`` worker's system server (the RL admin route)."""
 
 LOAD_GAUGES: tuple[str, ...] = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-"""The engine's load gauges on ``METRICS_PATH``: requests running and waiting; their sum is its load."""
+"""The engine's load gauges on ``METRICS_PATH``: requests running and waiting; their sum is its load. The
+bench's samples and the elastic tail policy read these same two, so a drain decision and the figures that
+judge it never count load differently."""
 
 PAUSE_MODES = ("abort", "wait", "keep")
 """vLLM's ``PauseMode``: abort in-flight requests, wait for them to finish, or freeze them until resume."""

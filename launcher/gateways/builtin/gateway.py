@@ -32,8 +32,7 @@ class BuiltinRouterGateway(Gateway):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from launcher.steps.ray_cluster import ROUTER_ACTOR_NAME
-        from router.actor import remote_router_actor
+        from router.actor import ROUTER_ACTOR_NAME, remote_router_actor
         from router.config import RouterConfig
 
         ctx = self.context

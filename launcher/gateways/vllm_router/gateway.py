@@ -117,7 +117,7 @@ class VllmRouterGateway(Gateway):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from launcher.gateways.vllm_router.process import remote_vllm_router_actor
-        from launcher.steps.ray_cluster import ROUTER_ACTOR_NAME
+        from router.actor import ROUTER_ACTOR_NAME
 
         ctx = self.context
         url = f"http://{ctx.host}:{ctx.port}"
