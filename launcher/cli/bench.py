@@ -1,8 +1,10 @@
 """``rl-launch bench``: make replay traces and replay them against the fleet, a router, or simulated arms.
 
-Only the command definitions: options, checks of what they combine to, and what is printed. The work is
-in ``launcher.bench`` (``workload`` makes traces, ``replay`` runs the arms and writes the outputs,
-``virtual`` replays in virtual time), which tests and notebooks use without click.
+Only the command definitions: options, checks of what they combine to, and what is printed. The options
+the commands share are defined once in ``bench_flags``. The work is in ``launcher.bench`` (``workload``
+makes traces, ``replay_run`` takes a replay or virtual run from its trace to its figures, ``replay`` runs
+the arms and writes the outputs, ``virtual`` replays in virtual time), which tests and notebooks use
+without click.
 """
 
 from __future__ import annotations
@@ -10,146 +12,31 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import click
-from click.core import ParameterSource
 
 from launcher.bench.arms import DIRECT, front_of, validate_arms
-from launcher.bench.client import ClientConfig, RetryPolicy
-from launcher.bench.recorded import RecordedStep, load_recorded, resolve_trace_source
-from launcher.bench.replay import (
-    DEFAULT_RESULTS_DIR,
-    ReplayPlan,
-    default_results_dir,
-    job_engine_key,
-    job_engine_urls,
-    progress_bar,
-    run_arms,
-    write_outputs,
+from launcher.bench.recorded import RecordedStep
+from launcher.bench.replay import DEFAULT_RESULTS_DIR, progress_bar
+from launcher.bench.replay_run import (
+    replay_plan,
+    run_replay,
+    trace_line,
+    virtual_seeds,
+    virtual_trace,
+    write_replay,
 )
-from launcher.bench.trace import Trace, load_trace, save_trace, trace_stats
-from launcher.bench.workload import MAX_TOKENS, WORKLOADS, generate
-from launcher.cli.options import root_option
-
-if TYPE_CHECKING:
-    from launcher.engines.sim.config import SimConfig
-
-WORKLOAD_OPTIONS = ("workload", "seed", "scale", "group_size", "turn_scale", "max_tokens")
-"""The options that define a generated trace: given with ``--trace`` they would be silently ignored."""
-LOAD_SAMPLE_S = 0.25
-"""How often each engine's load is read for ``--png``'s per-engine plot."""
-
-
-def _workload_options(f: Any) -> Any:
-    """The options that define a generated trace, shared by ``trace`` and ``replay``."""
-    opts = [
-        click.option("--workload", type=click.Choice(WORKLOADS), default="p30_all", show_default=True),
-        click.option("--seed", type=int, default=1, show_default=True, help="Same seed, same trace."),
-        click.option(
-            "--scale",
-            type=click.FloatRange(min=0.0, min_open=True),
-            default=1.0,
-            show_default=True,
-            help="Multiply the session count and every size (prompt, tool output, max_tokens).",
-        ),
-        click.option(
-            "--group-size",
-            type=click.IntRange(min=1),
-            default=1,
-            show_default=True,
-            help="GRPO group size: G sessions per task, with an identical first turn.",
-        ),
-        click.option(
-            "--turn-scale",
-            type=click.FloatRange(min=0.0, min_open=True),
-            default=1.0,
-            show_default=True,
-            help="Also shorten sessions (smoke runs; changes the workload's shape).",
-        ),
-        click.option(
-            "--max-tokens",
-            type=click.IntRange(min=1),
-            default=MAX_TOKENS,
-            show_default=True,
-            help="Assistant max_tokens per turn at scale 1 (scaled with --scale).",
-        ),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def _kv(pairs: tuple[str, ...], what: str) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs; VALUE parsed as JSON when it is JSON (numbers, booleans), else kept a string."""
-    out: dict[str, Any] = {}
-    for p in pairs:
-        if "=" not in p:
-            raise click.BadParameter(f"{p!r} is not KEY=VALUE", param_hint=what)
-        k, v = p.split("=", 1)
-        try:
-            out[k.strip().replace("-", "_")] = json.loads(v)
-        except ValueError:
-            out[k.strip().replace("-", "_")] = v
-    return out
-
-
-def _trace_option(f: Any) -> Any:
-    """``--trace JOB_OR_FILE`` and what it needs (``--root``, ``--infer-sessions``), for ``replay`` and
-    ``virtual`` alike."""
-    opts = [
-        click.option(
-            "--trace",
-            "trace_arg",
-            metavar="JOB_OR_FILE",
-            default=None,
-            help="Replay this instead of a generated workload: a saved trace (bench trace --out), a job "
-            "(directory, or name/id under --root) whose router recorded its requests, a record "
-            "directory or one record file. Not with --workload.",
-        ),
-        root_option,
-        click.option(
-            "--infer-sessions/--no-infer-sessions",
-            default=True,
-            show_default=True,
-            help="Records without a session (Gym sends no session header): join each to the "
-            "conversation whose previous prompt it extends (what cache_aware itself sees), instead of "
-            "replaying it as a one-turn session, which loses the step's conversations and its hit rate.",
-        ),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def _load_trace_arg(
-    trace_arg: str, root: Path, infer_sessions: bool
-) -> tuple[Trace, RecordedStep | None, Path]:
-    """The trace ``--trace`` names, the record it was built from (None for a saved trace), and its path.
-    What cannot be found or read is the command's one-line error."""
-    from launcher.jobdir.lookup import JobNotFound
-
-    ctx = click.get_current_context()
-    given = [
-        "--" + name.replace("_", "-")
-        for name in WORKLOAD_OPTIONS
-        if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
-    ]
-    if given:
-        raise click.UsageError(
-            f"--trace replays the requests it names; {', '.join(given)} define a generated workload "
-            "(give one or the other)"
-        )
-    try:
-        kind, path = resolve_trace_source(trace_arg, root)
-        if kind == "trace":
-            return load_trace(path), None, path
-        step = load_recorded(path, infer_sessions=infer_sessions)
-    except JobNotFound as exc:
-        raise click.ClickException(f"--trace: {exc}") from None
-    except (OSError, ValueError, KeyError) as exc:
-        raise click.ClickException(f"--trace {trace_arg}: {exc}") from None
-    return step.trace, step, path
+from launcher.bench.trace import save_trace, trace_stats
+from launcher.bench.workload import generate
+from launcher.cli.bench_flags import (
+    ARMS_ARGUMENT,
+    JSON_FLAG,
+    TRACE_FLAGS,
+    WORKLOAD_FLAGS,
+    apply,
+    kv,
+    load_trace_arg,
+)
 
 
 @click.group("bench")
@@ -158,7 +45,7 @@ def bench_group() -> None:
 
 
 @bench_group.command("trace")
-@_workload_options
+@apply(WORKLOAD_FLAGS)
 @click.option(
     "--out",
     "out",
@@ -176,9 +63,9 @@ def trace_command(
 
 
 @bench_group.command("replay")
-@_workload_options
-@click.argument("arms", nargs=-1)
-@_trace_option
+@apply(WORKLOAD_FLAGS)
+@ARMS_ARGUMENT
+@apply(TRACE_FLAGS)
 @click.option(
     "--compare",
     is_flag=True,
@@ -249,7 +136,7 @@ def trace_command(
     show_default=True,
     help="Give up on unfinished sessions after this many seconds per arm (counted as errors).",
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
+@JSON_FLAG
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--png", "png_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
@@ -351,53 +238,40 @@ def replay_command(
     recorded: RecordedStep | None = None
     trace_file: Path | None = None
     if trace_arg:
-        trace, recorded, trace_file = _load_trace_arg(trace_arg, root, infer_sessions)
+        trace, recorded, trace_file = load_trace_arg(trace_arg, root, infer_sessions)
     else:
         trace = generate(workload, seed, scale, group_size, turn_scale=turn_scale, max_tokens=max_tokens)
     stats = trace_stats(trace)
-    console.print(
-        f"[bold]trace[/] {stats['workload']} seed={stats['seed']} scale={stats['scale']}: "
-        f"{stats['sessions']} sessions, {stats['requests']} requests, turns "
-        f"{stats['turns_min']}/{stats['turns_p50']}/{stats['turns_p90']}/{stats['turns_p99']}/{stats['turns_max']}"
-        f" (min/p50/p90/p99/max), fingerprint {stats['fingerprint']}"
-    )
-    config = ClientConfig(
-        model=model or "",
+    console.print(trace_line(stats))
+    sim_options = kv(sim_opt, "--sim-opt")
+    router_options = kv(router_opt, "--router-opt")
+    plan = replay_plan(
+        model=model,
         session_header=session_header,
         max_concurrent=max_concurrent,
-        retry=RetryPolicy(attempts=retry_attempts, delay_s=retry_delay),
-        request_timeout_s=request_timeout,
-        max_wall_s=max_wall,
+        retry_attempts=retry_attempts,
+        retry_delay=retry_delay,
+        request_timeout=request_timeout,
+        max_wall=max_wall,
         api_key=api_key,
-    )
-    sim_options = _kv(sim_opt, "--sim-opt")
-    if sim_speed is not None:
-        sim_options["speed"] = sim_speed
-    router_options = _kv(router_opt, "--router-opt")
-
-    if url and not engine_urls:
-        engine_urls = tuple(job_engine_urls())
-    if url:
-        config.engine_key = job_engine_key(engine_urls)
-    plan = ReplayPlan(
-        config,
         url=url,
         label=label,
         arms=arm_list,
-        engine_urls=list(engine_urls),
+        engine_urls=engine_urls,
         engines=engines,
         repeats=repeats,
         sim_options=sim_options,
+        sim_speed=sim_speed,
         sim_process=sim_process,
         router_options=router_options,
-        sample_s=LOAD_SAMPLE_S if png_path is not None else 0.0,
+        sample_load=png_path is not None,
     )
     if not sim_process:
         console.print(
             "[yellow]note:[/] --sim-in-process: the fleet and the routers share this process (and its "
             "GIL) with the client; figures measure the harness too, and do not compare routers"
         )
-    progress, on_arm_start, on_session_end = progress_bar(console, len(trace.sessions), quiet)
+    progress = progress_bar(console, len(trace.sessions), quiet)
     refit = None
     if refit_at is not None:
         if not url or refit_job_dir is None:
@@ -405,29 +279,27 @@ def replay_command(
         from launcher.bench.refit import MidStepRefit
 
         refit = MidStepRefit(refit_job_dir, len(trace.sessions), refit_at, refit_hold, console.print)
-        on_session_end = refit.wrap(on_session_end)
         try:
             refit.start()
         except (ValueError, OSError) as exc:
             raise click.ClickException(f"--refit-at: {exc}") from None
     try:
-        outcomes = run_arms(trace, plan, console, on_arm_start, on_session_end, progress)
+        outcomes, refit_result = run_replay(trace, plan, console, progress, refit)
     except (ValueError, RuntimeError, OSError) as exc:  # bad option, fleet or router failed to start
         raise click.ClickException(str(exc)) from exc
-    finally:
-        refit_result = refit.finish() if refit is not None else None
-    run_config = plan.run_config(trace_file, refit_result)
-    rows = write_outputs(
+    rows = write_replay(
         trace,
         stats,
         outcomes,
-        run_config,
-        results_dir or default_results_dir(),
-        json_path,
-        csv_path,
-        png_path,
+        plan,
+        refit_result,
         console,
+        trace_file=trace_file,
         recorded=recorded,
+        results_dir=results_dir,
+        json_path=json_path,
+        csv_path=csv_path,
+        png_path=png_path,
     )
     if refit_result is not None and not refit_result.get("ok"):
         console.print(f"[red]the mid-step refit failed:[/] {refit_result.get('error')}")
@@ -438,9 +310,9 @@ def replay_command(
 
 
 @bench_group.command("virtual")
-@_workload_options
-@click.argument("arms", nargs=-1)
-@_trace_option
+@apply(WORKLOAD_FLAGS)
+@ARMS_ARGUMENT
+@apply(TRACE_FLAGS)
 @click.option("--compare", is_flag=True, help="Accepted for symmetry with `replay`: the ARMS are compared.")
 @click.option("--seeds", default=None, help="Comma-separated trace seeds to average over (default: --seed).")
 @click.option("--engines", type=click.IntRange(min=1), default=8, show_default=True)
@@ -450,7 +322,7 @@ def replay_command(
 @click.option(
     "--policy-opt", multiple=True, help="Policy option KEY=VALUE for every policy arm (repeatable)."
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
+@JSON_FLAG
 def virtual_command(
     workload: str,
     seed: int,
@@ -476,7 +348,7 @@ def virtual_command(
     --trace replays a saved trace or a job's recorded step (its arrivals and tool gaps on the virtual
     clock) instead of generated ones.
     """
-    from launcher.bench.virtual import ORACLE, compare_virtual_seeds, mean_lines, mean_rows, seed_line
+    from launcher.bench.virtual import ORACLE
     from launcher.engines.sim.config import SimConfig
     from router.policies import make_policy
 
@@ -506,13 +378,13 @@ def virtual_command(
         raise click.BadParameter(
             f"{seeds!r} is not a comma-separated list of integers", param_hint="--seeds"
         ) from None
-    sim_options = _kv(sim_opt, "--sim-opt")
+    sim_options = kv(sim_opt, "--sim-opt")
     try:
         config = SimConfig(**sim_options)
         config.validate()
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--sim-opt") from None
-    policy_options = _kv(policy_opt, "--policy-opt")
+    policy_options = kv(policy_opt, "--policy-opt")
     # Build each policy once before any replay, so a bad option fails at once and by name, and an error
     # raised later inside a replay is not mistaken for one.
     for arm in arm_list:
@@ -522,7 +394,8 @@ def virtual_command(
             except (TypeError, ValueError) as e:
                 raise click.BadParameter(f"{arm}: {e}", param_hint="--policy-opt") from None
     if trace_arg:
-        _virtual_trace(trace_arg, root, infer_sessions, arm_list, engines, config, policy_options, json_path)
+        trace, recorded, path = load_trace_arg(trace_arg, root, infer_sessions)
+        virtual_trace(trace, recorded, path, arm_list, engines, config, policy_options, json_path, click.echo)
         return
     trace_args = {
         "workload": workload,
@@ -531,69 +404,6 @@ def virtual_command(
         "turn_scale": turn_scale,
         "max_tokens": max_tokens,
     }
-    per_arm = compare_virtual_seeds(
-        trace_args,
-        seed_list,
-        arm_list,
-        engines,
-        config,
-        policy_options,
-        on_row=lambda row: click.echo(seed_line(row)),
+    virtual_seeds(
+        trace_args, seed_list, arm_list, engines, config, sim_options, policy_options, json_path, click.echo
     )
-    means = [mean_rows(per_arm[a]) for a in arm_list]
-    click.echo(f"\nmean over {len(seed_list)} trace(s):")
-    for line in mean_lines(means):
-        click.echo(line)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "workload": workload,
-            "scale": scale,
-            "engines": engines,
-            "seeds": seed_list,
-            "sim_options": sim_options,
-            "policy_options": policy_options,
-            "means": means,
-            "runs": per_arm,
-        }
-        json_path.write_text(json.dumps(payload, indent=1))
-        click.echo(f"wrote {json_path}")
-
-
-def _virtual_trace(
-    trace_arg: str,
-    root: Path,
-    infer_sessions: bool,
-    arms: list[str],
-    engines: int,
-    config: SimConfig,
-    policy_options: dict[str, Any],
-    json_path: Path | None,
-) -> None:
-    """``bench virtual --trace``: every arm on the one trace (saved or recorded), one line each."""
-    from launcher.bench.virtual import compare_virtual, mean_lines, mean_rows
-
-    trace, recorded, path = _load_trace_arg(trace_arg, root, infer_sessions)
-    if recorded is not None:
-        for line in recorded.summary_lines():
-            click.echo(line)
-    stats = trace_stats(trace)
-    click.echo(
-        f"trace {stats['workload']}: {stats['sessions']} sessions, {stats['requests']} requests, "
-        f"fingerprint {stats['fingerprint']}"
-    )
-    rows = compare_virtual(trace, arms, engines, config, policy_options)
-    for line in mean_lines([mean_rows([row]) for row in rows]):
-        click.echo(line)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "trace": str(path),
-            "trace_stats": stats,
-            "record": recorded.to_json() if recorded is not None else None,
-            "engines": engines,
-            "policy_options": policy_options,
-            "rows": rows,
-        }
-        json_path.write_text(json.dumps(payload, indent=1))
-        click.echo(f"wrote {json_path}")

@@ -32,21 +32,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from launcher.fleet.controller import fan_out_now
 from launcher.fleet.elastic import shapes, slurm_ops
-from launcher.fleet.elastic.holder import release_file
-from launcher.fleet.elastic.hosts import EngineHostFleet
+from launcher.fleet.elastic.drain import DRAIN_POLL_S, Drain, NodeDrains, in_flight_of
+from launcher.fleet.elastic.grow import Grow, GrowLifecycle, NodeRow
 from launcher.fleet.elastic.shapes import ElasticAnswer, ElasticRequest
 from launcher.fleet.elastic.tail import Decision, Reading, TailPolicy, TailSettings
 from launcher.slurm.request import container_srun_args
-from router.fleet.engine import LOAD_GAUGES, EngineClient
-from router.prometheus import metric_sum, parse_metrics
 
 if TYPE_CHECKING:
     from launcher.fleet.controller import FleetController
+    from launcher.fleet.elastic.hosts import EngineHostFleet
     from launcher.jobdir import JobDir, StateWriter
     from launcher.spec import ResolvedSpec
     from launcher.steps.ray_cluster import RayCluster
@@ -54,74 +52,16 @@ if TYPE_CHECKING:
 READ_EVERY_S = 0.9
 """The tail policy reads the engines' load about every tick: a coarser reading adds its interval to every
 shrink's delay, and the tail is when nodes are wasted."""
-ZERO_READS_TO_DRAIN = 2
-QUIET_S = 0.5
-"""A drain ends once in-flight reads zero this many reads in a row, spanning at least this long, after the
-push that left the node out: one read may fall between a request the router sent just before that push
-and the engine's counting it."""
 MAX_LOCAL_NODES = 8
 """A local job's generation nodes in all, grown ones included: each is one more engine host with its
 engines on this one machine, so an unbounded ``--nodes`` (``["localhost"] * nodes``) was as many hosts as
 asked, until the machine ran out of memory or processes."""
-DRAIN_POLL_S = 0.25
-"""While a node drains, its engines are read this often (every tick would add up to a second to each
-drain, a second of a node held for nothing)."""
 
 
-@dataclass
-class NodeRow:
-    index: int
-    name: str
-    job_id: str | None
-    """The Slurm job holding it (the fleet's own or a grow); None in local mode."""
-    since: float
-    state: str = shapes.NODE_SERVING
-    grow_id: str = ""
-    released_at: float | None = None
-    detail: str = ""
+class ElasticFleet(GrowLifecycle, NodeDrains):
+    """The elastic manager: requests, the tick, the tail policy and the state; grows in ``grow.py``,
+    drains in ``drain.py``."""
 
-
-@dataclass
-class Grow:
-    id: str
-    nodes: int
-    by: str
-    requested_at: float
-    job_id: str | None = None
-    state: str = shapes.GROW_PENDING
-    reason: str = ""
-    started_at: float | None = None
-    indices: list[int] = field(default_factory=list)
-    detail: str = ""
-
-
-@dataclass
-class Drain:
-    index: int
-    started: float
-    timeout_s: float
-    push_mark: int
-    urls: list[str]
-    reason: str
-    zero_reads: int = 0
-    zero_since: float | None = None
-    last_in_flight: int | None = None
-
-
-def in_flight_of(urls: list[str], api_key: str | None, timeout_s: float = 2.0) -> dict[str, int | None]:
-    """Each engine's requests running + waiting (its own gauges), None where the read failed."""
-
-    async def read(engines: EngineClient, url: str) -> int | None:
-        got = await engines.metrics_text(url)
-        if got.value is None:
-            return None
-        metrics = parse_metrics(got.value, LOAD_GAUGES)
-        return int(sum(metric_sum(metrics, g) or 0 for g in LOAD_GAUGES))
-
-    return dict(zip(urls, fan_out_now(urls, read, timeout_s, api_key), strict=True))
-
-
-class ElasticFleet:
     def __init__(
         self,
         spec: ResolvedSpec,
@@ -389,223 +329,6 @@ class ElasticFleet:
             if self.hetjob:
                 return "a hetjob's generation component cannot be resized; only grown nodes can be given back"
         return None
-
-    # -- grows --------------------------------------------------------------------------------------------
-    def _start_hosts(self, g: Grow, names: list[str]) -> None:
-        """The grow's nodes become generation nodes (new indices, never reused) and get their hosts."""
-        g.state, g.started_at, g.reason = shapes.GROW_STARTING, time.time(), ""
-        for name in names:
-            index = len(self.engines.generation_nodes)
-            self.engines.generation_nodes.append(name)
-            if g.job_id is not None:
-                self.engines.node_jobs[index] = g.job_id
-            g.indices.append(index)
-            self.nodes[index] = NodeRow(index, name, g.job_id, time.time(), grow_id=g.id, detail="starting")
-            self.engines.hosts.launch(index)
-        self._event(
-            "grow_starting",
-            f"grow {g.id}: engine hosts starting on {', '.join(names)}",
-            grow_id=g.id,
-            nodes=names,
-        )
-
-    def _advance_grows(self) -> None:
-        for g in list(self.grows.values()):
-            if g.state == shapes.GROW_PENDING and g.job_id is not None:
-                got = slurm_ops.grow_job_state(g.job_id)
-                if got is None:
-                    continue
-                if got.state == "RUNNING" and got.nodes:
-                    self._start_hosts(g, list(got.nodes))
-                elif got.state in ("PENDING", "CONFIGURING"):
-                    if got.reason != g.reason:
-                        g.reason = got.reason
-                        self._event(
-                            "grow_pending",
-                            f"grow {g.id}: Slurm job {g.job_id} PENDING ({got.reason})",
-                            grow_id=g.id,
-                            reason=got.reason,
-                        )
-                else:
-                    self._end_grow(g, shapes.GROW_FAILED, f"Slurm job {g.job_id} is {got.state or 'gone'}")
-            elif g.state == shapes.GROW_STARTING:
-                self._check_starting(g)
-            elif g.state == shapes.GROW_JOINED and g.job_id is not None:
-                live = [i for i in g.indices if self.nodes[i].released_at is None]
-                if live and self._grow_job_gone(g):
-                    self._grow_job_lost(g, live)
-
-    def _check_starting(self, g: Grow) -> None:
-        deadline = (g.started_at or 0) + self.spec.generation.startup_timeout_s + 60
-        errors = []
-        ready = 0
-        for i in g.indices:
-            listing = self.job.read_listing(i)
-            code = self.engines.hosts.exited(i)
-            if listing is not None and listing.error:
-                errors.append(f"{self.nodes[i].name}: {str(listing.error).strip()[-300:]}")
-            elif listing is not None:
-                ready += 1
-            elif code is not None:
-                errors.append(
-                    f"{self.nodes[i].name}: engine host exited with {code}: "
-                    f"{self.engines.hosts.describe(i)[-300:]}"
-                )
-        if errors:
-            self._end_grow(g, shapes.GROW_FAILED, "engines failed to start: " + "; ".join(errors))
-            return
-        if ready < len(g.indices):
-            if time.time() > deadline:
-                self._end_grow(
-                    g, shapes.GROW_FAILED, f"engines not ready within {deadline - (g.started_at or 0):.0f} s"
-                )
-            return
-        engines = []
-        for i in g.indices:
-            engines += self.controller.add_node(i, f"joined with grow {g.id}")
-            self.nodes[i].detail = ""
-        g.state = shapes.GROW_JOINED
-        self._event(
-            "grow_joined",
-            f"grow {g.id}: {len(engines)} engine(s) joined the fleet on "
-            f"{', '.join(self.nodes[i].name for i in g.indices)} "
-            f"({time.time() - (g.started_at or g.requested_at):.1f} s after the nodes were allocated)",
-            grow_id=g.id,
-            engines=engines,
-        )
-
-    def _grow_job_gone(self, g: Grow) -> bool:
-        got = slurm_ops.grow_job_state(g.job_id or "")
-        return got is not None and got.state not in ("RUNNING", "COMPLETING", "CONFIGURING")
-
-    def _grow_job_lost(self, g: Grow, live: list[int]) -> None:
-        """The grow job ended under the fleet (its time limit, a scancel): its engines leave as drained
-        ones would, the controller having seen their hosts die."""
-        for i in live:
-            self.controller.drain_node(i, f"grow {g.id}'s Slurm job ended")
-            self._finish_node(i, f"grow {g.id}'s Slurm job {g.job_id} ended", release=False)
-        self._set_grow(g, shapes.GROW_ENDED, f"Slurm job {g.job_id} ended")
-
-    def _end_grow(self, g: Grow, state: str, why: str) -> None:
-        """A grow that never joined: stop what it started, hand back its allocation."""
-        for i in g.indices:
-            self.engines.hosts.stop(i, grace_s=5)
-            self._forget_listing(i)
-            row = self.nodes[i]
-            if row.released_at is None:
-                row.released_at, row.state = time.time(), shapes.NODE_RELEASED
-        if g.job_id is not None:
-            error = slurm_ops.cancel_job(g.job_id)
-            if error:
-                why += f" (scancel {g.job_id}: {error})"
-        self._set_grow(g, state, why)
-
-    def _set_grow(self, g: Grow, state: str, why: str) -> None:
-        g.state, g.detail = state, why
-        self._event(f"grow_{state.lower()}", f"grow {g.id}: {state}: {why}", grow_id=g.id, level="info")
-
-    # -- drains -------------------------------------------------------------------------------------------
-    def _begin_drain(self, r: NodeRow, timeout_s: float, by: str) -> None:
-        reason = f"draining ({by})"
-        mark = self.controller.pushes
-        urls = self.controller.drain_node(r.index, reason)
-        r.state, r.detail = shapes.NODE_DRAINING, reason
-        self.drains[r.index] = Drain(r.index, time.time(), timeout_s, mark, urls, reason)
-        self._event(
-            "drain",
-            f"node {r.name}: draining {len(urls)} engine(s), at most {timeout_s:g} s ({by})",
-            node=r.name,
-            node_index=r.index,
-        )
-
-    def _advance_drains(self) -> None:
-        if not self.drains:
-            return
-        waiting = {i: d for i, d in self.drains.items() if self.controller.pushes > d.push_mark}
-        urls = [u for d in waiting.values() for u in d.urls]
-        loads = in_flight_of(urls, self.api_key) if urls else {}
-        now = time.time()
-        for i, d in waiting.items():
-            host_gone = self.engines.hosts.exited(i) is not None
-            values = [loads.get(u) for u in d.urls]
-            known = [v for v in values if v is not None]
-            d.last_in_flight = sum(known) if known else None
-            if host_gone or (len(known) == len(values) and sum(known) == 0):
-                d.zero_reads += 1
-                d.zero_since = now if d.zero_since is None else d.zero_since
-            else:
-                d.zero_reads, d.zero_since = 0, None
-            took = now - d.started
-            quiet = d.zero_reads >= ZERO_READS_TO_DRAIN and now - (d.zero_since or now) >= QUIET_S
-            if host_gone or quiet:
-                self._finish_node(i, f"drained in {took:.1f} s: no request left in flight")
-            elif took > d.timeout_s:
-                self._finish_node(
-                    i,
-                    f"drain timeout ({d.timeout_s:g} s): "
-                    f"{'?' if d.last_in_flight is None else d.last_in_flight}"
-                    " request(s) still in flight were aborted with the engines (the front retries them "
-                    "elsewhere)",
-                )
-
-    def _finish_node(self, index: int, why: str, release: bool = True) -> None:
-        """Stop the node's host, take its engines out of the fleet, hand the node back to Slurm."""
-        self.drains.pop(index, None)
-        r = self.nodes[index]
-        self.engines.hosts.stop(index)
-        self.controller.remove_node(index, why)
-        self._forget_listing(index)
-        r.state, r.released_at = shapes.NODE_RELEASED, time.time()
-        r.detail = why
-        released = self._release(r) if release else "its Slurm job had ended"
-        self._event(
-            "node_released",
-            f"node {r.name}: {why}; {released}",
-            node=r.name,
-            node_index=index,
-            held_s=round(r.released_at - r.since, 1),
-        )
-
-    def _release(self, r: NodeRow) -> str:
-        """Give node ``r`` back to Slurm; what happened, in words."""
-        if self.local or r.job_id is None:
-            return "local mode: nothing to hand back"
-        ops = slurm_ops
-        if r.grow_id:
-            g = self.grows[r.grow_id]
-            rest = [self.nodes[i].name for i in g.indices if self.nodes[i].released_at is None]
-            if not rest:
-                release_file(self.job.path, g.id).touch()
-                error = ops.cancel_job(r.job_id)
-                self._set_grow(g, shapes.GROW_ENDED, "every node given back")
-                return f"grow job {r.job_id} ended" + (f" (scancel: {error})" if error else "")
-            error = ops.shrink_job(r.job_id, rest, shapes.elastic_dir(self.job.path))
-            return f"grow job {r.job_id} shrunk to {', '.join(rest)}" + (
-                f" (refused: {error})" if error else ""
-            )
-        if self.ray is not None:
-            for step in self.ray.workers:
-                if step.node == r.name:
-                    step.stop(grace_s=10)
-        keep = [*self.training_nodes] + [
-            n.name
-            for n in self.nodes.values()
-            if n.job_id == self.job_id and n.released_at is None and n.name not in self.training_nodes
-        ]
-        keep = list(dict.fromkeys(keep))
-        error = ops.shrink_job(r.job_id, keep, shapes.elastic_dir(self.job.path))
-        if error:
-            r.detail += f"; Slurm refused the resize: {error} (the node stays allocated, idle)"
-            return f"Slurm refused to shrink job {r.job_id}: {error}"
-        return f"job {r.job_id} shrunk to {len(keep)} node(s)"
-
-    def _forget_listing(self, index: int) -> None:
-        """The node's engines are gone: its listing leaves the engine listings (kept aside for the record)."""
-        path = self.job.listing_file(index)
-        try:
-            os.replace(path, path.with_name(path.name + ".removed"))
-        except OSError:
-            pass
 
     # -- the tail policy ----------------------------------------------------------------------------------
     def _apply_policy(self) -> None:
