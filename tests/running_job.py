@@ -85,10 +85,16 @@ class RunningJob:
     """A job submitted once and left running for the checks of one module."""
 
     job: Path
-    submit: subprocess.Popen[str]
+    submit: subprocess.Popen[str] | None  # a local job's ``rl-launch submit`` (it runs the driver)
     root: Path
     engines: int
+    leftovers: Callable[[Path], list[str]] = job_leftovers
     _requests: int = field(default=0)
+
+    def ended(self) -> bool:
+        """The job ended (its local driver exited, or any job recorded its result)."""
+        local_done = self.submit is not None and self.submit.poll() is not None
+        return local_done or (self.job / "result.json").exists()
 
     @property
     def state(self) -> dict[str, Any]:
@@ -112,8 +118,8 @@ class RunningJob:
 
     def healthy(self) -> bool:
         """Every engine serving (HEALTHY in the controller's view), the router answering, nothing paused."""
-        if self.submit.poll() is not None:
-            raise AssertionError(f"the shared job {self.job.name} ended: {self.submit.returncode}")
+        if self.ended():
+            raise AssertionError(f"the shared job {self.job.name} ended before its checks did")
         engines = self.state.get("fleet", {}).get("engines", [])
         if len(engines) != self.engines or any(e.get("state") != "HEALTHY" for e in engines):
             return False
@@ -139,7 +145,7 @@ class RunningJob:
         tmp = requests / f".{self._requests}.json"
         tmp.write_text(json.dumps({"mode": fault, "out": str(out)}))
         tmp.rename(requests / f"{self._requests}.json")
-        wait_for(lambda: (out / "done.json").exists() or self.submit.poll() is not None, timeout_s, fault)
+        wait_for(lambda: (out / "done.json").exists() or self.ended(), timeout_s, fault)
         assert (out / "done.json").exists(), f"the shared job ended during {fault}"
         return out
 
@@ -152,19 +158,37 @@ class RunningJob:
             timeout=180,
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        self.submit.wait(120)
+        if self.submit is not None:
+            self.submit.wait(120)
         assert JobDir(self.job).read_result().outcome == "cancelled"
-        wait_for(lambda: job_leftovers(self.job) == [], 60, f"{self.job.name}'s processes to end")
+        wait_for(lambda: self.leftovers(self.job) == [], 60, f"{self.job.name}'s processes to end")
 
 
 @pytest.fixture(scope="module")
 def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[dict[str, Any]], RunningJob]]:
-    """``running_job(spec)``: the module's one job of that spec (submitted on first use), healthy."""
+    """``running_job(spec)``: the module's one job of that spec (submitted on first use), healthy.
+
+    A local job runs in its ``rl-launch submit``; a Slurm job's submit returns once sbatch took it.
+    ``leftovers(job)`` lists what of the job still runs after the cancel (default: this machine's processes
+    naming the job dir; on Slurm, every node's)."""
     jobs: dict[str, RunningJob] = {}
 
-    def start(spec: dict[str, Any]) -> RunningJob:
+    def start(
+        spec: dict[str, Any], leftovers: Callable[[Path], list[str]] = job_leftovers, timeout_s: float = 240
+    ) -> RunningJob:
         key = json.dumps(spec, sort_keys=True)
-        if key not in jobs:
+        engines = spec["generation"]["engines_per_node"] * spec["generation"].get("nodes", 1)
+        if key not in jobs and spec.get("cluster") == "slurm":
+            base = tmp_path_factory.mktemp("running-job")
+            root = base / "jobs"
+            path = base / "spec.yaml"
+            path.write_text(yaml.safe_dump({**spec, "job_root": str(root)}))
+            proc = subprocess.run([RL_LAUNCH, "submit", str(path), "--json"], capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            job = Path(json.loads(proc.stdout)["job_dir"])
+            jobs[key] = RunningJob(job=job, submit=None, root=root, engines=engines, leftovers=leftovers)
+            wait_for(lambda: jobs[key].ended() or jobs[key].state.get("router_url"), timeout_s, "the router")
+        elif key not in jobs:
             base = tmp_path_factory.mktemp("running-job")
             root = base / "jobs"
             path = base / "spec.yaml"
@@ -182,10 +206,9 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
                 return list(root.iterdir()) if root.exists() else []
 
             (job,) = wait_for(listed, 120, "the job directory")
-            engines = spec["generation"]["engines_per_node"] * spec.get("nodes", 1)
-            jobs[key] = RunningJob(job=job, submit=submit, root=root, engines=engines)
-            wait_for(lambda: jobs[key].state.get("router_url"), 240, "the job's router")
-        jobs[key].wait_healthy()
+            jobs[key] = RunningJob(job=job, submit=submit, root=root, engines=engines, leftovers=leftovers)
+            wait_for(lambda: jobs[key].ended() or jobs[key].state.get("router_url"), timeout_s, "the router")
+        jobs[key].wait_healthy(timeout_s)
         return jobs[key]
 
     try:
