@@ -7,6 +7,10 @@ client (3 retries) replays multi-turn sessions through the router:
   timeout plus a tick, restarted, no session lost;
 * every engine dies with no restart budget -> the job fails with the reason, in bounded time, and
   nothing of it is left running.
+
+Kill, wedge and the killed router actor leave the job running and recover: they share one job
+(tests/running_job.py: submitted once, healthy again before each, cancelled at the end with nothing left).
+What ends a job (every engine dead, the examples' refits that finish) keeps a job of its own.
 """
 
 from __future__ import annotations
