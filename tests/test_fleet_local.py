@@ -7,6 +7,10 @@ client (3 retries) replays multi-turn sessions through the router:
   timeout plus a tick, restarted, no session lost;
 * every engine dies with no restart budget -> the job fails with the reason, in bounded time, and
   nothing of it is left running.
+
+Kill, wedge and the killed router actor leave the job running and recover: they share one job
+(tests/running_job.py: submitted once, healthy again before each, cancelled at the end with nothing left).
+What ends a job (every engine dead, the examples' refits that finish) keeps a job of its own.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from launcher.jobdir import JobDir
+from tests.running_job import RunningJob, job_processes, running_job  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.ray
 
@@ -33,62 +40,114 @@ TRAINER = textwrap.dedent(
     mode = sys.argv[1]
     job = os.environ["RL_JOB_DIR"]
     import glob
-    engines = [e for f in sorted(glob.glob(os.path.join(job, "engines", "node-*.urls.json")))
-               for e in json.load(open(f))["engines"]]  # node 0's engines first
     # The engines take the job's own engine key (no client key opens them); the job's user can read it.
     engine_key = open(os.path.join(job, "secrets", "engine_key")).read().strip()
+    def engines():
+        # the controller's current view (a restarted engine has a new port), node 0's engines first
+        fleet = json.load(open(os.path.join(job, "state.json"))).get("fleet", {}).get("engines")
+        if fleet:
+            return sorted(({"id": e["id"], "url": e["url"]} for e in fleet), key=lambda e: e["id"])
+        return [e for f in sorted(glob.glob(os.path.join(job, "engines", "node-*.urls.json")))
+                for e in json.load(open(f))["engines"]]
     def fault(url, what):
         req = urllib.request.Request(url + "/sim/fault", data=json.dumps({"mode": what}).encode(),
                                      headers={"Content-Type": "application/json",
                                               "Authorization": "Bearer " + engine_key})
         urllib.request.urlopen(req, timeout=5).read()
-    if mode == "kill_all":
-        for e in engines:
-            fault(e["url"], "kill")
-        victim = {"victim": engines[0]["url"], "t": time.time()}
-        json.dump(victim, open(os.path.join(job, "victim.json"), "w"))
-        time.sleep(300)  # the driver must end this
-        sys.exit(0)
-    # Gym retries a refused connection forever; 20 x 0.5 s stays bounded and covers a router restart
-    attempts = "20" if mode == "kill_router" else "3"
-    replay = subprocess.Popen(["rl-launch", "bench", "replay", "--url", os.environ["RL_POLICY_BASE_URL"],
-                               "--workload", "longtail", "--scale", "0.05", "--seed", "3",
-                               "--retry-attempts", attempts, "--json", os.path.join(job, "replay.json")])
-    time.sleep(3)
-    if mode == "kill_router":
-        import ray
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace="rl-launch", log_to_driver=False)
-        t = time.time()
-        ray.kill(ray.get_actor("router"), no_restart=False)
-        url = os.environ["RL_ROUTER_URL"]
-        time.sleep(0.2)
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
+    def scenario(mode, out):
+        os.makedirs(out, exist_ok=True)
+        if mode == "kill_all":
+            for e in engines():
+                fault(e["url"], "kill")
+            victim = {"victim": engines()[0]["url"], "t": time.time()}
+            json.dump(victim, open(os.path.join(out, "victim.json"), "w"))
+            time.sleep(300)  # the driver must end this
+            return 0
+        # Gym retries a refused connection forever; 20 x 0.5 s stays bounded and covers a router restart
+        attempts = "20" if mode == "kill_router" else "3"
+        replay = subprocess.Popen(["rl-launch", "bench", "replay", "--url", os.environ["RL_POLICY_BASE_URL"],
+                                   "--workload", "longtail", "--scale", "0.05", "--seed", "3",
+                                   "--retry-attempts", attempts, "--json", os.path.join(out, "replay.json")])
+        time.sleep(3)
+        if mode == "kill_router":
+            import ray
+            if not ray.is_initialized():
+                ray.init(address=os.environ["RAY_ADDRESS"], namespace="rl-launch", log_to_driver=False)
+            t = time.time()
+            ray.kill(ray.get_actor("router"), no_restart=False)
+            url = os.environ["RL_ROUTER_URL"]
+            time.sleep(0.2)
+            while True:
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=1).read()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            back = {"down_s": time.time() - t, "t": t}
+            json.dump(back, open(os.path.join(out, "router_back.json"), "w"))
+            return replay.wait()
+        victim = engines()[0]["url"]
+        fault(victim, mode)
+        json.dump({"victim": victim, "t": time.time()}, open(os.path.join(out, "victim.json"), "w"))
+        code = replay.wait()
+        status_url = json.load(open(os.path.join(job, "state.json")))["status_url"]
+        key = {"Authorization": "Bearer " + os.environ["RL_POLICY_API_KEY"]}  # the endpoint is never open
+        live = json.load(urllib.request.urlopen(urllib.request.Request(status_url + "/status", headers=key),
+                                                timeout=5))
+        json.dump(live, open(os.path.join(out, "status_endpoint.json"), "w"))
+        deadline = time.time() + 90  # stay up until the restarted engine is readmitted (bounded)
+        while time.time() < deadline:
+            fleet = json.load(open(os.path.join(job, "state.json"))).get("fleet", {})
+            engine = next((e for e in fleet.get("engines", []) if e["id"] == "node0-0"), {})
+            if engine.get("state") == "HEALTHY" and victim in engine.get("previous_urls", []):
                 break
-            except OSError:
-                time.sleep(0.05)
-        back = {"down_s": time.time() - t}
-        json.dump(back, open(os.path.join(job, "router_back.json"), "w"))
-        sys.exit(replay.wait())
-    fault(engines[0]["url"], mode)
-    json.dump({"victim": engines[0]["url"], "t": time.time()}, open(os.path.join(job, "victim.json"), "w"))
-    code = replay.wait()
-    status_url = json.load(open(os.path.join(job, "state.json")))["status_url"]
-    key = {"Authorization": "Bearer " + os.environ["RL_POLICY_API_KEY"]}  # the endpoint is never open
-    live = json.load(urllib.request.urlopen(urllib.request.Request(status_url + "/status", headers=key),
-                                            timeout=5))
-    json.dump(live, open(os.path.join(job, "status_endpoint.json"), "w"))
-    deadline = time.time() + 90  # stay up until the restarted engine is readmitted (bounded)
+            time.sleep(0.5)
+        return code
+    if mode != "serve":
+        sys.exit(scenario(mode, job))
+    # serve: the shared job's agent runs each requests/<n>.json inside the job (its keys, RAY_ADDRESS),
+    # until the job is cancelled or a deadline passes; training never ends the job by itself before that
+    deadline, done = time.time() + float(sys.argv[2]), set()
+    requests = os.path.join(job, "requests")
     while time.time() < deadline:
-        fleet = json.load(open(os.path.join(job, "state.json"))).get("fleet", {})
-        engine = next((e for e in fleet.get("engines", []) if e["id"] == "node0-0"), {})
-        if engine.get("state") == "HEALTHY" and engine.get("previous_urls"):
-            break
-        time.sleep(0.5)
-    sys.exit(code)
+        for name in sorted(glob.glob(os.path.join(requests, "[0-9]*.json"))):
+            if name in done:
+                continue
+            done.add(name)
+            request = json.load(open(name))
+            code = scenario(request["mode"], request["out"])
+            json.dump({"exit_code": code}, open(os.path.join(request["out"], "done.json"), "w"))
+        time.sleep(0.2)
     """
 )
+
+# The job the recoverable checks share: the agent serves faults for up to 20 min (cancel ends it sooner).
+SHARED = {
+    "name": "fleet-shared",
+    "cluster": "local",
+    "training": {"command": f"{sys.executable} {{trainer}} serve 1200"},
+    "generation": {
+        "engine": "sim",
+        "engines_per_node": 3,
+        "served_model_name": "sim-8b",
+        "sim": {"speed": 3},
+    },
+    "router": {"backend_timeout_s": 5},
+}
+
+
+@pytest.fixture(scope="module")
+def shared_trainer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    trainer = tmp_path_factory.mktemp("trainer") / "trainer.py"
+    trainer.write_text(TRAINER)
+    return trainer
+
+
+@pytest.fixture
+def shared(running_job: Callable[[dict[str, Any]], RunningJob], shared_trainer: Path) -> RunningJob:  # noqa: F811
+    """The module's shared job, healthy again (all engines serving, nothing paused) whatever ran before."""
+    command = SHARED["training"]["command"].format(trainer=shared_trainer)  # type: ignore[index]
+    return running_job({**SHARED, "training": {"command": command}})
 
 
 def run_job(
@@ -126,39 +185,30 @@ def run_job(
     return proc, job
 
 
-def job_processes(job: Path) -> list[str]:
-    """Processes still carrying this job's RL_LAUNCH_JOB_DIR (every process the driver started does)."""
-    marker = f"RL_LAUNCH_JOB_DIR={job}".encode()
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                found.append(f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r}")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return found
-
-
-def fleet_events(job: Path, engine_id: str) -> list[dict[str, object]]:
+def fleet_events(job: Path, engine_id: str, since: float = 0.0) -> list[dict[str, object]]:
     events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
-    return [e for e in events if e["phase"] == "fleet" and e.get("engine_id") == engine_id]
+    return [
+        e for e in events if e["phase"] == "fleet" and e.get("engine_id") == engine_id and e["t"] >= since
+    ]
 
 
 @pytest.mark.parametrize("mode", ["kill", "wedge"])
-def test_failed_engine_is_restarted_and_readmitted_without_losing_sessions(tmp_path: Path, mode: str) -> None:
-    proc, job = run_job(tmp_path, mode)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+def test_failed_engine_is_restarted_and_readmitted_without_losing_sessions(
+    shared: RunningJob, mode: str
+) -> None:
+    job, since = shared.job, time.time()
+    out = shared.inject(mode)
+    assert json.loads((out / "done.json").read_text())["exit_code"] == 0
+    replay = json.loads((out / "replay.json").read_text())["rows"][0]
     assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
-    victim = json.loads((job / "victim.json").read_text())
-    fleet = fleet_events(job, "node0-0")
+    victim = json.loads((out / "victim.json").read_text())
+    fleet = fleet_events(job, "node0-0", since)
     path_taken = [e["to_state"] for e in fleet]
     for state in ("DEAD", "RESTARTING", "RECOVERING", "HEALTHY"):
         assert state in path_taken, path_taken
-    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
-    back = next(e for e in events if e["phase"] == "engine_restarted")
+    back = next(e for e in shared.events(since) if e["phase"] == "engine_restarted")
     assert back["url"] != victim["victim"]  # a new port
-    live = json.loads((job / "status_endpoint.json").read_text())  # what GET /status served mid-run
+    live = json.loads((out / "status_endpoint.json").read_text())  # what GET /status served mid-run
     assert {e["id"] for e in live["fleet"]["engines"]} == {"node0-0", "node0-1", "node0-2"}
     out_t = fleet[0]["t"]  # the first failing tick takes it out of rotation (failed probe hold-out)
     dead_t = next(e["t"] for e in fleet if e["to_state"] == "DEAD")
@@ -168,22 +218,22 @@ def test_failed_engine_is_restarted_and_readmitted_without_losing_sessions(tmp_p
         f"\n{mode}: out of rotation {out_t - victim['t']:.1f}s, DEAD {dead_t - victim['t']:.1f}s, "
         f"readmitted {healthy_t - victim['t']:.1f}s after the fault; sessions lost {replay['errors']}"
     )
-    assert job_processes(job) == []
+    shared.wait_healthy()  # leaves the fleet as it found it; nothing left is checked once it is cancelled
 
 
-def test_killed_router_actor_is_back_on_the_same_url(tmp_path: Path) -> None:
-    proc, job = run_job(tmp_path, "kill_router")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    back = json.loads((job / "router_back.json").read_text())
-    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+def test_killed_router_actor_is_back_on_the_same_url(shared: RunningJob) -> None:
+    since = time.time()
+    out = shared.inject("kill_router")
+    assert json.loads((out / "done.json").read_text())["exit_code"] == 0
+    back = json.loads((out / "router_back.json").read_text())
+    replay = json.loads((out / "replay.json").read_text())["rows"][0]
     print(
         f"\nrouter actor killed: same URL back after {back['down_s']:.1f}s; sessions lost {replay['errors']}"
     )
     assert back["down_s"] < 5
     assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
-    events = [json.loads(x)["phase"] for x in (job / "events.jsonl").read_text().splitlines()]
-    assert "router_restarted" in events
-    assert job_processes(job) == []
+    assert "router_restarted" in [e["phase"] for e in shared.events(since)]
+    shared.wait_healthy()
 
 
 def test_every_engine_dead_without_budget_fails_the_job(tmp_path: Path) -> None:

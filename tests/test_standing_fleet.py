@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import pytest
 import yaml
 
 from launcher.jobdir import JobDir
-from tests.test_fleet_local import job_processes
+from tests.running_job import job_leftovers, job_processes
 
 pytestmark = pytest.mark.ray
 
@@ -102,13 +103,13 @@ def _write(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
-def fleet_spec(tmp_path: Path, name: str = "shared", **fleet: Any) -> Path:
+def fleet_spec(tmp_path: Path, name: str = "shared", root: Path | None = None, **fleet: Any) -> Path:
     return _write(
         tmp_path / f"fleet-{name}.yaml",
         {
             "name": name,
             "cluster": "local",
-            "job_root": str(tmp_path / "jobs"),
+            "job_root": str(root if root is not None else tmp_path / "jobs"),
             "fleet": {"consumers": {"trainer": {"admin": True}}, **fleet},
             "generation": {
                 "engine": "sim",
@@ -121,7 +122,15 @@ def fleet_spec(tmp_path: Path, name: str = "shared", **fleet: Any) -> Path:
     )
 
 
-def trainer_spec(tmp_path: Path, mode: str, name: str = "trainer", fleet: str = "shared", **gen: Any) -> Path:
+def trainer_spec(
+    tmp_path: Path,
+    mode: str,
+    name: str = "trainer",
+    fleet: str = "shared",
+    root: Path | None = None,
+    **gen: Any,
+) -> Path:
+    """An attached job's spec (its jobs under ``root``, default ``tmp_path/jobs``)."""
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
     return _write(
@@ -129,7 +138,7 @@ def trainer_spec(tmp_path: Path, mode: str, name: str = "trainer", fleet: str = 
         {
             "name": name,
             "cluster": "local",
-            "job_root": str(tmp_path / "jobs"),
+            "job_root": str(root if root is not None else tmp_path / "jobs"),
             "training": {"command": f"{sys.executable} {trainer} {mode}"},
             "generation": {"fleet": fleet, **gen},
         },
@@ -140,8 +149,8 @@ def run(*args: str, timeout: float = 300, **kw: Any) -> subprocess.CompletedProc
     return subprocess.run([RL_LAUNCH, *args], capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def job_of(tmp_path: Path, name: str) -> list[Path]:
-    root = tmp_path / "jobs"
+def job_of(tmp_path: Path, name: str, root: Path | None = None) -> list[Path]:
+    root = root if root is not None else tmp_path / "jobs"
     return sorted(
         (p for p in root.iterdir() if p.name.startswith(f"{name}-")), key=lambda p: p.stat().st_mtime
     )
@@ -163,24 +172,65 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture
-def fleet_up(tmp_path: Path) -> Iterator[Path]:
-    """A local standing fleet of 2 simulated engines, brought up by the CLI; always brought down."""
-    proc = run("fleet", "up", str(fleet_spec(tmp_path)), "--json", timeout=240)
+@dataclass
+class Standing:
+    """The module's standing fleet: its job dir and the job root its attached jobs go under."""
+
+    job: Path
+    root: Path
+
+
+@pytest.fixture(scope="module")
+def standing_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standing]:
+    """One local standing fleet of 2 simulated engines, brought up by the CLI, shared by the checks that
+    leave it serving (attach, kill a trainer, refit, refusals). At the module's end it is brought down as a
+    user does, and that is checked: ``fleet down`` succeeds (nothing is attached: every check detaches),
+    the fleet finishes, nothing of it is left, its record is gone, and an attach to it is refused."""
+    base = tmp_path_factory.mktemp("standing")
+    root = base / "jobs"
+    proc = run("fleet", "up", str(fleet_spec(base)), "--json", timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    record = json.loads(proc.stdout)
-    job = Path(record["job_dir"])
+    job = Path(json.loads(proc.stdout)["job_dir"])
     try:
-        yield job
+        yield Standing(job=job, root=root)
     finally:
-        run("fleet", "down", "shared", "--force", "--root", str(tmp_path / "jobs"), timeout=180)
+        down = run("fleet", "down", "shared", "--root", str(root), timeout=180)
+        before = set(root.iterdir())
+        gone = run("submit", str(trainer_spec(base, "refit", root=root)), timeout=120)
+        after = set(root.iterdir())
+        if down.returncode != 0:  # something stayed attached: bring it down anyway, then fail
+            run("fleet", "down", "shared", "--force", "--root", str(root), timeout=180)
         wait_for(lambda: job_processes(job) == [], 60, "the fleet's processes to end")
+    assert down.returncode == 0, down.stderr
+    assert JobDir(job).read_result().outcome == "finished"
+    assert not (root / "fleets" / "shared.json").exists()
+    # a fleet that is gone
+    assert gone.returncode != 0, gone.stdout
+    assert after == before  # no job directory: nothing was started
+    last = gone.stderr.strip().splitlines()[-1]
+    assert "no standing fleet of that name" in last or "is gone" in last, last
+
+
+@pytest.fixture
+def fleet_up(standing_fleet: Standing) -> Standing:
+    """The shared fleet, serving again (both engines listed, nothing paused) whatever ran before."""
+    fleet_url = JobDir(standing_fleet.job).read_state()["fleet_url"]
+    admin = {"Authorization": "Bearer " + JobDir(standing_fleet.job).read_admin_token()}
+
+    def serving() -> bool:
+        req = urllib.request.Request(fleet_url + "/fleet/is_paused", headers=admin)
+        body = json.loads(urllib.request.urlopen(req, timeout=5).read())["result"]
+        engines = len(JobDir(standing_fleet.job).engine_entries()) == 2
+        return engines and not body["router_paused"] and not any(body["engines_paused"].values())
+
+    wait_for(serving, 60, "the standing fleet to serve, unpaused")
+    return standing_fleet
 
 
 def test_trainer_killed_mid_step_fleet_survives_and_resubmitted_trainer_refits_at_once(
-    tmp_path: Path, fleet_up: Path
+    tmp_path: Path, fleet_up: Standing
 ) -> None:
-    fleet_job = fleet_up
+    fleet_job, root = fleet_up.job, fleet_up.root
     engines_before = engine_processes(fleet_job)
     assert len(engines_before[0]) == 2 and engines_before[1]
     state = JobDir(fleet_job).read_state()
@@ -188,7 +238,7 @@ def test_trainer_killed_mid_step_fleet_survives_and_resubmitted_trainer_refits_a
 
     # the first trainer: attaches, replays, holds a refit's pause, and is killed there
     first = subprocess.Popen(
-        [RL_LAUNCH, "submit", str(trainer_spec(tmp_path, "hold"))],
+        [RL_LAUNCH, "submit", str(trainer_spec(tmp_path, "hold", root=root))],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -200,13 +250,13 @@ def test_trainer_killed_mid_step_fleet_survives_and_resubmitted_trainer_refits_a
             if first.poll() is not None:
                 out = first.stdout.read() if first.stdout else ""
                 raise AssertionError(f"trainer A ended before holding the pause: {out[-3000:]}")
-            return any((j / "holding.json").exists() for j in job_of(tmp_path, "trainer"))
+            return any((j / "holding.json").exists() for j in job_of(tmp_path, "trainer", root))
 
         wait_for(holding, 180, "trainer A to hold the refit's pause")
-        (trainer_a,) = job_of(tmp_path, "trainer")
+        (trainer_a,) = job_of(tmp_path, "trainer", root)
         key_a = JobDir(trainer_a).read_api_key()
         # while it is attached, fleet down is refused and names it
-        down = run("fleet", "down", "shared", "--root", str(tmp_path / "jobs"))
+        down = run("fleet", "down", "shared", "--root", str(root))
         assert down.returncode != 0 and trainer_a.name in down.stderr, down.stderr
         # status shows who is attached, with its figures
         status = run("status", str(fleet_job), "--json", timeout=60)
@@ -246,12 +296,15 @@ def test_trainer_killed_mid_step_fleet_survives_and_resubmitted_trainer_refits_a
         return False
 
     wait_for(revoked, 30, "the killed trainer's key to be revoked")
+    # nothing of the killed trainer's job is left (its local Ray head was in a session of its own; the
+    # head's reaper ends it): only that job's processes, by its job dir, since other lanes run jobs too
+    wait_for(lambda: job_leftovers(trainer_a) == [], 60, "the killed trainer's processes to end")
 
     # the resubmitted trainer: attaches, refits at once, replays, finishes
     t_submit = time.time()
-    second = run("submit", str(trainer_spec(tmp_path, "refit")), timeout=300)
+    second = run("submit", str(trainer_spec(tmp_path, "refit", root=root)), timeout=300)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    trainer_b = job_of(tmp_path, "trainer")[-1]
+    trainer_b = job_of(tmp_path, "trainer", root)[-1]
     first_rollout = json.loads((trainer_b / "first.json").read_text())
     refit = json.loads((trainer_b / "refit.json").read_text())
     replay = json.loads((trainer_b / "replay.json").read_text())["rows"][0]
@@ -280,12 +333,7 @@ def test_trainer_killed_mid_step_fleet_survives_and_resubmitted_trainer_refits_a
     consumer_b = (JobDir(trainer_b).read_state().get("attached_to") or {}).get("consumer")
     attached = json.loads((fleet_job / "consumers.json").read_text())["consumers"]
     assert consumer_b and consumer_b not in attached  # detached at its end
-    # fleet down now: nothing of it is left
-    down = run("fleet", "down", "shared", "--root", str(tmp_path / "jobs"), timeout=180)
-    assert down.returncode == 0, down.stderr
-    assert JobDir(fleet_job).read_result().outcome == "finished"
-    wait_for(lambda: job_processes(fleet_job) == [], 30, "the fleet's processes to end")
-    assert not (tmp_path / "jobs" / "fleets" / "shared.json").exists()
+    # fleet down (nothing of it left, its record gone) is checked once, when the module's fleet ends
 
 
 def _training_pids(job: Path) -> list[int]:
@@ -339,8 +387,8 @@ def test_two_consumers_share_the_fleet_fairly_and_a_plain_key_cannot_pause(tmp_p
     wait_for(lambda: job_processes(fleet_job) == [], 30, "the fleet's processes to end")
 
 
-def test_bad_attachments_are_refused_before_anything_starts(tmp_path: Path, fleet_up: Path) -> None:
-    root = tmp_path / "jobs"
+def test_bad_attachments_are_refused_before_anything_starts(tmp_path: Path, fleet_up: Standing) -> None:
+    root = fleet_up.root
 
     def refused(spec: Path, *args: str) -> str:
         before = set(root.iterdir())
@@ -349,9 +397,11 @@ def test_bad_attachments_are_refused_before_anything_starts(tmp_path: Path, flee
         assert set(root.iterdir()) == before  # no job directory: nothing was started
         return proc.stderr.strip().splitlines()[-1]
 
-    other_model = refused(trainer_spec(tmp_path, "refit", served_model_name="qwen-72b"))
+    other_model = refused(trainer_spec(tmp_path, "refit", root=root, served_model_name="qwen-72b"))
     assert "serves model 'sim-8b'" in other_model and "qwen-72b" in other_model, other_model
-    assert "no standing fleet of that name" in refused(trainer_spec(tmp_path, "refit", fleet="nope"))
+    assert "no standing fleet of that name" in refused(
+        trainer_spec(tmp_path, "refit", fleet="nope", root=root)
+    )
     # --fleet on a spec of its own: its generation gives way, but its model must match
     own = _write(
         tmp_path / "own.yaml",
@@ -368,20 +418,16 @@ def test_bad_attachments_are_refused_before_anything_starts(tmp_path: Path, flee
     record = json.loads(record_file.read_text())
     try:  # another cluster
         record_file.write_text(json.dumps({**record, "cluster_id": "slurm:elsewhere"}))
-        assert "runs on slurm:elsewhere" in refused(trainer_spec(tmp_path, "refit"))
+        assert "runs on slurm:elsewhere" in refused(trainer_spec(tmp_path, "refit", root=root))
         # another user's fleet (its job directory and record belong to someone else)
         record_file.write_text(json.dumps({**record, "uid": 65534, "user": "nobody"}))
-        assert "belongs to user nobody" in refused(trainer_spec(tmp_path, "refit"))
+        assert "belongs to user nobody" in refused(trainer_spec(tmp_path, "refit", root=root))
     finally:
         record_file.write_text(json.dumps(record))
     # a second fleet of the same name while it serves
-    again = run("fleet", "up", str(fleet_spec(tmp_path)), timeout=60)
+    again = run("fleet", "up", str(fleet_spec(tmp_path, root=root)), timeout=60)
     assert again.returncode != 0 and "already serving" in again.stderr, again.stderr
-    # a fleet that is gone
-    down = run("fleet", "down", "shared", "--root", str(root), timeout=180)
-    assert down.returncode == 0, down.stderr
-    gone = refused(trainer_spec(tmp_path, "refit"))
-    assert "no standing fleet of that name" in gone or "is gone" in gone, gone
+    # a fleet that is gone: checked when the module's fleet is brought down (standing_fleet)
 
 
 def test_readme_standing_fleet_commands(tmp_path: Path) -> None:
