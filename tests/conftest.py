@@ -77,6 +77,31 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 
 # ============================================================================================
+# BEGIN lanes: `pytest -n 2 --dist loadgroup` (pyproject's addopts). Tests that share a scarce real
+# resource run in one lane, one after the other: the local Slurm cluster's few nodes (two jobs at once
+# queue behind each other and time out), and real vLLM CPU engines (two at once on two cores starve
+# each other past their start-up deadline). Everything else, mostly idle timers and local jobs, runs
+# beside them in the other lane.
+# ============================================================================================
+
+LANE_GROUPS = (("slurm", "slurm"), ("vllm", "vllm"))
+"""marker -> xdist group, first match wins: a test marked both (real vLLM on Slurm) is a Slurm test."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # tryfirst: xdist reads the group marker in its own hook of the same name, after this one.
+    for item in items:
+        for marker, group in LANE_GROUPS:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
+
+
+# END lanes
+
+
+# ============================================================================================
 # BEGIN test isolation: tests write only under pytest's temporary directories. $HOME points at a
 # session temp directory, so a default that lands in the home directory (a spec without job_root:
 # ~/rl-launch/jobs, as in examples/local.yaml; ~/.cache) lands there instead of the user's home.

@@ -12,6 +12,7 @@ user whose files a concurrent test still holds fails anyway).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import subprocess
@@ -53,12 +54,16 @@ def other_user() -> OtherUser:
     except KeyError:
         if os.geteuid() != 0:
             pytest.skip(f"needs a second Unix user ({NAME}): run as root so the test can useradd it")
-        made = subprocess.run(
-            ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        # Two test lanes (pytest -n 2) may both get here: useradd then fails on /etc/passwd's lock
+        # (exit 10) instead of waiting for it, so the lanes take turns on a lock of their own.
+        with open("/tmp/rl-launch-test-user.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            made = subprocess.run(
+                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
         if made.returncode not in (0, 9):  # 9: made meanwhile by a concurrent run
             pytest.fail(f"useradd {NAME} failed: {made.stderr.strip()}")
         entry = pwd.getpwnam(NAME)
