@@ -51,6 +51,27 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 
 
 # ============================================================================================
+# BEGIN lanes: the suite runs in two pytest-xdist lanes (pyproject's addopts). Every test marked slurm or vllm
+# goes to one xdist_group, so one lane runs them all: the local Slurm cluster has few nodes, and two real vLLM
+# engines at once on 2 cores would starve each other. By marker (not by folder) so files that keep their own
+# markers land in the group too.
+# ============================================================================================
+
+CLUSTER_MARKERS = ("slurm", "vllm")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put slurm/vllm tests in the "cluster" xdist group; tryfirst so xdist's own hook sees the marker."""
+    for item in items:
+        if any(item.get_closest_marker(m) for m in CLUSTER_MARKERS):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
+# END lanes
+
+
+# ============================================================================================
 # BEGIN CI strictness: in CI (.ci/run sets RL_LAUNCH_REQUIRE_ALL=1) a test that needs the real Slurm
 # cluster, vLLM, Ray or shellcheck must run; a skip there means a missing install step, which must fail loudly
 # instead of turning green.

@@ -12,6 +12,7 @@ user whose files a concurrent test still holds fails anyway).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 NAME = "rlprobe"
+LOCK = "/tmp/rl-launch-test-user.lock"  # serializes useradd between xdist lanes and concurrent runs
 
 
 @dataclass(frozen=True)
@@ -53,15 +55,22 @@ def other_user() -> OtherUser:
     except KeyError:
         if os.geteuid() != 0:
             pytest.skip(f"needs a second Unix user ({NAME}): run as root so the test can useradd it")
-        made = subprocess.run(
-            ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if made.returncode not in (0, 9):  # 9: made meanwhile by a concurrent run
-            pytest.fail(f"useradd {NAME} failed: {made.stderr.strip()}")
-        entry = pwd.getpwnam(NAME)
+        # Two xdist lanes (or two runs) may get here at once; useradd takes /etc/passwd's own lock and fails
+        # with "cannot lock" rather than waiting, so one lock file under /tmp makes them take turns.
+        with open(LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                entry = pwd.getpwnam(NAME)
+            except KeyError:
+                made = subprocess.run(
+                    ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if made.returncode not in (0, 9):  # 9: made meanwhile by a concurrent run
+                    pytest.fail(f"useradd {NAME} failed: {made.stderr.strip()}")
+                entry = pwd.getpwnam(NAME)
     if entry.pw_uid == os.geteuid():
         pytest.fail(f"{NAME} has this test's own uid {entry.pw_uid}")
     return OtherUser(NAME, entry.pw_uid, entry.pw_gid)
