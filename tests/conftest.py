@@ -60,6 +60,17 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 CLUSTER_MARKERS = ("slurm", "vllm")
 
 
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    """With ``-p no:xdist`` (one lane, e.g. a developer under a debugger) accept addopts' ``-n``/``--dist``
+    and ignore them, instead of failing on unrecognized arguments."""
+    if pluginmanager.has_plugin("xdist"):
+        return
+    group = parser.getgroup("xdist-absent")
+    # _addoption: the public one refuses lowercase short options (reserved); xdist registers -n the same way
+    group._addoption("-n", "--numprocesses", dest="numprocesses", default=None, help="ignored without xdist")
+    group.addoption("--dist", dest="dist", default="no", help="ignored without xdist")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put slurm/vllm tests in the "cluster" xdist group; tryfirst so xdist's own hook sees the marker."""
