@@ -35,12 +35,12 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 
     Built in a session temp directory (tests write nothing outside pytest's temporary directories; on
     the local Slurm cluster /tmp is shared with the nodes); building takes ~10 s and needs torch, so it
-    runs in the vLLM venv (see ``tests/tiny_model.py``).
+    runs in the vLLM venv (see ``tests/support/tiny_model.py``).
     """
     try:  # tests/ is a package when tests/__init__.py exists, a rootdir on sys.path otherwise
-        from tests.tiny_model import ensure_tiny_model
+        from tests.support.tiny_model import ensure_tiny_model
     except ImportError:
-        from tiny_model import ensure_tiny_model  # type: ignore[no-redef]
+        from support.tiny_model import ensure_tiny_model  # type: ignore[no-redef]
 
     return ensure_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-model") / "tiny-llama")
 
