@@ -35,12 +35,12 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 
     Built in a session temp directory (tests write nothing outside pytest's temporary directories; on
     the local Slurm cluster /tmp is shared with the nodes); building takes ~10 s and needs torch, so it
-    runs in the vLLM venv (see ``tests/tiny_model.py``).
+    runs in the vLLM venv (see ``tests/support/tiny_model.py``).
     """
     try:  # tests/ is a package when tests/__init__.py exists, a rootdir on sys.path otherwise
-        from tests.tiny_model import ensure_tiny_model
+        from tests.support.tiny_model import ensure_tiny_model
     except ImportError:
-        from tiny_model import ensure_tiny_model  # type: ignore[no-redef]
+        from support.tiny_model import ensure_tiny_model  # type: ignore[no-redef]
 
     return ensure_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-model") / "tiny-llama")
 
@@ -48,6 +48,8 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 # ============================================================================================
 # END vLLM fixtures
 # ============================================================================================
+
+
 
 
 # ============================================================================================
@@ -96,6 +98,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
+
+
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    """With ``-p no:xdist`` (one lane, e.g. a developer under a debugger) accept addopts' ``-n``/``--dist``
+    and ignore them, instead of failing on unrecognized arguments."""
+    if pluginmanager.has_plugin("xdist"):
+        return
+    group = parser.getgroup("xdist-absent")
+    # _addoption: the public one refuses lowercase short options (reserved); xdist registers -n the same way
+    group._addoption("-n", "--numprocesses", dest="numprocesses", default=None, help="ignored without xdist")
+    group.addoption("--dist", dest="dist", default="no", help="ignored without xdist")
 
 
 # END lanes

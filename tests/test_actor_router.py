@@ -104,7 +104,7 @@ def _alive(pid: int) -> bool:
 def test_actor_with_worker_processes_serves_and_comes_back(ray_local, tmp_path) -> None:
     import asyncio
 
-    from tests.http_backends import FakeEngine
+    from tests.support.http_backends import FakeEngine
 
     ray = ray_local
     loop = asyncio.new_event_loop()

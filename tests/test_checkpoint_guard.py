@@ -14,7 +14,7 @@ What each input did on bad45c1, and what these tests hold the check to:
 * ``lease_s`` / ``deadline_s`` of ``1e9`` were accepted: now bounded.
 
 Unit tests of the parser and the refusals on real files under ``tmp_path`` (the second Unix user of
-``tests/other_user.py`` owns the planted ones), and through a real router on simulated engines.
+``tests/support/other_user.py`` owns the planted ones), and through a real router on simulated engines.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from router.fleet.checkpoint import (
 )
 from router.fleet.refit_routes import MAX_DEADLINE_S, MAX_LEASE_S
 from router.fleet.safetensors import HeaderError, read_header
-from tests.checkpoints import CONFIG, broken, checkpoint, unloadable
-from tests.http_backends import router_factory
-from tests.other_user import other_user
+from tests.support.checkpoints import CONFIG, broken, checkpoint, unloadable
+from tests.support.http_backends import router_factory
+from tests.support.other_user import other_user
 from tests.test_refit import TOKEN, admin, chat, in_thread, send
 
 

@@ -44,8 +44,8 @@ from router.consumers import (
     read_consumers,
     remove_consumer,
 )
-from tests.http_backends import WORKER_MODES, mode_id, router_factory
-from tests.recording_server import RecordingServer
+from tests.support.http_backends import WORKER_MODES, mode_id, router_factory
+from tests.support.recording_server import RecordingServer
 
 OWNER_KEY = "owner-key-" + "o" * 20
 ADMIN_TOKEN = "admin-token-" + "a" * 20

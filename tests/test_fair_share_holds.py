@@ -31,7 +31,7 @@ import pytest
 from router import GenerationRouter
 from router.consumers import add_consumer, new_key
 from router.state.versions import WANT_HEADER
-from tests.http_backends import WORKER_MODES, mode_id, router_factory
+from tests.support.http_backends import WORKER_MODES, mode_id, router_factory
 
 OWNER_KEY = "owner-key-" + "p" * 20
 ADMIN_TOKEN = "admin-token-" + "q" * 20

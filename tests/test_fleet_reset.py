@@ -19,7 +19,7 @@ import yaml
 from launcher.engines.sim import SimConfig, SimServer
 from router import GenerationRouter
 from router.config import RouterConfig
-from tests.http_backends import FakeEngine
+from tests.support.http_backends import FakeEngine
 
 RESET = "/fleet/reset_prefix_cache"
 

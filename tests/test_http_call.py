@@ -1,6 +1,6 @@
 """The launcher's credentials stay where they are sent (``launcher.net.http_call``): a redirect is refused,
 never followed with ``Authorization``, and no proxy named in the environment sees a call. Against real servers
-on 127.0.0.1 that record what reaches them (``tests/recording_server.py``).
+on 127.0.0.1 that record what reaches them (``tests/support/recording_server.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from launcher.fleet.client import FleetClient
 from launcher.jobdir import JobDir, StateWriter
 from launcher.spec.snapshot import write_spec
-from tests.recording_server import RecordingServer
+from tests.support.recording_server import RecordingServer
 
 TOKEN = "admin-token-that-must-stay-home"
 REPORT = json.dumps(

@@ -34,7 +34,7 @@ from router.record.draft import RecordDraft, minimal_line, record_line
 from router.record.format import MINIMAL_FIELDS, TEXT_SHARE, read_records
 from router.record.sink import build_lines
 from router.state.versions import MAX_STRADDLER_ID_BYTES, MAX_STRADDLERS_LISTED, WeightVersions
-from tests.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
+from tests.support.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
 
 OWNER_KEY = "owner-key-" + "x" * 20
 ADMIN_TOKEN = "admin-token-" + "y" * 20

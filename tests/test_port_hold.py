@@ -19,7 +19,7 @@ import pytest
 
 from router.http.app import bind_listening_socket
 from router.ports import PortHold
-from tests.port_stranger import stranger
+from tests.support.port_stranger import stranger
 from tests.test_fleet_local import run_job
 
 
@@ -84,7 +84,7 @@ TRAINER = textwrap.dedent(
 @pytest.mark.timeout(400)
 def test_router_restart_leaves_its_port_to_no_one_else(tmp_path: Path) -> None:
     _need_root()
-    tests_dir = Path(__file__).resolve().parent
+    tests_dir = Path(__file__).resolve().parent / "support"  # where port_stranger.py lives
     trainer = TRAINER.replace("TESTS_DIR", repr(str(tests_dir)))
     proc, job = run_job(tmp_path, "hold", trainer_text=trainer, name="porthold", engines_per_node=1)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

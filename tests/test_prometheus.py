@@ -22,7 +22,7 @@ from router.prometheus import (
     metric_sum,
     parse_metrics,
 )
-from tests.http_backends import router_factory
+from tests.support.http_backends import router_factory
 
 
 def _key(value: float) -> float | str:

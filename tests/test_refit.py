@@ -27,7 +27,7 @@ from router import GenerationRouter
 from router.config import RouterConfig
 from router.fleet.engine_counters import delta, parse_counters
 from router.state.pause_gate import PauseGate
-from tests.http_backends import router_factory
+from tests.support.http_backends import router_factory
 
 TOKEN = "admin-test-token-1234"
 CHAT = "/v1/chat/completions"

@@ -23,8 +23,8 @@ from launcher.engines.sim.worker import WorkerError
 from launcher.fleet import EngineState
 from launcher.fleet.client import FleetClient, RefitError
 from router import GenerationRouter
-from tests.checkpoints import checkpoint, unloadable
-from tests.http_backends import router_factory
+from tests.support.checkpoints import checkpoint, unloadable
+from tests.support.http_backends import router_factory
 from tests.test_fleet_health import front_tick, make
 from tests.test_refit import TOKEN, admin, chat, in_thread, send
 from tests.test_refit_transaction import checksums

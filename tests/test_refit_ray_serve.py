@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from launcher.jobdir import JobDir
-from tests.checkpoints import checkpoint, unloadable
+from tests.support.checkpoints import checkpoint, unloadable
 
 REFIT_TRAINER = textwrap.dedent(
     """\

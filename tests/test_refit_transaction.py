@@ -26,8 +26,8 @@ import pytest
 from launcher.fleet.client import FleetClient, RefitError
 from launcher.gateways.fleet_endpoint import FleetEndpoint
 from router import GenerationRouter
-from tests.checkpoints import CONFIG, checkpoint, unloadable
-from tests.http_backends import router_factory
+from tests.support.checkpoints import CONFIG, checkpoint, unloadable
+from tests.support.http_backends import router_factory
 from tests.test_refit import TOKEN, admin, chat, in_thread, send
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router import GenerationRouter, RouterBindError
 from router.config import RouterConfig
 from router.http.status import CLIENT_RETRIED_STATUSES
-from tests.http_backends import FakeEngine, dead_url, engine_factory, router_factory
+from tests.support.http_backends import FakeEngine, dead_url, engine_factory, router_factory
 
 CHAT = "/v1/chat/completions"
 

@@ -39,7 +39,7 @@ from router.consumers import (
 from router.http.recording import completion_tokens
 from router.prometheus import metric_by_label, parse_metrics
 from router.state.fair_share import FairShare, FairShareRefused
-from tests.http_backends import WORKER_MODES, mode_id, router_factory
+from tests.support.http_backends import WORKER_MODES, mode_id, router_factory
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNER_KEY = "owner-key-" + "x" * 20

@@ -39,7 +39,7 @@ from router.policies import LoadTracker, RoundRobin
 from router.ports import free_port
 from router.state.backends import BackendSet
 from router.state.probing import HealthProber
-from tests.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
+from tests.support.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
 
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parent.parent

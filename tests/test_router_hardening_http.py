@@ -35,7 +35,14 @@ from router.policies import (
     RoundRobin,
     RouteRequest,
 )
-from tests.http_backends import WORKER_MODES, FakeEngine, dead_url, engine_factory, mode_id, router_factory
+from tests.support.http_backends import (
+    WORKER_MODES,
+    FakeEngine,
+    dead_url,
+    engine_factory,
+    mode_id,
+    router_factory,
+)
 
 CHAT = "/v1/chat/completions"
 

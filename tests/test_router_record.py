@@ -28,7 +28,7 @@ from router import GenerationRouter
 from router.record.draft import RecordDraft, record_json
 from router.record.format import RequestRecord, read_records, record_files
 from router.record.writer import RecordWriter
-from tests.http_backends import WORKER_MODES, mode_id, router_factory
+from tests.support.http_backends import WORKER_MODES, mode_id, router_factory
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

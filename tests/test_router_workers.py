@@ -24,7 +24,7 @@ from aiohttp import web
 
 from router import GenerationRouter, RouterConfig
 from router.http.limits import HttpLimits
-from tests.http_backends import FakeEngine, dead_url, engine_factory, router_factory
+from tests.support.http_backends import FakeEngine, dead_url, engine_factory, router_factory
 
 CHAT = "/v1/chat/completions"
 ROUNDS = 30  # bounded: rounds of concurrent requests until both workers have answered some

@@ -5,9 +5,9 @@ The attack, as the review ran it: a team scratch job root (1777); another user m
 directory whose ``state.json`` names an unrelated process of the victim's (pid, start ticks, host, a
 router URL, serving) and ``fleets/prod.json`` pointing at it with the victim's uid. The victim's
 ``rl-launch fleet down prod`` then SIGTERMed that process. Here the victim is the test's own user, the
-planter ``tests/other_user.py``'s second Unix user (files planted by the test, then chowned to it: pytest's
-tmp dirs sit under a 0700 parent the other user cannot enter), and every command runs as a user runs it,
-the venv's ``rl-launch``.
+planter ``tests/support/other_user.py``'s second Unix user (files planted by the test, then chowned to it:
+pytest's tmp dirs sit under a 0700 parent the other user cannot enter), and every command runs as a user
+runs it, the venv's ``rl-launch``.
 
 Besides the planted files, each check that stands between a record and a signal is tested alone, with
 the caller's own files: a state without start ticks, a pid whose command line is not the job's driver,
@@ -33,7 +33,7 @@ import yaml
 
 from launcher.fleet import standing
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks
-from tests.other_user import OtherUser, other_user
+from tests.support.other_user import OtherUser, other_user
 
 RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
 

@@ -23,7 +23,7 @@ import pytest
 
 from launcher.engines.sim import SimConfig, SimServer
 from launcher.engines.sim.core import ENGINE_DEAD
-from tests.checkpoints import broken, checkpoint
+from tests.support.checkpoints import broken, checkpoint
 
 MakeServer = Callable[..., Awaitable[SimServer]]
 COMPLETIONS = "/v1/completions"

@@ -632,7 +632,7 @@ async def test_a_front_the_job_does_not_own_never_gets_a_credential(tmp_path: Pa
     from launcher.fleet.client import FleetClient
     from launcher.gateways.fleet_endpoint import FleetEndpoint
     from launcher.status.collect import acollect_snapshot
-    from tests.recording_server import RecordingServer
+    from tests.support.recording_server import RecordingServer
 
     front = await RecordingServer(
         {
@@ -677,7 +677,7 @@ async def test_a_front_the_job_does_not_own_never_gets_a_credential(tmp_path: Pa
 
 async def test_dashboard_works_when_the_api_key_is_unreadable(tmp_path: Path) -> None:
     from launcher.status.collect import acollect_snapshot
-    from tests.recording_server import RecordingServer
+    from tests.support.recording_server import RecordingServer
 
     engine = await RecordingServer({"/metrics": (200, ENGINE_METRICS, {})}).start()
     router = await RecordingServer({"/metrics": (200, MIMIC_METRICS, {})}).start()

@@ -28,7 +28,7 @@ from router.state.versions import (
     VersionWant,
     WeightVersions,
 )
-from tests.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
+from tests.support.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
 from tests.test_router_workers import metrics
 
 TOKEN = "admin-test-token-1234"

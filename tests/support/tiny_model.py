@@ -8,7 +8,7 @@ Its output is noise, which is fine: tests fix lengths with ``max_tokens`` and ``
 This script needs torch/transformers/tokenizers, which only the vLLM venv has, so it runs as a
 subprocess of that venv's python::
 
-    $RL_LAUNCH_VLLM_PYTHON tests/tiny_model.py OUTDIR
+    $RL_LAUNCH_VLLM_PYTHON tests/support/tiny_model.py OUTDIR
 
 The main venv only imports the pure-python helpers (``default_model_dir``, ``ensure_tiny_model``), which
 call this file that way. The model is built into a temp dir next to ``OUTDIR`` and renamed into place,

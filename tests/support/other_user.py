@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 NAME = "rlprobe"
+LOCK = "/tmp/rl-launch-test-user.lock"  # serializes useradd between xdist lanes and concurrent runs
 
 
 @dataclass(frozen=True)
@@ -54,19 +55,22 @@ def other_user() -> OtherUser:
     except KeyError:
         if os.geteuid() != 0:
             pytest.skip(f"needs a second Unix user ({NAME}): run as root so the test can useradd it")
-        # Two test lanes (pytest -n 2) may both get here: useradd then fails on /etc/passwd's lock
-        # (exit 10) instead of waiting for it, so the lanes take turns on a lock of their own.
-        with open("/tmp/rl-launch-test-user.lock", "a") as lock:
+        # Two xdist lanes (or two runs) may get here at once; useradd takes /etc/passwd's own lock and fails
+        # with "cannot lock" rather than waiting, so one lock file under /tmp makes them take turns.
+        with open(LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            made = subprocess.run(
-                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-        if made.returncode not in (0, 9):  # 9: made meanwhile by a concurrent run
-            pytest.fail(f"useradd {NAME} failed: {made.stderr.strip()}")
-        entry = pwd.getpwnam(NAME)
+            try:
+                entry = pwd.getpwnam(NAME)
+            except KeyError:
+                made = subprocess.run(
+                    ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if made.returncode not in (0, 9):  # 9: made meanwhile by a concurrent run
+                    pytest.fail(f"useradd {NAME} failed: {made.stderr.strip()}")
+                entry = pwd.getpwnam(NAME)
     if entry.pw_uid == os.geteuid():
         pytest.fail(f"{NAME} has this test's own uid {entry.pw_uid}")
     return OtherUser(NAME, entry.pw_uid, entry.pw_gid)
