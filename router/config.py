@@ -105,9 +105,7 @@ def validate_policy_options(policy: str, options: dict[str, Any]) -> dict[str, A
     except ValidationError as exc:
         err = exc.errors()[0]
         key = str(err["loc"][0]) if err["loc"] else ""
-        raise _option_error(
-            key, f"{err['msg']} (got {options.get(key)!r})", options.get(key)
-        ) from None
+        raise _option_error(key, f"{err['msg']} (got {options.get(key)!r})", options.get(key)) from None
     try:
         POLICIES[policy](**options)
     except (TypeError, ValueError) as exc:

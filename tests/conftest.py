@@ -50,8 +50,6 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 # ============================================================================================
 
 
-
-
 # ============================================================================================
 # BEGIN CI strictness: in CI (.ci/run sets RL_LAUNCH_REQUIRE_ALL=1) a test that needs the real Slurm
 # cluster, vLLM, Ray or shellcheck must run; a skip there means a missing install step, which must fail loudly
@@ -171,9 +169,7 @@ def _slurm_queue() -> list[str]:
     import subprocess
 
     try:
-        out = subprocess.run(
-            ["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=10
-        )
+        out = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return []
     return out.stdout.split("\n") if out.returncode == 0 and out.stdout.strip() else []

@@ -144,15 +144,14 @@ def test_cli_resets_a_running_local_job_and_status_shows_it(tmp_path: Path, kind
     path.write_text(yaml.safe_dump(spec))
     rl_launch = str(Path(sys.executable).with_name("rl-launch"))  # as the README runs it: by path
     t = time.monotonic()
-    proc = subprocess.run(
-        [rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (job,) = list((tmp_path / "jobs").iterdir())
     report = json.loads((job / "reset.out").read_text())
     assert report["ok"] and len(report["engines"]) == 2, report
     recorded = json.loads((job / "cache_reset.json").read_text())
     assert recorded["ok"] and t < time.monotonic()
-    assert "cache reset" in (job / "status.out").read_text() and "2/2 engines flushed" in (
-        job / "status.out"
-    ).read_text()
+    assert (
+        "cache reset" in (job / "status.out").read_text()
+        and "2/2 engines flushed" in (job / "status.out").read_text()
+    )

@@ -37,10 +37,7 @@ def _job_with_two_engines(tmp_path: Path, urls: list[str]) -> JobDir:
         EngineListing(
             node="gpu-0",
             node_index=0,
-            engines=[
-                EngineEntry(index=i, url=urls[i], node="gpu-0", node_index=0)
-                for i in range(2)
-            ],
+            engines=[EngineEntry(index=i, url=urls[i], node="gpu-0", node_index=0) for i in range(2)],
         )
     )
     return job

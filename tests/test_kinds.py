@@ -230,7 +230,7 @@ def test_no_cli_module_switches_on_a_kinds_name() -> None:
 
 
 # -- a new kind is its declaration plus a registry entry --------------------------------------------------
-NEW_KINDS = '''
+NEW_KINDS = """
 from typing import Any, Literal
 
 from pydantic import Field
@@ -265,9 +265,9 @@ class TurboKind(EngineKind):
 
     def label(self, gen: Any) -> str:
         return f"{gen.num_engines} turbo engines with {TurboSettings.of(gen).turbo_args}"
-'''
+"""
 
-PROBE = '''
+PROBE = """
 import sys
 from launcher.engines.kinds import ENGINE_KINDS, engine_kind
 from launcher.gateways.kinds import GATEWAY_KINDS, front_kind
@@ -290,7 +290,7 @@ for router, generation in (({"depth": 3}, {"engine": "sim"}), ({}, {"engine": "s
         parse_spec(spec(router, generation))
     except SpecError as exc:
         print(exc)
-'''
+"""
 
 
 def test_a_new_front_and_engine_kind_need_only_their_declaration_and_a_registry_entry(tmp_path: Path) -> None:

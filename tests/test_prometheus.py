@@ -137,7 +137,7 @@ def test_the_format_s_corners() -> None:
         "garbage line",
         "<html><body>502 Bad Gateway</body></html>",
         'x{a="unterminated} 1',
-        'x{a=unquoted} 1',
+        "x{a=unquoted} 1",
         "x1",
         "x not-a-number",
         '{"quoted.name"} 1',

@@ -135,9 +135,7 @@ async def test_one_line_per_request_matching_the_engines(sims, routers, workers:
     assert status == 200 and answer.endswith(b"data: [DONE]\n\n")
     sent[rid] = {"body": stream, "session": None, "stream": True}
 
-    m = await until(
-        lambda: _written(base, len(sent)), f"rl_router_record_written_total reaches {len(sent)}"
-    )
+    m = await until(lambda: _written(base, len(sent)), f"rl_router_record_written_total reaches {len(sent)}")
     assert m["rl_router_record_dropped_total"] == 0
     on_disk = sum(f.stat().st_size for f in record_files(record))
     assert m["rl_router_record_bytes"] == on_disk > 0

@@ -63,8 +63,6 @@ def deltas(
     return out
 
 
-
-
 async def sample_load(
     engine_urls: Sequence[str],
     interval_s: float,

@@ -418,4 +418,3 @@ def slowest_sessions(sessions: Sequence[Any], top: int = 8) -> list[dict[str, An
         {"session": x.id, "span_s": round(x.end_s - x.start_s, 3), "turns": x.turns_done, "ok": x.ok}
         for x in done[:top]
     ]
-

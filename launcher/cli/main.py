@@ -99,4 +99,3 @@ class LazyGroup(click.Group):
 @click.version_option(__version__, prog_name="rl-launch")
 def main() -> None:
     """Launch RL post-training jobs: vLLM fleets behind one stable generation router."""
-

@@ -373,9 +373,7 @@ class FleetController:
     def serving_engines_of(self, node_index: int) -> int:
         """How many of the node's engines are in a serving state now."""
         with self._lock:
-            return sum(
-                1 for eid in self._engines_of(node_index) if self.fleet.state(eid) in SERVING_STATES
-            )
+            return sum(1 for eid in self._engines_of(node_index) if self.fleet.state(eid) in SERVING_STATES)
 
     def serving_engines(self) -> int:
         with self._lock:

@@ -86,6 +86,7 @@ class GatewayContext:
     @property
     def engines_key(self) -> str:
         return self.engine_key or self.api_key
+
     say: Callable[[str], None] = field(default=lambda message: None)
     generation_nodes: tuple[str, ...] = ()
     """Hostnames of the generation nodes (where a gateway that owns its engines places them)."""

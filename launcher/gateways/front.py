@@ -44,6 +44,7 @@ RESERVED_PORTS: tuple[tuple[int, int, str], ...] = (
     (32768, 60999, "Linux ephemeral ports"),
 )
 
+
 class FrontSection(Section):
     """The spec's ``router:`` section of one front kind: ``kind`` and where the driver reserves the front's
     port (and the job's other listeners: status endpoint, fleet endpoint), plus the kind's own fields. A

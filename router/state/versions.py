@@ -180,9 +180,7 @@ class WeightVersions:
         ``want``: a request held for it can be served once that engine, or the refit, is back."""
         if any(self.satisfies(u, want) for u in kept):
             return True
-        return any(
-            self._version_satisfies(c, want) for c in (self.current, self.pending) if c is not None
-        )
+        return any(self._version_satisfies(c, want) for c in (self.current, self.pending) if c is not None)
 
     def _version_satisfies(self, have: str, want: VersionWant) -> bool:
         """``satisfies`` for a version rather than an engine (a pending version not yet in the stamp

@@ -125,7 +125,6 @@ async def engine_factory(
             await e.stop()
 
 
-
 WORKER_MODES = (1, 2)
 """The router's worker-process counts every hardening test runs against: one process, and two worker
 processes in front of the routing state (``rl-launch router``'s default mode). What one enforces the

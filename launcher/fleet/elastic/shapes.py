@@ -40,7 +40,6 @@ def check_id(request_id: object) -> str:
     return request_id
 
 
-
 # Grow states, in order (ENDED/CANCELLED/FAILED are final).
 GROW_PENDING = "PENDING"
 """Submitted, waiting in Slurm's queue (``reason`` says why: Resources, Priority, ...)."""

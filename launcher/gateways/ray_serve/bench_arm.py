@@ -108,7 +108,6 @@ def local_ray() -> Iterator[None]:
         shutil.rmtree(private, ignore_errors=True)
 
 
-
 @contextlib.contextmanager
 def serve_app(plan: ServePlan, port: int) -> Iterator[str]:
     """Serve on 127.0.0.1:``port`` running ``plan``; yields the base URL; shuts Serve down on exit."""

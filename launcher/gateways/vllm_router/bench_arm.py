@@ -37,9 +37,7 @@ def vllm_router_arm(
     with sim_fleet(n_engines, sim_options, process=sim_process) as engines:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        command = router_command(
-            host="127.0.0.1", port=port, metrics_port=free_port(), policy=section.policy
-        )
+        command = router_command(host="127.0.0.1", port=port, metrics_port=free_port(), policy=section.policy)
         router = VllmRouterProcess(command, url).start()
         try:
             Registrar(VllmRouterAdmin(url)).register_all(engines, timeout_s=_REGISTER_TIMEOUT_S)

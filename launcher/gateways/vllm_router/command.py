@@ -91,6 +91,7 @@ class VllmRouterSection(BaseModel):
 PROGRAM = "vllm-router"
 """The vllm-router binary's name (PyPI's ``vllm-router`` installs it beside the interpreter)."""
 
+
 def option_flags(options: Mapping[str, Any]) -> list[str]:
     """``{"balance_abs_threshold": 32, "disable_retries": True}`` -> ``--balance-abs-threshold 32
     --disable-retries`` (``False`` leaves a switch off; a list gives one flag with several values)."""

@@ -40,18 +40,38 @@ class VllmRouterFront(FrontKind[VllmRouterFrontSection]):
         r, issues = router, []
         if r.mode == "external":
             if not r.url:
-                issues.append(Issue("router.url", "required with router.mode: external: the running "
-                                    "vllm-router's base URL, e.g. http://router-host:30000"))
+                issues.append(
+                    Issue(
+                        "router.url",
+                        "required with router.mode: external: the running "
+                        "vllm-router's base URL, e.g. http://router-host:30000",
+                    )
+                )
             elif not re.fullmatch(r"https?://[^/\s]+/?", r.url):
-                issues.append(Issue("router.url", f"{r.url!r} is not a base URL; give http://HOST:PORT "
-                                    "(no path: the engines and Gym's /v1 are added by rl-launch)"))
+                issues.append(
+                    Issue(
+                        "router.url",
+                        f"{r.url!r} is not a base URL; give http://HOST:PORT "
+                        "(no path: the engines and Gym's /v1 are added by rl-launch)",
+                    )
+                )
             if r.vllm_router is not None:
-                issues.append(Issue("router.vllm_router", "an external vllm-router's policy and options are "
-                                    "its owner's; remove it (or use router.mode: managed)"))
+                issues.append(
+                    Issue(
+                        "router.vllm_router",
+                        "an external vllm-router's policy and options are "
+                        "its owner's; remove it (or use router.mode: managed)",
+                    )
+                )
         else:
             if r.url is not None:
-                issues.append(Issue("router.url", "only for router.mode: external (a managed vllm-router "
-                                    "listens on the port rl-launch reserves); remove it"))
+                issues.append(
+                    Issue(
+                        "router.url",
+                        "only for router.mode: external (a managed vllm-router "
+                        "listens on the port rl-launch reserves); remove it",
+                    )
+                )
             issues += [Issue(path, message) for path, message in check_section(r.vllm_router)]
         return issues
 
