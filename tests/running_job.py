@@ -80,6 +80,11 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
         time.sleep(0.2)
 
 
+SHARED_SLURM_JOBS: set[str] = set()
+"""Slurm job ids of the shared jobs still in use: the conftest's queue hygiene, which cancels what a
+Slurm test leaves queued, spares them between the tests that share them."""
+
+
 @dataclass
 class RunningJob:
     """A job submitted once and left running for the checks of one module."""
@@ -185,7 +190,9 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
             path.write_text(yaml.safe_dump({**spec, "job_root": str(root)}))
             proc = subprocess.run([RL_LAUNCH, "submit", str(path), "--json"], capture_output=True, text=True)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            job = Path(json.loads(proc.stdout)["job_dir"])
+            submitted = json.loads(proc.stdout)
+            job = Path(submitted["job_dir"])
+            SHARED_SLURM_JOBS.add(str(submitted["job_id"]))
             jobs[key] = RunningJob(job=job, submit=None, root=root, engines=engines, leftovers=leftovers)
             wait_for(lambda: jobs[key].ended() or jobs[key].state.get("router_url"), timeout_s, "the router")
         elif key not in jobs:
@@ -215,4 +222,7 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
         yield start
     finally:
         for shared in jobs.values():
-            shared.cancel()
+            try:
+                shared.cancel()
+            finally:
+                SHARED_SLURM_JOBS.discard(JobDir(shared.job).slurm_job_id() or "")
