@@ -13,13 +13,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
-
-from tests.running_job import RunningJob, running_job  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.slurm
 
@@ -525,16 +522,32 @@ def test_heterogeneous_job_when_roles_need_different_resources(tmp_path: Path) -
     assert wait_no_leftovers() == []
 
 
-def _fault_generation(**generation: object) -> dict[str, object]:
-    return {
-        "nodes": 2,
-        "engine": "sim",
-        "engines_per_node": 2,
-        "served_model_name": "sim-8b",
-        "startup_timeout_s": 60,
-        "sim": {"speed": 3},
-        **generation,
-    }
+def test_engine_killed_on_a_generation_node_is_restarted_there(tmp_path: Path) -> None:
+    from tests.test_fleet_local import TRAINER as FAULT_TRAINER
+
+    trainer = tmp_path / "fault_trainer.py"
+    trainer.write_text(FAULT_TRAINER)
+    spec = write_spec(tmp_path, "fault-kill", f"{sys.executable} {trainer} kill")
+    proc = submit(spec, "--follow")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = job_dir_of(proc.stdout)
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
+    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    victim = json.loads((job / "victim.json").read_text())
+    fleet = [e for e in events if e["phase"] == "fleet" and e.get("engine_id") == "node0-0"]
+    assert [e["to_state"] for e in fleet][-1] == "HEALTHY"
+    back = next(e for e in events if e["phase"] == "engine_restarted")
+    generation_nodes = next(e for e in events if e["phase"] == "starting")["nodes"]["generation"]
+    restarted_on = json.loads((job / "engines" / "node-0.urls.json").read_text())["node"]
+    assert restarted_on == generation_nodes[0] and back["url"] != victim["victim"]
+    print(
+        f"\nslurm kill: out {fleet[0]['t'] - victim['t']:.1f}s, "
+        f"readmitted {fleet[-1]['t'] - victim['t']:.1f}s "
+        f"on {restarted_on} at {back['url']}; sessions lost {replay['errors']}"
+    )
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
 
 
 def _fault_job(
@@ -544,95 +557,52 @@ def _fault_job(
 
     trainer = tmp_path / "fault_trainer.py"
     trainer.write_text(FAULT_TRAINER)
+    gen = {
+        "nodes": 2,
+        "engine": "sim",
+        "engines_per_node": 2,
+        "served_model_name": "sim-8b",
+        "startup_timeout_s": 60,
+        "sim": {"speed": 3},
+        **generation,
+    }
     spec = write_spec(
         tmp_path,
         f"fault-{mode.replace('_', '-')}",
         f"{sys.executable} {trainer} {mode}",
-        generation=_fault_generation(**generation),
+        generation=gen,
         router={"policy": "cache_aware", "backend_timeout_s": 5},
     )
     proc = submit(spec, "--follow")
     return proc, job_dir_of(proc.stdout)
 
 
-def slurm_leftovers(job: Path) -> list[str]:
-    """After the shared job's cancel: Slurm runs nothing and no node namespace holds a process of a job."""
-    return ["squeue not empty"] if not squeue_empty() else wait_no_leftovers()
-
-
-@pytest.fixture(scope="module")
-def fault_trainer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_fleet_local import TRAINER as FAULT_TRAINER
-
-    trainer = tmp_path_factory.mktemp("fault-trainer") / "fault_trainer.py"
-    trainer.write_text(FAULT_TRAINER)
-    return trainer
-
-
-@pytest.fixture
-def shared(running_job: Callable[..., RunningJob], fault_trainer: Path) -> RunningJob:  # noqa: F811
-    """The one Slurm job the recoverable faults share (an engine killed or wedged, the router actor
-    killed): 2 generation nodes of 2 sims, a 5 s backend timeout; its training command is the fault
-    trainer's agent (serve mode, bounded below the 20 min limit), so it runs until the module cancels it.
-    Healthy again (every engine HEALTHY, nothing paused) before each check."""
-    spec = yaml.safe_load(write_spec(fault_trainer.parent, "fault-shared", "true").read_text())
-    spec.pop("job_root")
-    spec["training"]["command"] = f"{sys.executable} {fault_trainer} serve 1080"
-    spec["generation"] = _fault_generation()
-    spec["router"] = {"policy": "cache_aware", "backend_timeout_s": 5}
-    return running_job(spec, leftovers=slurm_leftovers)
-
-
-def node0_events(shared: RunningJob, since: float) -> list[dict[str, object]]:
-    return [e for e in shared.events(since) if e["phase"] == "fleet" and e.get("engine_id") == "node0-0"]
-
-
-def test_engine_killed_on_a_generation_node_is_restarted_there(shared: RunningJob) -> None:
-    job, since = shared.job, time.time()
-    out = shared.inject("kill")
-    assert json.loads((out / "done.json").read_text())["exit_code"] == 0
-    replay = json.loads((out / "replay.json").read_text())["rows"][0]
+def test_wedged_engine_leaves_rotation_and_is_restarted(tmp_path: Path) -> None:
+    proc, job = _fault_job(tmp_path, "wedge")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
     assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
-    events = shared.events(since)
-    victim = json.loads((out / "victim.json").read_text())
-    fleet = node0_events(shared, since)
-    assert [e["to_state"] for e in fleet][-1] == "HEALTHY"
-    back = next(e for e in events if e["phase"] == "engine_restarted")
-    generation_nodes = next(e for e in shared.events() if e["phase"] == "starting")["nodes"]["generation"]
-    restarted_on = json.loads((job / "engines" / "node-0.urls.json").read_text())["node"]
-    assert restarted_on == generation_nodes[0] and back["url"] != victim["victim"]
-    print(
-        f"\nslurm kill: out {fleet[0]['t'] - victim['t']:.1f}s, "
-        f"readmitted {fleet[-1]['t'] - victim['t']:.1f}s "
-        f"on {restarted_on} at {back['url']}; sessions lost {replay['errors']}"
-    )
-    shared.wait_healthy()  # squeue empty and no leftovers: checked once the module cancels the job
-
-
-def test_wedged_engine_leaves_rotation_and_is_restarted(shared: RunningJob) -> None:
-    since = time.time()
-    out = shared.inject("wedge")
-    assert json.loads((out / "done.json").read_text())["exit_code"] == 0
-    replay = json.loads((out / "replay.json").read_text())["rows"][0]
-    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
-    victim = json.loads((out / "victim.json").read_text())
-    fleet = node0_events(shared, since)
+    victim = json.loads((job / "victim.json").read_text())
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    fleet = [e for e in events if e["phase"] == "fleet" and e.get("engine_id") == "node0-0"]
     assert fleet[0]["t"] - victim["t"] < 5 + 2  # out within the backend timeout plus a tick
     assert [e["to_state"] for e in fleet][-1] == "HEALTHY"
     out_s, back_s = fleet[0]["t"] - victim["t"], fleet[-1]["t"] - victim["t"]
     print(f"\nslurm wedge: out {out_s:.1f}s, readmitted {back_s:.1f}s")
-    shared.wait_healthy()
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
 
 
-def test_killed_router_actor_comes_back_on_the_same_url(shared: RunningJob) -> None:
-    out = shared.inject("kill_router")
-    assert json.loads((out / "done.json").read_text())["exit_code"] == 0
-    back = json.loads((out / "router_back.json").read_text())
-    replay = json.loads((out / "replay.json").read_text())["rows"][0]
+def test_killed_router_actor_comes_back_on_the_same_url(tmp_path: Path) -> None:
+    proc, job = _fault_job(tmp_path, "kill_router")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    back = json.loads((job / "router_back.json").read_text())
+    replay = json.loads((job / "replay.json").read_text())["rows"][0]
     print(f"\nslurm router kill: same URL back in {back['down_s']:.1f}s; sessions lost {replay['errors']}")
     assert back["down_s"] < 5
     assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
-    shared.wait_healthy()
+    assert squeue_empty()
+    assert wait_no_leftovers() == []
 
 
 def test_all_engines_dead_with_budget_spent_fails_the_job(tmp_path: Path) -> None:
