@@ -80,11 +80,6 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
         time.sleep(0.2)
 
 
-SHARED_SLURM_JOBS: set[str] = set()
-"""Slurm job ids of the shared jobs still in use: the conftest's queue hygiene, which cancels what a
-Slurm test leaves queued, spares them between the tests that share them."""
-
-
 @dataclass
 class RunningJob:
     """A job submitted once and left running for the checks of one module."""
@@ -173,9 +168,9 @@ class RunningJob:
 def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[dict[str, Any]], RunningJob]]:
     """``running_job(spec)``: the module's one job of that spec (submitted on first use), healthy.
 
-    A local job runs in its ``rl-launch submit``; a Slurm job's submit returns once sbatch took it.
-    ``leftovers(job)`` lists what of the job still runs after the cancel (default: this machine's processes
-    naming the job dir; on Slurm, every node's)."""
+    A local job, run in its ``rl-launch submit``. A Slurm job is not shared yet: the Slurm tests' own
+    "queue empty" checks would see it. ``leftovers(job)`` lists what of the job still runs after the
+    cancel (default: this machine's processes naming the job dir)."""
     jobs: dict[str, RunningJob] = {}
 
     def start(
@@ -183,19 +178,7 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
     ) -> RunningJob:
         key = json.dumps(spec, sort_keys=True)
         engines = spec["generation"]["engines_per_node"] * spec["generation"].get("nodes", 1)
-        if key not in jobs and spec.get("cluster") == "slurm":
-            base = tmp_path_factory.mktemp("running-job")
-            root = base / "jobs"
-            path = base / "spec.yaml"
-            path.write_text(yaml.safe_dump({**spec, "job_root": str(root)}))
-            proc = subprocess.run([RL_LAUNCH, "submit", str(path), "--json"], capture_output=True, text=True)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            submitted = json.loads(proc.stdout)
-            job = Path(submitted["job_dir"])
-            SHARED_SLURM_JOBS.add(str(submitted["job_id"]))
-            jobs[key] = RunningJob(job=job, submit=None, root=root, engines=engines, leftovers=leftovers)
-            wait_for(lambda: jobs[key].ended() or jobs[key].state.get("router_url"), timeout_s, "the router")
-        elif key not in jobs:
+        if key not in jobs:
             base = tmp_path_factory.mktemp("running-job")
             root = base / "jobs"
             path = base / "spec.yaml"
@@ -222,7 +205,4 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
         yield start
     finally:
         for shared in jobs.values():
-            try:
-                shared.cancel()
-            finally:
-                SHARED_SLURM_JOBS.discard(JobDir(shared.job).slurm_job_id() or "")
+            shared.cancel()
