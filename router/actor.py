@@ -49,6 +49,9 @@ class GenerationRouterActor:
     def serving_backends(self) -> list[str]:
         return self._router.serving_backends()
 
+    def member_backends(self) -> list[tuple[str, bool]]:
+        return self._router.member_backends()
+
     def drain_backend_outcomes(self) -> dict[str, tuple[int, int]]:
         return self._router.drain_backend_outcomes()
 

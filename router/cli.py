@@ -24,6 +24,7 @@ SECRET_ENV = {
     "api_key": "RL_ROUTER_API_KEY",
     "admin_token": "RL_ROUTER_ADMIN_TOKEN",
     "backend_api_key": "RL_ROUTER_BACKEND_API_KEY",
+    "registration_capability": "RL_ROUTER_REGISTRATION_CAPABILITY",
 }
 
 
@@ -46,6 +47,8 @@ def _secret_options(fn: Any) -> Any:
         "api_key": "Bearer token clients must send",
         "admin_token": "Bearer token /workers requires (default: the API key)",
         "backend_api_key": "Replace the client's token with this one toward engines",
+        "registration_capability": "Serve /t/<this>/workers and /t/<this>/v1/* to callers with no key "
+        "(a trainer registering its own engines)",
     }
     for name in reversed(SECRET_FIELDS):
         env = SECRET_ENV[name]

@@ -13,8 +13,9 @@ Two layers, because a job spec must not set everything:
 * ``RouterConfig`` adds what the process running the router decides: address, secrets, whether a fleet
   controller owns the serving set (``health_managed``), active probing, admin-API limits.
 
-Secrets (``api_key``, ``admin_token``, ``backend_api_key``) are ``SecretStr`` fields excluded from
-``model_dump``/``model_dump_json`` and hidden from ``repr``: a saved or logged config never holds them.
+Secrets (``api_key``, ``admin_token``, ``backend_api_key``, ``registration_capability``) are ``SecretStr``
+fields excluded from ``model_dump``/``model_dump_json`` and hidden from ``repr``: a saved or logged config
+never holds them.
 
 This module must stay light (no aiohttp, Ray or ``router.server``): ``rl-launch validate`` imports it.
 """
@@ -46,7 +47,7 @@ from router.policies import DEFAULT_POLICY, POLICIES
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 DEFAULT_RECORD_MAX_BYTES = 256 * 1024 * 1024
-SECRET_FIELDS = ("api_key", "admin_token", "backend_api_key")
+SECRET_FIELDS = ("api_key", "admin_token", "backend_api_key", "registration_capability")
 # Worker processes beyond this cost more in the shared decision service than they add in parsing and
 # relaying: every decision crosses one process (see router/multiprocess/decisions.py).
 MAX_WORKERS = 64
@@ -302,6 +303,9 @@ class RouterConfig(RouterSettings):
     api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
     admin_token: SecretStr | None = Field(default=None, exclude=True, repr=False)
     backend_api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    registration_capability: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    """A path segment that stands in for every key under ``/t/<it>/`` (``router.http.capability``): a
+    trainer that registers its own engines (NeMo-RL's external-router flow) sends no header at all."""
 
     @field_validator(*SECRET_FIELDS, mode="before")
     @classmethod
@@ -310,6 +314,21 @@ class RouterConfig(RouterSettings):
         if isinstance(raw, str) and not raw.strip():
             raise ValueError(f"{info.field_name} is empty; give a non-empty secret or none at all")
         return v
+
+    @model_validator(mode="after")
+    def _capability_is_a_secret(self) -> RouterConfig:
+        cap = self.secret("registration_capability")
+        if cap is not None and (len(cap) < 32 or not cap.replace("-", "").replace("_", "").isalnum()):
+            raise ValueError(
+                "registration_capability must be at least 32 URL-safe characters (letters, digits, - and _): "
+                "it is the only credential of the routes under /t/<capability>/"
+            )
+        if cap is not None and self.health_managed:
+            raise ValueError(
+                "registration_capability needs a router that owns its serving set (health_managed is off): "
+                "a fleet controller's next push would drop the engines a trainer registered"
+            )
+        return self
 
     @model_validator(mode="after")
     def _admin_is_not_open(self) -> RouterConfig:

@@ -182,6 +182,7 @@ class GenerationRouter:
             self.http_limits,
             self._admin_routes,
             self.consumer_keys,
+            self.config.secret("registration_capability"),
         )
 
     def _admin_routes(self, table: RouteTable) -> None:
@@ -194,6 +195,8 @@ class GenerationRouter:
             max_pending=self.config.max_pending_registrations,
             backend_api_key=self._engine_key(),
             health_managed=self.config.health_managed,
+            capability=self.config.registration_capability is not None,
+            body_timeout_s=self.http_limits.body_timeout_s,
         )
         admin.add_routes(table)
         self.fleet.add_routes(table)
@@ -363,6 +366,15 @@ class GenerationRouter:
 
     def serving_backends(self) -> list[str]:
         return list(self._call(lambda: self.backends.serving))
+
+    def member_backends(self) -> list[tuple[str, bool]]:
+        """Every member (pushed, configured or registered) and whether it serves now (not ejected)."""
+
+        def read() -> list[tuple[str, bool]]:
+            serving = set(self.backends.serving)
+            return [(u, u in serving) for u in self.backends.members]
+
+        return self._call(read)
 
     def drain_backend_outcomes(self) -> dict[str, tuple[int, int]]:
         """``{url: (successes, failures)}`` since the previous drain; resets both together."""

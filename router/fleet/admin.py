@@ -16,6 +16,10 @@ engine the controller did not start would get the engine key on the next fan-out
 the controller's next push removed it; engines join such a fleet through the controller (``rl-launch
 fleet grow``). ``GET`` and ``DELETE`` stay (a removed engine comes back with the controller's next push).
 
+A trainer that starts its own engines registers them under the job's capability instead
+(``POST /t/<capability>/workers``, no header: ``router.http.capability``), on a router that is not
+health-managed: its prober holds out an engine that stops answering and readmits it when it returns.
+
 A registration that waits is an outbound probe loop the caller started, so it lives only as long as some
 caller waits for it: when every caller of a pending URL has disconnected the loop is cancelled (before,
 a stranger's URL was probed for 300 s after the caller left). Callers of the same pending URL share one
@@ -37,6 +41,7 @@ from router.fleet.cache_reset import CacheResetReport, reset_engines
 from router.fleet.engine import VLLM_RESET_PATH
 from router.http.app import health
 from router.http.auth import Access, RouteTable
+from router.http.capability import bounded_body, capability_path
 from router.state.backends import BackendSet, canonical_backend_url
 from router.state.metrics import RouterMetrics
 
@@ -64,8 +69,13 @@ class AdminApi:
         disconnect_poll_s: float = 0.2,
         backend_api_key: str | None = None,
         health_managed: bool = False,
+        capability: bool = False,
+        body_timeout_s: float = 10.0,
     ) -> None:
-        """``health_managed``: a fleet controller owns the serving set (module doc)."""
+        """``health_managed``: a fleet controller owns the serving set (module doc). ``capability``: the
+        router has a registration capability, so ``/workers`` is served under it too."""
+        self.capability = capability
+        self.body_timeout_s = body_timeout_s
         self.backend_api_key = backend_api_key
         self.health_managed = health_managed
         self.backends = backends
@@ -86,6 +96,11 @@ class AdminApi:
         table.add("GET", "/workers", self.list_workers, Access.OWNER)
         table.add("POST", "/workers", self.add_worker, Access.OWNER)
         table.add("DELETE", "/workers/{url:.+}", self.delete_worker, Access.OWNER)
+        if self.capability:
+            # The trainer's registrations (router.http.capability): the same answers as the owner's.
+            register = bounded_body(self.add_worker, self.body_timeout_s)
+            table.add("POST", capability_path("/workers"), register, Access.CAPABILITY)
+            table.add("GET", capability_path("/workers"), self.list_workers, Access.CAPABILITY)
         table.add("POST", "/fleet/reset_prefix_cache", self.reset_prefix_cache, Access.ADMIN)
 
     async def readiness(self, request: web.Request) -> web.Response:

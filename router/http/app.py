@@ -30,6 +30,7 @@ from aiohttp import web
 
 from router.consumers import ConsumerKeys
 from router.http.auth import Access, Credentials, RouteTable
+from router.http.capability import capability_path, stripped
 from router.http.connections import ConnectionGate, GuardedSockSite
 from router.http.consumer_limits import ConsumerLimits
 from router.http.forwarding import Forwarder
@@ -158,13 +159,15 @@ def build_app(
     limits: HttpLimits,
     rest: Callable[[RouteTable], None],
     consumers: ConsumerKeys | None = None,
+    capability: str | None = None,
 ) -> web.Application:
     """The proxied routes on ``forwarder`` (client routes); ``rest`` adds everything else through the
     same ``RouteTable`` (the admin API in the router that owns the routing state, ``/health`` and the
     relay to it in a worker process). Each route is checked as its mark says (``router.http.auth``), and the
     application does not start with a route registered without a mark. ``consumers``: the keys of the
     consumers file, which the routes then take too (``router.http.auth``), and each consumer's part of
-    this process's connections and memory is bounded (``router.http.consumer_limits``). No middleware:
+    this process's connections and memory is bounded (``router.http.consumer_limits``). ``capability``:
+    the proxied routes are served under ``/t/<capability>`` too (``router.http.capability``). No middleware:
     each layer costs every request a coroutine call and a handler chain."""
     app = web.Application(client_max_size=max_request_bytes)
     if consumers is not None:
@@ -173,10 +176,16 @@ def build_app(
         forwarder.consumer_limits = ConsumerLimits(
             consumers, limits, max_request_bytes, status, forwarder.metrics
         )
-    table = RouteTable(app, Credentials(api_key, admin_token, limits.body_timeout_s, consumers))
+    table = RouteTable(app, Credentials(api_key, admin_token, limits.body_timeout_s, consumers, capability))
     for path, methods in PROXIED_ROUTES:
         for method in methods:
             table.add(method, path, forwarder.handle, Access.CLIENT)
+    if capability is not None:
+        # The same routes under the job's capability, for a trainer that sends no key of ours
+        # (router.http.capability); the forwarder sees the path after the prefix.
+        for path, methods in PROXIED_ROUTES:
+            for method in methods:
+                table.add(method, capability_path(path), stripped(forwarder.handle), Access.CAPABILITY)
     rest(table)
     return app
 

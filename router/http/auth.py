@@ -1,6 +1,6 @@
 """Who may call which route: every route declares its access where it is registered, and one check reads it.
 
-Four kinds of access (``Access``):
+Five kinds of access (``Access``):
 
 * ``OPEN``: no credential. ``/health``, ``/readiness`` and ``/metrics``, as vLLM's, so probes and
   scrapers need no secret.
@@ -11,6 +11,10 @@ Four kinds of access (``Access``):
 * ``OWNER``: as ``ADMIN``, but never a consumer's key, admin or not: ``/workers``, the serving set. Who
   changes it decides where the engine key is sent (every fan-out presents it to every member), so it
   stays with the fleet's owner; an admin consumer keeps the refit routes.
+* ``CAPABILITY``: the job's registration capability in the path (``/t/<capability>/...``,
+  ``router.http.capability``) in place of any header: the routes a trainer that owns its engines uses
+  (``/workers`` and the proxied routes under that prefix), for clients that send no key of ours. Served
+  only where the router has a capability (``RouterConfig.registration_capability``).
 
 Why marks and not a list of path prefixes: with a list, a route added outside it was open by default
 (``/fleet/`` had to be remembered in two places). Now a route is registered only through a
@@ -56,6 +60,8 @@ from aiohttp import web
 
 from router.consumers import OWNER_CONSUMER, Consumer, ConsumerKeys
 from router.http.bodies import read_admin_body
+from router.http.capability import presents
+from router.http.capability import refused as refused_capability
 from router.http.status import error_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,6 +77,7 @@ class Access(enum.Enum):
     CLIENT = "client"
     ADMIN = "admin"
     OWNER = "owner"
+    CAPABILITY = "capability"
 
 
 def holder_of(request: web.Request) -> str | None:
@@ -119,6 +126,8 @@ class Credentials:
     admin_token: str | None
     body_timeout_s: float
     consumers: ConsumerKeys | None = None
+    capability: str | None = None
+    """``RouterConfig.registration_capability``: what ``Access.CAPABILITY`` routes take (None: refused)."""
 
 
 class RouteTable:
@@ -155,6 +164,8 @@ class RouteTable:
         c = self._credentials
         if c is None or access is Access.OPEN:
             return handler
+        if access is Access.CAPABILITY:
+            return _capability_checked(handler, c.capability)
         if access is Access.CLIENT:
             if c.consumers is not None:
                 return _client_or_consumer_checked(handler, c.api_key, c.consumers)
@@ -242,6 +253,18 @@ def _client_or_consumer_checked(handler: Handler, api_key: str | None, consumers
                 )
             request[CONSUMER] = consumer
             request[_KEYS] = consumers
+        return await handler(request)
+
+    return checked
+
+
+def _capability_checked(handler: Handler, capability: str | None) -> Handler:
+    """The path's capability (``router.http.capability``), whatever the headers say. The body is the
+    handler's to read: the forwarder's cap on a proxied route, ``capability.bounded_body`` on the rest."""
+
+    async def checked(request: web.Request) -> web.StreamResponse:
+        if capability is None or not presents(request, capability):
+            return refused_capability()
         return await handler(request)
 
     return checked

@@ -74,8 +74,9 @@ from multidict import CIMultiDict
 from router.config import SECRET_FIELDS, RouterConfig
 from router.consumers import ConsumerKeys
 from router.fleet.fleet import ENGINE_TIMEOUT_S
-from router.http.app import build_app, health, not_found, serve_guarded
+from router.http.app import PROXIED_ROUTES, build_app, health, not_found, serve_guarded
 from router.http.auth import Access, MarkedRoute, RouteTable
+from router.http.capability import bounded_body, capability_path
 from router.http.forwarding import Forwarder, ForwardingConfig
 from router.http.headers import HOP_BY_HOP
 from router.http.status import error_body
@@ -337,13 +338,20 @@ class ParentRelay:
             await self._session.close()
 
 
-def worker_routes(table: RouteTable, relay: ParentRelay, parent_routes: list[MarkedRoute]) -> None:
+def worker_routes(
+    table: RouteTable, relay: ParentRelay, parent_routes: list[MarkedRoute], body_timeout_s: float = 10.0
+) -> None:
     """Everything but the proxied routes, in a worker: ``/health`` answered here, the parent's admin
-    routes and its other open routes relayed (module doc), the router's 404 for the rest."""
+    routes, its capability routes other than the proxied ones and its other open routes relayed (module
+    doc), the router's 404 for the rest."""
     table.add("GET", "/health", health, Access.OPEN)
+    proxied = {(m, capability_path(p)) for p, methods in PROXIED_ROUTES for m in methods}
     for route in parent_routes:
         if route.access in (Access.ADMIN, Access.OWNER):
             table.add(route.method, route.path, relay.admin, route.access)
+        elif route.access is Access.CAPABILITY and (route.method, route.path) not in proxied:
+            # Checked here and again by the parent, which sees the same path.
+            table.add(route.method, route.path, bounded_body(relay.admin, body_timeout_s), route.access)
         elif route.access is Access.OPEN and (route.method, route.path) != ("GET", "/health"):
             table.add(route.method, route.path, relay.state, Access.OPEN)
         # Client routes are the proxied ones, served by the worker itself, and the parent's 404.
@@ -390,8 +398,9 @@ async def serve_worker(
         config.admin_secret,
         config.max_request_bytes,
         config.http,
-        lambda table: worker_routes(table, relay, parent_routes),
+        lambda table: worker_routes(table, relay, parent_routes, config.http.body_timeout_s),
         ConsumerKeys(config.consumers_file) if config.consumers_file is not None else None,
+        config.secret("registration_capability"),
     )
     runner, _gate = await serve_guarded(app, sock, config.http, metrics, share=config.workers)
     loop.add_signal_handler(signal.SIGTERM, stopped.set)
