@@ -2,8 +2,11 @@
 real run against two vLLM CPU engines (``-m vllm``), submitted as a user would.
 
 The sim run (the README's first command, ``examples/local.yaml``) is ``tests/test_readme.py``'s.
-The real run's figures, measured on a 2-core machine (8 steps x 4 prompts x 4 samples x 12 tokens,
-lr 0.01): see ``test_grpo_on_real_vllm_engines_learns_the_reward``'s doc.
+The real run, measured on a 2-core machine (8 steps x 4 prompts x 4 samples x 12 tokens, lr 0.02): the
+job takes ~130 s, ~70 s of it the two engines' start; a step ~1.5-2 s (rollouts ~0.9, update ~0.2,
+save ~0.01, refit ~0.65 of which the fleet is paused ~0.64); mean reward per step 0.115, 0.120, 0.156,
+0.323, 0.526, 0.844, 0.974, 0.995, the same in two runs (every sample has its own seed, the trainer's
+init is seeded).
 """
 
 from __future__ import annotations
@@ -114,4 +117,8 @@ def test_grpo_on_real_vllm_engines_learns_the_reward(
     assert wait_for(lambda: job_leftovers(job) == [], 30, "the job's processes to end")
 
 
-THRESHOLD = 0.15
+THRESHOLD = 0.3
+"""Last 3 steps' mean reward over the first 3's. Measured: 0.130 -> 0.938 (+0.81, two runs alike); at lr
+0.01 over the same 8 steps +0.155. Without learning the difference is the noise of 3 steps' means
+(the flat start moves 0.005 a step; a random policy scores ~0.125). 0.3 is well above that noise and
+a third of the measured gain, so a run that learns half as fast still passes."""

@@ -53,7 +53,7 @@ class TorchPolicy:
             adv = float(s["advantage"])
             loss = -torch.minimum(ratio * adv, clipped * adv).sum() / n_tokens
             loss.backward()
-            loss_sum += float(loss)
+            loss_sum += loss.item()
             ratios.extend(ratio.detach().tolist())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
         self.opt.step()
