@@ -11,12 +11,14 @@ init is seeded).
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -73,6 +75,45 @@ def test_completion_tokens_come_back_as_ids() -> None:
         "choices": [{"logprobs": {"tokens": ["token_id:7", "token_id:300"], "token_logprobs": [-1, -2.5]}}]
     }
     assert train.parse_completion(body) == ([7, 300], [-1.0, -2.5])
+
+
+def test_rollouts_read_each_samples_version_from_its_response() -> None:
+    """Through HTTP, as from the router: ``x-rl-weight-version`` of each response lands on its sample
+    (a stand-in router answers every third request from an engine still on the old version), the
+    request asks for token ids and logprobs, and each sample of a group has its own seed."""
+    seen: list[dict[str, object]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            old = body["seed"] % 3 == 0
+            reply = json.dumps(
+                {"choices": [{"logprobs": {"tokens": ["token_id:300"], "token_logprobs": [-0.5]}}]}
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("x-rl-weight-version", "step-0" if old else "step-1")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        router = train.Router(f"http://127.0.0.1:{server.server_port}/v1", "key", "tiny")
+        samples = train.rollouts(router, [[10, 11], [12, 13]], group=3, max_tokens=1, seed=0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [s.group for s in samples] == [0, 0, 0, 1, 1, 1] and samples[0].tokens == [300]
+    assert len({b["seed"] for b in seen}) == 6
+    assert all(b["logprobs"] == 0 and b["return_tokens_as_token_ids"] is True for b in seen)
+    kept, dropped = train.split_by_version(samples, "step-1")
+    assert len(kept) == 4 and {s.version for s in dropped} == {"step-0"} and len(dropped) == 2
 
 
 @pytest.mark.vllm
