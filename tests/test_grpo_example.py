@@ -60,6 +60,15 @@ def test_group_advantages_are_relative_to_the_group() -> None:
         assert statistics.fmean(adv[2 * g : 2 * g + 2]) == pytest.approx(0.0, abs=1e-9)
 
 
+def test_score_sets_rewards_and_advantages_per_group() -> None:
+    t = train.FIRST_TARGET
+    samples = [train.Sample(g, [1], tokens, [-1.0] * len(tokens), "v") for g, tokens in
+               [(0, [t, t]), (0, [1, 1]), (1, [t, 1]), (1, [t, 1])]]  # fmt: skip
+    train.score(samples)
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.5, 0.5]
+    assert samples[0].advantage > 0 > samples[1].advantage and samples[2].advantage == 0.0
+
+
 def test_samples_of_another_version_are_dropped() -> None:
     def sample(version: str | None) -> object:
         return train.Sample(0, [1], [2], [-0.1], version)

@@ -118,6 +118,16 @@ def split_by_version(samples: Sequence[Sample], expected: str) -> tuple[list[Sam
     return kept, [s for s in samples if s.version != expected]
 
 
+def score(samples: list[Sample]) -> None:
+    """Set every sample's reward, then its advantage within its group (of the samples kept: a group
+    that lost samples to the version filter is compared among the ones left)."""
+    for s in samples:
+        s.reward = reward(s.tokens)
+    advantages = group_advantages([s.reward for s in samples], [s.group for s in samples])
+    for s, a in zip(samples, advantages, strict=True):
+        s.advantage = a
+
+
 def parse_completion(body: dict[str, Any]) -> tuple[list[int], list[float]]:
     """Token ids and log-probabilities of a ``/v1/completions`` answer made with
     ``return_tokens_as_token_ids`` (tokens spelled ``"token_id:N"``)."""
@@ -209,6 +219,8 @@ class WorkerPolicy:
         self._call({"op": "save", "dir": str(directory)})
 
     def close(self) -> None:
+        """End the worker (its stdin closes). A trainer that dies closes it too, and the job's teardown
+        stops the training command's whole process group, the worker with it."""
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(30)
@@ -378,12 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         seen: dict[str, int] = {}
         for s in samples:
             seen[str(s.version)] = seen.get(str(s.version), 0) + 1
-        for s in kept:
-            s.reward = reward(s.tokens)
-        for s, a in zip(
-            kept, group_advantages([s.reward for s in kept], [s.group for s in kept]), strict=True
-        ):
-            s.advantage = a
+        score(kept)
         stats = policy.update(kept) if kept else {}
         t2 = time.perf_counter()
         ckpt = job_dir / "checkpoints" / f"step-{step + 1}"
