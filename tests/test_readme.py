@@ -48,16 +48,25 @@ def test_readme_first_command_runs_the_local_job() -> None:
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "rollout replay" in out and "cache_aware" in out
-    assert "router serving http://127.0.0.1:" in out
+    assert "cache_aware" in out and "router serving http://127.0.0.1:" in out
     assert re.search(r"finished: training finished \(exit 0\)", out), out[-2000:]
+    # the example GRPO trainer's loop and refits ran: one line a step, the fleet moved to each step's
+    # version, and the output says why the reward is flat (no torch, simulated text)
+    assert "sim mode (the engines serve no model directory)" in out or "sim mode (no python with torch" in out
+    assert all(f"grpo step {i}: reward" in out for i in range(4)), out[-3000:]
+    assert "fleet on step-4" in out and "no gradient step ran" in out
+    assert "simulated engines' text is a hash of the prompt" in out
     # the job's outputs are in its job directory (under the session's $HOME, see conftest), never in
     # the directory it was started from
     jobs = list((Path(os.environ["HOME"]) / "rl-launch" / "jobs").glob("local-sim-*"))
-    assert len(jobs) == 1 and (jobs[0] / "replay.json").is_file(), jobs
-    # the replay's per-engine figures come from the job directory's listings (the router's /workers
-    # needs the admin token, which a trainer does not hold)
-    replay = json.loads((jobs[0] / "replay.json").read_text())
-    assert replay["config"]["engines"] == 4, replay["config"]
-    assert "4 engines" in out
+    assert len(jobs) == 1, jobs
+    metrics = json.loads((jobs[0] / "grpo" / "metrics.json").read_text())
+    assert metrics["mode"] == "sim" and metrics["final_version"] == "step-4"
+    for step in metrics["steps"]:  # every sample came from the step's own version; each step refit
+        assert step["versions_seen"] == {step["version"]: 16} and step["dropped"] == 0, step
+        assert (
+            step["seconds"]["refit"] > 0 and (jobs[0] / "checkpoints" / f"step-{step['step'] + 1}").is_dir()
+        )
+    assert [s["version"] for s in metrics["steps"]] == [f"step-{i}" for i in range(4)]
+    assert (jobs[0] / "grpo" / "metrics.csv").is_file() and (jobs[0] / "grpo" / "reward.png").is_file()
     assert not (ROOT / "bench" / "results").exists()

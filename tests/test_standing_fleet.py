@@ -454,7 +454,7 @@ def test_readme_standing_fleet_commands(tmp_path: Path) -> None:
         out = job.stdout + job.stderr
         assert job.returncode == 0, out[-4000:]
         assert "attached to standing fleet 'local-fleet'" in out and "rollout replay" in out, out[-3000:]
-        (trainer,) = [p for p in jobs.iterdir() if p.name.startswith("local-sim-")]
+        (trainer,) = [p for p in jobs.iterdir() if p.name.startswith("local-replay-")]
         replay = json.loads((trainer / "replay.json").read_text())["rows"][0]
         assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
         listing = subprocess.run([RL_LAUNCH, "list", "--json"], env=env, capture_output=True, text=True)

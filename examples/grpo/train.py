@@ -1,0 +1,454 @@
+"""An example GRPO trainer for rl-launch: rollouts through the router, a policy-gradient step, a refit.
+
+It runs as a job's training command (``training.command``) and shows, in a few hundred lines, the loop an
+RL stack runs on top of rl-launch:
+
+1. **rollouts** through the job's router (``$RL_POLICY_BASE_URL``, key ``$RL_POLICY_API_KEY``, model
+   ``$RL_POLICY_MODEL_NAME``: what ``launcher.driver.gym_wiring`` hands the training command), ``--group``
+   samples of every prompt. Each sample asks ``/v1/completions`` for the prompt as token ids with
+   ``logprobs: 0`` and ``return_tokens_as_token_ids: true``, so the answer names the sampled token ids
+   (``"token_id:N"``) and their log-probabilities under the weights that sampled them: the trainer never
+   re-tokenizes text (a round trip through text is not the identity for a byte-level BPE);
+2. **the version filter**: every response carries ``x-rl-weight-version``, the weights of the engine
+   that served it. The step expects the version its last refit stamped; a sample of another version
+   (an engine that restarted on the old weights, a refit that straddled it) is dropped and counted,
+   because its log-probabilities belong to another policy;
+3. **rewards** (``reward``): a verifiable reward, the fraction of completion tokens in a fixed target
+   set. Why this one: a tiny random model learns it within minutes on a CPU (moving probability mass
+   onto a set of tokens is what one lm_head update does at once), and nothing judges it but arithmetic,
+   so a rising curve is the loop working, not a grader's mood. Its optimum is degenerate (repeat one
+   target token), and the example run finds it within about 6 steps at lr 0.02: a reward sized for a
+   smoke test of the loop, not a model worth keeping;
+4. **group-relative advantages** (``group_advantages``, GRPO): each sample's reward minus its group's
+   mean, over the group's standard deviation. No value network: the other samples of the same prompt
+   are the baseline;
+5. **the update** (torch, in a worker process: ``policy.py``): the clipped policy-gradient loss with the
+   importance ratio between the trainer's log-probabilities and the rollout's (vLLM samples in bf16
+   while the trainer keeps fp32 weights, so even on-policy the ratio is not exactly 1; the clip bounds
+   what that mismatch can do);
+6. **save** a Hugging Face checkpoint (``config.json`` + ``model.safetensors``) under the job directory,
+   and **refit**: ``FleetClient.load_weights(dir, version=f"step-{n}")``, one call in which the router
+   pauses every engine, reloads, verifies checksums, resets prefix caches, stamps the version, resumes.
+
+Per step it prints the time split (rollouts, update, save, refit and the pause inside it) and writes the
+rewards to ``$RL_JOB_DIR/grpo/metrics.json`` and ``metrics.csv`` and, at the end, ``reward.png``.
+
+This file runs in the launcher's python (``FleetClient``, matplotlib); torch lives in the vLLM venv only,
+so the update runs in ``policy.py`` under that venv's python (``--torch-python``, default
+``$RL_LAUNCH_VLLM_PYTHON``), over a pipe (``examples/local-grpo-vllm.yaml``).
+
+**Without torch** (the README's first job: simulated engines, the main venv has no torch) the same loop
+runs in sim mode: rollouts, rewards, advantages, version checks, a checkpoint written as valid
+safetensors (the simulator's loader checks headers), the refit and the per-step files; there is no
+gradient step, and the output says so. The reward stays flat there: a simulated engine's text is a hash
+of the prompt and the loaded checkpoint's digest, not a function of the weights' values, and its token
+ids (4 bytes each) never fall in the target set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Run as a script (``python examples/grpo/train.py``): the launcher is imported from the checkout this
+# file is in, whatever the current directory.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from launcher.fleet.client import FleetClient
+
+VERSION_HEADER = "x-rl-weight-version"
+FIRST_TARGET, TARGET_SIZE = 256, 64
+"""The target set: token ids 256..319, one eighth of the tiny model's 512 (so a random policy scores
+about 0.125 and there is room to climb); clear of the special tokens at the bottom of the vocabulary."""
+TARGET = frozenset(range(FIRST_TARGET, FIRST_TARGET + TARGET_SIZE))
+FLAT_WHY = (
+    "the reward is flat by design here: simulated engines' text is a hash of the prompt and the loaded "
+    "checkpoint's digest, not a function of the weights' values (and their 4-byte token ids never fall "
+    "in the target set), and no gradient step ran (no torch: --torch-python). "
+    "examples/local-grpo-vllm.yaml runs the same trainer on real vLLM engines, where the reward climbs."
+)
+
+
+# -- the pure parts (unit-tested in the main venv: tests/test_grpo_example.py) ---------------------------
+@dataclass
+class Sample:
+    """One completion of one prompt, as the router returned it."""
+
+    group: int
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    version: str | None
+    reward: float = 0.0
+    advantage: float = 0.0
+
+
+def reward(tokens: Sequence[int], target: frozenset[int] = TARGET) -> float:
+    """The fraction of ``tokens`` in ``target`` (0 for an empty completion: nothing to credit)."""
+    return sum(t in target for t in tokens) / len(tokens) if tokens else 0.0
+
+
+def group_advantages(rewards: Sequence[float], groups: Sequence[int], eps: float = 1e-6) -> list[float]:
+    """GRPO's advantage: reward minus its group's mean, over the group's (population) std + ``eps``.
+    A group whose samples all scored the same teaches nothing, and gets zeros rather than noise."""
+    by_group: dict[int, list[float]] = {}
+    for g, r in zip(groups, rewards, strict=True):
+        by_group.setdefault(g, []).append(r)
+    stats = {g: (statistics.fmean(rs), statistics.pstdev(rs)) for g, rs in by_group.items()}
+    return [(r - stats[g][0]) / (stats[g][1] + eps) for g, r in zip(groups, rewards, strict=True)]
+
+
+def split_by_version(samples: Sequence[Sample], expected: str) -> tuple[list[Sample], list[Sample]]:
+    """(kept, dropped): a sample is trained on only if the engine that served it carried ``expected``.
+    A missing header counts as another version: nothing says which weights sampled it."""
+    kept = [s for s in samples if s.version == expected]
+    return kept, [s for s in samples if s.version != expected]
+
+
+def score(samples: list[Sample]) -> None:
+    """Set every sample's reward, then its advantage within its group (of the samples kept: a group
+    that lost samples to the version filter is compared among the ones left)."""
+    for s in samples:
+        s.reward = reward(s.tokens)
+    advantages = group_advantages([s.reward for s in samples], [s.group for s in samples])
+    for s, a in zip(samples, advantages, strict=True):
+        s.advantage = a
+
+
+def parse_completion(body: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """Token ids and log-probabilities of a ``/v1/completions`` answer made with
+    ``return_tokens_as_token_ids`` (tokens spelled ``"token_id:N"``)."""
+    lp = body["choices"][0]["logprobs"]
+    ids = [int(str(t).rsplit(":", 1)[1]) for t in lp["tokens"]]
+    return ids, [float(x) for x in lp["token_logprobs"]]
+
+
+# -- rollouts ---------------------------------------------------------------------------------------------
+@dataclass
+class Router:
+    """The policy as the training command sees it: the router's OpenAI URL, the client key, the model."""
+
+    base_url: str
+    api_key: str
+    model: str
+
+    def complete(
+        self, prompt: list[int], max_tokens: int, temperature: float, seed: int
+    ) -> tuple[Any, str | None]:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "ignore_eos": True,  # fixed lengths: the reward is a fraction, the batch a fixed size
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "seed": seed,
+        }
+        req = urllib.request.Request(
+            self.base_url.rstrip("/") + "/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"},
+        )
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read()), resp.headers.get(VERSION_HEADER)
+
+
+def rollouts(
+    router: Router, prompts: list[list[int]], group: int, max_tokens: int, seed: int, concurrency: int = 16
+) -> list[Sample]:
+    """``group`` samples of every prompt, sent concurrently (one request each: the router balances
+    requests, and the simulator serves n=1 only); the seed differs per sample so a group is not one
+    sample repeated."""
+
+    def one(i: int) -> Sample:
+        g = i // group
+        body, version = router.complete(prompts[g], max_tokens, 1.0, seed * 100_003 + i)
+        tokens, logprobs = parse_completion(body)
+        return Sample(g, prompts[g], tokens, logprobs, version)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(len(prompts) * group)))
+
+
+# -- the policy: a torch worker, or none -----------------------------------------------------------------
+class WorkerPolicy:
+    """The torch half (``examples/grpo/policy.py``) in a process of the vLLM venv's python: the launcher's
+    venv has no torch, and the vLLM venv not every dependency of the launcher (see policy.py's doc)."""
+
+    def __init__(self, python: str, model_dir: Path, lr: float, clip: float) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [python, str(Path(__file__).with_name("policy.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._call({"op": "init", "model_dir": str(model_dir), "lr": lr, "clip": clip})
+
+    def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        reply = json.loads(line) if line else {"ok": False, "error": f"worker exited ({self.proc.poll()})"}
+        if not reply.get("ok"):
+            raise RuntimeError(f"torch worker, {req['op']}: {reply.get('error')}")
+        return dict(reply)
+
+    def update(self, samples: list[Sample]) -> dict[str, float]:
+        fields = ("prompt", "tokens", "logprobs", "advantage")
+        rows = [{k: getattr(s, k) for k in fields} for s in samples]
+        return dict(self._call({"op": "update", "samples": rows})["stats"])
+
+    def save(self, directory: Path) -> None:
+        self._call({"op": "save", "dir": str(directory)})
+
+    def close(self) -> None:
+        """End the worker (its stdin closes). A trainer that dies closes it too, and the job's teardown
+        stops the training command's whole process group, the worker with it."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+class NoTorchPolicy:
+    """Sim mode: no gradient, and a checkpoint the simulator loads (valid safetensors headers; other
+    bytes every step, so every refit moves the fleet to weights with another checksum)."""
+
+    def __init__(self) -> None:
+        self.saved = 0
+
+    def update(self, samples: list[Sample]) -> dict[str, float]:
+        return {}
+
+    def save(self, directory: Path) -> None:
+        from launcher.engines.sim.checkpoint import write_checkpoint
+
+        self.saved += 1
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        write_checkpoint(str(directory), fill=bytes([self.saved % 255 + 1]))
+
+    def close(self) -> None:
+        pass
+
+
+# -- the loop ---------------------------------------------------------------------------------------------
+@dataclass
+class StepRecord:
+    step: int
+    version: str
+    reward_mean: float
+    samples: int
+    dropped: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    update: dict[str, float] = field(default_factory=dict)
+    versions_seen: dict[str, int] = field(default_factory=dict)
+    refit_phases: dict[str, float] = field(default_factory=dict)
+
+
+def greedy(router: Router, prompt: list[int], max_tokens: int) -> list[int]:
+    """The greedy completion of one fixed prompt: how the test sees that the weights changed."""
+    return parse_completion(router.complete(prompt, max_tokens, 0.0, 0)[0])[0]
+
+
+def write_outputs(out: Path, records: list[StepRecord], extra: dict[str, Any]) -> None:
+    """``metrics.json`` (everything) and ``metrics.csv`` (one row a step), rewritten every step so a job
+    stopped midway still has its curve."""
+    rows = [asdict(r) for r in records]
+    (out / "metrics.json").write_text(json.dumps({**extra, "steps": rows}, indent=1))
+    with (out / "metrics.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "version", "reward_mean", "samples", "dropped", *sorted(records[0].seconds)])
+        for r in records:
+            w.writerow(
+                [
+                    r.step,
+                    r.version,
+                    f"{r.reward_mean:.4f}",
+                    r.samples,
+                    r.dropped,
+                    *(f"{r.seconds[k]:.3f}" for k in sorted(r.seconds)),
+                ]
+            )
+
+
+def write_plot(out: Path, records: list[StepRecord], title: str) -> Path | None:
+    """``reward.png`` with matplotlib, as the project's other plots are drawn (``launcher.record.plots``);
+    None without matplotlib (the JSON and CSV have the curve)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("grpo: no matplotlib here, no plot (metrics.json and metrics.csv have the curve)")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    try:
+        ax.plot([r.step for r in records], [r.reward_mean for r in records], marker="o")
+        ax.set_xlabel("step")
+        ax.set_ylabel("mean reward (share of target tokens)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "reward.png")
+    finally:
+        plt.close(fig)
+    return out / "reward.png"
+
+
+def served_model_dir(job_dir: Path) -> Path | None:
+    """The directory the engines serve (the job's ``generation.model``), relative paths from the cwd the
+    job runs in, as the engines resolve them; None for a name that is not a directory (sim)."""
+    from launcher.jobdir import JobDir
+    from launcher.spec.snapshot import read_spec
+
+    model = read_spec(JobDir(job_dir)).generation.model
+    path = Path(model).expanduser().absolute() if model else None
+    return path if path is not None and path.is_dir() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument(
+        "--torch-python",
+        default=os.environ.get("RL_LAUNCH_VLLM_PYTHON") or None,
+        help="a python with torch, transformers and safetensors for the update (default "
+        "$RL_LAUNCH_VLLM_PYTHON); "
+        "without one, or when the served model is not a directory (sim engines), no gradient step runs",
+    )
+    ap.add_argument(
+        "--model", type=Path, default=None, help="the served model's directory (default: the job's)"
+    )
+    args = ap.parse_args(argv)
+
+    job_dir = Path(os.environ["RL_JOB_DIR"])
+    out = job_dir / "grpo"
+    out.mkdir(parents=True, exist_ok=True)
+    router = Router(
+        os.environ["RL_POLICY_BASE_URL"], os.environ["RL_POLICY_API_KEY"], os.environ["RL_POLICY_MODEL_NAME"]
+    )
+    fleet = FleetClient.from_job_dir(job_dir)
+    model_dir = args.model or served_model_dir(job_dir)
+    sim = not (args.torch_python and model_dir is not None)
+    policy = NoTorchPolicy() if sim else WorkerPolicy(args.torch_python, model_dir, args.lr, args.clip)
+    why = (
+        "no python with torch (--torch-python)"
+        if not args.torch_python
+        else "the engines serve no model directory"
+    )
+    print(
+        f"grpo: {f'sim mode ({why}): no gradient step' if sim else 'torch update in ' + args.torch_python}, "
+        f"model {model_dir or os.environ['RL_POLICY_MODEL_NAME']}, "
+        f"{args.steps} steps x {args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens"
+    )
+
+    rng = random.Random(0)
+    # Prompts are random token ids of the served vocabulary, clear of the special tokens at its bottom
+    # (the simulator takes any id; 512 is the tiny model's size, the default without a config).
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"] if model_dir else 512
+    probe = [rng.randrange(8, vocab) for _ in range(args.prompt_len)]
+    # Every sample of step 0 must carry a version too: stamp the weights the engines started on.
+    version = "step-0"
+    fleet.set_weight_version(version)
+    greedy_first = greedy(router, probe, args.max_tokens)
+    records: list[StepRecord] = []
+    extra: dict[str, Any] = {
+        "mode": "sim" if sim else "torch",
+        "target": [FIRST_TARGET, FIRST_TARGET + TARGET_SIZE],
+        "title": f"GRPO, {'simulated engines (flat by design)' if sim else 'tiny Llama on vLLM CPU'}",
+        "greedy_first": greedy_first,
+    }
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        prompts = [[rng.randrange(8, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+        samples = rollouts(router, prompts, args.group, args.max_tokens, step)
+        t1 = time.perf_counter()
+        kept, dropped = split_by_version(samples, version)
+        seen: dict[str, int] = {}
+        for s in samples:
+            seen[str(s.version)] = seen.get(str(s.version), 0) + 1
+        score(kept)
+        stats = policy.update(kept) if kept else {}
+        t2 = time.perf_counter()
+        ckpt = job_dir / "checkpoints" / f"step-{step + 1}"
+        policy.save(ckpt)
+        t3 = time.perf_counter()
+        next_version = f"step-{step + 1}"
+        txn = fleet.load_weights(ckpt, version=next_version)
+        t4 = time.perf_counter()
+        # The fleet is paused from the transaction's start to its resume (the router's clock): the part of
+        # the refit no rollout can run in; the rest of ``refit`` is the call's own overhead.
+        pause = float(txn.get("elapsed_s") or 0.0)
+        phases: dict[str, float] = {}
+        for st in txn.get("steps", []):
+            phases[st["phase"]] = phases.get(st["phase"], 0.0) + float(st.get("took_s") or 0.0)
+        rec = StepRecord(
+            step=step,
+            version=version,
+            reward_mean=statistics.fmean(s.reward for s in kept) if kept else math.nan,
+            samples=len(kept),
+            dropped=len(dropped),
+            seconds={
+                "rollouts": t1 - t0,
+                "update": t2 - t1,
+                "save": t3 - t2,
+                "refit": t4 - t3,
+                "pause": pause,
+                "total": t4 - t0,
+            },
+            update=stats,
+            versions_seen=seen,
+            refit_phases=phases,
+        )
+        records.append(rec)
+        sec = rec.seconds
+        print(
+            f"grpo step {step}: reward {rec.reward_mean:.3f} on {rec.samples} samples of {version} "
+            f"(dropped {rec.dropped}) | rollouts {sec['rollouts']:.2f}s update {sec['update']:.2f}s "
+            f"save {sec['save']:.2f}s refit {sec['refit']:.2f}s (pause {sec['pause']:.2f}s)"
+            + (f" | ratio {stats['ratio_mean']:.3f} max {stats['ratio_max']:.3f}" if stats else ""),
+            flush=True,
+        )
+        version = next_version
+        write_outputs(out, records, extra)
+    policy.close()
+    extra["greedy_last"] = greedy(router, probe, args.max_tokens)
+    extra["final_version"] = version
+    write_outputs(out, records, extra)
+    png = write_plot(out, records, extra["title"])
+    first, last = records[0].reward_mean, records[-1].reward_mean
+    print(
+        f"grpo: reward {first:.3f} -> {last:.3f} over {len(records)} steps; fleet on {version}; "
+        f"dropped {sum(r.dropped for r in records)} samples of another version; {out / 'metrics.json'}"
+        + (f", {png}" if png else "")
+    )
+    if sim:
+        print(f"grpo: {FLAT_WHY}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
