@@ -62,6 +62,6 @@ class GatewayFleetWatcher:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
-        last = dict(self.state.snapshot().get("gateway") or {})
-        if last:
+        last = self.state.snapshot().get("gateway") or {}
+        if isinstance(last, dict) and last:  # not the kind string of the router_serving event
             self.state.update(gateway={**last, "reachable": False, "detail": "stopped"})

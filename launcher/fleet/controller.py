@@ -176,6 +176,10 @@ class FleetController:
         """The gateway as a finished job shows it: stopped, no member serving (its last view is kept
         per member as ``state_at_end``-style detail, so the dashboard never shows a live front)."""
         last = self.state.snapshot().get("gateway") or {}
+        if not isinstance(last, dict):
+            # No tick wrote a view yet: "gateway" is still the kind the router_serving event named (a
+            # job that failed within a second of starting its training command hit this teardown error).
+            last = {"kind": last}
         return {
             **last,
             "reachable": False,
