@@ -58,13 +58,25 @@ def refused() -> web.Response:
     return web.Response(status=401, body=body, content_type="application/json")
 
 
+ROUTE_KEY = "rl_launch.route"
+"""Where ``without_prefix`` leaves the route pattern the request stands for (``/v1/completions``): the
+forwarder's metrics, request record and pause holds are keyed by route, and the clone keeps the matched
+``/t/{capability}/...`` resource (before, rollouts under the prefix were neither recorded nor held
+during a pause)."""
+
+
 def without_prefix(request: web.Request) -> web.Request:
     """``request`` as if it had been sent to the path after ``/t/<capability>``: the forwarder routes,
-    records and relays ``/v1/...`` and never sees (or sends an engine) the capability."""
+    records, holds and relays ``/v1/...`` and never sees (or sends an engine) the capability."""
     raw = request.rel_url.raw_path
     rest = raw.split("/", 3)[3] if raw.count("/") >= 3 else ""
     url = URL.build(path="/" + rest, query_string=request.rel_url.raw_query_string, encoded=True)
-    return request.clone(rel_url=url)
+    clone = request.clone(rel_url=url)
+    resource = request.match_info.route.resource
+    pattern = resource.canonical if resource is not None else ""
+    if pattern.startswith(CAPABILITY_PREFIX):
+        clone[ROUTE_KEY] = pattern[len(CAPABILITY_PREFIX) :]
+    return clone
 
 
 def stripped(handler: Handler) -> Handler:

@@ -78,6 +78,7 @@ from router.consumers import OWNER_CONSUMER, Consumer
 from router.http.attribution import Blame, InputFailure, malformed_headers
 from router.http.auth import CONSUMER, still_admitted
 from router.http.bodies import LARGE_BODY_BYTES, read_body
+from router.http.capability import ROUTE_KEY
 from router.http.consumer_limits import ConsumerLimits
 from router.http.headers import REQUEST_DROP, REQUEST_ID, filter_raw_headers, new_request_id, request_id_of
 from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
@@ -207,8 +208,10 @@ class Forwarder:
 
     # -- the handler ----------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "?"
+        route = request.get(ROUTE_KEY)  # a route under the registration capability's prefix
+        if route is None:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "?"
         started = time.perf_counter()
         metrics = self.metrics
         status = 500  # what aiohttp answers for an exception that escapes the handler
