@@ -33,8 +33,14 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 # example -> (the front's label, the engines' label): what `rl-launch validate` must say of it.
 LABELS = {
     "local.yaml": ("builtin router: cache_aware", "4 sim"),
+    "local-replay.yaml": ("builtin router: cache_aware", "4 sim"),
+    "local-grpo-vllm.yaml": ("builtin router: round_robin", "2 vllm examples/grpo/tiny-llama (on CPUs)"),
     "slurm-sim.yaml": ("builtin router: cache_aware", "8 sim"),
-    "slurm-vllm.yaml": ("builtin router: cache_aware", "8 vllm Qwen/Qwen3-8B (TP 2 x PP 1 = 2 GPUs each)"),
+    "slurm-vllm.yaml": ("builtin router: cache_aware", "vllm engines the trainer registers"),
+    "slurm-vllm-fleet-client.yaml": (
+        "builtin router: cache_aware",
+        "8 vllm Qwen/Qwen3-8B (TP 2 x PP 1 = 2 GPUs each)",
+    ),
     "local-dynamo.yaml": ("dynamo: --router-mode kv", "2 dynamo-mocker workers of ./tiny-model"),
     "local-ray-serve.yaml": ("ray-serve: cache_aware over Serve", "4 sim"),
     "local-vllm-router.yaml": ("vllm-router (managed): cache_aware", "4 sim"),
@@ -47,9 +53,11 @@ def test_each_example_labels_its_front_and_engine_kind(example: Path) -> None:
     assert example.name in LABELS, f"add the labels {example.name} must show to LABELS"
     r = load_resolved(example)
     front, engine = front_kind(r.router.kind), engine_kind(r.generation.engine)
-    assert (front.label(r.router), engine.label(r.generation)) == LABELS[example.name]
+    assert (front.label(r.router), r.kind_labels()["engines"]) == LABELS[example.name]
+    if not r.generation.trainer_owned:  # the trainer's engines are labelled by who registers them
+        assert engine.label(r.generation) == LABELS[example.name][1]
     assert front.label(r.router).startswith(r.router.kind)
-    assert r.generation.engine in engine.label(r.generation)
+    assert r.generation.engine in r.kind_labels()["engines"]
     lo, hi = r.router.port_range
     assert front.summary(r.router) == f"{LABELS[example.name][0]}, port in {lo}-{hi}"
 
@@ -64,7 +72,12 @@ def test_cli_validate_names_the_front_and_engine_kind(example: Path) -> None:
     front, engine = front_kind(r.router.kind), engine_kind(r.generation.engine)
     lines = result.stdout.splitlines()
     assert f"  router: {front.summary(r.router)}" in lines, result.stdout
-    assert f"= {engine.label(r.generation)}, served as {r.generation.served_model_name!r}" in result.stdout
+    if r.generation.trainer_owned:
+        assert f", {r.kind_labels()['engines']} at $RL_ROUTER_REGISTRATION_URL" in result.stdout
+    else:
+        assert (
+            f"= {engine.label(r.generation)}, served as {r.generation.served_model_name!r}" in result.stdout
+        )
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])

@@ -45,6 +45,16 @@ generation:
 """
 
 
+LOCAL_SIM = """\
+name: t
+cluster: local
+training:
+  command: "true"
+generation:
+  engine: sim
+"""
+
+
 def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(text).replace("{root}", str(tmp_path / "jobs")))
@@ -88,11 +98,49 @@ def test_examples_exist_and_validate() -> None:
 
 
 def test_vllm_example_is_tp2_on_8_gpu_nodes() -> None:
-    r = load_resolved(REPO / "examples" / "slurm-vllm.yaml")
+    r = load_resolved(REPO / "examples" / "slurm-vllm-fleet-client.yaml")
     assert r.generation.engine == "vllm" and r.generation.tensor_parallel_size == 2
     assert r.generation.resources is not None and r.generation.resources.gpus_per_node == 8
     assert r.generation.engines_per_node == 4
     assert r.generation.num_engines == 4 * r.generation.nodes
+
+
+def test_nemo_rl_example_leaves_the_engines_to_the_trainer() -> None:
+    """NeMo-RL starts its own engines: rl-launch starts none, and the registration URL reaches NeMo-RL
+    through OmegaConf's environment resolver, never expanded onto a command line."""
+    r = load_resolved(REPO / "examples" / "slurm-vllm.yaml")
+    assert r.generation.trainer_owned and r.generation.num_engines == 0
+    assert r.router.kind == "builtin"
+    assert "'++env.nemo_gym.router_url=${oc.env:RL_ROUTER_REGISTRATION_URL}'" in r.training.command
+    assert "$RL_ROUTER_REGISTRATION_URL" not in r.training.command.replace("${oc.env:RL_ROUTER", "")
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "words"),
+    [
+        ({"router": {"kind": "vllm-router"}}, "router.kind", "use router.kind: builtin"),
+        ({"generation": {"elastic": {}}}, "generation.elastic", "cannot grow or shrink"),
+    ],
+)
+def test_trainer_owned_rules(tmp_path: Path, extra: dict[str, object], field: str, words: str) -> None:
+    spec = yaml.safe_load(LOCAL_SIM)
+    spec["generation"] = {**spec["generation"], "owner": "trainer", **extra.get("generation", {})}  # type: ignore[dict-item]
+    spec["router"] = {**spec.get("router", {}), **extra.get("router", {})}  # type: ignore[dict-item]
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SpecError) as exc:
+        load_resolved(path)
+    assert field in str(exc.value) and words in str(exc.value), str(exc.value)
+
+
+def test_trainer_owned_needs_no_model_and_starts_no_engine(tmp_path: Path) -> None:
+    path = tmp_path / "spec.yaml"
+    spec = yaml.safe_load(LOCAL_SIM)
+    spec["generation"] = {"engine": "vllm", "owner": "trainer", "engines_per_node": 2}
+    path.write_text(yaml.safe_dump(spec))
+    r = load_resolved(path)
+    assert (r.generation.num_engines, r.generation.owner) == (0, "trainer")
+    assert r.kind_labels()["engines"] == "vllm engines the trainer registers"
 
 
 def test_local_example_has_four_sim_engines() -> None:
@@ -581,7 +629,7 @@ def no_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_cli_validate_ok(no_sbatch: Path) -> None:
-    result = CliRunner().invoke(main, ["validate", str(REPO / "examples" / "slurm-vllm.yaml")])
+    result = CliRunner().invoke(main, ["validate", str(REPO / "examples" / "slurm-vllm-fleet-client.yaml")])
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("OK ")
     assert "2 node(s) x 4 engine(s) = 8 vllm Qwen/Qwen3-8B" in result.stdout
@@ -626,7 +674,9 @@ def test_cli_submit_dry_run_submits_nothing(example: str, no_sbatch: Path) -> No
     out = result.stdout
     assert "nothing was submitted" in out
     resolved_yaml = out.split("\n\n", 1)[0]
-    assert yaml.safe_load(resolved_yaml)["generation"]["num_engines"] >= 1
+    generation = yaml.safe_load(resolved_yaml)["generation"]
+    # rl-launch starts the engines, or (owner: trainer) none: the trainer's own register
+    assert generation["num_engines"] >= 1 or generation["owner"] == "trainer"
     if yaml.safe_load(resolved_yaml)["cluster"] != "local":
         assert "#SBATCH --nodes=" in out and "timeout_min:" in out
     assert not no_sbatch.exists()

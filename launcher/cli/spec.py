@@ -68,6 +68,11 @@ def summarize(resolved: ResolvedSpec) -> list[str]:
         f"  generation: {gen.nodes} node(s) x {gen.engines_per_node} engine(s) = {labels['engines']}, "
         f"served as {gen.served_model_name!r}"
     )
+    if gen.trainer_owned:
+        generation = (
+            f"  generation: {gen.nodes} node(s), {labels['engines']} at $RL_ROUTER_REGISTRATION_URL "
+            "(rl-launch starts none)"
+        )
     router = f"  router: {front_kind(resolved.router.kind).summary(resolved.router)}"
     if resolved.role == "attached":
         model = f", model {gen.served_model_name!r}" if gen.served_model_name else ""
@@ -206,8 +211,11 @@ def launch_lines(resolved: ResolvedSpec, request: SlurmRequest) -> list[str]:
         f"# time-limit warning: --signal={request.signal} (the driver only; it tears the job down)",
         "# a Ray worker on every node but the driver's (hetjob: --het-group of its component)",
         " ".join(worker),
-        f"# an engine host on each of the {gen.nodes} generation node(s)",
-        " ".join(host),
+        *(
+            ["# no engine host: the trainer starts its engines (generation.owner: trainer)"]
+            if gen.trainer_owned
+            else [f"# an engine host on each of the {gen.nodes} generation node(s)", " ".join(host)]
+        ),
         "# the Ray head, the router and the training command run inside the driver's step",
     ]
 

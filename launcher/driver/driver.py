@@ -223,6 +223,8 @@ class Driver:
         self.job.new_admin_token()
         self.job.new_engine_key(client_key=self.front.engines_take_client_key)
         self.job.new_ray_token()
+        if self.spec.generation.trainer_owned:
+            self.job.new_registration_capability()
 
     # -- phases ----------------------------------------------------------------------------------------
     def _start_ray(self) -> None:
@@ -275,10 +277,13 @@ class Driver:
         """Engine hosts on the generation nodes, the gateway in front, our fleet controller; or, for a
         gateway that owns its engines (``FrontKind.owns_engines``, e.g. ray-serve), the gateway alone: it
         starts, checks and replaces its engines itself, so no engine hosts and no fleet controller (whose
-        engine restarts do not apply); a watcher copies its view and engines to the job directory."""
+        engine restarts do not apply); a watcher copies its view and engines to the job directory. The
+        same for engines the training command starts and registers (``generation.owner: trainer``)."""
         self._make_gateway()
         assert self.gateway is not None
-        if self.front.owns_engines:
+        if self.front.owns_engines or self.spec.generation.trainer_owned:
+            # Engines the trainer owns (``generation.owner: trainer``) are the same for us: the router
+            # probes, holds out and readmits the ones it registers; nothing of ours may restart them.
             self._start_router([])
             assert self.gateway is not None
             self.controller = GatewayFleetWatcher(self.job, self.state, self.gateway).start()
@@ -327,6 +332,7 @@ class Driver:
             api_key=self.job.read_api_key(),
             admin_token=self.job.read_admin_token(),
             engine_key=self.job.read_engine_key(),
+            registration_capability=self.job.read_registration_capability(),
             say=self._say,
             generation_nodes=tuple(self.generation_nodes) if not self.local else (),
             reserve_port=lambda: reserve_port(host, r.port_range),
@@ -362,7 +368,11 @@ class Driver:
             gateway=r.kind,
             front=label,
         )
-        engines = "engines of its own" if self.front.owns_engines else f"{len(api_urls)} engines"
+        engines = f"{len(api_urls)} engines"
+        if self.front.owns_engines:
+            engines = "engines of its own"
+        elif self.spec.generation.trainer_owned:
+            engines = "engines the trainer registers"
         self._say(f"router serving {url}/v1 ({label}, {engines})")
         return url
 

@@ -1,5 +1,6 @@
 """The Gym wiring phase: the overlay (``policy_base_url`` = router + ``/v1``, ``policy_api_key``,
-``policy_model_name``; mode 0600) and the same values as environment variables for the training command."""
+``policy_model_name``; mode 0600) and the same values as environment variables for the training command;
+for engines the trainer owns, the registration URL as well (``RL_ROUTER_REGISTRATION_URL``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import yaml
 
 from launcher.jobdir import JobDir, write_text_atomic
 from launcher.spec import ResolvedSpec
+from router.http.capability import registration_url
 
 
 def write_gym_overlay(path: Path, values: dict[str, str]) -> None:
@@ -58,5 +60,10 @@ def wire_gym(
             "RL_ROUTER_URL": router_url,
         }
     )
+    capability = job.read_registration_capability()
+    if capability:
+        # Engines the trainer owns: the URL to register them at and to roll out through (NeMo-RL's
+        # ``env.nemo_gym.router_url``); in the environment, never in argv or the spec.
+        env["RL_ROUTER_REGISTRATION_URL"] = registration_url(router_url, capability)
     env.update(ray_client_env)
     return env

@@ -90,6 +90,9 @@ class GatewayContext:
     say: Callable[[str], None] = field(default=lambda message: None)
     generation_nodes: tuple[str, ...] = ()
     """Hostnames of the generation nodes (where a gateway that owns its engines places them)."""
+    registration_capability: str = ""
+    """The job's registration capability (``generation.owner: trainer``): the router serves it and owns
+    its serving set (probing, holding out, readmitting) instead of a fleet controller. Empty: off."""
     reserve_port: Callable[[], int] | None = None
     """Another free port from the spec's range on ``host``, for a listener of the launcher's own beside
     the front (the fleet endpoint); call it only once the front is bound, or it may return ``port``."""

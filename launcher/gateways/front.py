@@ -142,6 +142,9 @@ class FrontKind(Generic[S]):
     serves_consumers: ClassVar[bool] = False
     """Whether the front can be a standing fleet's (``fleet:``): it checks the consumers' own keys, revokes
     them when their jobs end and shares its in-flight capacity fairly between them."""
+    serves_registrations: ClassVar[bool] = False
+    """Whether the front can serve engines the trainer owns (``generation.owner: trainer``): a
+    registration URL that takes no header (``router.http.capability``) and probing of its own."""
     forwards_client_key: ClassVar[bool] = False
     """Whether the front passes the client's ``Authorization`` on to the workers it routes to: a worker
     the job does not own then receives the job's API key (``status`` flags that)."""

@@ -16,6 +16,8 @@ Layout (on the shared filesystem, so every node and the login node see it)::
                               client's key on to the engines (``FrontKind.engines_take_client_key``)
       secrets/ray_token       the job's Ray token (RAY_AUTH_TOKEN_PATH of every Ray node, the driver and
                               the training command), 0600
+      secrets/registration_capability  the path secret of the registration URL of a job whose trainer
+                              owns its engines (``generation.owner: trainer``), 0600
       secrets/<name>          a component's own credential (``new_secret``; e.g. Dynamo's etcd password), 0600
       engines/node-<i>.json          the engine host's config for generation node i (driver)
       engines/node-<i>.urls.json     EngineListing: what node i serves, or its start error (engine host)
@@ -256,6 +258,19 @@ class JobDir:
 
     def read_admin_token(self) -> str:
         return self.admin_token_file.read_text().strip()
+
+    def new_registration_capability(self) -> Path:
+        """For engines the trainer owns: the secret path segment of the URL it registers them at and
+        rolls out through (``router.http.capability``), apart from every key, because NeMo-RL's
+        registration sends no header and the URL ends up in its logged config."""
+        return self._new_secret(self.secret_file("registration_capability"))
+
+    def read_registration_capability(self) -> str:
+        """The registration capability; empty for a job without one (its engines are rl-launch's)."""
+        try:
+            return self.secret_file("registration_capability").read_text().strip()
+        except FileNotFoundError:
+            return ""
 
     def read_engine_key(self) -> str:
         """The engines' key; the API key for a job directory made before there was one (its engines

@@ -217,6 +217,36 @@ def _role_issues(spec: JobSpec) -> list[Issue]:
     return issues
 
 
+def _trainer_owned_issues(spec: JobSpec) -> list[Issue]:
+    """``generation.owner: trainer``: the trainer registers its engines with rl-launch's router, which
+    alone serves the registration URL; nothing of rl-launch's runs engines, so nothing may grow them."""
+    gen = spec.generation
+    if gen.owner != "trainer":
+        return []
+    issues = []
+    if not front_kind(spec.router.kind).serves_registrations:
+        issues.append(
+            Issue(
+                "router.kind",
+                f"is {spec.router.kind!r}; engines the trainer owns register with rl-launch's router "
+                "(its registration URL): use router.kind: builtin, or generation.owner: launcher",
+            )
+        )
+    if spec.fleet is not None:
+        issues.append(
+            Issue("generation.owner", "a standing fleet starts its own engines: remove owner: trainer")
+        )
+    if gen.elastic is not None:
+        issues.append(
+            Issue(
+                "generation.elastic",
+                "rl-launch cannot grow or shrink engines the trainer owns: remove elastic, or use "
+                "owner: launcher",
+            )
+        )
+    return issues
+
+
 def semantic_issues(spec: JobSpec) -> list[Issue]:
     """Rules across fields. Each issue names the field to change, so the fix is obvious."""
     gen = spec.generation
@@ -230,9 +260,11 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
     place = Placement(spec.cluster, 0 if local else gen_res.gpus_per_node, _gpus_field(spec))
 
     issues: list[Issue] = front.rules(spec.router, spec.cluster)
+    issues += _trainer_owned_issues(spec)
     issues += _pairing_issues(front, engine, spec)
-    issues += _foreign_settings(gen, engine)
-    issues += engine.rules(gen, place)
+    if gen.owner != "trainer":  # rl-launch starts none of the trainer's engines: their settings are its
+        issues += _foreign_settings(gen, engine)
+        issues += engine.rules(gen, place)
 
     if local:
         for role in ("training", "generation"):
@@ -334,7 +366,8 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
             pipeline_parallel_size=gen.pipeline_parallel_size,
             gpus_per_engine=footprint if gpus > 0 else 0,
             engines_per_node=per_node,
-            num_engines=per_node * gen.nodes,
+            num_engines=0 if gen.owner == "trainer" else per_node * gen.nodes,
+            owner=gen.owner,
             startup_timeout_s=gen.startup_timeout_s,
             restarts_per_engine=gen.restarts_per_engine,
             restarts_per_run=gen.restarts_per_run,

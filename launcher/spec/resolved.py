@@ -94,6 +94,13 @@ class _SharedResolvedGeneration(_Resolved):
     fleet_wait_s: float = 600.0
     drain_timeout_s: float = 300.0
     elastic: ResolvedElastic | None = None
+    owner: Literal["launcher", "trainer"] = "launcher"
+    """``trainer``: the training command starts the engines and registers them (``num_engines`` is 0 and
+    rl-launch starts, restarts and grows none)."""
+
+    @property
+    def trainer_owned(self) -> bool:
+        return self.owner == "trainer"
 
 
 class ResolvedGeneration(*engine_settings(), _SharedResolvedGeneration):  # type: ignore[misc]
@@ -178,7 +185,11 @@ class ResolvedSpec(_Resolved):
 
         return {
             "front": front_kind(self.router.kind).label(self.router),
-            "engines": engine_kind(self.generation.engine).label(self.generation),
+            "engines": (
+                f"{self.generation.engine} engines the trainer registers"
+                if self.generation.trainer_owned
+                else engine_kind(self.generation.engine).label(self.generation)
+            ),
         }
 
     def gym_overlay_path(self, job_dir: str | os.PathLike[str]) -> Path:

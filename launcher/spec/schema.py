@@ -217,6 +217,7 @@ class TrainingSection(Section):
 
 
 EngineName = Literal[tuple(ENGINE_KINDS)]  # type: ignore[valid-type]
+EngineOwner = Literal["launcher", "trainer"]
 """``generation.engine``: a name in ``launcher.engines.kinds.ENGINE_KINDS``."""
 
 
@@ -241,6 +242,12 @@ class _SharedGeneration(Section):
 
     nodes: int = Field(default=1, ge=1)
     engine: EngineName = DEFAULT_ENGINE_KIND
+    owner: EngineOwner = Field(
+        default="launcher",
+        description="who starts the engines: launcher (rl-launch, on the generation nodes) or trainer (the "
+        "training command starts its own, e.g. NeMo-RL's, and registers them with the router under the "
+        "job's registration URL, $RL_ROUTER_REGISTRATION_URL; rl-launch starts none and restarts none)",
+    )
     model: str | None = Field(default=None, description="Hugging Face id or path of the model to serve")
     served_model_name: str | None = None
     tensor_parallel_size: int = Field(default=1, ge=1)

@@ -288,7 +288,10 @@ class StatusCollector(JobSources):
     @staticmethod
     def _engine_key(jd: JobDir) -> tuple[str | None, str | None]:
         """``(key, problem)``: the job's engine key for its engines' ``/metrics``, or None and why when the
-        key file cannot be read (the engines are scraped without it: the dashboard shows the rest)."""
+        key file cannot be read (the engines are scraped without it: the dashboard shows the rest). None
+        for engines the trainer owns: they never take the job's key, and it is not theirs to see."""
+        if jd.read_registration_capability():
+            return None, None
         try:
             return jd.read_engine_key() or None, None
         except (OSError, ValueError) as exc:

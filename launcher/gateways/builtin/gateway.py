@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
 from launcher.gateways.builtin.kind import BUILTIN
+from launcher.jobdir import EngineEntry, EngineListing
 
 _CALL_TIMEOUT_S = 5.0
 
@@ -27,6 +29,11 @@ class BuiltinRouterGateway(Gateway):
         super().__init__(*args, **kwargs)
         self.actor: Any = None
         self._url = ""
+        self._registered: list[str] = []
+        """Engines the trainer registered, as last read (``generation.owner: trainer``)."""
+        self._actor_pid: int | None = None
+        self._listed: dict[str, list[str]] = {}
+        """Registered engines by host, append-only (``engine_listings``)."""
 
     def start(self, engine_urls: Sequence[str]) -> str:
         import ray
@@ -39,6 +46,13 @@ class BuiltinRouterGateway(Gateway):
         # The engines take the job's engine key: a client's key (the owner's, a consumer's) is replaced,
         # never passed on (the engines refuse it, and it is not theirs to see).
         sharing: dict[str, Any] = {"backend_api_key": ctx.engines_key}
+        managed = True  # the fleet-health loop owns the serving set; no probing in the router
+        if ctx.registration_capability:
+            # Engines the trainer owns (generation.owner: trainer) take no key of ours (the engine key is
+            # not sent to processes rl-launch did not start), the router probes them itself, and the
+            # trainer registers them under the capability.
+            sharing = {"registration_capability": ctx.registration_capability}
+            managed = False
         if ctx.spec.fleet is not None:
             # A standing fleet: the consumers' keys (hashes) from the file their jobs register in, and
             # the fair share of the fleet's in-flight capacity between them (launcher.fleet.standing).
@@ -53,7 +67,7 @@ class BuiltinRouterGateway(Gateway):
             host=ctx.host,
             port=ctx.port,
             port_held=True,
-            health_managed=True,  # the fleet-health loop owns the serving set; no probing in the router
+            health_managed=managed,
             api_key=ctx.api_key,
             admin_token=ctx.admin_token,
             **sharing,
@@ -108,10 +122,50 @@ class BuiltinRouterGateway(Gateway):
 
     def view(self) -> GatewayView:
         try:
+            if self.context.registration_capability:
+                members = self._get(self.actor.member_backends.remote())
+                return GatewayView(
+                    self.kind, self._url, True, tuple(GatewayMember(u, bool(ok)) for u, ok in members)
+                )
             serving = self._get(self.actor.serving_backends.remote())
         except Exception as exc:
             return GatewayView(self.kind, self._url, False, detail=f"router actor unreachable: {exc!r}")
         return GatewayView(self.kind, self._url, True, tuple(GatewayMember(u, True) for u in serving))
+
+    def sync_owned_engines(self) -> None:
+        """Engines the trainer registered survive a restart of the router actor: Ray restarts it with
+        the engines it was made with (none), and NeMo-RL registers each replica once, so without this
+        a router restart would leave the trainer's engines unreachable for the rest of the run. Each
+        tick the members are read; an actor that came back (a new pid) is given the last ones seen,
+        which its prober then judges like any member."""
+        if not self.context.registration_capability:
+            return
+        pid = int(self._get(self.actor.pid.remote()))
+        members = [u for u, _ in self._get(self.actor.member_backends.remote())]
+        if self._actor_pid is not None and pid != self._actor_pid and self._registered:
+            missing = [u for u in self._registered if u not in members]
+            if missing:
+                self._get(self.actor.set_serving_backends.remote([*members, *missing]))
+                self.context.say(f"router restarted: {len(missing)} registered engine(s) given back to it")
+                members = [*members, *missing]
+        self._actor_pid = pid
+        self._registered = members
+
+    def engine_listings(self) -> list[EngineListing]:
+        """The engines the trainer registered, one listing per host (in the order hosts first
+        registered, each host's engines in registration order, so an engine keeps its id), for the
+        dashboard's rows; ``[]`` when rl-launch's own engine hosts list the engines."""
+        if not self.context.registration_capability:
+            return []
+        for url in self._registered:
+            host = urlsplit(url).hostname or url
+            listed = self._listed.setdefault(host, [])
+            if url not in listed:
+                listed.append(url)
+        return [
+            EngineListing(host, i, [EngineEntry(j, u, u + "/v1", host, i) for j, u in enumerate(urls)])
+            for i, (host, urls) in enumerate(self._listed.items())
+        ]
 
     def stop(self) -> None:
         if self.actor is None:

@@ -1,0 +1,239 @@
+"""Engines the trainer owns (``generation.owner: trainer``): NeMo-RL's external-router flow against a job.
+
+The job starts no engines; the test starts 2 real vLLM CPU engines itself, as NeMo-RL's vLLM workers are
+started (its own processes, no key), and performs exactly NeMo-RL's registration, in a few lines of urllib
+and no rl-launch client: for each replica ``POST {router_url without /v1}/workers {"url": <replica>}`` with
+no Authorization header (blocking until the router has probed it), then rollouts under
+``router_url + "/v1"`` with Gym's dummy key. The router URL is what the job hands its training command in
+``$RL_ROUTER_REGISTRATION_URL``, read from inside the job the way a trainer reads it.
+
+What must hold: registered engines serve through the router (both of them, round-robin); one killed is
+held out (the rest keep serving) and readmitted when it returns on its port, with no rl-launch restart of
+it; the dashboard (``rl-launch status --json``) and the request record show them; a registration without
+the job's capability is refused and never reaches an engine; and after ``rl-launch cancel`` nothing of the
+job is left (the engines are the trainer's: the test stops them itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from launcher.jobdir import JobDir
+from launcher.jobdir.paths import record_dir
+from router.ports import free_port
+from tests.running_job import RL_LAUNCH, job_leftovers, wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray]
+
+STARTUP_TIMEOUT_S = 600
+
+
+class Replica:
+    """One vLLM server as NeMo-RL starts its own: ``vllm.entrypoints.openai.api_server``, no key."""
+
+    def __init__(self, python: str, model: Path, log: Path) -> None:
+        self.python, self.model, self.log = python, model, log
+        self.port = free_port("127.0.0.1")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("VLLM_API_KEY", None)
+        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
+        argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port)]
+        argv += ["--max-model-len", "512", "--enforce-eager"]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"vLLM on {self.port} exited:\n{self.log.read_text()[-3000:]}")
+        try:
+            return urllib.request.urlopen(f"{self.url}/health", timeout=2).status == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+def call(method: str, url: str, body: Any = None, key: str | None = None) -> tuple[int, dict[str, Any]]:
+    """One request as NeMo-RL's and Gym's code makes it: JSON, no header but the one they send."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def workers(router_url: str) -> dict[str, bool]:
+    _, body = call("GET", f"{router_url}/workers")
+    return {w["url"]: w["healthy"] for w in body["workers"]}
+
+
+@pytest.fixture
+def replicas(vllm_python: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[Replica]]:
+    engines = [Replica(vllm_python, tiny_model_dir, tmp_path / f"replica{i}.log") for i in range(2)]
+    try:
+        for e in engines:
+            e.start()
+        yield engines
+    finally:
+        for e in engines:
+            e.kill()
+
+
+def test_trainer_registers_its_engines_with_the_capability_url(
+    replicas: list[Replica], tmp_path: Path
+) -> None:
+    out = tmp_path / "trainer"
+    out.mkdir(mode=0o700)
+    root = tmp_path / "jobs"
+    spec = {
+        "name": "nemo-rl-owned",
+        "cluster": "local",
+        "job_root": str(root),
+        # A stand-in for NeMo-RL's run script: it reads the URL it is handed (0600, under the test's tmp).
+        "training": {
+            "command": f'umask 077; printf %s "$RL_ROUTER_REGISTRATION_URL" > {out}/url.tmp && '
+            f"mv {out}/url.tmp {out}/url && sleep 900"
+        },
+        "generation": {"owner": "trainer", "engine": "vllm"},
+        "router": {"kind": "builtin", "policy": "round_robin"},
+    }
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    submit = subprocess.Popen(
+        [RL_LAUNCH, "submit", str(spec_path)],
+        stdout=(tmp_path / "submit.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    job: Path | None = None
+    try:
+        url_file = out / "url"
+        wait_for(lambda: url_file.exists() or submit.poll() is not None, 120, "the job's training command")
+        assert url_file.exists(), (tmp_path / "submit.log").read_text()[-3000:]
+        router_url = url_file.read_text()
+        (job,) = root.iterdir()
+        state = JobDir(job).read_state()
+        assert (
+            router_url.startswith(state["router_url"] + "/t/")
+            and len(router_url) > len(state["router_url"]) + 40
+        )
+        assert not any(
+            p.name.startswith("engine") for p in (job / "logs").iterdir()
+        )  # rl-launch started none
+
+        wait_for(lambda: all(r.ready() for r in replicas), STARTUP_TIMEOUT_S, "the trainer's vLLM engines")
+
+        # A registration without the job's capability: refused, and nothing reaches the engine.
+        stranger = f"{state['router_url']}/t/{'x' * 43}"
+        for url in (f"{state['router_url']}/workers", f"{stranger}/workers"):
+            status, body = call("POST", url, {"url": replicas[0].url})
+            assert status == 401, (url, status, body)
+        status, _ = call("POST", f"{stranger}/v1/completions", {"model": "tiny", "prompt": "hi"}, key="EMPTY")
+        assert status == 401
+        assert workers(router_url) == {}
+
+        # NeMo-RL's flow: each replica registered without a header, then Gym's base URL.
+        for r in replicas:
+            status, body = call("POST", f"{router_url}/workers", {"url": r.url})
+            assert status == 200 and body["success"] is True, body
+        assert workers(router_url) == {r.url: True for r in replicas}
+        policy_base_url = router_url + "/v1"
+
+        def complete(n: int = 4) -> set[str]:
+            served = set()
+            for i in range(n):
+                body = {"model": "tiny", "prompt": f"hello {i}", "max_tokens": 4, "temperature": 0}
+                status, answer = call("POST", f"{policy_base_url}/completions", body, key="EMPTY")
+                assert status == 200, answer
+                served.add(answer["id"])
+            return served
+
+        complete()
+        # Both engines served (round-robin): each replica's own /metrics counts requests it answered.
+        for r in replicas:
+            metrics = urllib.request.urlopen(f"{r.url}/metrics", timeout=5).read().decode()
+            done = [ln for ln in metrics.splitlines() if ln.startswith("vllm:request_success_total")]
+            assert sum(float(ln.rsplit(" ", 1)[1]) for ln in done) >= 1, (r.url, done)
+
+        # The dashboard shows the registered engines: the router's view (members, how many healthy) and
+        # one row per engine, scraped from the engine itself.
+        def dashboard() -> tuple[int, int, set[str]]:
+            proc = subprocess.run(
+                [RL_LAUNCH, "status", job.name, "--root", str(root), "--json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert proc.returncode == 0, proc.stderr
+            snap = json.loads(proc.stdout)
+            gateway = snap.get("gateway") or {}
+            rows = {e["url"] for e in snap["engines"] if e.get("in_gateway")}
+            return gateway.get("members", 0), gateway.get("healthy", 0), rows
+
+        urls = {r.url for r in replicas}
+        wait_for(lambda: dashboard() == (2, 2, urls), 30, "the dashboard's engines")
+
+        # One killed: held out, the other serves on; back on its port: readmitted, no rl-launch restart.
+        replicas[1].kill()
+        wait_for(
+            lambda: workers(router_url) == {replicas[0].url: True, replicas[1].url: False}, 60, "hold-out"
+        )
+        complete()
+        wait_for(lambda: dashboard()[:2] == (2, 1), 30, "the dashboard's held-out engine")
+        replicas[1].start()
+        wait_for(replicas[1].ready, STARTUP_TIMEOUT_S, "the restarted replica")
+        wait_for(lambda: workers(router_url) == {r.url: True for r in replicas}, 60, "readmission")
+        complete()
+        events = [e.get("phase") or e.get("kind") for e in JobDir(job).read_events()]
+        assert not any("restart" in str(e) for e in events), events
+
+        # The request record holds the rollouts, and never the capability.
+        def recorded() -> list[Path]:
+            return [p for p in record_dir(job).rglob("*") if p.is_file() and p.stat().st_size]
+
+        records = wait_for(recorded, 30, "the request record")
+        capability = router_url.rsplit("/", 1)[1]
+        for p in [*records, job / "driver.log", job / "events.jsonl", job / "state.json", spec_path]:
+            assert capability.encode() not in p.read_bytes(), p
+    finally:
+        if job is not None and submit.poll() is None:
+            proc = subprocess.run(
+                [RL_LAUNCH, "cancel", job.name, "--root", str(root), "--timeout", "120"],
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        submit.wait(120)
+    assert JobDir(job).read_result().outcome == "cancelled"
+    wait_for(lambda: job_leftovers(job) == [], 60, "the job's processes to end")
+    # The trainer's engines are the trainer's: the job's end leaves them to it, untouched.
+    assert all(r.ready() for r in replicas)
