@@ -253,7 +253,7 @@ def test_every_engine_dead_without_budget_fails_the_job(tmp_path: Path) -> None:
     assert job_processes(job) == []
 
 
-@pytest.mark.parametrize("example", ["local.yaml", "local-vllm-router.yaml"])
+@pytest.mark.parametrize("example", ["local-replay.yaml", "local-vllm-router.yaml"])
 def test_example_shows_the_refit_window_mid_step(tmp_path: Path, example: str) -> None:
     """``RL_REFIT_AT=0.5 rl-launch submit examples/<example>``: the replay pauses the fleet halfway, holds,
     stamps a version and resumes through the trainer's client, and every session still completes."""
