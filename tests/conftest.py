@@ -191,7 +191,7 @@ def _slurm_queue_cleared(request: pytest.FixtureRequest) -> Iterator[None]:
         time.sleep(1)
     # What such a job leaves behind on the nodes (a process that outlived its step) would fail the next
     # test's leftover check as well: end it too, after the queue is empty.
-    from tests.test_slurm_cluster import node_namespace_processes
+    from tests.support.slurm import node_namespace_processes
 
     for p in node_namespace_processes():
         if p.comm in ("sh", "unshare", "slurmd", "slurmstepd"):  # the nodes' own processes and Slurm's

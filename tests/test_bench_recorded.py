@@ -39,7 +39,7 @@ from launcher.cli.bench import bench_group
 from launcher.jobdir import JobDir
 from router.policies.prefix_index import block_hashes, prompt_start
 from router.record.format import MAX_PREFIX_BLOCKS, RECORD_FILE, ReadReport, RequestRecord, read_records
-from tests.test_bench_replay import TinyEngine, TinyFleet
+from tests.support.tiny_engines import TinyEngine, TinyFleet
 
 FAST_RETRY = RetryPolicy(attempts=3, delay_s=0.05)
 BLOCK_BYTES = 1024  # cache_aware's default block size: what the router hashes a prompt in

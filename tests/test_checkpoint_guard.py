@@ -47,7 +47,7 @@ from router.fleet.safetensors import HeaderError, read_header
 from tests.support.checkpoints import CONFIG, broken, checkpoint, unloadable
 from tests.support.http_backends import router_factory
 from tests.support.other_user import other_user
-from tests.test_refit import TOKEN, admin, chat, in_thread, send
+from tests.support.refit_calls import TOKEN, admin, chat, in_thread, send
 
 
 @pytest.fixture

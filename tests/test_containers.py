@@ -196,7 +196,7 @@ exec REAL_SRUN "${args[@]}"
 @pytest.mark.parametrize("layout", ["single", "hetjob"])
 def test_container_flags_reach_every_step_on_the_cluster(tmp_path: Path, layout: str) -> None:
     """``single``: submitted through submitit (its setup line); ``hetjob``: the rendered sbatch script."""
-    from tests.test_slurm_cluster import _slurm_unreachable
+    from tests.support.slurm import _slurm_unreachable
 
     reason = _slurm_unreachable()
     if reason:

@@ -321,7 +321,7 @@ def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> flo
 @pytest.mark.ray
 def test_a_standing_fleet_gives_each_credential_one_use(tmp_path: Path) -> None:
     from launcher.jobdir import JobDir
-    from tests.test_fleet_local import job_processes
+    from tests.support.running_job import job_processes
 
     root = tmp_path / "jobs"
     fleet_yaml = tmp_path / "fleet.yaml"

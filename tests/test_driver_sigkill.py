@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from launcher.steps.ray_node import private_temp_dir
-from tests.test_fleet_local import job_processes
-from tests.test_stop_local import start_job
+from tests.support.jobs import start_job
+from tests.support.running_job import job_processes
 
 pytestmark = pytest.mark.ray
 

@@ -16,90 +16,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.test_fleet_local import job_processes
+from tests.support.dynamo import TRAINER, have_runtime
+from tests.support.running_job import job_processes
 
 pytestmark = [pytest.mark.ray, pytest.mark.dynamo]
-
-TRAINER = textwrap.dedent(
-    """\
-    import json, os, re, signal, subprocess, sys, time, urllib.request
-    job = os.environ["RL_JOB_DIR"]
-    url = os.environ["RL_ROUTER_URL"]  # the key-checking front
-    # The frontend's own /health (its instance list) is on loopback on this node, as the driver announced.
-    events = [json.loads(x) for x in open(os.path.join(job, "events.jsonl"))]
-    frontend = next(e["frontend_url"] for e in events if e["phase"] == "gateway_frontend")
-    def instances():
-        health = json.load(urllib.request.urlopen(frontend + "/health", timeout=2))
-        return sorted(str(i["instance_id"]) for i in health["instances"] if i["endpoint"] == "generate")
-    def listing():
-        return json.load(open(os.path.join(job, "engines", "node-0.urls.json")))["engines"]
-    body = json.dumps({"model": os.environ["RL_POLICY_MODEL_NAME"], "prompt": [1, 2, 3, 4], "max_tokens": 4})
-    req = urllib.request.Request(url + "/v1/completions", data=body.encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": "Bearer " + os.environ["RL_POLICY_API_KEY"]})
-    first = json.load(urllib.request.urlopen(req, timeout=10))
-    reset = subprocess.run(["rl-launch", "fleet", "reset-cache", job, "--json"],
-                           capture_output=True, text=True)
-    before = instances()
-    replay = subprocess.Popen(["rl-launch", "bench", "replay", "--url", os.environ["RL_POLICY_BASE_URL"],
-                               "--workload", "longtail", "--scale", "0.05", "--seed", "3",
-                               "--retry-attempts", "3", "--json", os.path.join(job, "replay.json")])
-    time.sleep(1.5)
-    victim = listing()[0]
-    if sys.argv[1:] == ["external"]:  # on Slurm the worker is on another node: the test kills it
-        json.dump(victim, open(os.path.join(job, "kill_me.json"), "w"))
-        killed = os.path.join(job, "killed.json")
-        deadline = time.time() + 60
-        while not os.path.exists(killed) and time.time() < deadline:
-            time.sleep(0.1)
-        t_kill = json.load(open(killed))["t"]
-    else:
-        port = victim["url"].rsplit(":", 1)[1]
-        ss = subprocess.run(["ss", "-H", "-tlnp", f"sport = :{port}"], capture_output=True, text=True).stdout
-        pid = int(re.search(r"pid=(\\d+)", ss).group(1))
-        t_kill = time.time()
-        os.killpg(pid, signal.SIGKILL)
-    rejoined = None
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        entry = listing()[0]
-        try:
-            now = instances()
-        except OSError:
-            now = []
-        if entry["generation"] >= 1 and entry["url"] and len(now) == 2 and now != before:
-            rejoined = time.time() - t_kill
-            break
-        time.sleep(0.2)
-    code = replay.wait()
-    time.sleep(6)  # the controller writes the frontend's view every 5 ticks: let it see the rejoined worker
-    json.dump({"reset_rc": reset.returncode, "reset": reset.stdout,
-               "first": first, "before": before, "after": instances(), "victim": victim["url"],
-               "new_url": listing()[0]["url"], "recovery_s": rejoined},
-              open(os.path.join(job, "dynamo_trainer.json"), "w"))
-    sys.exit(code)
-    """
-)
-
-
-def have_runtime() -> None:
-    python = os.environ.get("RL_LAUNCH_DYNAMO_PYTHON")
-    if not python:
-        pytest.skip("RL_LAUNCH_DYNAMO_PYTHON is not set (run .ci/install-dynamo.sh and export its output)")
-    missing = [b for b in ("etcd", "nats-server", "ss") if shutil.which(b) is None]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not on PATH (apt-get install etcd-server nats-server iproute2)")
 
 
 @pytest.mark.parametrize("discovery", ["etcd", "file"])

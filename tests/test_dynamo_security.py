@@ -39,8 +39,8 @@ import yaml
 
 from launcher.jobdir import JobDir
 from launcher.spec import SpecError, parse_spec
-from tests.test_dynamo_local import have_runtime
-from tests.test_fleet_local import job_processes
+from tests.support.dynamo import have_runtime
+from tests.support.running_job import job_processes
 
 pytestmark = [pytest.mark.ray, pytest.mark.dynamo]
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from launcher.jobdir import JobDir
-from tests.test_dynamo_local import TRAINER, have_runtime
-from tests.test_fleet_local import job_processes
-from tests.test_launcher_slurm import RL_LAUNCH, slurm_cluster, write_spec
+from tests.support.cli import RL_LAUNCH
+from tests.support.dynamo import TRAINER, have_runtime
+from tests.support.running_job import job_processes
+from tests.support.slurm import slurm_cluster, write_spec
 
 pytestmark = [pytest.mark.slurm, pytest.mark.dynamo]
 __all__ = ["slurm_cluster"]  # the module fixture that skips without a cluster

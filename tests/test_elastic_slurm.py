@@ -22,8 +22,8 @@ from launcher.jobdir import JobDir
 from launcher.jobdir.paths import record_dir as record_dir_of
 from router.record.format import read_records
 from router.state.backends import canonical_backend_url
-from tests.test_launcher_slurm import squeue_empty, wait_no_leftovers
-from tests.test_standing_fleet_slurm import RL_LAUNCH, SLURM, run, slurm_cluster  # noqa: F401 (autouse)
+from tests.support.cli import RL_LAUNCH
+from tests.support.slurm import SLURM, run, slurm_cluster, squeue_empty, wait_no_leftovers  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.slurm
 

@@ -31,7 +31,7 @@ from launcher.fleet.elastic.shapes import ElasticAnswer, ElasticRequest
 from launcher.fleet.elastic.slurm_ops import SlurmRefused, grow_script, grow_time_limit_s
 from launcher.fleet.elastic.tail import Decision, Reading, TailPolicy, TailSettings
 from launcher.spec import ResolvedSpec, parse_spec
-from tests.test_fleet_health import Clock, url
+from tests.support.fleet_health import Clock, url
 
 # ===================================================================================================
 # The tail policy

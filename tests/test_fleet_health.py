@@ -22,28 +22,11 @@ from launcher.fleet import (
     judge_tick,
     judge_window,
 )
+from tests.support.fleet_health import Clock, front_tick, make, url
 
 H, S, D = EngineState.HEALTHY, EngineState.SUSPECT, EngineState.DEAD
 RS, RC, RT = EngineState.RESTARTING, EngineState.RECOVERING, EngineState.RETIRED
 FAIL = ProbeResult(False, "timeout after 2 s")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def url(i: int) -> str:
-    return f"http://10.0.0.1:{8000 + i}"
-
-
-def make(n: int = 3, **policy: object) -> tuple[FleetHealth, Clock]:
-    clock = Clock()
-    engines = [EngineRecord(f"e{i}", f"node{i % 2}", url(i) + "/v1") for i in range(n)]
-    return FleetHealth(engines, HealthPolicy(**policy), clock=clock), clock  # type: ignore[arg-type]
 
 
 def tick(
@@ -465,13 +448,6 @@ def test_policy_is_validated(bad: dict[str, object]) -> None:
 ST = EngineState.STALE
 NEW = "http://10.0.0.1:9100"
 OLD_WEIGHTS = "serves version 'default', the fleet is on 'step-7'"
-
-
-def front_tick(fleet: FleetHealth, clock: Clock, stale: dict[str, str] | None) -> TickResult:
-    """One tick with every probe passing and the front holding ``stale`` out (``None``: no answer)."""
-    clock.t += 1.0
-    probes: dict[str, ProbeResult | bool] = {u: True for u in fleet.probe_targets().values()}
-    return fleet.observe(TickInput(probes=probes, stale=stale))
 
 
 def restart_e0(fleet: FleetHealth, clock: Clock, new_url: str = NEW) -> None:

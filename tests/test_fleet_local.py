@@ -9,8 +9,8 @@ client (3 retries) replays multi-turn sessions through the router:
   nothing of it is left running.
 
 Kill, wedge and the killed router actor leave the job running and recover: they share one job
-(tests/running_job.py: submitted once, healthy again before each, cancelled at the end with nothing left).
-What ends a job (every engine dead, the examples' refits that finish) keeps a job of its own.
+(tests/support/running_job.py: submitted once, healthy again before each, cancelled at the end with
+nothing left). What ends a job (every engine dead, the examples' refits that finish) keeps a job of its own.
 """
 
 from __future__ import annotations
@@ -20,106 +20,19 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from launcher.jobdir import JobDir
-from tests.running_job import RunningJob, job_processes, running_job  # noqa: F401 (the fixture)
+from tests.support.jobs import TRAINER, run_job
+from tests.support.running_job import RunningJob, job_processes, running_job  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.ray
 
-TRAINER = textwrap.dedent(
-    """\
-    import json, os, subprocess, sys, time, urllib.request
-    mode = sys.argv[1]
-    job = os.environ["RL_JOB_DIR"]
-    import glob
-    # The engines take the job's own engine key (no client key opens them); the job's user can read it.
-    engine_key = open(os.path.join(job, "secrets", "engine_key")).read().strip()
-    def engines():
-        # the controller's current view (a restarted engine has a new port), node 0's engines first
-        fleet = json.load(open(os.path.join(job, "state.json"))).get("fleet", {}).get("engines")
-        if fleet:
-            return sorted(({"id": e["id"], "url": e["url"]} for e in fleet), key=lambda e: e["id"])
-        return [e for f in sorted(glob.glob(os.path.join(job, "engines", "node-*.urls.json")))
-                for e in json.load(open(f))["engines"]]
-    def fault(url, what):
-        req = urllib.request.Request(url + "/sim/fault", data=json.dumps({"mode": what}).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": "Bearer " + engine_key})
-        urllib.request.urlopen(req, timeout=5).read()
-    def scenario(mode, out):
-        os.makedirs(out, exist_ok=True)
-        if mode == "kill_all":
-            for e in engines():
-                fault(e["url"], "kill")
-            victim = {"victim": engines()[0]["url"], "t": time.time()}
-            json.dump(victim, open(os.path.join(out, "victim.json"), "w"))
-            time.sleep(300)  # the driver must end this
-            return 0
-        # Gym retries a refused connection forever; 20 x 0.5 s stays bounded and covers a router restart
-        attempts = "20" if mode == "kill_router" else "3"
-        replay = subprocess.Popen(["rl-launch", "bench", "replay", "--url", os.environ["RL_POLICY_BASE_URL"],
-                                   "--workload", "longtail", "--scale", "0.05", "--seed", "3",
-                                   "--retry-attempts", attempts, "--json", os.path.join(out, "replay.json")])
-        time.sleep(3)
-        if mode == "kill_router":
-            import ray
-            if not ray.is_initialized():
-                ray.init(address=os.environ["RAY_ADDRESS"], namespace="rl-launch", log_to_driver=False)
-            t = time.time()
-            ray.kill(ray.get_actor("router"), no_restart=False)
-            url = os.environ["RL_ROUTER_URL"]
-            time.sleep(0.2)
-            while True:
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=1).read()
-                    break
-                except OSError:
-                    time.sleep(0.05)
-            back = {"down_s": time.time() - t, "t": t}
-            json.dump(back, open(os.path.join(out, "router_back.json"), "w"))
-            return replay.wait()
-        victim = engines()[0]["url"]
-        fault(victim, mode)
-        json.dump({"victim": victim, "t": time.time()}, open(os.path.join(out, "victim.json"), "w"))
-        code = replay.wait()
-        status_url = json.load(open(os.path.join(job, "state.json")))["status_url"]
-        key = {"Authorization": "Bearer " + os.environ["RL_POLICY_API_KEY"]}  # the endpoint is never open
-        live = json.load(urllib.request.urlopen(urllib.request.Request(status_url + "/status", headers=key),
-                                                timeout=5))
-        json.dump(live, open(os.path.join(out, "status_endpoint.json"), "w"))
-        deadline = time.time() + 90  # stay up until the restarted engine is readmitted (bounded)
-        while time.time() < deadline:
-            fleet = json.load(open(os.path.join(job, "state.json"))).get("fleet", {})
-            engine = next((e for e in fleet.get("engines", []) if e["id"] == "node0-0"), {})
-            if engine.get("state") == "HEALTHY" and victim in engine.get("previous_urls", []):
-                break
-            time.sleep(0.5)
-        return code
-    if mode != "serve":
-        sys.exit(scenario(mode, job))
-    # serve: the shared job's agent runs each requests/<n>.json inside the job (its keys, RAY_ADDRESS),
-    # until the job is cancelled or a deadline passes; training never ends the job by itself before that
-    deadline, done = time.time() + float(sys.argv[2]), set()
-    requests = os.path.join(job, "requests")
-    while time.time() < deadline:
-        for name in sorted(glob.glob(os.path.join(requests, "[0-9]*.json"))):
-            if name in done:
-                continue
-            done.add(name)
-            request = json.load(open(name))
-            code = scenario(request["mode"], request["out"])
-            json.dump({"exit_code": code}, open(os.path.join(request["out"], "done.json"), "w"))
-        time.sleep(0.2)
-    """
-)
 
 # The job the recoverable checks share: the agent serves faults for up to 20 min (cancel ends it sooner).
 SHARED = {
@@ -148,41 +61,6 @@ def shared(running_job: Callable[[dict[str, Any]], RunningJob], shared_trainer: 
     """The module's shared job, healthy again (all engines serving, nothing paused) whatever ran before."""
     command = SHARED["training"]["command"].format(trainer=shared_trainer)  # type: ignore[index]
     return running_job({**SHARED, "training": {"command": command}})
-
-
-def run_job(
-    tmp_path: Path,
-    mode: str,
-    *,
-    trainer_text: str = TRAINER,
-    router: dict[str, object] | None = None,
-    name: str = "fleet",
-    **generation: object,
-) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """A local job of 3 sim engines whose training command is ``trainer_text`` run with ``mode``
-    (``router``: the spec's router section, default the builtin router with a 5 s backend timeout)."""
-    trainer = tmp_path / "trainer.py"
-    trainer.write_text(trainer_text)
-    spec = {
-        "name": f"{name}-{mode.replace('_', '-')}",
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {"command": f"{sys.executable} {trainer} {mode}"},
-        "generation": {
-            "engine": "sim",
-            "engines_per_node": 3,
-            "served_model_name": "sim-8b",
-            "sim": {"speed": 3},
-            **generation,
-        },
-        "router": router if router is not None else {"backend_timeout_s": 5},
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
-    proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=400)
-    (job,) = list((tmp_path / "jobs").iterdir())
-    return proc, job
 
 
 def fleet_events(job: Path, engine_id: str, since: float = 0.0) -> list[dict[str, object]]:

@@ -527,7 +527,7 @@ def _assert_job_gone(job: Path, timeout_s: float = 30) -> None:
     """This job (the cluster is shared: other jobs may run) left Slurm's queue and no process of it is
     left on any node (every process the driver starts carries RL_LAUNCH_JOB_DIR)."""
     from launcher.jobdir import JobDir
-    from tests.test_fleet_local import job_processes
+    from tests.support.running_job import job_processes
 
     job_id = JobDir(job).slurm_job_id()
     deadline = time.monotonic() + timeout_s
@@ -542,7 +542,7 @@ def _assert_job_gone(job: Path, timeout_s: float = 30) -> None:
 
 
 def _need_slurm() -> None:
-    from tests.test_slurm_cluster import _slurm_unreachable
+    from tests.support.slurm import _slurm_unreachable
 
     reason = _slurm_unreachable()
     if reason:
@@ -552,7 +552,7 @@ def _need_slurm() -> None:
 def _slurm_job(
     tmp_path: Path, name: str, trainer: str, generation: dict[str, Any], gpus: int
 ) -> tuple[Any, Path]:
-    from tests.test_launcher_slurm import job_dir_of, submit, write_spec
+    from tests.support.slurm import job_dir_of, submit, write_spec
 
     path = tmp_path / "trainer.py"
     path.write_text(trainer)

@@ -44,7 +44,7 @@ def vllm_router_bin() -> str:
 
 @pytest.fixture
 def slurm() -> None:
-    from tests.test_slurm_cluster import _slurm_unreachable
+    from tests.support.slurm import _slurm_unreachable
 
     reason = _slurm_unreachable()
     if reason:
@@ -230,7 +230,7 @@ def test_external_router_keeps_a_foreign_worker_warns_once_and_status_shows_it(
     once (log and event) that rollouts may reach it with the job's API key, and `rl-launch status` says so."""
     from launcher.jobdir import StateWriter
     from launcher.status import collect_snapshot
-    from tests.test_status import frame_text
+    from tests.support.status_frame import frame_text
 
     spec = load_resolved(_spec(tmp_path, f"kind: vllm-router\nmode: external\nurl: {router.url}\n"))
     job = JobDir(tmp_path / "job").create()
@@ -312,7 +312,7 @@ def test_external_gateway_registers_replaces_and_leaves_the_router_running(
 def _kill_process_trainer() -> str:
     """The fault trainer of tests/test_fleet_local.py, whose ``kill_router`` mode here kills the managed
     vllm-router *process* (its pid from the router actor) instead of the actor."""
-    from tests.test_fleet_local import TRAINER
+    from tests.support.jobs import TRAINER
 
     kill_actor = 'ray.kill(ray.get_actor("router"), no_restart=False)'
     assert kill_actor in TRAINER
@@ -321,7 +321,7 @@ def _kill_process_trainer() -> str:
 
 def _local_job(tmp_path: Path, mode: str, trainer_text: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     """tests/test_fleet_local.py's local job, with vllm-router (cache_aware) as the front."""
-    from tests.test_fleet_local import run_job
+    from tests.support.jobs import run_job
 
     router = {"kind": "vllm-router", "vllm_router": {"policy": "cache_aware"}}
     return run_job(tmp_path, mode, trainer_text=trainer_text, router=router, name="vrouter")
@@ -343,7 +343,8 @@ def _member_times(job: Path, victim: dict[str, object]) -> tuple[float, float, s
 def test_local_job_managed_router_killed_actor_is_back_on_the_same_url(
     tmp_path: Path, vllm_router_bin: str
 ) -> None:
-    from tests.test_fleet_local import TRAINER, job_processes
+    from tests.support.jobs import TRAINER
+    from tests.support.running_job import job_processes
 
     proc, job = _local_job(tmp_path, "kill_router", TRAINER)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -386,7 +387,7 @@ def test_local_job_managed_router_removes_a_strangers_worker(tmp_path: Path, vll
     """A stranger's ``POST /workers`` into the job's managed vllm-router (which would hand it rollouts
     with the job's API key) is removed within a few fleet ticks, and the job's events say so."""
     from launcher.engines.sim.local import sim_fleet
-    from tests.test_fleet_local import job_processes
+    from tests.support.running_job import job_processes
 
     with sim_fleet(1, {"speed": 20, "model_name": "sim-8b"}) as (foreign,):
         proc, job = _local_job(tmp_path, "stranger", STRANGER_TRAINER.replace("FOREIGN", foreign))
@@ -410,7 +411,7 @@ def test_example_job_registers_into_an_external_router_and_leaves_it_running(
     vllm-router it does not own; at the end they are gone from it, another job's worker stays, and the
     router keeps running."""
     from launcher.engines.sim.local import sim_fleet
-    from tests.test_fleet_local import job_processes
+    from tests.support.running_job import job_processes
 
     with sim_fleet(1, {"speed": 20, "model_name": "sim-8b"}) as foreign:  # another job's, same model
         router.admin.add(foreign[0])
@@ -444,8 +445,8 @@ def _run_example_external(
 def _assert_job_gone(job: Path) -> None:
     """This job (not the whole shared cluster's queue) left Slurm, and none of its processes is left on
     any node (each carries RL_LAUNCH_JOB_DIR; the login node sees every node's processes)."""
-    from tests.test_fleet_local import job_processes
-    from tests.test_launcher_slurm import job_id_of
+    from tests.support.running_job import job_processes
+    from tests.support.slurm import job_id_of
 
     queued = subprocess.run(
         ["squeue", "-h", "-j", job_id_of(job)], capture_output=True, text=True, timeout=10
@@ -462,8 +463,8 @@ def test_slurm_failed_engine_leaves_vllm_router_and_its_successor_joins(
     """round_robin, so the victim carries its share of the turns when it fails (with cache_aware,
     vllm-router may send all traffic to another engine and the fault would hit nothing; the replay's
     per-engine counts cannot show it, since a dead victim's metrics are gone)."""
-    from tests.test_fleet_local import TRAINER
-    from tests.test_launcher_slurm import (
+    from tests.support.jobs import TRAINER
+    from tests.support.slurm import (
         job_dir_of,
         submit,
         write_spec,
@@ -496,7 +497,7 @@ def test_slurm_failed_engine_leaves_vllm_router_and_its_successor_joins(
 def test_slurm_managed_vllm_router_process_killed_is_back_on_the_same_url(
     tmp_path: Path, slurm: None, vllm_router_bin: str
 ) -> None:
-    from tests.test_launcher_slurm import (
+    from tests.support.slurm import (
         job_dir_of,
         submit,
         write_spec,
@@ -588,7 +589,7 @@ def test_local_job_refit_window_beside_vllm_router(tmp_path: Path, vllm_router_b
     """The trainer's refit loop on a vllm-router job, through the driver's fleet endpoint: a pause holds
     rollouts on the engines until resume, the stamp moves the fleet's version, and an engine restarted on
     the checkpoint's version stays out of vllm-router (STALE) until it is stamped."""
-    from tests.test_fleet_local import job_processes
+    from tests.support.running_job import job_processes
 
     proc, job = _local_job(tmp_path, "refit", REFIT_TRAINER)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -26,10 +26,10 @@ from types import ModuleType
 import pytest
 import yaml
 
-from tests.running_job import job_leftovers, wait_for
+from tests.support.cli import RL_LAUNCH
+from tests.support.running_job import job_leftovers, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
 
 
 def _train() -> ModuleType:

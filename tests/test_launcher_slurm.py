@@ -18,87 +18,19 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.cli import RL_LAUNCH
+from tests.support.slurm import (
+    job_dir_of,
+    job_id_of,
+    leftovers,
+    slurm_cluster,  # noqa: F401 (autouse: skips the module without a cluster)
+    squeue_empty,
+    submit,
+    wait_no_leftovers,
+    write_spec,
+)
+
 pytestmark = pytest.mark.slurm
-
-RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
-# Processes that belong to a node itself, not to any job: its init shell, unshare and slurmd.
-NODE_OWN = {"sh", "unshare", "slurmd"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm_cluster() -> None:
-    from tests.test_slurm_cluster import _slurm_unreachable
-
-    reason = _slurm_unreachable()
-    if reason:
-        pytest.skip(
-            f"no Slurm cluster reachable: {reason} (slurm/cluster.sh start, then run on its login node)"
-        )
-
-
-def node_namespaces() -> list[str]:
-    return os.environ.get("RL_SLURM_NODE_NETNS", "").split()
-
-
-def leftovers() -> list[str]:
-    """Processes in any node namespace other than the node's own (init, unshare, slurmd)."""
-    from tests.test_slurm_cluster import node_namespace_processes
-
-    assert any(os.path.exists(f"/run/netns/{n}") for n in node_namespaces()), (
-        "RL_SLURM_NODE_NETNS names no node namespace (run via slurm/cluster.sh exec)"
-    )
-    return [
-        f"{p.pid} {p.comm}: {p.cmdline[:160]}"
-        for p in node_namespace_processes()
-        if p.comm not in NODE_OWN and p.state != "Z"
-    ]
-
-
-def wait_no_leftovers(timeout_s: float = 20) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while (left := leftovers()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
-
-
-def squeue_empty() -> bool:
-    out = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=10).stdout
-    return not out.strip()
-
-
-def write_spec(tmp_path: Path, name: str, command: str, **overrides: object) -> Path:
-    spec = {
-        "name": name,
-        "cluster": "slurm",
-        "job_root": str(tmp_path / "jobs"),
-        "slurm": {"partition": "debug", "time": "00:20:00", "cpus_per_task": 2, "gpus_per_node": 0},
-        "training": {"nodes": 1, "command": command},
-        "generation": {
-            "nodes": 2,
-            "engine": "sim",
-            "engines_per_node": 2,
-            "served_model_name": "sim-8b",
-            "startup_timeout_s": 60,
-            "sim": {"speed": 20},
-        },
-        "router": {"policy": "cache_aware"},
-    }
-    spec.update(overrides)  # whole sections
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
-def submit(spec: Path, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [RL_LAUNCH, "submit", str(spec), *args], capture_output=True, text=True, timeout=timeout_s
-    )
-
-
-def job_dir_of(out: str) -> Path:
-    line = next(x for x in out.splitlines() if x.startswith("job directory:"))
-    return Path(line.split(":", 1)[1].strip())
-
 
 # The "training command": reads the Gym overlay like a Gym config would, replays multi-turn sessions
 # through policy_base_url, and writes what it saw into the job directory.
@@ -245,10 +177,6 @@ def wait_training(job: Path, timeout_s: float = 120) -> dict[str, object]:
             return state
         assert time.monotonic() < deadline, f"job never reached training: {state}"
         time.sleep(0.3)
-
-
-def job_id_of(job: Path) -> str:
-    return json.loads((job / "submitted.json").read_text())["job_id"]
 
 
 def read_events(job: Path) -> list[dict[str, object]]:
@@ -525,7 +453,7 @@ def test_heterogeneous_job_when_roles_need_different_resources(tmp_path: Path) -
 
 
 def test_engine_killed_on_a_generation_node_is_restarted_there(tmp_path: Path) -> None:
-    from tests.test_fleet_local import TRAINER as FAULT_TRAINER
+    from tests.support.jobs import TRAINER as FAULT_TRAINER
 
     trainer = tmp_path / "fault_trainer.py"
     trainer.write_text(FAULT_TRAINER)
@@ -555,7 +483,7 @@ def test_engine_killed_on_a_generation_node_is_restarted_there(tmp_path: Path) -
 def _fault_job(
     tmp_path: Path, mode: str, **generation: object
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    from tests.test_fleet_local import TRAINER as FAULT_TRAINER
+    from tests.support.jobs import TRAINER as FAULT_TRAINER
 
     trainer = tmp_path / "fault_trainer.py"
     trainer.write_text(FAULT_TRAINER)

@@ -19,8 +19,8 @@ import pytest
 
 from router.http.app import bind_listening_socket
 from router.ports import PortHold
+from tests.support.jobs import run_job
 from tests.support.port_stranger import stranger
-from tests.test_fleet_local import run_job
 
 
 def _need_root() -> None:

@@ -10,7 +10,6 @@ import math
 import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from router import GenerationRouter
 from router.fleet.engine_counters import parse_counters
@@ -23,27 +22,7 @@ from router.prometheus import (
     parse_metrics,
 )
 from tests.support.http_backends import router_factory
-
-
-def _key(value: float) -> float | str:
-    return "nan" if math.isnan(value) else value
-
-
-def reference(text: str) -> list[tuple[str, tuple[tuple[str, str], ...], float | str]]:
-    """Every sample as ``prometheus_client`` reads it (name, sorted labels, value)."""
-    return sorted(
-        (s.name, tuple(sorted(s.labels.items())), _key(s.value))
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    )
-
-
-def ours(text: str) -> list[tuple[str, tuple[tuple[str, str], ...], float | str]]:
-    return sorted(
-        (name, tuple(sorted(s.labels.items())), _key(s.value))
-        for name, samples in parse_metrics(text, strict=True).items()
-        for s in samples
-    )
+from tests.support.prometheus_readers import ours, reference
 
 
 def test_reads_every_sample_prometheus_client_writes_with_awkward_labels() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_fleet_local import run_job
+from tests.support.jobs import run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,40 +27,13 @@ from router.config import RouterConfig
 from router.fleet.engine_counters import delta, parse_counters
 from router.state.pause_gate import PauseGate
 from tests.support.http_backends import router_factory
-
-TOKEN = "admin-test-token-1234"
-CHAT = "/v1/chat/completions"
+from tests.support.refit_calls import CHAT, TOKEN, admin, chat, in_thread, send
 
 
 @pytest.fixture
 def router_over() -> Iterator[Callable[..., GenerationRouter]]:
     with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN) as make:
         yield make
-
-
-def chat(max_tokens: int = 8, content: str = "hello there") -> dict[str, Any]:
-    return {
-        "model": "sim",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-    }
-
-
-async def send(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as s, s.post(url + CHAT, json=body, headers=headers or {}) as r:
-        return r.status, orjson.loads(await r.read())
-
-
-async def admin(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    async with aiohttp.ClientSession() as s, s.request(method, url + path, json=body, headers=headers) as r:
-        return r.status, orjson.loads(await r.read())
-
-
-def in_thread(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """The client is synchronous (a trainer's); run it off the test's loop, which serves the sims."""
-    return asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kw))
 
 
 # -- the pause gate alone ------------------------------------------------------------------------------

@@ -24,10 +24,9 @@ from launcher.fleet import EngineState
 from launcher.fleet.client import FleetClient, RefitError
 from router import GenerationRouter
 from tests.support.checkpoints import checkpoint, unloadable
+from tests.support.fleet_health import front_tick, make
 from tests.support.http_backends import router_factory
-from tests.test_fleet_health import front_tick, make
-from tests.test_refit import TOKEN, admin, chat, in_thread, send
-from tests.test_refit_transaction import checksums
+from tests.support.refit_calls import TOKEN, admin, chat, checksums, in_thread, send
 
 STREAM_REQUESTS = 40
 """Requests sent while a refit runs and after it (a bounded stream: one every 25 ms)."""

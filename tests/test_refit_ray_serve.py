@@ -138,7 +138,7 @@ REFIT_TRAINER = textwrap.dedent(
 
 
 def _run_job(tmp_path: Path) -> tuple[Any, Path]:
-    from tests.test_fleet_local import run_job
+    from tests.support.jobs import run_job
 
     ckpt = tmp_path / "ckpt"
     for name, fill in (("B", b"b"), ("C", b"c"), ("D", b"d")):

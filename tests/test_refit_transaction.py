@@ -28,7 +28,7 @@ from launcher.gateways.fleet_endpoint import FleetEndpoint
 from router import GenerationRouter
 from tests.support.checkpoints import CONFIG, checkpoint, unloadable
 from tests.support.http_backends import router_factory
-from tests.test_refit import TOKEN, admin, chat, in_thread, send
+from tests.support.refit_calls import TOKEN, admin, chat, checksums, in_thread, send
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,10 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 def router_over() -> Iterator[Callable[..., GenerationRouter]]:
     with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN) as make:
         yield make
-
-
-def checksums(engines: list[Any]) -> list[dict[str, str]]:
-    return [e.rl.checksums() for e in engines]
 
 
 async def test_one_call_loads_a_directory_into_every_engine(sims, router_over, tmp_path: Path) -> None:

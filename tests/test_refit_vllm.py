@@ -33,8 +33,8 @@ from launcher.engines.vllm.engine import VllmEngine
 from launcher.fleet.client import FleetClient, FleetOpError, RefitError
 from router import GenerationRouter, RouterConfig
 from router.fleet.engine_counters import parse_counters
-from tests.test_engine_key_guard import KEY, PROBES, _call, expected, refused_without_key
-from tests.test_prometheus import ours, reference
+from tests.support.engine_key_probes import KEY, PROBES, _call, expected, refused_without_key
+from tests.support.prometheus_readers import ours, reference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 TOKEN = "refit-admin-token-5678"

@@ -22,10 +22,9 @@ import yaml
 
 from router.record.draft import session_hash
 from router.record.format import read_records
+from tests.support.cli import RL_LAUNCH
 
 pytestmark = pytest.mark.ray
-
-RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
 
 TRAINER = textwrap.dedent(
     """\

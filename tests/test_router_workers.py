@@ -25,6 +25,7 @@ from aiohttp import web
 from router import GenerationRouter, RouterConfig
 from router.http.limits import HttpLimits
 from tests.support.http_backends import FakeEngine, dead_url, engine_factory, router_factory
+from tests.support.router_metrics import metrics
 
 CHAT = "/v1/chat/completions"
 ROUNDS = 30  # bounded: rounds of concurrent requests until both workers have answered some
@@ -62,20 +63,6 @@ async def post(url: str, body: bytes | dict[str, object], **kwargs: object) -> t
         async with s.post(url, data=data, **kwargs) as r:  # type: ignore[arg-type]
             raw = await r.read()
             return r.status, (orjson.loads(raw) if raw[:1] == b"{" else {"raw": raw})
-
-
-async def metrics(base: str) -> dict[str, float]:
-    """``{'name{labels}': value}`` from the router's /metrics."""
-    async with aiohttp.ClientSession() as s:
-        async with s.get(base + "/metrics") as r:
-            assert r.status == 200
-            text = await r.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def per_worker(m: dict[str, float]) -> dict[str, float]:

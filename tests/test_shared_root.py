@@ -33,9 +33,8 @@ import yaml
 
 from launcher.fleet import standing
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks
+from tests.support.cli import RL_LAUNCH
 from tests.support.other_user import OtherUser, other_user
-
-RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -362,7 +361,7 @@ def test_scancel_only_of_a_job_slurm_lists_as_yours(tmp_path: Path, probe: Other
     ``fleet down`` does. On the local Slurm cluster, the other user's job held in the queue."""
     from launcher.jobdir import SubmittedJob
     from launcher.slurm import queue
-    from tests.test_slurm_cluster import _slurm_unreachable
+    from tests.support.slurm import _slurm_unreachable
 
     reason = _slurm_unreachable()
     if reason:

@@ -16,37 +16,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
+
+from tests.support.slurm import _slurm_unreachable, node_namespace_processes
 
 pytestmark = pytest.mark.slurm
 
 VENV_BIN = Path(sys.executable).parent
 # Jobs finished by the tests below, for the sacct check: (job id, what it was).
 FINISHED_JOBS: list[tuple[str, str]] = []
-
-
-def _slurm_unreachable() -> str | None:
-    """Why Slurm cannot be used from this process, or None when ``sinfo`` answers."""
-    if shutil.which("sinfo") is None:
-        return "no sinfo on PATH (Slurm client not installed: slurm/cluster.sh install)"
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=8)
-    except subprocess.TimeoutExpired:
-        return "sinfo did not answer within 8 s"
-    if proc.returncode != 0:
-        first = (proc.stderr.strip().splitlines() or ["?"])[0]
-        return f"sinfo failed ({first})"
-    if not proc.stdout.strip():
-        return "sinfo shows no nodes"
-    return None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -329,34 +313,6 @@ ray.shutdown()
 RAY_PROCESS = re.compile(
     r"raylet|gcs_server|ray::|default_worker\.py|/ray/(_private|dashboard|autoscaler)/|bin/ray "
 )
-
-
-class NodeProcess(NamedTuple):
-    pid: int
-    comm: str
-    state: str
-    """``/proc/PID/stat``'s state letter (``Z``: a zombie)."""
-    cmdline: str
-
-
-def node_namespace_processes() -> list[NodeProcess]:
-    """Every process in the local cluster's node namespaces (``RL_SLURM_NODE_NETNS``); the login node
-    sees them all. The one scan behind each test's leftover check and the Slurm-queue hygiene in
-    conftest."""
-    names = os.environ.get("RL_SLURM_NODE_NETNS", "").split()
-    inodes = {os.stat(f"/run/netns/{n}").st_ino for n in names if os.path.exists(f"/run/netns/{n}")}
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}/ns/net").st_ino not in inodes:
-                continue
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        found.append(NodeProcess(int(pid), comm, state, cmd))
-    return found
 
 
 def _ray_processes_in_node_namespaces() -> list[str]:

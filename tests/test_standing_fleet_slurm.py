@@ -18,33 +18,22 @@ import pytest
 import yaml
 
 from launcher.jobdir import JobDir
-from tests.test_launcher_slurm import leftovers, squeue_empty, wait_no_leftovers
-from tests.test_standing_fleet import TRAINER
+from tests.support.slurm import (
+    SLURM,
+    leftovers,
+    run,
+    slurm_cluster,  # noqa: F401 (autouse: skips the module without a cluster)
+    squeue_empty,
+    wait_no_leftovers,
+)
+from tests.support.standing_fleet import TRAINER
 
 pytestmark = pytest.mark.slurm
-
-RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
-SLURM = {"partition": "debug", "time": "00:20:00", "cpus_per_task": 2, "gpus_per_node": 0}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm_cluster() -> None:
-    from tests.test_slurm_cluster import _slurm_unreachable
-
-    reason = _slurm_unreachable()
-    if reason:
-        pytest.skip(
-            f"no Slurm cluster reachable: {reason} (slurm/cluster.sh start, then run on its login node)"
-        )
 
 
 def _write(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([RL_LAUNCH, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def trainer(tmp_path: Path, mode: str, **gen: Any) -> Path:

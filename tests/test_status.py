@@ -8,7 +8,6 @@ The job directory is written by hand the way the driver and the fleet controller
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import socket
@@ -22,7 +21,6 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from rich.console import Console
 
 from launcher.cli.main import main
 from launcher.engines.sim import SimFleet
@@ -30,7 +28,6 @@ from launcher.jobdir import JobDir
 from launcher.status.charts import sparkline
 from launcher.status.collect import StatusCollector, collect_snapshot
 from launcher.status.figures import lowest_bucket_bound
-from launcher.status.render import render_snapshot
 from router import GenerationRouter
 from router.config import RouterConfig
 from router.ports import free_port
@@ -41,6 +38,7 @@ from router.prometheus import (
     metric_sum,
     parse_metrics,
 )
+from tests.support.status_frame import frame_text
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running. " * 8  # ~130 tokens: 8 blocks
 
@@ -48,12 +46,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog and keeps running. " * 8  
 def _refused_url() -> str:
     """An address nothing listens on (bound, then released): connecting is refused at once."""
     return f"http://127.0.0.1:{free_port()}"
-
-
-def frame_text(snap: dict[str, Any], max_rows: int | None = None) -> str:
-    console = Console(record=True, width=200, file=io.StringIO())
-    console.print(render_snapshot(snap, max_rows=max_rows))
-    return console.export_text()
 
 
 def _post(url: str, body: dict[str, Any]) -> int:

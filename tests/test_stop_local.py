@@ -12,47 +12,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.test_fleet_local import job_processes
+from tests.support.cli import RL_LAUNCH
+from tests.support.jobs import start_job
+from tests.support.running_job import job_processes
 
 pytestmark = pytest.mark.ray
-
-RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
-
-
-def start_job(tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
-    spec = {
-        "name": name,
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {"command": "sleep 600"},
-        "generation": {"engine": "sim", "engines_per_node": 2, "served_model_name": "sim-8b"},
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    proc = subprocess.Popen(
-        [RL_LAUNCH, "submit", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    assert proc.stderr is not None
-    t0 = time.monotonic()
-    first = proc.stderr.readline()  # printed at once, before Ray starts
-    assert first.split("] ", 1)[1].startswith("job directory: "), first
-    assert time.monotonic() - t0 < 10
-    job = Path(first.split("job directory: ", 1)[1].strip())
-    deadline = time.monotonic() + 120
-    while True:
-        state = json.loads((job / "state.json").read_text()) if (job / "state.json").exists() else {}
-        if state.get("phase") == "training" and state.get("fleet"):
-            return proc, job
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"job never reached training: {state}"
-        time.sleep(0.2)
 
 
 def wait_result(job: Path, timeout_s: float = 60) -> tuple[float, float]:

@@ -32,7 +32,8 @@ import yaml
 from launcher.jobdir import JobDir
 from launcher.jobdir.paths import record_dir
 from router.ports import free_port
-from tests.running_job import RL_LAUNCH, job_leftovers, wait_for
+from tests.support.cli import RL_LAUNCH
+from tests.support.running_job import job_leftovers, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 

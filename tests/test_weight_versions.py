@@ -29,7 +29,7 @@ from router.state.versions import (
     WeightVersions,
 )
 from tests.support.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
-from tests.test_router_workers import metrics
+from tests.support.router_metrics import metrics
 
 TOKEN = "admin-test-token-1234"
 CHAT = "/v1/chat/completions"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -31,8 +30,7 @@ import yaml
 
 from launcher.fleet.client import FleetClient
 from launcher.jobdir import JobDir
-
-RL_LAUNCH = str(Path(sys.executable).with_name("rl-launch"))
+from tests.support.cli import RL_LAUNCH
 
 
 def job_processes(job: Path) -> list[str]:
