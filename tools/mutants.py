@@ -15,7 +15,7 @@ working tree itself, and
 tests run there with ``-x`` (a killed mutant stops at its first failing test) under a per-mutant timeout
 (a hang counts as killed).
 
-    python tools/mutants.py router/http/status.py -- tests/test_router_hardening.py -k "literal"
+    python tools/mutants.py router/http/status.py -- tests/component/test_router_hardening.py -k "literal"
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ FLAT_WHY = (
 )
 
 
-# -- the pure parts (unit-tested in the main venv: tests/test_grpo_example.py) ---------------------------
+# -- the pure parts (unit-tested in the main venv: tests/vllm/test_grpo_example.py) --------------------------
 @dataclass
 class Sample:
     """One completion of one prompt, as the router returned it."""

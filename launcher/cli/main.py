@@ -3,7 +3,7 @@
 Why lazy: ``rl-launch --help`` and ``rl-launch validate`` must not pay for aiohttp, Ray, numpy or the
 router server (importing every subcommand took ~0.6 s before any work). Each command is named here with
 the module that defines it and its one-line help (for the command list); the module is imported only
-when that command runs or asks for its own ``--help``. ``tests/test_spec.py`` checks that the help lines
+when that command runs or asks for its own ``--help``. ``tests/unit/test_spec.py`` checks that the help lines
 here match the commands' own.
 """
 

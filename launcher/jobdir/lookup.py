@@ -25,7 +25,8 @@ from launcher.jobdir.ownership import entry_problem, root_problem
 
 DEFAULT_ROOT = "~/rl-launch/jobs"
 """The job root when none is given: the spec's default ``job_root`` (``launcher.spec.DEFAULT_JOB_ROOT``;
-``tests/test_jobdir.py`` keeps the two equal). Expanded when used, not at import, so it follows ``$HOME``."""
+``tests/component/test_jobdir.py`` keeps the two equal). Expanded when used, not at import, so it follows
+``$HOME``."""
 
 
 class JobNotFound(LookupError):

@@ -94,7 +94,7 @@ class SlurmRequest:
     def submitit_setup_for(self, executor: Any) -> list[str]:
         """``submitit_setup`` for a ``submitit.AutoExecutor`` on Slurm. submitit has no public name for
         the command line it writes last (``python -u -m submitit.core._submit FOLDER``), so it is read
-        from its Slurm executor; ``tests/test_spec.py`` checks the submission file it then writes."""
+        from its Slurm executor; ``tests/unit/test_spec.py`` checks the submission file it then writes."""
         return self.submitit_setup(executor._executor._submitit_command_str)
 
     log_pattern: str = ""

@@ -6,9 +6,9 @@ hundred such connections exhaust the process's descriptors and real requests fai
 
 ``GuardedRequestHandler`` is aiohttp's own ``RequestHandler`` with two additions; ``GuardedSockSite``
 serves the already-bound listening socket with it. Both read aiohttp internals (``_request_count``,
-``_request_in_progress``, ``_messages``), which is why tests/test_router_hardening.py pins the behaviour
-with real sockets: an aiohttp upgrade that changes them fails those tests instead of silently removing
-the guard.
+``_request_in_progress``, ``_messages``), which is why tests/component/test_router_hardening.py pins the
+behaviour with real sockets: an aiohttp upgrade that changes them fails those tests instead of silently
+removing the guard.
 """
 
 from __future__ import annotations

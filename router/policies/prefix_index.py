@@ -24,7 +24,7 @@ _PROMPT_KEYS = (b'"messages"', b'"prompt"', b'"input"')
 _SPACE = frozenset(b" \t\r\n")
 
 # Rough bytes per index entry on CPython 3.11: the OrderedDict node and slot (~100), the int key (~32) and
-# the holders tuple (~56-80). Measured with tracemalloc in tests/test_policies.py.
+# the holders tuple (~56-80). Measured with tracemalloc in tests/unit/test_policies.py.
 ENTRY_BYTES = 200
 
 

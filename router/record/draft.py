@@ -403,7 +403,7 @@ def record_text(prompt: bytes, answer: bytes | None, limit: int | None) -> dict[
 
 def record_json(sent: dict[str, Any], clock_offset: float, text_limit: int | None = None) -> dict[str, Any]:
     """A draft's record (``sent``: its ``__dict__``): the JSON object ``RequestRecord.to_json`` writes
-    (same keys, same order; tests/test_router_record.py holds the two together). ``clock_offset``:
+    (same keys, same order; tests/component/test_router_record.py holds the two together). ``clock_offset``:
     wall-clock time minus ``time.perf_counter()`` in the process that made the draft. ``text_limit``: the
     bytes of text a line may hold (``record_text``)."""
     d = {**_DEFAULTS, **sent}

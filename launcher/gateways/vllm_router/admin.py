@@ -1,7 +1,7 @@
 """vllm-router's admin API as rl-launch drives it, and the registrar that converges its worker set.
 
 Facts of vllm-router 0.1.17 this code is built on (checked against the real binary in
-``tests/test_gateway_vllm_router.py``):
+``tests/slurm/test_gateway_vllm_router.py``):
 
 * ``POST /workers {"url": ...}`` blocks until the router's own ``GET {url}/health`` passes (polled every
   ``--worker-startup-check-interval``), then answers 200; a URL it already has answers 400 "already

@@ -1,0 +1,564 @@
+"""The refit window against real vLLM CPU engines (``VLLM_SERVER_DEV_MODE=1``) behind the router.
+
+Two engines start once for the module (each start costs ~90 s on a 2-core box) and every test reuses
+them, in file order; the last test replaces one with an engine started from a copy of the tiny model whose
+weights were changed, which is both "an engine restarted with an old version" and "an engine serving
+other weights". Both take the job's key, as the launcher starts them: engine 0 behind the launcher's key
+guard, engine 1 as vLLM ships it (its key checked under ``/v1`` only), so the first test shows on real
+vLLM what the guard closes (the probes are ``tests/support/engine_key_probes.py``; the simulator's half is
+``tests/component/test_engine_key_guard.py``). The router presents the key to both (``backend_api_key``).
+Needs ``RL_LAUNCH_VLLM_PYTHON``::
+
+    .venv/bin/pytest tests/vllm/test_refit_vllm.py -m vllm -s    # -s prints the pause/resume figures
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher.engines.base import EngineSpec, EngineStartError
+from launcher.engines.vllm.engine import VllmEngine
+from launcher.fleet.client import FleetClient, FleetOpError, RefitError
+from router import GenerationRouter, RouterConfig
+from router.fleet.engine_counters import parse_counters
+from tests.support.engine_key_probes import KEY, PROBES, _call, expected, refused_without_key
+from tests.support.prometheus_readers import ours, reference
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+TOKEN = "refit-admin-token-5678"
+STARTUP_TIMEOUT_S = 600.0
+
+PERTURB = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+path = sys.argv[1]
+shift = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
+tensors = load_file(path)
+name = next(k for k in sorted(tensors) if k.startswith("lm_head"))
+generator = torch.Generator().manual_seed(int(shift * 1000))
+noise = torch.randn(tensors[name].shape, generator=generator) * shift
+tensors[name] = (tensors[name].float() + noise).to(tensors[name].dtype)
+save_file(tensors, path, metadata={"format": "pt"})
+print(name)
+"""
+
+
+def _engine(python: str, model: Path, log: Path, cpu: int | None, key_guard: bool = True) -> VllmEngine:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    spec = EngineSpec(
+        model=str(model),
+        served_name="tiny",
+        port=0,
+        api_key=KEY,
+        key_guard=key_guard,
+        extra_args=["--max-model-len", "4096"],
+        env=env,
+        log_path=str(log),
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+    )
+    return VllmEngine(spec, python=python)
+
+
+def _start(engines: list[VllmEngine]) -> None:
+    t0 = time.monotonic()
+    for e in engines:
+        e.start()
+    for e in engines:
+        try:
+            e.wait_ready(t0 + STARTUP_TIMEOUT_S)
+        except EngineStartError as exc:
+            pytest.fail(f"vLLM engine failed to start:\n{exc}", pytrace=False)
+        print(f"\n[refit vllm] engine {e.url} ready after {(e.ready_at or 0) - (e.started_at or 0):.1f}s")
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Two real engines, a router in front (admin token), and the trainer's client."""
+    logdir = tmp_path_factory.mktemp("refit-vllm")
+    cpus = sorted(os.sched_getaffinity(0))
+    engines = [  # 0: behind the launcher's key guard; 1: as vLLM ships it (see the module doc)
+        _engine(
+            vllm_python,
+            tiny_model_dir,
+            logdir / f"engine{i}.log",
+            cpus[i] if len(cpus) >= 2 else None,
+            key_guard=i == 0,
+        )
+        for i in range(2)
+    ]
+    router: GenerationRouter | None = None
+    state: dict[str, Any] = {"engines": engines, "logdir": logdir, "cpus": cpus}
+    try:
+        _start(engines)
+        config = RouterConfig(
+            host="127.0.0.1",
+            port=0,
+            policy="round_robin",
+            admin_token=TOKEN,
+            backend_api_key=KEY,
+            backend_timeout_s=300,
+        )
+        router = GenerationRouter(config, [e.api_url for e in engines])
+        router.serve_in_background()
+        state.update(router=router, client=FleetClient(router.base_url(), TOKEN))
+        yield state
+    finally:
+        if router is not None:
+            router.stop()
+        for e in state["engines"]:
+            e.stop()
+
+
+def _chat(url: str, max_tokens: int, content: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def _in_thread(results: dict[int, Any], key: int, *args: Any, **kw: Any) -> threading.Thread:
+    def run() -> None:
+        t0 = time.monotonic()
+        results[key] = (*_chat(*args, **kw), time.monotonic() - t0, time.monotonic())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _generation_tokens(engine_url: str) -> float:
+    req = urllib.request.Request(engine_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+
+
+def _weight_version(base: str) -> object:
+    req = urllib.request.Request(base + "/weight_info", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read()).get("weight_version")
+
+
+def test_real_vllm_dev_routes_open_as_shipped_and_closed_behind_the_guard(fleet: Any) -> None:
+    """Issue 17's finding on real vLLM in dev mode: with the key, vLLM still answers every route outside
+    ``/v1`` to anyone (``/pause``, ``/update_weight_version``, ``/collective_rpc``...); behind the guard
+    every route but ``/health`` takes the key. Runs first: it leaves both engines as it found them."""
+    guarded, raw = fleet["engines"]
+    assert "--middleware" in guarded.command() and "--middleware" not in raw.command()
+    assert KEY not in " ".join(guarded.command())  # the key stays out of argv
+    got_raw = refused_without_key(raw.url)
+    assert got_raw == expected(False), got_raw
+    assert not got_raw["POST /pause?mode=keep"] and not got_raw["POST /collective_rpc"]
+    got_guarded = refused_without_key(guarded.url)
+    assert got_guarded == expected(True), got_guarded
+    # The stranger's stamp reached the engine as shipped, never the guarded one.
+    assert _weight_version(raw.url) == "stranger" and _weight_version(guarded.url) != "stranger"
+    for method, path, body in PROBES:  # the key opens every route
+        assert _call(guarded.url, method, path, body, KEY) != 401, path
+    for engine in (raw, guarded):  # as found: serving, on the version they started with
+        assert _call(engine.url, "POST", "/resume", None, KEY) == 200
+        body = {"new_version": "default"}
+        assert _call(engine.url, "POST", "/update_weight_version", body, KEY) == 200
+        assert _weight_version(engine.url) == "default"
+
+
+def test_keep_pause_requests_in_flight_and_held_complete_after_resume(fleet: Any) -> None:
+    client: FleetClient = fleet["client"]
+    url = fleet["router"].base_url()
+    results: dict[int, Any] = {}
+    threads = [_in_thread(results, i, url, 300, f"in flight {i}") for i in range(4)]
+    time.sleep(1.0)
+    in_flight_at_pause = 4 - len(results)
+    t0 = time.perf_counter()
+    pause = client.pause("keep")
+    paused_at = time.monotonic()
+    assert client.is_paused()
+    held = [_in_thread(results, 10 + i, url, 16, f"held {i}") for i in range(3)]
+    time.sleep(2.0)
+    assert not any(k >= 10 for k in results), "a request sent during the pause was not held"
+    t1 = time.perf_counter()
+    resume = client.resume()
+    t2 = time.perf_counter()
+    for t in threads + held:
+        t.join(300)
+    assert sorted(results) == [0, 1, 2, 3, 10, 11, 12]
+    for k, (status, body, _, _) in results.items():
+        assert status == 200, (k, body)
+        assert body["usage"]["completion_tokens"] == (300 if k < 10 else 16), (k, body["choices"][0])
+    # Requests frozen by the pause finished after it; the held ones completed after the resume.
+    frozen_done = [results[i][3] for i in range(4) if results[i][3] > paused_at]
+    assert all(results[k][3] > paused_at + 2.0 for k in (10, 11, 12))
+    assert resume.result["released"] == 3
+    print(
+        f"\n[refit vllm] 2 engines: pause(keep) {pause.took_s * 1000:.0f} ms,"
+        f" resume {(t2 - t1) * 1000:.0f} ms,"
+        f" pause->resume cycle {(t2 - t0) * 1000:.0f} ms (incl. 2 s hold);"
+        f" {in_flight_at_pause} in flight at pause ({len(frozen_done)} finished after it),"
+        f" 3 held, longest wait {resume.result['held_longest_wait_s']:.3f} s"
+    )
+
+
+def test_abort_all_and_by_id_reach_client_as_engine_answered(fleet: Any) -> None:
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    url = router.base_url()
+    retries_before = router.metrics.retries._value.get()
+    results: dict[int, Any] = {}
+    # Each abort goes 0.3 s after its own request starts: on a quiet machine the tiny model writes 3,500
+    # tokens in about two seconds, and a request started beside the first one had already finished
+    # ("length") by the time the abort-by-id round trip was over, in one CI run.
+    first = _in_thread(results, 0, url, 3500, "abort me by id", headers={"X-Request-Id": "refit-abort-1"})
+    time.sleep(0.3)
+    assert not results, "the long request finished before the abort"
+    by_id = client.abort(["chatcmpl-refit-abort-1"])
+    first.join(60)
+    assert 0 in results, results
+    second = _in_thread(results, 1, url, 3500, "abort me with all")
+    time.sleep(0.3)
+    assert 1 not in results, "the long request finished before the abort"
+    rest = client.abort()
+    second.join(60)
+    assert 1 in results
+    for status, body, took, _ in results.values():
+        assert took < 60
+        if status == 200:  # vLLM ends an aborted request with finish_reason "abort"
+            assert body["choices"][0]["finish_reason"] == "abort", body
+            assert body["usage"]["completion_tokens"] < 3500
+        else:
+            assert status < 600 and body is not None
+    assert router.metrics.retries._value.get() == retries_before  # never retried on another engine
+    seen = list(results.values())
+    print(
+        f"\n[refit vllm] abort by id: {by_id.result}, abort all: {rest.result};"
+        f" clients got {[(s, (b or {}).get('choices', [{}])[0].get('finish_reason')) for s, b, *_ in seen]}"
+    )
+
+
+def test_version_checksum_and_cache_reset(fleet: Any) -> None:
+    client: FleetClient = fleet["client"]
+    before = client.weight_version()
+    assert set(before.result["engines"].values()) == {"default"}
+    stamp = client.set_weight_version("step-1")
+    assert stamp.ok and stamp.result["current"] == "step-1"
+    assert set(client.weight_version().result["engines"].values()) == {"step-1"}
+    check = client.checksum()
+    assert check.ok and len(check.result["groups"]) == 1 and check.result["parameters"] > 0
+    reset = client.reset_prefix_cache()
+    assert reset["ok"] and len(reset["engines"]) == 2
+
+
+def test_step_metrics_delta_matches_tokens_sent(fleet: Any) -> None:
+    client: FleetClient = fleet["client"]
+    url = fleet["router"].base_url()
+    client.begin_step()
+    sent = [_chat(url, 7 + i, f"step prompt number {i} " * (i + 1)) for i in range(4)]
+    assert all(s == 200 for s, _ in sent)
+    want_gen = sum(b["usage"]["completion_tokens"] for _, b in sent)
+    want_prompt = sum(b["usage"]["prompt_tokens"] for _, b in sent)
+    deadline = time.monotonic() + 15  # the engines' counters can lag their answers a little
+    while True:
+        step = client.step_metrics()
+        fleet_counts = step["fleet"]
+        if fleet_counts.get("generation_tokens") == want_gen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert fleet_counts["generation_tokens"] == want_gen, step
+    assert fleet_counts["prompt_tokens"] == want_prompt, step
+    assert fleet_counts["finished_length"] == 4, step
+    assert fleet_counts["prefix_cache_queries"] >= want_prompt - 4
+    print(f"\n[refit vllm] step dict: {step['fleet']}")
+
+
+def test_one_prometheus_reader_reads_real_vllm_as_prometheus_client_does(fleet: Any) -> None:
+    """``router.prometheus`` (strict) against vLLM's own ``/metrics``, every family it exposes."""
+    for e in fleet["engines"]:
+        req = urllib.request.Request(e.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+        assert ours(text) == reference(text), e.url
+        assert parse_counters(text).keys() >= {"prompt_tokens", "generation_tokens", "prefix_cache_queries"}
+
+
+def test_restarted_engine_with_old_version_not_served_until_stamped(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    assert client.weight_version().result["current"] == "step-1"
+    # Replace engine 1 with one started from a copy whose weights differ (a checkpoint of another run).
+    other = fleet["logdir"] / "tiny-other"
+    shutil.copytree(tiny_model_dir, other)
+    weights = next(other.glob("*.safetensors"))
+    out = subprocess.run(
+        [vllm_python, "-c", PERTURB, str(weights)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    old = fleet["engines"][1]
+    old.stop()
+    cpus = fleet["cpus"]
+    new = _engine(
+        vllm_python, other, fleet["logdir"] / "engine1-restarted.log", cpus[1] if len(cpus) >= 2 else None
+    )
+    fleet["engines"][1] = new
+    _start([new])
+    e0 = fleet["engines"][0]
+    router.set_serving_backends([e0.api_url, new.api_url])  # what the fleet controller pushes
+    deadline = time.monotonic() + 10
+    # Held out at once ("not verified yet"), then judged on its /weight_info.
+    while "'default'" not in client.stale_engines().get(new.url, "") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stale = client.stale_engines()
+    assert list(stale) == [new.url] and "'default'" in stale[new.url], stale
+    assert router.serving_backends() == [e0.url]
+    url = router.base_url()
+    before = _generation_tokens(new.url)
+    assert all(_chat(url, 4, f"while stale {i}")[0] == 200 for i in range(4))
+    assert _generation_tokens(new.url) == before, "a stale engine served"
+    # The trainer refits it (here: only stamps it) and it is readmitted ...
+    assert client.set_weight_version("step-1", engines=[new.url]).ok
+    assert client.stale_engines() == {}
+    assert sorted(router.serving_backends()) == sorted([e0.url, new.url])
+    assert all(_chat(url, 4, f"after stamp {i}")[0] == 200 for i in range(4))
+    assert _generation_tokens(new.url) > before
+    # ... but it serves other weights, which the checksum comparison catches.
+    with pytest.raises(FleetOpError, match="different weights") as err:
+        client.checksum()
+    groups = err.value.report.result["groups"]
+    assert len(groups) == 2 and [new.url] in groups.values(), groups
+    print(f"\n[refit vllm] checksum groups after the odd restart: {groups}")
+
+
+def _perturbed_copy(vllm_python: str, source: Path, target: Path, shift: float) -> Path:
+    """A copy of the tiny model whose ``lm_head`` differs (another step's checkpoint)."""
+    shutil.copytree(source, target)
+    weights = next(target.glob("*.safetensors"))
+    out = subprocess.run(
+        [vllm_python, "-c", PERTURB, str(weights), str(shift)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return target
+
+
+def _greedy(engine_url: str) -> list[str]:
+    """Each engine's own greedy answer to the same prompts (straight to the engine, with the key)."""
+    texts = []
+    for prompt in ("the quick brown fox", "one two three four", "hello"):
+        status, body = _chat(engine_url, 12, prompt, headers={"Authorization": f"Bearer {KEY}"})
+        assert status == 200, body
+        texts.append(body["choices"][0]["message"]["content"])
+    return texts
+
+
+def _until(check: Any, timeout_s: float) -> bool:
+    """Poll ``check()`` every 0.1 s for at most ``timeout_s``; whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _chat_with_headers(url: str, content: str) -> tuple[int, dict[str, str], Any]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, json.loads(resp.read())
+
+
+def test_refit_from_a_directory_moves_every_engine_to_the_same_new_weights(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """Issue 19: one call; every checksum agrees and differs from before, greedy output changes, and the
+    responses carry the new version. Runs after the odd restart above, so the engines start apart."""
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    engines = fleet["engines"]
+    before = client.checksum(check=False).result["groups"]
+    assert len(before) == 2  # the restarted engine serves other weights
+    greedy_before = [_greedy(e.url) for e in engines]
+    step_b = _perturbed_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-step-b", 2.0)
+    t0 = time.perf_counter()
+    txn = client.load_weights(step_b, "step-2")
+    took = time.perf_counter() - t0
+    assert txn["ok"] and txn["phase"] == "done", txn
+    assert sorted(txn["verified"]) == sorted(e.url for e in engines)
+    after = client.checksum().result["groups"]
+    assert list(after) == [txn["checksum"]] and txn["checksum"] not in before, (before, after)
+    greedy_after = [_greedy(e.url) for e in engines]
+    assert greedy_after[0] == greedy_after[1]  # the same weights give the same greedy answers
+    assert greedy_after[0] != greedy_before[0], "engine 0's greedy output did not change"
+    assert set(client.weight_version().result["engines"].values()) == {"step-2"}
+    url = router.base_url()
+    for i in range(4):
+        status, headers, _ = _chat_with_headers(url, f"versioned {i}")
+        assert status == 200 and headers.get("x-rl-weight-version") == "step-2", headers
+    steps = {s["phase"]: s["took_s"] for s in txn["steps"]}
+    print(
+        f"\n[refit vllm] load_weights from {step_b.name} into 2 real engines: {took * 1000:.0f} ms in all, "
+        f"steps (ms) { ({k: round(v * 1000) for k, v in steps.items()}) }, checksum {txn['checksum']}"
+    )
+
+
+def test_a_broken_directory_quarantines_its_engine_and_no_request_fails(
+    fleet: Any, tiny_model_dir: Path
+) -> None:
+    """One engine given a broken copy (its config is right, its weights file is not): vLLM 0.32's reload
+    fails and leaves the engine without weights (its next generation step would kill the core); the
+    transaction quarantines it with the reason, the other engine moves to the new version, the fleet is
+    resumed, and the rollouts in flight all complete; then the fleet restores engine 1 from the directory
+    it verified (``router.fleet.restore``), with no trainer call."""
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    e0, e1 = fleet["engines"]
+    bad = fleet["logdir"] / "tiny-broken"
+    shutil.copytree(tiny_model_dir, bad)
+    # What the router's check passes (a garbage model.safetensors is now refused before the pause): a
+    # torch zip whose directory is whole and whose pickle is not; vLLM falls back to it and fails to load.
+    next(bad.glob("*.safetensors")).unlink()
+    with zipfile.ZipFile(bad / "pytorch_model.bin", "w") as archive:
+        archive.writestr("archive/data.pkl", b"not a pickle")
+    url = router.base_url()
+    results: dict[int, Any] = {}
+    threads = [_in_thread(results, i, url, 64, f"rollout during the refit {i}") for i in range(6)]
+    time.sleep(0.3)
+    txn = client.load_weights(tiny_model_dir, "step-3", per_engine={e1.url: bad})
+    for t in threads:
+        t.join(300)
+    assert txn["moved"] and not txn["ok"] and txn["verified"] == [e0.url], txn
+    why = txn["quarantined"][e1.url]
+    assert "reload from" in why and "tiny-broken" in why, why
+    assert [results[i][0] for i in range(6)] == [200] * 6, results
+    assert not router.gate.paused
+    assert _until(lambda: client.stale_engines() == {}, 60), client.stale_engines()
+    assert sorted(router.serving_backends()) == sorted([e0.url, e1.url])
+    assert len(client.checksum().result["groups"]) == 1 and _weight_version(e1.url) == "step-3"
+    req = urllib.request.Request(e0.url + "/is_paused", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["is_paused"] is False
+    assert all(_chat(url, 4, f"after {i}")[0] == 200 for i in range(4))
+    assert client.weight_version(check=False).result["current"] == "step-3"
+    print(f"\n[refit vllm] broken directory on one engine: quarantined with {why[:160]!r}")
+
+
+UNKNOWN_TENSOR = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+tensors = load_file(sys.argv[1])
+tensors["model.layers.0.mlp.bogus.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+save_file(tensors, sys.argv[1], metadata={"format": "pt"})
+"""
+
+
+def _stream(url: str, n: int, tag: str) -> tuple[dict[int, Any], list[threading.Thread]]:
+    """``n`` rollouts sent 0.1 s apart, each in a thread (a bounded stream during a refit)."""
+    results: dict[int, Any] = {}
+    threads = []
+    for i in range(n):
+        threads.append(_in_thread(results, i, url, 32, f"{tag} {i}"))
+        time.sleep(0.1)
+    return results, threads
+
+
+def test_a_cut_checkpoint_is_refused_and_a_failing_canary_costs_one_engine(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """Issue 28's finding 1 on real vLLM: refit to B; a copy of B with ``model.safetensors`` cut to half
+    its size is refused before the pause (the router reads every header); a well-formed copy of B that
+    vLLM's loader refuses (a tensor the model has no parameter for) is tried on one canary engine only,
+    which is quarantined while the other is never touched; no request fails; and the canary serves B
+    again, restored by the fleet from B's directory, with no trainer call."""
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    url = router.base_url()
+    engines = fleet["engines"]
+    step_b = _perturbed_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-step-b4", 3.0)
+    moved = client.load_weights(step_b, "step-4")
+    assert moved["ok"], moved
+    on_b = moved["checksum"]
+    cut = fleet["logdir"] / "tiny-step-b4-cut"
+    shutil.copytree(step_b, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    results, threads = _stream(url, 8, "during the cut refit")
+    with pytest.raises(ValueError, match="shorter than") as refused:
+        client.load_weights(cut, "step-5-cut")
+    for t in threads:
+        t.join(300)
+    assert [results[i][0] for i in range(8)] == [200] * 8, results
+    assert client.weight_version().result["current"] == "step-4"
+    odd = fleet["logdir"] / "tiny-step-b4-odd"
+    shutil.copytree(step_b, odd)
+    out = subprocess.run(
+        [vllm_python, "-c", UNKNOWN_TENSOR, str(odd / "model.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    results, threads = _stream(url, 8, "during the odd refit")
+    with pytest.raises(RefitError) as failed:
+        client.load_weights(odd, "step-5-odd")
+    for t in threads:
+        t.join(300)
+    txn = failed.value.txn
+    canary = txn["canary"]
+    other = next(e for e in engines if e.url != canary)
+    assert txn["phase"] == "failed" and list(txn["quarantined"]) == [canary], txn
+    why = txn["quarantined"][canary]
+    assert why.startswith("canary: reload from") and "no module or parameter named" in why, why
+    assert txn["engines"][other.url]["state"] == "pending"  # never touched
+    assert [results[i][0] for i in range(8)] == [200] * 8, results
+    assert client.weight_version(check=False).result["current"] == "step-4"
+    assert _weight_version(other.url) == "step-4"
+    # The fleet restores the canary from B's directory by itself.
+    assert _until(lambda: client.stale_engines() == {}, 60), client.stale_engines()
+    groups = client.checksum().result["groups"]
+    assert list(groups) == [on_b] and sorted(groups[on_b]) == sorted(e.url for e in engines), groups
+    assert _weight_version(canary) == "step-4"
+    assert client.refit_state()["last"]["id"] == txn["id"]  # no refit since: restored, not refit
+    before = _generation_tokens(canary)
+    for i in range(4):
+        status, headers, _ = _chat_with_headers(url, f"after the restore {i}")
+        assert status == 200 and headers.get("x-rl-weight-version") == "step-4", headers
+    assert _generation_tokens(canary) > before
+    print(
+        f"\n[refit vllm] cut checkpoint refused before the pause: {str(refused.value)[:200]!r}; "
+        f"canary {canary} quarantined with {why[:160]!r}, restored to step-4 ({on_b}); 16/16 rollouts 200"
+    )
