@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.support.dynamo import TRAINER, have_runtime
 from tests.support.running_job import job_processes
+from tests.support.specs import local_spec, run_spec, trainer_command, write_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.dynamo]
 
@@ -36,30 +36,23 @@ def test_dynamo_fleet_serves_recovers_a_killed_worker_and_leaves_nothing(
     tmp_path: Path, tiny_model_dir: Path, discovery: str
 ) -> None:
     have_runtime()
-    trainer = tmp_path / "trainer.py"
-    trainer.write_text(TRAINER)
-    spec = {
-        "name": "dynamo-local",
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {"command": f"{sys.executable} {trainer}"},
-        "generation": {
+    spec = local_spec(
+        "dynamo-local",
+        root=tmp_path / "jobs",
+        command=trainer_command(tmp_path, TRAINER),
+        generation={
             "engine": "dynamo-mocker",
             "engines_per_node": 2,
             "model": str(tiny_model_dir),
             "served_model_name": "tiny",
             "startup_timeout_s": 120,
         },
-        "router": {
+        router={
             "kind": "dynamo",
             "dynamo": {"router_mode": "kv", "discovery": discovery, "worker_args": ["--speedup-ratio", "10"]},
         },
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
-    proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=400)
-    (job,) = list((tmp_path / "jobs").iterdir())
+    )
+    proc, job = run_spec(tmp_path / "spec.yaml", spec, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = json.loads((job / "dynamo_trainer.json").read_text())
     assert seen["first"]["usage"]["completion_tokens"] == 4
@@ -101,21 +94,19 @@ def test_dynamo_job_ends_loudly_and_leaves_nothing(tmp_path: Path, tiny_model_di
     """A dead frontend or runtime fails the job with the reason (every request would fail otherwise); a
     SIGTERM (scancel, rl-launch cancel) cancels it; either way nothing of the job is left."""
     have_runtime()
-    spec = {
-        "name": "dynamo-stop",
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {"command": "sleep 300"},
-        "generation": {
+    spec = local_spec(
+        "dynamo-stop",
+        root=tmp_path / "jobs",
+        command="sleep 300",
+        generation={
             "engine": "dynamo-mocker",
             "engines_per_node": 1,
             "model": str(tiny_model_dir),
             "served_model_name": "tiny",
         },
-        "router": {"kind": "dynamo"},
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
+        router={"kind": "dynamo"},
+    )
+    path = write_spec(tmp_path / "spec.yaml", spec)
     rl_launch = str(Path(sys.executable).with_name("rl-launch"))
     out = (tmp_path / "submit.log").open("w")  # a file, not a pipe nobody reads until the end
     proc = subprocess.Popen([rl_launch, "submit", str(path)], stdout=out, stderr=subprocess.STDOUT)

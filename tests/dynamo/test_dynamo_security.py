@@ -41,6 +41,7 @@ from launcher.jobdir import JobDir
 from launcher.spec import SpecError, parse_spec
 from tests.support.dynamo import have_runtime
 from tests.support.running_job import job_processes
+from tests.support.specs import local_spec, trainer_command, write_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.dynamo]
 
@@ -81,27 +82,23 @@ class RunningJob:
 def dynamo_job(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[RunningJob]:
     have_runtime()
     tmp = tmp_path_factory.mktemp("dynamo-security")
-    trainer = tmp / "trainer.py"
-    trainer.write_text(WAIT_FOR_RELEASE)
-    spec = {
-        "name": "dynamo-security",
-        "cluster": "local",
-        "job_root": str(tmp / "jobs"),
-        "training": {"command": f"{sys.executable} {trainer}"},
-        "generation": {
+    spec = local_spec(
+        "dynamo-security",
+        root=tmp / "jobs",
+        command=trainer_command(tmp, WAIT_FOR_RELEASE),
+        generation={
             "engine": "dynamo-mocker",
             "engines_per_node": 1,
             "model": str(tiny_model_dir),
             "served_model_name": "tiny",
             "startup_timeout_s": 120,
         },
-        "router": {
+        router={
             "kind": "dynamo",
             "dynamo": {"discovery": "etcd", "worker_args": ["--speedup-ratio", "10"]},
         },
-    }
-    path = tmp / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    )
+    path = write_spec(tmp / "spec.yaml", spec)
     rl_launch = str(Path(sys.executable).with_name("rl-launch"))
     out = (tmp / "submit.log").open("w")
     proc = subprocess.Popen([rl_launch, "submit", str(path)], stdout=out, stderr=subprocess.STDOUT)

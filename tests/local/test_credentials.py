@@ -33,7 +33,6 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-import yaml
 
 from router import GenerationRouter
 from router.consumers import (
@@ -46,6 +45,7 @@ from router.consumers import (
 )
 from tests.support.http_backends import WORKER_MODES, mode_id, router_factory
 from tests.support.recording_server import RecordingServer
+from tests.support.specs import local_spec, sim, trainer_command, write_spec
 
 OWNER_KEY = "owner-key-" + "o" * 20
 ADMIN_TOKEN = "admin-token-" + "a" * 20
@@ -324,31 +324,18 @@ def test_a_standing_fleet_gives_each_credential_one_use(tmp_path: Path) -> None:
     from tests.support.running_job import job_processes
 
     root = tmp_path / "jobs"
-    fleet_yaml = tmp_path / "fleet.yaml"
-    fleet_yaml.write_text(
-        yaml.safe_dump(
-            {
-                "name": "creds",
-                "cluster": "local",
-                "job_root": str(root),
-                "fleet": {"consumers": {"trainer": {"admin": True}}},
-                "generation": {"engine": "sim", "engines_per_node": 2, "served_model_name": "sim-8b"},
-            }
-        )
+    fleet_yaml = write_spec(
+        tmp_path / "fleet.yaml",
+        local_spec("creds", root=root, generation=sim(2), fleet={"consumers": {"trainer": {"admin": True}}}),
     )
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
-    trainer_yaml = tmp_path / "trainer.yaml"
-    trainer_yaml.write_text(
-        yaml.safe_dump(
-            {
-                "name": "trainer",
-                "cluster": "local",
-                "job_root": str(root),
-                "training": {"command": f"{sys.executable} {probe}"},
-                "generation": {"fleet": "creds"},
-            }
-        )
+    trainer_yaml = write_spec(
+        tmp_path / "trainer.yaml",
+        local_spec(
+            "trainer",
+            root=root,
+            command=trainer_command(tmp_path, PROBE, file="probe.py"),
+            generation={"fleet": "creds"},
+        ),
     )
     up = _rl_launch("fleet", "up", str(fleet_yaml), "--json", timeout=240)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]

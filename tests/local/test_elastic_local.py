@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-import yaml
 
 from launcher.jobdir import JobDir
 from launcher.jobdir.paths import record_dir as record_dir_of
 from router.record.format import read_records
 from router.state.backends import canonical_backend_url
+from tests.support.specs import local_spec, run_spec, sim, trainer_command
 
 pytestmark = pytest.mark.ray
 
@@ -106,27 +105,14 @@ TRAINER = textwrap.dedent(
 def run_job(
     tmp_path: Path, router: dict[str, object] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    trainer = tmp_path / "trainer.py"
-    trainer.write_text(TRAINER)
-    spec = {
-        "name": "elastic-local",
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {"command": f"{sys.executable} {trainer}"},
-        "generation": {
-            "engine": "sim",
-            "engines_per_node": 2,
-            "served_model_name": "sim-8b",
-            "sim": {"speed": 0.3},
-        },
-        "router": router,
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
-    proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=600)
-    (job,) = list((tmp_path / "jobs").iterdir())
-    return proc, job
+    spec = local_spec(
+        "elastic-local",
+        root=tmp_path / "jobs",
+        command=trainer_command(tmp_path, TRAINER),
+        generation=sim(2, speed=0.3),
+        router=router,
+    )
+    return run_spec(tmp_path / "spec.yaml", spec, timeout=600)
 
 
 def elastic_events(job: Path) -> list[dict[str, object]]:

@@ -30,23 +30,19 @@ import pytest
 from launcher.jobdir import JobDir
 from tests.support.jobs import TRAINER, run_job
 from tests.support.running_job import RunningJob, job_processes, running_job  # noqa: F401 (the fixture)
+from tests.support.specs import local_spec, sim
 
 pytestmark = pytest.mark.ray
 
 
 # The job the recoverable checks share: the agent serves faults for up to 20 min (cancel ends it sooner).
-SHARED = {
-    "name": "fleet-shared",
-    "cluster": "local",
-    "training": {"command": f"{sys.executable} {{trainer}} serve 1200"},
-    "generation": {
-        "engine": "sim",
-        "engines_per_node": 3,
-        "served_model_name": "sim-8b",
-        "sim": {"speed": 3},
-    },
-    "router": {"backend_timeout_s": 5},
-}
+SHARED = local_spec(
+    "fleet-shared",
+    root=None,  # running_job sets the job root
+    command=f"{sys.executable} {{trainer}} serve 1200",
+    generation=sim(3, speed=3),
+    router={"backend_timeout_s": 5},
+)
 
 
 @pytest.fixture(scope="module")

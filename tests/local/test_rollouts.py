@@ -11,18 +11,17 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import textwrap
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
 
 from router.record.draft import session_hash
 from router.record.format import read_records
 from tests.support.cli import RL_LAUNCH
+from tests.support.specs import local_spec, sim, trainer_command, write_spec
 
 pytestmark = pytest.mark.ray
 
@@ -54,22 +53,13 @@ TRAINER = textwrap.dedent(
 
 
 def _job(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], Path]:
-    trainer = tmp_path / "trainer.py"
-    trainer.write_text(TRAINER)
-    spec = {
-        "name": "rec",
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {"command": f"{sys.executable} {trainer} {mode}"},
-        "generation": {
-            "engine": "sim",
-            "engines_per_node": 3,
-            "served_model_name": "sim-8b",
-            "sim": {"speed": 10},
-        },
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    spec = local_spec(
+        "rec",
+        root=tmp_path / "jobs",
+        command=trainer_command(tmp_path, TRAINER, mode),
+        generation=sim(3, speed=10),
+    )
+    path = write_spec(tmp_path / "spec.yaml", spec)
     proc = subprocess.Popen(
         [RL_LAUNCH, "submit", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,37 +25,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from launcher.jobdir import JobDir
 from tests.support.cli import RL_LAUNCH
 from tests.support.running_job import job_leftovers, job_processes
+from tests.support.specs import local_spec, sim, trainer_command, write_spec
 from tests.support.standing_fleet import TRAINER
 
 pytestmark = pytest.mark.ray
 
 
-def _write(path: Path, data: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def fleet_spec(tmp_path: Path, name: str = "shared", root: Path | None = None, **fleet: Any) -> Path:
-    return _write(
+    return write_spec(
         tmp_path / f"fleet-{name}.yaml",
-        {
-            "name": name,
-            "cluster": "local",
-            "job_root": str(root if root is not None else tmp_path / "jobs"),
-            "fleet": {"consumers": {"trainer": {"admin": True}}, **fleet},
-            "generation": {
-                "engine": "sim",
-                "engines_per_node": 2,
-                "served_model_name": "sim-8b",
-                "sim": {"speed": 4},
-            },
-            "router": {"backend_timeout_s": 30},
-        },
+        local_spec(
+            name,
+            root=root if root is not None else tmp_path / "jobs",
+            fleet={"consumers": {"trainer": {"admin": True}}, **fleet},
+            generation=sim(2, speed=4),
+            router={"backend_timeout_s": 30},
+        ),
     )
 
 
@@ -69,17 +57,14 @@ def trainer_spec(
     **gen: Any,
 ) -> Path:
     """An attached job's spec (its jobs under ``root``, default ``tmp_path/jobs``)."""
-    trainer = tmp_path / "trainer.py"
-    trainer.write_text(TRAINER)
-    return _write(
+    return write_spec(
         tmp_path / f"{name}-{mode.split()[0]}.yaml",
-        {
-            "name": name,
-            "cluster": "local",
-            "job_root": str(root if root is not None else tmp_path / "jobs"),
-            "training": {"command": f"{sys.executable} {trainer} {mode}"},
-            "generation": {"fleet": fleet, **gen},
-        },
+        local_spec(
+            name,
+            root=root if root is not None else tmp_path / "jobs",
+            command=trainer_command(tmp_path, TRAINER, mode),
+            generation={"fleet": fleet, **gen},
+        ),
     )
 
 
@@ -341,15 +326,9 @@ def test_bad_attachments_are_refused_before_anything_starts(tmp_path: Path, flee
         trainer_spec(tmp_path, "refit", fleet="nope", root=root)
     )
     # --fleet on a spec of its own: its generation gives way, but its model must match
-    own = _write(
+    own = write_spec(
         tmp_path / "own.yaml",
-        {
-            "name": "own",
-            "cluster": "local",
-            "job_root": str(root),
-            "training": {"command": "true"},
-            "generation": {"engine": "sim", "served_model_name": "other"},
-        },
+        local_spec("own", root=root, command="true", generation=sim(served_model_name="other")),
     )
     assert "serves model 'sim-8b'" in refused(own, "--fleet", "shared")
     record_file = root / "fleets" / "shared.json"

@@ -29,12 +29,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from launcher.fleet import standing
 from launcher.jobdir import JobDir, JobResult, StateWriter, start_ticks
 from tests.support.cli import RL_LAUNCH
 from tests.support.other_user import OtherUser, other_user
+from tests.support.specs import local_spec, sim, write_spec
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -312,17 +312,10 @@ def test_job_root_fleets_and_job_dirs_are_0700_under_umask_002(tmp_path: Path) -
     assert mode(root / "fleets") == 0o700
 
 
-def local_spec(tmp_path: Path, root: Path) -> Path:
-    spec = {
-        "name": "refused",
-        "cluster": "local",
-        "job_root": str(root),
-        "training": {"command": "true"},
-        "generation": {"engine": "sim", "engines_per_node": 1, "served_model_name": "sim-8b"},
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+def refused_spec(tmp_path: Path, root: Path) -> Path:
+    return write_spec(
+        tmp_path / "spec.yaml", local_spec("refused", root=root, command="true", generation=sim(1))
+    )
 
 
 def test_a_root_others_may_rename_things_in_is_refused(tmp_path: Path) -> None:
@@ -335,7 +328,7 @@ def test_a_root_others_may_rename_things_in_is_refused(tmp_path: Path) -> None:
         line = one_line_error(run(*argv, "--root", str(root)))
         assert f"job root {root} is writable by others without the sticky bit (mode 0775)" in line, line
         assert f"chmod 700 {root}" in line
-    submit = run("submit", str(local_spec(tmp_path, root)))
+    submit = run("submit", str(refused_spec(tmp_path, root)))
     assert "without the sticky bit" in one_line_error(submit)
     assert sorted(p.name for p in root.iterdir()) == ["mine-local-1-1"]  # nothing started
     print(f"\ngroup-writable root: {line}")

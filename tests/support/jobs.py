@@ -3,21 +3,20 @@
 ``TRAINER`` is the fault trainer of the local fleet's checks (kill, wedge, kill_router, kill_all, and the
 shared job's ``serve`` agent); ``run_job`` submits a job of 3 simulated engines running it (or another
 trainer's text) and waits for its end; ``start_job`` submits a ``sleep 600`` job and returns once it
-trains. What one running job shares between checks is ``tests/support/running_job.py``.
+trains. Their specs come from ``tests/support/specs.py``; what one running job shares between checks is
+``tests/support/running_job.py``.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
-import yaml
-
 from tests.support.cli import RL_LAUNCH
+from tests.support.specs import local_spec, run_spec, sim, trainer_command, write_spec
 
 TRAINER = textwrap.dedent(
     """\
@@ -118,40 +117,19 @@ def run_job(
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """A local job of 3 sim engines whose training command is ``trainer_text`` run with ``mode``
     (``router``: the spec's router section, default the builtin router with a 5 s backend timeout)."""
-    trainer = tmp_path / "trainer.py"
-    trainer.write_text(trainer_text)
-    spec = {
-        "name": f"{name}-{mode.replace('_', '-')}",
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {"command": f"{sys.executable} {trainer} {mode}"},
-        "generation": {
-            "engine": "sim",
-            "engines_per_node": 3,
-            "served_model_name": "sim-8b",
-            "sim": {"speed": 3},
-            **generation,
-        },
-        "router": router if router is not None else {"backend_timeout_s": 5},
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
-    proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=400)
-    (job,) = list((tmp_path / "jobs").iterdir())
-    return proc, job
+    spec = local_spec(
+        f"{name}-{mode.replace('_', '-')}",
+        root=tmp_path / "jobs",
+        command=trainer_command(tmp_path, trainer_text, mode),
+        generation={**sim(3, speed=3), **generation},
+        router=router if router is not None else {"backend_timeout_s": 5},
+    )
+    return run_spec(tmp_path / "spec.yaml", spec, timeout=400)
 
 
 def start_job(tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
-    spec = {
-        "name": name,
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {"command": "sleep 600"},
-        "generation": {"engine": "sim", "engines_per_node": 2, "served_model_name": "sim-8b"},
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    spec = local_spec(name, root=tmp_path / "jobs", command="sleep 600", generation=sim(2))
+    path = write_spec(tmp_path / "spec.yaml", spec)
     proc = subprocess.Popen(
         [RL_LAUNCH, "submit", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

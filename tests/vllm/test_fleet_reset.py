@@ -14,12 +14,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 
 from launcher.engines.sim import SimConfig, SimServer
 from router import GenerationRouter
 from router.config import RouterConfig
 from tests.support.http_backends import FakeEngine
+from tests.support.specs import local_spec, sim, write_spec
 
 RESET = "/fleet/reset_prefix_cache"
 
@@ -129,19 +129,17 @@ async def test_real_vllm_prefix_cache_is_reset_through_the_router(
 def test_cli_resets_a_running_local_job_and_status_shows_it(tmp_path: Path, kind: str) -> None:
     """Through our router's fleet route (builtin), or straight at the job's engines behind a front that
     has none (vllm-router)."""
-    spec = {
-        "name": "reset",
-        "router": {"kind": kind},
-        "cluster": "local",
-        "job_root": str(tmp_path / "jobs"),
-        "training": {
-            "command": 'rl-launch fleet reset-cache "$RL_JOB_DIR" --json > "$RL_JOB_DIR/reset.out" && '
+    spec = local_spec(
+        "reset",
+        root=tmp_path / "jobs",
+        command=(
+            'rl-launch fleet reset-cache "$RL_JOB_DIR" --json > "$RL_JOB_DIR/reset.out" && '
             'rl-launch status "$RL_JOB_DIR" --once > "$RL_JOB_DIR/status.out" 2>&1; true'
-        },
-        "generation": {"engine": "sim", "engines_per_node": 2, "sim": {"speed": 20}},
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
+        ),
+        generation=sim(2, speed=20, served_model_name=None),
+        router={"kind": kind},
+    )
+    path = write_spec(tmp_path / "spec.yaml", spec)
     rl_launch = str(Path(sys.executable).with_name("rl-launch"))  # as the README runs it: by path
     t = time.monotonic()
     proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=300)

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from launcher.jobdir import JobDir
 from launcher.jobdir.paths import record_dir
 from router.ports import free_port
 from tests.support.cli import RL_LAUNCH
 from tests.support.running_job import job_leftovers, wait_for
+from tests.support.specs import local_spec, write_spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -115,20 +115,18 @@ def test_trainer_registers_its_engines_with_the_capability_url(
     out = tmp_path / "trainer"
     out.mkdir(mode=0o700)
     root = tmp_path / "jobs"
-    spec = {
-        "name": "nemo-rl-owned",
-        "cluster": "local",
-        "job_root": str(root),
+    spec = local_spec(
+        "nemo-rl-owned",
+        root=root,
         # A stand-in for NeMo-RL's run script: it reads the URL it is handed (0600, under the test's tmp).
-        "training": {
-            "command": f'umask 077; printf %s "$RL_ROUTER_REGISTRATION_URL" > {out}/url.tmp && '
+        command=(
+            f'umask 077; printf %s "$RL_ROUTER_REGISTRATION_URL" > {out}/url.tmp && '
             f"mv {out}/url.tmp {out}/url && sleep 900"
-        },
-        "generation": {"owner": "trainer", "engine": "vllm"},
-        "router": {"kind": "builtin", "policy": "round_robin"},
-    }
-    spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
+        ),
+        generation={"owner": "trainer", "engine": "vllm"},
+        router={"kind": "builtin", "policy": "round_robin"},
+    )
+    spec_path = write_spec(tmp_path / "spec.yaml", spec)
     submit = subprocess.Popen(
         [RL_LAUNCH, "submit", str(spec_path)],
         stdout=(tmp_path / "submit.log").open("w"),
