@@ -30,7 +30,7 @@ from launcher.jobdir import JobDir
 from tests.support.cli import RL_LAUNCH
 from tests.support.running_job import job_leftovers, job_processes
 from tests.support.specs import local_spec, sim, trainer_command, write_spec
-from tests.support.standing_fleet import TRAINER
+from tests.support.standing_fleet import TRAINER, fleet_resumed, key_revoked
 
 pytestmark = pytest.mark.ray
 
@@ -199,26 +199,11 @@ def test_trainer_killed_mid_step_fleet_survives_and_resubmitted_trainer_refits_a
     # the lease (4 s) runs out: the router resumes on its own
     fleet_url = JobDir(fleet_job).read_state()["fleet_url"]
     admin = {"Authorization": "Bearer " + JobDir(fleet_job).read_admin_token()}
-
-    def resumed() -> bool:
-        req = urllib.request.Request(fleet_url + "/fleet/is_paused", headers=admin)
-        body = json.loads(urllib.request.urlopen(req, timeout=5).read())["result"]
-        return not body["router_paused"] and not any(body["engines_paused"].values())
-
-    wait_for(resumed, 30, "the fleet to resume after the lease")
+    wait_for(fleet_resumed(fleet_url, admin), 30, "the fleet to resume after the lease")
     resumed_after = time.monotonic() - killed
     # its key is revoked once the fleet sees its job ended (its driver is gone)
     router = JobDir(fleet_job).read_state()["router_url"]
-
-    def revoked() -> bool:
-        req = urllib.request.Request(router + "/v1/models", headers={"Authorization": "Bearer " + key_a})
-        try:
-            urllib.request.urlopen(req, timeout=5)
-        except urllib.error.HTTPError as exc:
-            return exc.code == 401
-        return False
-
-    wait_for(revoked, 30, "the killed trainer's key to be revoked")
+    wait_for(key_revoked(router, key_a), 30, "the killed trainer's key to be revoked")
     # nothing of the killed trainer's job is left (its local Ray head was in a session of its own; the
     # head's reaper ends it): only that job's processes, by its job dir, since other lanes run jobs too
     wait_for(lambda: job_leftovers(trainer_a) == [], 60, "the killed trainer's processes to end")

@@ -9,8 +9,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ from tests.support.slurm import (
     squeue_empty,
     wait_no_leftovers,
 )
-from tests.support.standing_fleet import TRAINER
+from tests.support.standing_fleet import TRAINER, fleet_resumed, key_revoked
 
 pytestmark = pytest.mark.slurm
 
@@ -113,25 +111,10 @@ def test_fleet_outlives_a_cancelled_trainer_and_comes_down_clean(tmp_path: Path)
         cancelled = time.monotonic()
         fleet_url = JobDir(fleet_job).read_state()["fleet_url"]
         admin = {"Authorization": "Bearer " + JobDir(fleet_job).read_admin_token()}
-
-        def resumed() -> bool:
-            req = urllib.request.Request(fleet_url + "/fleet/is_paused", headers=admin)
-            body = json.loads(urllib.request.urlopen(req, timeout=5).read())["result"]
-            return not body["router_paused"] and not any(body["engines_paused"].values())
-
-        wait_for(resumed, 30, "the fleet to resume")
+        wait_for(fleet_resumed(fleet_url, admin), 30, "the fleet to resume")
         resumed_s = time.monotonic() - cancelled
         router = JobDir(fleet_job).read_state()["router_url"]
-
-        def revoked() -> bool:
-            req = urllib.request.Request(router + "/v1/models", headers={"Authorization": "Bearer " + key_a})
-            try:
-                urllib.request.urlopen(req, timeout=5)
-            except urllib.error.HTTPError as exc:
-                return exc.code == 401
-            return False
-
-        wait_for(revoked, 30, "trainer A's key to be revoked")
+        wait_for(key_revoked(router, key_a), 30, "trainer A's key to be revoked")
 
         # trainer B, resubmitted: attaches, refits at once, replays, finishes
         second = run("submit", str(trainer(tmp_path, "refit")), "--follow", timeout=400)

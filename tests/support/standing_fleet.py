@@ -1,8 +1,14 @@
-"""The trainer of a job attached to a standing fleet (``generation: {fleet: NAME}``), locally and on Slurm."""
+"""The trainer of a job attached to a standing fleet (``generation: {fleet: NAME}``), locally and on Slurm,
+and the two checks both tests make once a trainer holding the fleet's pause is gone: the fleet resumed on its
+own (``fleet_resumed``), and the gone trainer's key no longer opens the router (``key_revoked``)."""
 
 from __future__ import annotations
 
+import json
 import textwrap
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 
 # The trainer of an attached job. Modes:
 #   hold: replay a little, then open a refit (its pause) and sleep inside it until killed;
@@ -64,3 +70,29 @@ TRAINER = textwrap.dedent(
             out("pause.json", {"status": e.code, "body": e.read().decode()[:300]})
     """
 )
+
+
+def fleet_resumed(fleet_url: str, admin: dict[str, str]) -> Callable[[], bool]:
+    """A check to poll: the standing fleet's router and every engine are unpaused (its ``/fleet/is_paused``
+    at ``fleet_url``, asked with the ``admin`` token's headers)."""
+
+    def resumed() -> bool:
+        req = urllib.request.Request(fleet_url + "/fleet/is_paused", headers=admin)
+        body = json.loads(urllib.request.urlopen(req, timeout=5).read())["result"]
+        return not body["router_paused"] and not any(body["engines_paused"].values())
+
+    return resumed
+
+
+def key_revoked(router_url: str, key: str) -> Callable[[], bool]:
+    """A check to poll: the fleet's router at ``router_url`` answers ``key`` with 401."""
+
+    def revoked() -> bool:
+        req = urllib.request.Request(router_url + "/v1/models", headers={"Authorization": "Bearer " + key})
+        try:
+            urllib.request.urlopen(req, timeout=5)
+        except urllib.error.HTTPError as exc:
+            return exc.code == 401
+        return False
+
+    return revoked
