@@ -31,18 +31,16 @@ import pytest
 from router import GenerationRouter
 from router.consumers import add_consumer, new_key
 from router.state.versions import WANT_HEADER
-from tests.support.http_backends import WORKER_MODES, mode_id, router_factory
+from tests.support.http_backends import (
+    router_factory,
+    workers_fixture,  # noqa: F401 (the fixture)
+)
 
 OWNER_KEY = "owner-key-" + "p" * 20
 ADMIN_TOKEN = "admin-token-" + "q" * 20
 COMPLETIONS = "/v1/completions"
 NO_HEALTHY = 409
 MB = 1024 * 1024
-
-
-@pytest.fixture(params=WORKER_MODES, ids=mode_id)
-def workers(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
 
 
 @pytest.fixture

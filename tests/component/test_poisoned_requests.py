@@ -34,7 +34,12 @@ from router.record.draft import RecordDraft, minimal_line, record_line
 from router.record.format import MINIMAL_FIELDS, TEXT_SHARE, read_records
 from router.record.sink import build_lines
 from router.state.versions import MAX_STRADDLER_ID_BYTES, MAX_STRADDLERS_LISTED, WeightVersions
-from tests.support.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
+from tests.support.http_backends import (
+    FakeEngine,
+    engine_factory,
+    router_factory,
+    workers_fixture,  # noqa: F401 (the fixture)
+)
 
 OWNER_KEY = "owner-key-" + "x" * 20
 ADMIN_TOKEN = "admin-token-" + "y" * 20
@@ -176,11 +181,6 @@ class PoisonableEngine(FakeEngine):
 async def poisonable() -> AsyncIterator[Callable[..., Any]]:
     async with engine_factory(PoisonableEngine, default_n=2) as make:
         yield make
-
-
-@pytest.fixture(params=WORKER_MODES, ids=mode_id)
-def workers(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
 
 
 @pytest.fixture

@@ -39,7 +39,10 @@ from router.consumers import (
 from router.http.recording import completion_tokens
 from router.prometheus import metric_by_label, parse_metrics
 from router.state.fair_share import FairShare, FairShareRefused
-from tests.support.http_backends import WORKER_MODES, mode_id, router_factory
+from tests.support.http_backends import (
+    router_factory,
+    workers_fixture,  # noqa: F401 (the fixture)
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER_KEY = "owner-key-" + "x" * 20
@@ -199,11 +202,6 @@ def test_usage_is_read_from_the_end_of_an_answer() -> None:
 
 
 # -- through the router --------------------------------------------------------------------------------------
-@pytest.fixture(params=WORKER_MODES, ids=mode_id)
-def workers(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
-
-
 @pytest.fixture
 def routers(workers: int) -> Iterator[Callable[..., GenerationRouter]]:
     with router_factory(

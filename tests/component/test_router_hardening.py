@@ -39,7 +39,12 @@ from router.policies import LoadTracker, RoundRobin
 from router.ports import free_port
 from router.state.backends import BackendSet
 from router.state.probing import HealthProber
-from tests.support.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
+from tests.support.http_backends import (
+    FakeEngine,
+    engine_factory,
+    router_factory,
+    workers_fixture,  # noqa: F401 (the fixture)
+)
 
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,11 +71,6 @@ class CountingEngine(FakeEngine):
 async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]:
     async with engine_factory(CountingEngine, 1) as make:
         yield make
-
-
-@pytest.fixture(params=WORKER_MODES, ids=mode_id)
-def workers(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
 
 
 @pytest.fixture

@@ -36,12 +36,11 @@ from router.policies import (
     RouteRequest,
 )
 from tests.support.http_backends import (
-    WORKER_MODES,
     FakeEngine,
     dead_url,
     engine_factory,
-    mode_id,
     router_factory,
+    workers_fixture,  # noqa: F401 (the fixture)
 )
 
 CHAT = "/v1/chat/completions"
@@ -141,11 +140,6 @@ async def raw_backends() -> AsyncIterator[Callable[..., Awaitable[RawBackend]]]:
 async def engines() -> AsyncIterator[Callable[..., Awaitable[list[FakeEngine]]]]:
     async with engine_factory(FakeEngine, 1) as make:
         yield make
-
-
-@pytest.fixture(params=WORKER_MODES, ids=mode_id)
-def workers(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
 
 
 # A policy object lives in one process: with worker processes the router builds its own from the config

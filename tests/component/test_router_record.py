@@ -28,18 +28,16 @@ from router import GenerationRouter
 from router.record.draft import RecordDraft, record_json
 from router.record.format import RequestRecord, read_records, record_files
 from router.record.writer import RecordWriter
-from tests.support.http_backends import WORKER_MODES, mode_id, router_factory
+from tests.support.http_backends import (
+    router_factory,
+    workers_fixture,  # noqa: F401 (the fixture)
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 TOKEN = "admin-token-" + "z" * 20
 MODEL = "sim"
 SECRET = "the-prompt-text-nobody-else-may-read"
-
-
-@pytest.fixture(params=WORKER_MODES, ids=mode_id)
-def workers(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
 
 
 @pytest.fixture

@@ -28,7 +28,12 @@ from router.state.versions import (
     VersionWant,
     WeightVersions,
 )
-from tests.support.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
+from tests.support.http_backends import (
+    FakeEngine,
+    engine_factory,
+    router_factory,
+    workers_fixture,  # noqa: F401 (the fixture)
+)
 from tests.support.router_metrics import metrics
 
 TOKEN = "admin-test-token-1234"
@@ -117,11 +122,6 @@ async def test_wait_change_wakes_on_stamps_and_serving_changes() -> None:
 
 
 # -- through the router -------------------------------------------------------------------------------------
-@pytest.fixture(params=WORKER_MODES, ids=mode_id)
-def workers(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
-
-
 @pytest.fixture
 def routers(workers: int) -> Iterator[Callable[..., GenerationRouter]]:
     with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN, workers=workers) as make:

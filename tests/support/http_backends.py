@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import orjson
+import pytest
 from aiohttp import web
 
 from router import GenerationRouter
@@ -133,6 +134,13 @@ other must enforce too (issue 17: the worker relay had none of the single proces
 
 def mode_id(workers: int) -> str:
     return "one-process" if workers == 1 else f"{workers}-workers"
+
+
+@pytest.fixture(name="workers", params=WORKER_MODES, ids=mode_id)
+def workers_fixture(request: pytest.FixtureRequest) -> int:
+    """The fixture ``workers``: a test that takes it runs once per count in ``WORKER_MODES``. A test module
+    imports it as ``workers_fixture``, so that its tests' ``workers`` argument shadows no import."""
+    return int(request.param)
 
 
 @contextlib.contextmanager
