@@ -18,8 +18,6 @@ import json
 import os
 import textwrap
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ import pytest
 
 from launcher.jobdir import JobDir
 from tests.support.checkpoints import checkpoint, unloadable
+from tests.support.ray_serve import post_json
 
 REFIT_TRAINER = textwrap.dedent(
     """\
@@ -229,17 +228,6 @@ def test_local_ray_serve_job_refits_quarantines_and_routes_around(tmp_path: Path
 # -- Serve's power-of-two routing and the fleet state, without the driver ----------------------------------
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
-
-
 def _chat(text: str) -> dict[str, Any]:
     return {"model": "sim-model", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
 
@@ -274,7 +262,7 @@ def test_power_of_two_routing_obeys_the_fleet_state(tmp_path: Path) -> None:
         def served(n: int) -> list[tuple[int, str | None, str | None]]:
             out = []
             for i in range(n):
-                status, headers, _ = _post(url + "/v1/chat/completions", _chat(f"p{i}"))
+                status, headers, _ = post_json(url + "/v1/chat/completions", _chat(f"p{i}"))
                 out.append((status, headers.get("x-rl-launch-replica"), headers.get(VERSION_HEADER)))
             return out
 
@@ -296,6 +284,6 @@ def test_power_of_two_routing_obeys_the_fleet_state(tmp_path: Path) -> None:
         # every replica held out: the no-healthy status at once, with the reason
         write("v1", {a: "stale: serves 'default'", b: "stale: serves 'default'", c: "quarantined"})
         t = time.monotonic()
-        status, _, body = _post(url + "/v1/chat/completions", _chat("nobody"))
+        status, _, body = post_json(url + "/v1/chat/completions", _chat("nobody"))
         assert status == 409 and b"held out" in body and b"stale: serves 'default'" in body, body
         assert time.monotonic() - t < 2.0

@@ -39,6 +39,7 @@ from launcher.gateways.ray_serve.plan import (
     replicas_per_node,
 )
 from launcher.spec import load_resolved
+from tests.support.ray_serve import post_json
 
 # -- the plan, from the spec -----------------------------------------------------------------------
 
@@ -95,17 +96,6 @@ def test_spec_names_the_kinds(tmp_path: Path) -> None:
 
 
 # -- a local Ray with one Serve application -----------------------------------------------------------
-
-
-def _post(url: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
 
 
 def _chat(text: str, max_tokens: int = 8, stream: bool = False) -> dict[str, Any]:
@@ -224,7 +214,7 @@ def test_streaming_concurrency_affinity_and_status_contract(tmp_path: Path) -> N
             seen = set()
             for turn in range(3):
                 body = {**_chat(""), "messages": messages}
-                status, headers, data = _post(url + "/v1/chat/completions", body)
+                status, headers, data = post_json(url + "/v1/chat/completions", body)
                 assert status == 200
                 seen.add(headers["x-rl-launch-replica"])
                 reply = json.loads(data)["choices"][0]["message"]["content"]
@@ -237,10 +227,10 @@ def test_streaming_concurrency_affinity_and_status_contract(tmp_path: Path) -> N
 
         # the 500 contract: one engine answering 500 is retried elsewhere; all of them -> 500, never 503
         _fault(engines[0], "error")
-        assert all(_post(url + "/v1/chat/completions", _chat(f"r{i}"))[0] == 200 for i in range(10))
+        assert all(post_json(url + "/v1/chat/completions", _chat(f"r{i}"))[0] == 200 for i in range(10))
         for e in engines:
             _fault(e, "error")
-        status, _, body = _post(url + "/v1/chat/completions", _chat("all fail"))
+        status, _, body = post_json(url + "/v1/chat/completions", _chat("all fail"))
         assert status == 500, (status, body)
         for e in engines:
             _fault(e, "none")
@@ -275,13 +265,13 @@ def test_no_running_engine_replica_is_answered_409_and_its_engine_is_reaped(tmp_
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
             while True:  # the ingress is up once Serve answers anything but its own 404/503
-                status, _, body = _post(url + "/v1/chat/completions", _chat("anyone?"))
+                status, _, body = post_json(url + "/v1/chat/completions", _chat("anyone?"))
                 if status not in (404, 503) or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
             assert status == 409, (status, body)
             assert b"no healthy engine replica" in body
-            assert _post(url + "/health", {})[0] == 409
+            assert post_json(url + "/health", {})[0] == 409
             assert _sleepers(marker), "the stand-in engines never started"
         finally:
             serve.shutdown()
@@ -443,7 +433,7 @@ def test_one_real_vllm_cpu_replica_among_simulated_ones(
         answered: set[str] = set()
         for i in range(30):
             body = {**_chat(f"hello {i}", max_tokens=5, stream=True), "model": "tiny"}
-            status, headers, data = _post(url + "/v1/chat/completions", body, timeout=120)
+            status, headers, data = post_json(url + "/v1/chat/completions", body, timeout=120)
             assert status == 200 and headers["content-type"].startswith("text/event-stream"), data
             assert data.rstrip().endswith(b"data: [DONE]")
             answered.add(kinds[headers["x-rl-launch-replica"]])
