@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.dynamo import TRAINER, have_runtime
+from tests.support.dynamo import TRAINER, have_runtime, mocker
 from tests.support.running_job import job_processes
 from tests.support.specs import local_spec, run_spec, trainer_command, write_spec
 
@@ -40,13 +40,7 @@ def test_dynamo_fleet_serves_recovers_a_killed_worker_and_leaves_nothing(
         "dynamo-local",
         root=tmp_path / "jobs",
         command=trainer_command(tmp_path, TRAINER),
-        generation={
-            "engine": "dynamo-mocker",
-            "engines_per_node": 2,
-            "model": str(tiny_model_dir),
-            "served_model_name": "tiny",
-            "startup_timeout_s": 120,
-        },
+        generation=mocker(tiny_model_dir, 2, startup_timeout_s=120),
         router={
             "kind": "dynamo",
             "dynamo": {"router_mode": "kv", "discovery": discovery, "worker_args": ["--speedup-ratio", "10"]},
@@ -98,12 +92,7 @@ def test_dynamo_job_ends_loudly_and_leaves_nothing(tmp_path: Path, tiny_model_di
         "dynamo-stop",
         root=tmp_path / "jobs",
         command="sleep 300",
-        generation={
-            "engine": "dynamo-mocker",
-            "engines_per_node": 1,
-            "model": str(tiny_model_dir),
-            "served_model_name": "tiny",
-        },
+        generation=mocker(tiny_model_dir, 1),
         router={"kind": "dynamo"},
     )
     path = write_spec(tmp_path / "spec.yaml", spec)

@@ -39,7 +39,7 @@ import yaml
 
 from launcher.jobdir import JobDir
 from launcher.spec import SpecError, parse_spec
-from tests.support.dynamo import have_runtime
+from tests.support.dynamo import have_runtime, mocker
 from tests.support.running_job import job_processes
 from tests.support.specs import local_spec, trainer_command, write_spec
 
@@ -86,13 +86,7 @@ def dynamo_job(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -
         "dynamo-security",
         root=tmp / "jobs",
         command=trainer_command(tmp, WAIT_FOR_RELEASE),
-        generation={
-            "engine": "dynamo-mocker",
-            "engines_per_node": 1,
-            "model": str(tiny_model_dir),
-            "served_model_name": "tiny",
-            "startup_timeout_s": 120,
-        },
+        generation=mocker(tiny_model_dir, 1, startup_timeout_s=120),
         router={
             "kind": "dynamo",
             "dynamo": {"discovery": "etcd", "worker_args": ["--speedup-ratio", "10"]},

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,9 +18,10 @@ import pytest
 
 from launcher.jobdir import JobDir
 from tests.support.cli import RL_LAUNCH
-from tests.support.dynamo import TRAINER, have_runtime
+from tests.support.dynamo import TRAINER, have_runtime, mocker
 from tests.support.running_job import job_processes
 from tests.support.slurm import slurm_cluster, write_spec
+from tests.support.specs import trainer_command
 
 pytestmark = [pytest.mark.slurm, pytest.mark.dynamo]
 __all__ = ["slurm_cluster"]  # the module fixture that skips without a cluster
@@ -43,20 +43,11 @@ def worker_pid(job: Path, status_url: str) -> int:
 
 def test_dynamo_fleet_on_slurm_recovers_a_killed_worker(tmp_path: Path, tiny_model_dir: Path) -> None:
     have_runtime()
-    trainer = tmp_path / "trainer.py"
-    trainer.write_text(TRAINER)
     spec = write_spec(
         tmp_path,
         "dynamo-slurm",
-        f"{sys.executable} {trainer} external",
-        generation={
-            "nodes": 2,
-            "engine": "dynamo-mocker",
-            "engines_per_node": 1,
-            "model": str(tiny_model_dir),
-            "served_model_name": "tiny",
-            "startup_timeout_s": 120,
-        },
+        trainer_command(tmp_path, TRAINER, "external"),
+        generation={"nodes": 2, **mocker(tiny_model_dir, 1, startup_timeout_s=120)},
         router={
             "kind": "dynamo",
             "dynamo": {

@@ -1,8 +1,10 @@
-"""Dynamo for the tests that run it: the runtime's presence, and the training command of a Dynamo job.
+"""Dynamo for the tests that run it: the runtime's presence, the training command of a Dynamo job, and its
+generation section.
 
 ``have_runtime()`` skips the test, with the reason, without the Dynamo venv (``RL_LAUNCH_DYNAMO_PYTHON``),
 etcd, nats-server or ``ss``. ``TRAINER``: replays through the frontend, kills a worker, resets the cache and
-records what it saw in ``dynamo_trainer.json`` (the local and the Slurm Dynamo jobs run it).
+records what it saw in ``dynamo_trainer.json`` (the local and the Slurm Dynamo jobs run it). ``mocker``: the
+``generation`` section of ``dynamo.mocker`` workers serving the tiny model as ``tiny``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import textwrap
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,3 +86,15 @@ def have_runtime() -> None:
     missing = [b for b in ("etcd", "nats-server", "ss") if shutil.which(b) is None]
     if missing:
         pytest.skip(f"{', '.join(missing)} not on PATH (apt-get install etcd-server nats-server iproute2)")
+
+
+def mocker(model: Path, engines_per_node: int, **more: Any) -> dict[str, Any]:
+    """A ``generation`` section of ``engines_per_node`` ``dynamo.mocker`` workers of ``model`` (served as
+    ``tiny``), then ``more`` as it is (``startup_timeout_s``...)."""
+    return {
+        "engine": "dynamo-mocker",
+        "engines_per_node": engines_per_node,
+        "model": str(model),
+        "served_model_name": "tiny",
+        **more,
+    }
