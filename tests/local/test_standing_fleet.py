@@ -28,7 +28,7 @@ import pytest
 
 from launcher.jobdir import JobDir
 from tests.support.cli import RL_LAUNCH
-from tests.support.running_job import job_leftovers, job_processes
+from tests.support.running_job import job_leftovers, job_processes, wait_for
 from tests.support.specs import local_spec, sim, trainer_command, write_spec
 from tests.support.standing_fleet import TRAINER, fleet_resumed, key_revoked
 
@@ -85,14 +85,6 @@ def engine_processes(fleet_job: Path) -> tuple[set[str], set[str]]:
     urls = {e.url for e in JobDir(fleet_job).engine_entries()}
     pids = {p.split(":")[0] for p in job_processes(fleet_job) if "launcher.engines.sim" in p}
     return urls, pids
-
-
-def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.2)
 
 
 @dataclass
