@@ -452,34 +452,6 @@ def test_heterogeneous_job_when_roles_need_different_resources(tmp_path: Path) -
     assert wait_no_leftovers() == []
 
 
-def test_engine_killed_on_a_generation_node_is_restarted_there(tmp_path: Path) -> None:
-    from tests.support.jobs import TRAINER as FAULT_TRAINER
-
-    trainer = tmp_path / "fault_trainer.py"
-    trainer.write_text(FAULT_TRAINER)
-    spec = write_spec(tmp_path, "fault-kill", f"{sys.executable} {trainer} kill")
-    proc = submit(spec, "--follow")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job = job_dir_of(proc.stdout)
-    replay = json.loads((job / "replay.json").read_text())["rows"][0]
-    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
-    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
-    victim = json.loads((job / "victim.json").read_text())
-    fleet = [e for e in events if e["phase"] == "fleet" and e.get("engine_id") == "node0-0"]
-    assert [e["to_state"] for e in fleet][-1] == "HEALTHY"
-    back = next(e for e in events if e["phase"] == "engine_restarted")
-    generation_nodes = next(e for e in events if e["phase"] == "starting")["nodes"]["generation"]
-    restarted_on = json.loads((job / "engines" / "node-0.urls.json").read_text())["node"]
-    assert restarted_on == generation_nodes[0] and back["url"] != victim["victim"]
-    print(
-        f"\nslurm kill: out {fleet[0]['t'] - victim['t']:.1f}s, "
-        f"readmitted {fleet[-1]['t'] - victim['t']:.1f}s "
-        f"on {restarted_on} at {back['url']}; sessions lost {replay['errors']}"
-    )
-    assert squeue_empty()
-    assert wait_no_leftovers() == []
-
-
 def _fault_job(
     tmp_path: Path, mode: str, **generation: object
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -505,34 +477,6 @@ def _fault_job(
     )
     proc = submit(spec, "--follow")
     return proc, job_dir_of(proc.stdout)
-
-
-def test_wedged_engine_leaves_rotation_and_is_restarted(tmp_path: Path) -> None:
-    proc, job = _fault_job(tmp_path, "wedge")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    replay = json.loads((job / "replay.json").read_text())["rows"][0]
-    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
-    victim = json.loads((job / "victim.json").read_text())
-    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
-    fleet = [e for e in events if e["phase"] == "fleet" and e.get("engine_id") == "node0-0"]
-    assert fleet[0]["t"] - victim["t"] < 5 + 2  # out within the backend timeout plus a tick
-    assert [e["to_state"] for e in fleet][-1] == "HEALTHY"
-    out_s, back_s = fleet[0]["t"] - victim["t"], fleet[-1]["t"] - victim["t"]
-    print(f"\nslurm wedge: out {out_s:.1f}s, readmitted {back_s:.1f}s")
-    assert squeue_empty()
-    assert wait_no_leftovers() == []
-
-
-def test_killed_router_actor_comes_back_on_the_same_url(tmp_path: Path) -> None:
-    proc, job = _fault_job(tmp_path, "kill_router")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    back = json.loads((job / "router_back.json").read_text())
-    replay = json.loads((job / "replay.json").read_text())["rows"][0]
-    print(f"\nslurm router kill: same URL back in {back['down_s']:.1f}s; sessions lost {replay['errors']}")
-    assert back["down_s"] < 5
-    assert replay["errors"] == 0 and replay["sessions_ok"] == replay["sessions"], replay
-    assert squeue_empty()
-    assert wait_no_leftovers() == []
 
 
 def test_all_engines_dead_with_budget_spent_fails_the_job(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""One running local job shared by the checks that do not end it.
+"""One running job (local or on Slurm) shared by the checks that do not end it.
 
 Ray start plus teardown is ~11.6 s of every local job, more than half of it; the checks that leave a job
 running and recoverable (an engine killed or wedged and restarted, the router actor killed, the refit
@@ -162,13 +162,28 @@ class RunningJob:
         wait_for(lambda: self.leftovers(self.job) == [], 60, f"{self.job.name}'s processes to end")
 
 
+SHARED_SLURM_JOBS: set[str] = set()
+"""Slurm job ids of the shared jobs still in use: the root conftest's queue hygiene, which cancels what a
+Slurm test leaves queued, spares them between the checks that share them."""
+
+
+def _write_spec(tmp_path_factory: pytest.TempPathFactory, spec: dict[str, Any]) -> tuple[Path, Path, Path]:
+    base = tmp_path_factory.mktemp("running-job")
+    root = base / "jobs"
+    path = base / "spec.yaml"
+    path.write_text(yaml.safe_dump({**spec, "job_root": str(root)}))
+    return base, root, path
+
+
 @pytest.fixture(scope="module")
 def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[dict[str, Any]], RunningJob]]:
     """``running_job(spec)``: the module's one job of that spec (submitted on first use), healthy.
 
-    A local job, run in its ``rl-launch submit``. A Slurm job is not shared yet: the Slurm tests' own
-    "queue empty" checks would see it. ``leftovers(job)`` lists what of the job still runs after the
-    cancel (default: this machine's processes naming the job dir)."""
+    A local job runs in its ``rl-launch submit``; a Slurm job's submit returns once sbatch took it, and its
+    id stays in ``SHARED_SLURM_JOBS`` until the module's end. A module that shares a Slurm job holds only
+    checks that use it: a check of its own job's "queue empty" would see the shared one.
+    ``leftovers(job)`` lists what of the job still runs after the cancel (default: this machine's
+    processes naming the job dir; a Slurm module passes every node's)."""
     jobs: dict[str, RunningJob] = {}
 
     def start(
@@ -176,11 +191,17 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
     ) -> RunningJob:
         key = json.dumps(spec, sort_keys=True)
         engines = spec["generation"]["engines_per_node"] * spec["generation"].get("nodes", 1)
-        if key not in jobs:
-            base = tmp_path_factory.mktemp("running-job")
-            root = base / "jobs"
-            path = base / "spec.yaml"
-            path.write_text(yaml.safe_dump({**spec, "job_root": str(root)}))
+        if key not in jobs and spec.get("cluster") == "slurm":
+            _, root, path = _write_spec(tmp_path_factory, spec)
+            proc = subprocess.run([RL_LAUNCH, "submit", str(path), "--json"], capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            submitted = json.loads(proc.stdout)
+            SHARED_SLURM_JOBS.add(str(submitted["job_id"]))
+            job = Path(submitted["job_dir"])
+            jobs[key] = RunningJob(job=job, submit=None, root=root, engines=engines, leftovers=leftovers)
+            wait_for(lambda: jobs[key].ended() or jobs[key].state.get("router_url"), timeout_s, "the router")
+        elif key not in jobs:
+            base, root, path = _write_spec(tmp_path_factory, spec)
             submit = subprocess.Popen(
                 [RL_LAUNCH, "submit", str(path)],
                 stdout=(base / "submit.log").open("w"),
@@ -203,4 +224,7 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
         yield start
     finally:
         for shared in jobs.values():
-            shared.cancel()
+            try:
+                shared.cancel()
+            finally:
+                SHARED_SLURM_JOBS.discard(JobDir(shared.job).slurm_job_id() or "")
