@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from launcher.jobdir import JobDir
-from tests.support.jobs import TRAINER, run_job
+from tests.support.jobs import fault_trainer, run_job  # noqa: F401 (fault_trainer: the fixture)
 from tests.support.running_job import RunningJob, job_processes, running_job  # noqa: F401 (the fixture)
 from tests.support.specs import local_spec, sim
 
@@ -45,17 +45,10 @@ SHARED = local_spec(
 )
 
 
-@pytest.fixture(scope="module")
-def shared_trainer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    trainer = tmp_path_factory.mktemp("trainer") / "trainer.py"
-    trainer.write_text(TRAINER)
-    return trainer
-
-
 @pytest.fixture
-def shared(running_job: Callable[[dict[str, Any]], RunningJob], shared_trainer: Path) -> RunningJob:  # noqa: F811
+def shared(running_job: Callable[[dict[str, Any]], RunningJob], fault_trainer: Path) -> RunningJob:  # noqa: F811
     """The module's shared job, healthy again (all engines serving, nothing paused) whatever ran before."""
-    command = SHARED["training"]["command"].format(trainer=shared_trainer)  # type: ignore[index]
+    command = SHARED["training"]["command"].format(trainer=fault_trainer)  # type: ignore[index]
     return running_job({**SHARED, "training": {"command": command}})
 
 

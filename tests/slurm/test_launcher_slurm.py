@@ -20,6 +20,7 @@ import yaml
 
 from tests.support.cli import RL_LAUNCH
 from tests.support.slurm import (
+    FAULT_GENERATION,
     job_dir_of,
     job_id_of,
     leftovers,
@@ -459,15 +460,7 @@ def _fault_job(
 
     trainer = tmp_path / "fault_trainer.py"
     trainer.write_text(FAULT_TRAINER)
-    gen = {
-        "nodes": 2,
-        "engine": "sim",
-        "engines_per_node": 2,
-        "served_model_name": "sim-8b",
-        "startup_timeout_s": 60,
-        "sim": {"speed": 3},
-        **generation,
-    }
+    gen = {**FAULT_GENERATION, **generation}
     spec = write_spec(
         tmp_path,
         f"fault-{mode.replace('_', '-')}",

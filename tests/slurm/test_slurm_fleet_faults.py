@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.jobs import TRAINER as FAULT_TRAINER
+from tests.support.jobs import fault_trainer  # noqa: F401 (the fixture)
 from tests.support.running_job import RunningJob, running_job  # noqa: F401 (the fixture)
 from tests.support.slurm import (
+    FAULT_GENERATION,
     slurm_cluster,  # noqa: F401 (autouse: skips the module without a cluster)
     squeue_empty,
     wait_no_leftovers,
@@ -34,27 +35,10 @@ from tests.support.slurm import (
 
 pytestmark = pytest.mark.slurm
 
-GENERATION = {
-    "nodes": 2,
-    "engine": "sim",
-    "engines_per_node": 2,
-    "served_model_name": "sim-8b",
-    "startup_timeout_s": 60,
-    "sim": {"speed": 3},
-}
-"""2 generation nodes of 2 simulated engines, slow enough that a replay is still in flight at the fault."""
-
 
 def slurm_leftovers(job: Path) -> list[str]:
     """After the shared job's cancel: Slurm runs nothing and no node namespace holds a process of a job."""
     return ["squeue not empty"] if not squeue_empty() else wait_no_leftovers()
-
-
-@pytest.fixture(scope="module")
-def fault_trainer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    trainer = tmp_path_factory.mktemp("fault-trainer") / "fault_trainer.py"
-    trainer.write_text(FAULT_TRAINER)
-    return trainer
 
 
 @pytest.fixture
@@ -64,7 +48,7 @@ def shared(running_job: Callable[..., RunningJob], fault_trainer: Path) -> Runni
     spec = yaml.safe_load(write_spec(fault_trainer.parent, "fault-shared", "true").read_text())
     spec.pop("job_root")
     spec["training"]["command"] = f"{sys.executable} {fault_trainer} serve 1080"
-    spec["generation"] = GENERATION
+    spec["generation"] = FAULT_GENERATION
     spec["router"] = {"policy": "cache_aware", "backend_timeout_s": 5}
     return running_job(spec, leftovers=slurm_leftovers)
 

@@ -15,6 +15,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support.cli import RL_LAUNCH
 from tests.support.specs import local_spec, run_spec, sim, trainer_command, write_spec
 
@@ -104,6 +106,15 @@ TRAINER = textwrap.dedent(
         time.sleep(0.2)
     """
 )
+
+
+@pytest.fixture(scope="module")
+def fault_trainer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``TRAINER`` written once per module, for the job a module's recoverable checks share (its ``serve``
+    agent runs each fault inside that job)."""
+    trainer = tmp_path_factory.mktemp("trainer") / "trainer.py"
+    trainer.write_text(TRAINER)
+    return trainer
 
 
 def run_job(

@@ -107,6 +107,18 @@ def squeue_empty() -> bool:
     return not out.strip()
 
 
+FAULT_GENERATION = {
+    "nodes": 2,
+    "engine": "sim",
+    "engines_per_node": 2,
+    "served_model_name": "sim-8b",
+    "startup_timeout_s": 60,
+    "sim": {"speed": 3},
+}
+"""The fault jobs' generation: 2 nodes of 2 simulated engines, slow enough that a replay is still in
+flight when the fault strikes."""
+
+
 def write_spec(tmp_path: Path, name: str, command: str, **overrides: object) -> Path:
     spec = {
         "name": name,
