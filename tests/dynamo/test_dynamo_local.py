@@ -18,12 +18,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.cli import RL_LAUNCH
 from tests.support.dynamo import TRAINER, have_runtime, mocker
 from tests.support.running_job import job_processes
 from tests.support.specs import local_spec, run_spec, trainer_command, write_spec
@@ -96,9 +96,8 @@ def test_dynamo_job_ends_loudly_and_leaves_nothing(tmp_path: Path, tiny_model_di
         router={"kind": "dynamo"},
     )
     path = write_spec(tmp_path / "spec.yaml", spec)
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
     out = (tmp_path / "submit.log").open("w")  # a file, not a pipe nobody reads until the end
-    proc = subprocess.Popen([rl_launch, "submit", str(path)], stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([RL_LAUNCH, "submit", str(path)], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while True:

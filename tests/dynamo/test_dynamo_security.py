@@ -24,7 +24,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 import urllib.error
@@ -39,6 +38,7 @@ import yaml
 
 from launcher.jobdir import JobDir
 from launcher.spec import SpecError, parse_spec
+from tests.support.cli import RL_LAUNCH
 from tests.support.dynamo import have_runtime, mocker
 from tests.support.running_job import job_processes
 from tests.support.specs import local_spec, trainer_command, write_spec
@@ -93,9 +93,8 @@ def dynamo_job(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -
         },
     )
     path = write_spec(tmp / "spec.yaml", spec)
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
     out = (tmp / "submit.log").open("w")
-    proc = subprocess.Popen([rl_launch, "submit", str(path)], stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([RL_LAUNCH, "submit", str(path)], stdout=out, stderr=subprocess.STDOUT)
     job: Path | None = None
     try:
         deadline = time.monotonic() + 240
@@ -298,8 +297,7 @@ def _slurm_spec(**dynamo: object) -> dict[str, object]:
 def test_slurm_without_the_insecure_network_opt_in_is_refused_naming_the_field(tmp_path: Path) -> None:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(_slurm_spec()))
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
-    got = subprocess.run([rl_launch, "validate", str(path)], capture_output=True, text=True, timeout=60)
+    got = subprocess.run([RL_LAUNCH, "validate", str(path)], capture_output=True, text=True, timeout=60)
     print(
         f"\n(d) rl-launch validate (cluster: slurm, no opt-in): exit {got.returncode}\n"
         f"{got.stdout}{got.stderr}"

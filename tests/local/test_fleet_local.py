@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from launcher.jobdir import JobDir
+from tests.support.cli import RL_LAUNCH
 from tests.support.jobs import fault_trainer, run_job  # noqa: F401 (fault_trainer: the fixture)
 from tests.support.running_job import RunningJob, job_processes, running_job  # noqa: F401 (the fixture)
 from tests.support.specs import local_spec, sim
@@ -124,10 +125,9 @@ def test_every_engine_dead_without_budget_fails_the_job(tmp_path: Path) -> None:
 def test_example_shows_the_refit_window_mid_step(tmp_path: Path, example: str) -> None:
     """``RL_REFIT_AT=0.5 rl-launch submit examples/<example>``: the replay pauses the fleet halfway, holds,
     stamps a version and resumes through the trainer's client, and every session still completes."""
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [rl_launch, "submit", str(root / "examples" / example), "--set", f"job_root={tmp_path / 'jobs'}"],
+        [RL_LAUNCH, "submit", str(root / "examples" / example), "--set", f"job_root={tmp_path / 'jobs'}"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -29,6 +29,7 @@ from launcher.slurm.srun import driver_launch_line, signal_option, step_command
 from launcher.spec import load_resolved
 from launcher.steps.processes import SrunSteps
 from launcher.submit.render import render_sbatch
+from tests.support.cli import RL_LAUNCH
 
 IMAGE = "nvcr.io/nvidia/nemo-rl:v0.4"
 CONTAINER_FLAGS = [
@@ -230,9 +231,8 @@ def test_container_flags_reach_every_step_on_the_cluster(tmp_path: Path, layout:
         },
     )
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
     proc = subprocess.run(
-        [rl_launch, "submit", str(path), "--follow"], capture_output=True, text=True, timeout=300, env=env
+        [RL_LAUNCH, "submit", str(path), "--follow"], capture_output=True, text=True, timeout=300, env=env
     )
     job_line = next((x for x in proc.stdout.splitlines() if x.startswith("job directory:")), None)
     assert job_line is not None, proc.stdout + proc.stderr

@@ -39,6 +39,7 @@ from launcher.gateways.ray_serve.plan import (
     replicas_per_node,
 )
 from launcher.spec import load_resolved
+from tests.support.cli import RL_LAUNCH
 from tests.support.ray_serve import post_json
 
 # -- the plan, from the spec -----------------------------------------------------------------------
@@ -618,11 +619,10 @@ def test_local_ray_serve_example_submits_and_replays(tmp_path: Path) -> None:
     """``examples/local-ray-serve.yaml`` as a user runs it: exit 0, the replay table, replay.json in the
     job directory, the gateway's own view and its engines in the job directory for ``rl-launch status``."""
     example = Path(__file__).resolve().parents[2] / "examples" / "local-ray-serve.yaml"
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
     # The environment a user has: the launcher itself keeps a local Ray on loopback (it hung in ray.init
     # when only the test exported RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0).
     proc = subprocess.run(
-        [rl_launch, "submit", str(example), "--set", f"job_root={tmp_path / 'jobs'}"],
+        [RL_LAUNCH, "submit", str(example), "--set", f"job_root={tmp_path / 'jobs'}"],
         capture_output=True,
         text=True,
         timeout=360,

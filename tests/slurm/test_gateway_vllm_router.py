@@ -29,6 +29,7 @@ from launcher.gateways.vllm_router.process import VllmRouterProcess
 from launcher.jobdir import JobDir
 from launcher.spec import SpecError, load_resolved, load_snapshot
 from router.ports import free_port
+from tests.support.cli import RL_LAUNCH
 
 
 @pytest.fixture(scope="module")
@@ -424,9 +425,8 @@ def _run_example_external(
     example = Path(__file__).resolve().parents[2] / "examples" / "local-vllm-router.yaml"
     overrides = [f"job_root={tmp_path / 'jobs'}", "router.mode=external", f"router.url={router.url}"]
     overrides.append("router.vllm_router=null")  # an external router's policy is its owner's
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))
     proc = subprocess.run(
-        [rl_launch, "submit", str(example), *(x for o in overrides for x in ("--set", o))],
+        [RL_LAUNCH, "submit", str(example), *(x for o in overrides for x in ("--set", o))],
         capture_output=True,
         text=True,
         timeout=300,

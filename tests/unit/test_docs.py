@@ -30,10 +30,11 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.cli import RL_LAUNCH
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -183,8 +184,7 @@ def test_enough_commands_run() -> None:
 
 @pytest.mark.parametrize(("page", "command"), COMMANDS, ids=[f"{p}: {c}" for p, c in COMMANDS])
 def test_documented_command_runs(page: str, command: str) -> None:
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))  # as tests/local/test_readme.py finds it
     proc = subprocess.run(
-        [rl_launch, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [RL_LAUNCH, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, f"{page}: {command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"

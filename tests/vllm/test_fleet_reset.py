@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from launcher.engines.sim import SimConfig, SimServer
 from router import GenerationRouter
 from router.config import RouterConfig
+from tests.support.cli import RL_LAUNCH
 from tests.support.http_backends import FakeEngine
 from tests.support.specs import local_spec, sim, write_spec
 
@@ -140,9 +140,8 @@ def test_cli_resets_a_running_local_job_and_status_shows_it(tmp_path: Path, kind
         router={"kind": kind},
     )
     path = write_spec(tmp_path / "spec.yaml", spec)
-    rl_launch = str(Path(sys.executable).with_name("rl-launch"))  # as the README runs it: by path
     t = time.monotonic()
-    proc = subprocess.run([rl_launch, "submit", str(path)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([RL_LAUNCH, "submit", str(path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (job,) = list((tmp_path / "jobs").iterdir())
     report = json.loads((job / "reset.out").read_text())
