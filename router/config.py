@@ -41,6 +41,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from router.adapters.plan import LoraPlan
 from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.http.status import DEFAULT_NO_HEALTHY_BACKEND_STATUS, validate_no_healthy_status
 from router.policies import DEFAULT_POLICY, POLICIES
@@ -259,6 +260,11 @@ class RouterConfig(RouterSettings):
         "with its own key (stored hashed), weight and admin right; re-read within 0.5 s of a change. "
         "Client routes then require the API key or a consumer's key",
     )
+    lora: LoraPlan | None = Field(
+        default=None,
+        description="the fleet's LoRA plan (router.adapters.plan): its engines serve adapters that "
+        "/fleet/adapters loads; None: no adapter routes, and a request's model is passed through as is",
+    )
     fair_share_capacity: int | None = Field(
         default=None,
         ge=1,
@@ -327,6 +333,15 @@ class RouterConfig(RouterSettings):
             raise ValueError(
                 "registration_capability needs a router that owns its serving set (health_managed is off): "
                 "a fleet controller's next push would drop the engines a trainer registered"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_in_one_process(self) -> RouterConfig:
+        if self.lora is not None and self.workers > 1:
+            raise ValueError(
+                f"lora needs workers: 1 (got {self.workers}): the adapter table (which version each "
+                "request goes to, and its requests in flight) lives in the router process"
             )
         return self
 

@@ -111,6 +111,9 @@ class Consumer:
     job: str = ""
     attached_at: float = 0.0
     account: str = ""
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters the fleet's owner reserved for this consumer (``fleet.consumers.<name>.adapters``):
+    only it (and the owner) may load, unload or call them (``router.adapters.table``)."""
 
     @property
     def is_admin_key(self) -> bool:
@@ -126,6 +129,8 @@ class Consumer:
         }
         if self.account:
             out["account"] = self.account
+        if self.adapters:
+            out["adapters"] = list(self.adapters)
         return out
 
     @classmethod
@@ -157,7 +162,12 @@ class Consumer:
                     f"(entry <account>{ADMIN_SUFFIX}, admin true), got {account!r}"
                 )
             check_name(account)
-        return cls(name, key, float(weight), admin, job, float(attached), account)
+        adapters = data.get("adapters", [])
+        if not isinstance(adapters, list) or not all(
+            isinstance(a, str) and NAME_RE.fullmatch(a) for a in adapters
+        ):
+            raise ValueError(f"consumer {name!r}: adapters must be a list of names of [A-Za-z0-9._-]")
+        return cls(name, key, float(weight), admin, job, float(attached), account, tuple(adapters))
 
 
 OWNER_CONSUMER = Consumer(OWNER, "", 1.0, True)
@@ -246,6 +256,7 @@ def add_consumer(
     job: str = "",
     *,
     replace: bool = False,
+    adapters: tuple[str, ...] = (),
 ) -> Consumer:
     """Register ``name`` with the hash of ``key``. Refuses (``ValueError``) a name already present
     unless ``replace``, a bad name or weight, and an empty key; returns the entry written."""
@@ -259,7 +270,10 @@ def add_consumer(
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not _positive(weight):
         raise ValueError(f"consumer {name!r}: weight must be a number > 0, got {weight!r}")
     p = Path(path)
-    entry = Consumer(name, hash_key(key), float(weight), bool(admin), job, time.time())
+    for a in adapters:
+        if NAME_RE.fullmatch(a) is None:
+            raise ValueError(f"consumer {name!r}: adapter name {a!r} must be 1-128 of [A-Za-z0-9._-]")
+    entry = Consumer(name, hash_key(key), float(weight), bool(admin), job, time.time(), "", tuple(adapters))
     with _locked(p):
         consumers = read_consumers(p)
         if name in consumers and not replace:

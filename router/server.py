@@ -36,6 +36,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.adapters.plan import LoraPlan
+from router.adapters.refit import AdapterRefits
+from router.adapters.requests import AdapterRequests
+from router.adapters.routes import AdapterRoutes
+from router.adapters.table import AdapterTable
 from router.config import RouterConfig
 from router.consumers import ConsumerKeys
 from router.fleet import revocation
@@ -136,6 +141,9 @@ class GenerationRouter:
             self.record,
         )
         self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
+        self.adapters: AdapterRoutes | None = None
+        if config.lora is not None:
+            self.adapters = self._serve_adapters(config.lora, config.version_max_wait_s)
         self._api_key = config.secret("api_key")
         self._admin_token = config.admin_secret
         self._max_request_bytes = config.max_request_bytes
@@ -185,6 +193,30 @@ class GenerationRouter:
             self.config.secret("registration_capability"),
         )
 
+    def _serve_adapters(self, plan: LoraPlan, max_wait_s: float) -> AdapterRoutes:
+        """The fleet's LoRA adapters: their table (who owns which, which version on which engines), the
+        refits that change it, the forwarder's resolution of a request's ``model``, and the restore of a
+        restarted engine's adapters before any adapter request reaches it."""
+        fleet = self.fleet
+        table = AdapterTable(plan, self._reserved_adapters)
+        refits = AdapterRefits(
+            fleet.fleet,
+            table,
+            fleet.refit,
+            fleet.refit_routes.checks,
+            fleet.refit_routes.served_root,
+        )
+        self.backends.serving_listeners.append(refits.on_serving)
+        self.forwarder.adapters = AdapterRequests(table, lambda: self.backends.serving, max_wait_s)
+        return AdapterRoutes(refits)
+
+    def _reserved_adapters(self) -> dict[str, str]:
+        """Adapter -> the consumer the fleet's spec reserved it for (the consumers file's ``adapters``)."""
+        keys = self.consumer_keys
+        if keys is None:
+            return {}
+        return {a: name for name, c in keys.accounts().items() for a in c.adapters}
+
     def _admin_routes(self, table: RouteTable) -> None:
         admin = AdminApi(
             self.backends,
@@ -200,6 +232,14 @@ class GenerationRouter:
         )
         admin.add_routes(table)
         self.fleet.add_routes(table)
+        if self.adapters is not None:
+            self.adapters.add_routes(table)
+            refits = self.adapters.refits
+
+            async def close_adapters(app: web.Application) -> None:
+                await refits.close()
+
+            table.app.on_cleanup.append(close_adapters)
         table.add("GET", "/fleet/consumers", self._consumers_view, Access.ADMIN)
         table.add("*", "/{tail:.*}", not_found, Access.CLIENT)
 

@@ -317,7 +317,13 @@ def step_command(job: str | None, begin: bool, timeout_s: float, root: Path) -> 
 @fleet_group.command("refit")
 @click.argument("job", required=False)
 @click.option("--from", "directory", required=True, help="Checkpoint directory every node sees (absolute).")
-@click.option("--version", "version", required=True, help="The weight version the fleet moves to.")
+@click.option("--version", "version", default=None, help="The version the fleet (or --adapter) moves to.")
+@click.option(
+    "--adapter",
+    default=None,
+    help="Refit this LoRA adapter from --from (a peft adapter directory) instead of the base weights: "
+    "nothing pauses; its version defaults to v<n>.",
+)
 @click.option("--expected-checksum", default=None, help="The checksum every engine must end on.")
 @click.option(
     "--deadline", "deadline_s", default=900.0, show_default=True, help="Seconds for the whole refit."
@@ -327,7 +333,8 @@ def step_command(job: str | None, begin: bool, timeout_s: float, root: Path) -> 
 def refit_command(
     job: str | None,
     directory: str,
-    version: str,
+    version: str | None,
+    adapter: str | None,
     expected_checksum: str | None,
     deadline_s: float,
     as_json: bool,
@@ -335,8 +342,14 @@ def refit_command(
 ) -> None:
     """Load a checkpoint directory into every engine as one transaction: pause, reload, verify the
     checksums, reset the prefix caches, stamp VERSION, resume. Engines that fail are quarantined (held out,
-    named with the reason); a bad directory is refused before anything pauses."""
+    named with the reason); a bad directory is refused before anything pauses. With --adapter, refit one
+    LoRA adapter instead: check, canary, every engine, verify, stamp, with no pause."""
     jd, client = _client(job, root, deadline_s + 60, "refit")
+    if adapter is not None:
+        _refit_adapter(jd, client, adapter, directory, version, deadline_s, as_json)
+        return
+    if version is None:
+        raise click.UsageError("--version is required (the weight version the fleet moves to)")
     t = time.monotonic()
     try:
         txn = client.load_weights(directory, version, expected_checksum, deadline_s, check=False)
@@ -366,6 +379,46 @@ def refit_command(
         )
     if not txn.get("moved"):
         raise click.ClickException(f"fleet refit: the fleet did not move to {version!r}: {txn.get('error')}")
+
+
+def _refit_adapter(
+    jd: JobDir,
+    client: FleetClient,
+    adapter: str,
+    directory: str,
+    version: str | None,
+    deadline_s: float,
+    as_json: bool,
+) -> None:
+    t = time.monotonic()
+    try:
+        txn = client.load_adapter(adapter, directory, version, deadline_s, check=False)
+    except (ValueError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    missing = txn.get("missing") or {}
+    jd.log_event(
+        "adapter_refit",
+        f"{adapter}@{txn.get('version')}: {txn.get('phase')}",
+        ok=bool(txn.get("ok")),
+        took_s=round(time.monotonic() - t, 3),
+        missing=sorted(missing),
+    )
+    if as_json:
+        click.echo(json.dumps(txn, indent=2))
+    else:
+        for s in txn.get("steps", []):
+            click.echo(f"  {s['phase']:<10} {s['took_s']:8.3f} s")
+        for u in txn.get("verified", []):
+            click.echo(f"ok   {u}  {txn.get('served_name')}")
+        for u, why in missing.items():
+            click.echo(f"--   {u}  {why}")
+        click.echo(
+            f"adapter refit {txn.get('id')} {txn.get('phase')} in {txn.get('elapsed_s', 0):.3f} s: "
+            f"{adapter!r} on {txn.get('version')!r} on {len(txn.get('verified', []))} engine(s)"
+            + (f"; canary {txn['canary']}" if txn.get("canary") else "")
+        )
+    if not txn.get("moved"):
+        raise click.ClickException(f"fleet refit --adapter {adapter}: not moved: {txn.get('error')}")
 
 
 def _add_standing_commands() -> None:

@@ -337,6 +337,43 @@ class FleetClient:
                 handle.result = self._txn_call("/fleet/refit/abort", {"id": txn["id"]}, check=False)
             self.last_refit = handle.result
 
+    # -- LoRA adapters (router.adapters) ------------------------------------------------------------------
+    def load_adapter(
+        self,
+        name: str,
+        path: str | Path,
+        version: str | None = None,
+        deadline_s: float = 300.0,
+        check: bool = True,
+    ) -> dict[str, Any]:
+        """Refit adapter ``name`` from the directory ``path`` (a peft ``save_pretrained`` directory every
+        node sees) as one transaction, without pausing anything: the router checks it (rank within the
+        fleet's ``max_lora_rank``, the base model), loads it on a canary engine, then on every engine,
+        under the served name ``name@version``, verifies each, and from then on routes requests whose
+        ``model`` is ``name`` to it; the version before drains and is unloaded. ``version``: default
+        ``v<n>``. Returns the report (``moved``, ``served_name``, ``missing``: engines that did not take
+        it, ``steps``...). A directory refused before any engine was asked is ``ValueError``; an adapter
+        another consumer owns, a full plan or a refit of it running is ``FleetHttpError`` (403, 409);
+        with ``check``, ``RefitError`` when the adapter did not move (its canary failed)."""
+        body: dict[str, Any] = {
+            "adapter": name,
+            "from": str(Path(path).expanduser().absolute()),
+            "deadline_s": deadline_s,
+        }
+        if version is not None:
+            body["version"] = version
+        return self._txn_call("/fleet/adapters/load", body, check)
+
+    def unload_adapter(self, name: str) -> dict[str, Any]:
+        """Stop serving adapter ``name``: its requests are refused from now on, and every version is
+        unloaded from the engines once its requests in flight end."""
+        return dict(self._call("POST", "/fleet/adapters/unload", {"adapter": name}))
+
+    def adapters(self) -> dict[str, Any]:
+        """The fleet's adapters: the plan, each adapter's owner, version, engines and draining versions,
+        the served names per engine, and the last refit of each."""
+        return dict(self._call("GET", "/fleet/adapters"))
+
     def refit_state(self) -> dict[str, Any]:
         """``{"active", "last", "current", "known_versions"}``: the transaction running now and the last."""
         return dict(self._call("GET", "/fleet/refit"))

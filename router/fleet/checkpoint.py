@@ -185,7 +185,7 @@ def _open_regular(real: str, what: str) -> tuple[BinaryIO, os.stat_result]:
     return os.fdopen(fd, "rb"), st
 
 
-def _read_json(directory: str, name: str, limit: int, allow_foreign: bool) -> Any:
+def read_json(directory: str, name: str, limit: int, allow_foreign: bool) -> Any:
     """The JSON in ``directory/name`` (a regular file of at most ``limit`` bytes, trusted as above)."""
     path = os.path.join(directory, name)
     real = _inside(directory, path, allow_foreign)
@@ -213,7 +213,7 @@ def weight_files(directory: str, names: list[str], allow_foreign: bool) -> list[
         return [n for n in found if not n.endswith(NOT_FOR_INFERENCE)]
     if INDEX_FILE not in names:
         return found
-    index = _read_json(directory, INDEX_FILE, MAX_INDEX_BYTES, allow_foreign)
+    index = read_json(directory, INDEX_FILE, MAX_INDEX_BYTES, allow_foreign)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointRefused(f"{os.path.join(directory, INDEX_FILE)} has no weight_map of file names")
@@ -262,7 +262,7 @@ def _check_torch(fh: BinaryIO, size: int, path: str) -> None:
         raise CheckpointRefused(f"{path} is a zip file but no torch checkpoint (it holds no data.pkl)")
 
 
-def _check_weight(directory: str, name: str, allow_foreign: bool) -> None:
+def check_weight_file(directory: str, name: str, allow_foreign: bool) -> None:
     path = os.path.join(directory, name)
     if not os.path.exists(path):
         raise CheckpointRefused(f"checkpoint directory {directory}: weight file not readable: {path}")
@@ -276,32 +276,39 @@ def _check_weight(directory: str, name: str, allow_foreign: bool) -> None:
             _check_torch(fh, st.st_size, path)
 
 
-def _directory(path: str, allow_foreign: bool) -> tuple[str, list[str], dict[str, Any]]:
-    """The real path of the directory ``path``, its entries and its ``config.json``, after the checks
-    on the directory itself, or ``CheckpointRefused``."""
+def trusted_directory(path: str, allow_foreign: bool, kind: str = "checkpoint") -> tuple[str, list[str]]:
+    """The real path of the directory ``path`` and its entries, after the checks on the directory
+    itself (absolute, there, readable, this user's and not writable by others), or
+    ``CheckpointRefused``; ``kind`` names it in the message (``checkpoint``, ``adapter``)."""
     if not isinstance(path, str) or not path:
-        raise CheckpointRefused('"from" must name a checkpoint directory')
+        raise CheckpointRefused(f'"from" must name a{"n" if kind[0] in "aeiou" else ""} {kind} directory')
     if not os.path.isabs(path):
         raise CheckpointRefused(
-            f"checkpoint directory {path!r} is relative: give an absolute path (each engine resolves it "
+            f"{kind} directory {path!r} is relative: give an absolute path (each engine resolves it "
             "on its own node)"
         )
     if not os.path.exists(path):
-        raise CheckpointRefused(f"checkpoint directory {path} does not exist")
+        raise CheckpointRefused(f"{kind} directory {path} does not exist")
     real = os.path.realpath(path)
     st = os.stat(real)
     if not stat.S_ISDIR(st.st_mode):
-        raise CheckpointRefused(f"checkpoint {path} is not a directory")
+        raise CheckpointRefused(f"{kind} {path} is not a directory")
     if not os.access(real, os.R_OK | os.X_OK):
-        raise CheckpointRefused(f"checkpoint directory {path} is not readable (check its permissions)")
-    what = f"checkpoint directory {path}" + (f" ({real})" if real != path else "")
+        raise CheckpointRefused(f"{kind} directory {path} is not readable (check its permissions)")
+    what = f"{kind} directory {path}" + (f" ({real})" if real != path else "")
     _trusted(st, what, allow_foreign)
     if not allow_foreign:
         _ancestors(real, what)
-    names = os.listdir(real)
+    return real, os.listdir(real)
+
+
+def _directory(path: str, allow_foreign: bool) -> tuple[str, list[str], dict[str, Any]]:
+    """The real path of the directory ``path``, its entries and its ``config.json``, after the checks
+    on the directory itself, or ``CheckpointRefused``."""
+    real, names = trusted_directory(path, allow_foreign)
     if "config.json" not in names:
         raise CheckpointRefused(f"checkpoint directory {path} has no config.json")
-    config = _read_json(real, "config.json", MAX_CONFIG_BYTES, allow_foreign)
+    config = read_json(real, "config.json", MAX_CONFIG_BYTES, allow_foreign)
     if not isinstance(config, dict):
         raise CheckpointRefused(f"{os.path.join(real, 'config.json')} is not a JSON object")
     return real, names, config
@@ -319,7 +326,7 @@ def read_checkpoint(path: str, allow_foreign: bool = False) -> Candidate:
                 f"({', '.join('*' + s for s in WEIGHT_SUFFIXES)})"
             )
         for name in weights:
-            _check_weight(real, name, allow_foreign)
+            check_weight_file(real, name, allow_foreign)
     except OSError as exc:  # a race with a writer, EIO from the storage, EACCES on a file
         raise CheckpointRefused(f"checkpoint directory {path}: {exc}") from None
     return Candidate(config, weights)

@@ -61,6 +61,10 @@ UPDATE_WEIGHTS_PATH = "/update_weights"
 FINISH_UPDATE_PATH = "/finish_weight_update"
 VLLM_RESET_PATH = "/reset_prefix_cache"
 """vLLM (served with ``VLLM_SERVER_DEV_MODE=1``) and the simulator."""
+LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
+UNLOAD_ADAPTER_PATH = "/v1/unload_lora_adapter"
+"""vLLM's runtime LoRA routes, mounted only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``
+(``router.adapters.plan``)."""
 DYNAMO_RESET_PATH = "/engine/flush_cache"
 """A ``dynamo.vllm`` worker's system server (the RL admin route)."""
 
@@ -130,6 +134,16 @@ def reset_hint(path: str) -> Hint:
         return ""
 
     return hint
+
+
+def adapter_hint(status: int) -> str:
+    if status == 404:
+        return (
+            " (vLLM serves the adapter routes only with --enable-lora and "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1: set generation.lora; a 404 naming the adapter is a "
+            "directory it could not find)"
+        )
+    return ""
 
 
 def expect(key: str, value: Any) -> Check:
@@ -391,3 +405,34 @@ class EngineClient:
     async def reset_cache(self, url: str, path: str = VLLM_RESET_PATH) -> EngineAnswer:
         """Flush the engine's prefix cache (``path``: the engine kind's route)."""
         return await self.call(url, "POST", path, hint=reset_hint(path))
+
+    # -- LoRA adapters (router.adapters) ------------------------------------------------------------------
+    async def load_adapter(self, url: str, served_name: str, path: str) -> EngineAnswer:
+        """Load the adapter directory ``path`` under ``served_name``. vLLM answers a name already loaded
+        400 and a rank above its ``--max-lora-rank`` or an unreadable file 500, and stays up either way."""
+        return await self.call(
+            url,
+            "POST",
+            LOAD_ADAPTER_PATH,
+            json_body={"lora_name": served_name, "lora_path": path},
+            hint=adapter_hint,
+        )
+
+    async def unload_adapter(self, url: str, served_name: str) -> EngineAnswer:
+        return await self.call(
+            url, "POST", UNLOAD_ADAPTER_PATH, json_body={"lora_name": served_name}, hint=adapter_hint
+        )
+
+    async def models(self, url: str) -> Reading[dict[str, str]]:
+        """Every model the engine serves, ``{id: root}``: the base model first, then each adapter loaded
+        (its ``root`` is the directory it was loaded from)."""
+        answer = await self.call(url, "GET", MODELS_PATH, check=has("data"))
+        if not answer.ok:
+            return Reading(url, None, answer.detail)
+        data = answer.body["data"]
+        if not isinstance(data, list):
+            return Reading(url, None, "/v1/models data is not a list")
+        return Reading(
+            url,
+            {str(m["id"]): str(m.get("root") or "") for m in data if isinstance(m, dict) and "id" in m},
+        )

@@ -74,6 +74,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router.adapters.requests import AdapterRequest, AdapterRequests
+from router.adapters.table import AdapterForbidden, AdapterUnavailable
 from router.consumers import OWNER_CONSUMER, Consumer
 from router.http.attribution import Blame, InputFailure, malformed_headers
 from router.http.auth import CONSUMER, still_admitted
@@ -193,6 +195,9 @@ class Forwarder:
         self.consumer_limits: ConsumerLimits | None = None
         self._record_text = config.record_text
         self._session_header: str = getattr(policy, "session_header", None) or DEFAULT_SESSION_HEADER
+        self.adapters: AdapterRequests | None = None
+        """The fleet's LoRA adapters (set by the router where it serves them): a generation request whose
+        ``model`` names one goes to its current version's served name, on the engines holding it."""
 
     def use_limits(self, limits: HttpLimits) -> None:
         """Apply the backend-side limits (header bytes, quoted error body); called before serving."""
@@ -292,6 +297,27 @@ class Forwarder:
         consumer: Consumer | None = None
         if hold and self._accounting:
             consumer = request.get(CONSUMER) or OWNER_CONSUMER
+        adapter: AdapterRequest | None = None
+        if hold and self.adapters is not None:
+            try:
+                adapter = await self.adapters.prepare(
+                    body, (request.get(CONSUMER) or OWNER_CONSUMER).name, want
+                )
+            except AdapterForbidden as exc:
+                self.metrics.errors.labels("adapter_forbidden").inc()
+                return json_response(403, error_body(str(exc), "forbidden", 403))
+            except (AdapterUnavailable, VersionRefused) as exc:
+                self.metrics.errors.labels("adapter_unavailable").inc()
+                status = self.config.no_healthy_backend_status
+                return json_response(status, error_body(str(exc), "adapter_unavailable", status))
+            except UnknownVersion as exc:
+                self.metrics.errors.labels("unknown_weight_version").inc()
+                return json_response(400, error_body(str(exc), "unknown_weight_version", 400))
+            if adapter is not None:
+                body, want = adapter.body, None  # the gate was the adapter's version, met above
+                route_request = self.policy.scope(route_request, adapter.route.served)
+                adapter.route.target.enter()
+        shown = adapter.route.version if adapter is not None else None
         tried: set[str] = set()
         last: UpstreamError | None = None
         ticket: Ticket | None = None
@@ -300,9 +326,17 @@ class Forwarder:
             for attempt in range(self.config.max_attempts):
                 try:
                     if draft is not None and not attempt:
-                        chosen = await self._dispatch_recorded(draft, route_request, hold, want, consumer)
+                        chosen = await self._dispatch_recorded(
+                            draft,
+                            route_request,
+                            hold,
+                            want,
+                            consumer,
+                            adapter.exclude if adapter else frozenset(),
+                        )
                     else:
-                        chosen = await routing.dispatch(route_request, frozenset(tried), hold, want, consumer)
+                        excluded = frozenset(tried) | adapter.exclude if adapter else frozenset(tried)
+                        chosen = await routing.dispatch(route_request, excluded, hold, want, consumer)
                 except PauseRefused as exc:
                     self.metrics.errors.labels("pause_bound").inc()
                     status = self.config.no_healthy_backend_status
@@ -353,6 +387,7 @@ class Forwarder:
                         ticket,
                         draft,
                         blame,
+                        shown,
                     )
                 except UpstreamError as failure:
                     if draft is not None:
@@ -375,6 +410,8 @@ class Forwarder:
         finally:
             if ticket is not None:
                 ticket.end()  # no answer in full (it failed, or the client left): no tokens counted
+            if adapter is not None:
+                adapter.route.target.leave()
         assert last is not None
         if blame is not None and blame.poisoned():
             self.metrics.poisoned((request.get(CONSUMER) or OWNER_CONSUMER).name)
@@ -390,6 +427,7 @@ class Forwarder:
         hold: bool,
         want: VersionWant | None,
         consumer: Consumer | None,
+        exclude: frozenset[str] = frozenset(),
     ) -> Chosen:
         """The first dispatch of a recorded request: what held it goes on its draft, from the answer
         (``Chosen.held``) or from the refusal (``router.state.holds``). Gated on a version, it is timed
@@ -397,7 +435,7 @@ class Forwarder:
         out (``router.record.holds``)."""
         t0 = time.perf_counter()
         try:
-            chosen = await self.routing.dispatch(route_request, frozenset(), hold, want, consumer)
+            chosen = await self.routing.dispatch(route_request, exclude, hold, want, consumer)
         except BaseException as exc:
             draft.add_holds(holds_of(exc))
             raise
@@ -426,9 +464,11 @@ class Forwarder:
         ticket: Ticket | None = None,
         draft: RecordDraft | None = None,
         blame: Blame | None = None,
+        shown: str | None = None,
     ) -> web.StreamResponse:
         """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client.
         ``blame``: the request's failed attempts so far; an answer below 500 here settles them.
+        ``shown``: the version the answer's header names when it is not the engine's (an adapter's).
 
         A cancellation (the client went away) aborts the upstream connection through ``release`` and
         frees the slot in the ``finally`` blocks; it is not an ``UpstreamError``, so nothing retries it.
@@ -442,9 +482,10 @@ class Forwarder:
             upstream = await self.pool.request(url, request.method, path_qs, headers, body)
             if blame is not None and upstream.status < 500:
                 self._charge(route_request.path, blame.answered(upstream.status))
+            answered = chosen if shown is None else chosen._replace(version=shown)
             try:
                 return await self.relay.relay(
-                    request, route_request, chosen, upstream, slot, request_id, ticket, draft
+                    request, route_request, answered, upstream, slot, request_id, ticket, draft
                 )
             finally:
                 upstream.release()

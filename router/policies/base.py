@@ -214,6 +214,18 @@ class Policy(ABC):
         worker thread for large bodies, so hashing a 1 MiB prompt never stalls other requests."""
         return request
 
+    def scope(self, request: RouteRequest, key: str) -> RouteRequest:
+        """``request`` (prepared) with its features made distinct per ``key``: two requests with the same
+        prompt for different LoRA adapters (or versions) share no KV on an engine, since vLLM keys its
+        prefix cache by the adapter's name, so the cache-aware affinity must not treat them as one
+        prefix either. Chained block hashes are salted with the key; other features pass unchanged."""
+        features = request.features
+        if not isinstance(features, list) or not features or not isinstance(features[0], int):
+            return request
+        salt = hash(key)
+        scoped = [hash((salt, h)) for h in features]
+        return RouteRequest(request.path, request.body, request.headers, scoped, request.body_size)
+
     def on_backends_changed(self, backends: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Optional: forget state about backends that left the serving set."""
 

@@ -74,6 +74,9 @@ class BackendSet:
         # Each member's weight version and the fleet's stamp order (router.state.versions): the response
         # header, gated requests and straddlers read it; the fleet API writes it.
         self.versions = WeightVersions()
+        # Called with each URL that (re)enters the serving set, on the loop: an engine that restarted
+        # comes back without its LoRA adapters (router.adapters.refit restores them before routing any).
+        self.serving_listeners: list[Callable[[str], None]] = []
 
     # -- members and the serving set ---------------------------------------------------------------
     @property
@@ -122,7 +125,11 @@ class BackendSet:
             self.versions.forget(url)
         serving = tuple(u for u in self._members if u not in self._ejected and u not in self._stale)
         if serving != self.load.backends:
+            entered = [u for u in serving if u not in self.load]
             self.load.set_backends(serving)
+            for url in entered:
+                for listener in self.serving_listeners:
+                    listener(url)
             self.policy.on_backends_changed(serving)
             self.versions.changed()  # a request gated on a version may now have an engine
 

@@ -1,0 +1,67 @@
+"""A generation request for an adapter, made ready for dispatch: who may, which version, which engines.
+
+The forwarder calls ``AdapterRequests.prepare`` for every generation request when the fleet serves
+adapters. A request whose ``model`` names no adapter is left alone (``None``): the base model's
+requests, and names the engines judge (an unknown model is their 404, as without adapters).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.adapters.body import model_of, with_model
+from router.adapters.table import AdapterRoute, AdapterTable
+from router.state.versions import VersionRefused, VersionWant
+
+
+@dataclass(frozen=True)
+class AdapterRequest:
+    route: AdapterRoute
+    body: bytes
+    """The body to send: its ``model`` is the served name of the version chosen."""
+    exclude: frozenset[str]
+    """Serving engines that do not hold that version."""
+
+
+class AdapterRequests:
+    def __init__(self, table: AdapterTable, serving: Callable[[], Sequence[str]], max_wait_s: float) -> None:
+        """``serving``: the serving engines now; ``max_wait_s``: how long a request gated on a version
+        a refit in progress is loading waits for it (the router's ``version_max_wait_s``)."""
+        self.table = table
+        self.serving = serving
+        self.max_wait_s = max_wait_s
+
+    async def prepare(self, body: bytes, caller: str, want: VersionWant | None) -> AdapterRequest | None:
+        """Raises ``AdapterForbidden``, ``AdapterUnavailable``, ``UnknownVersion`` (a gate on a version
+        the adapter never had) and ``VersionRefused`` (one still loading past the wait)."""
+        table = self.table
+        if not table.adapters and not table.pending:
+            return None
+        model = model_of(body)
+        if model is None:
+            return None
+        route = table.resolve(model, caller)
+        if route is None:
+            return None
+        if want is not None:
+            until = time.monotonic() + self.max_wait_s
+            narrowed = table.satisfies(route, want)
+            while narrowed is None:
+                left = until - time.monotonic()
+                if left <= 0:
+                    raise VersionRefused(
+                        f"adapter {route.adapter.name!r} did not reach version {want.version!r} within "
+                        f"{self.max_wait_s:g} s"
+                    )
+                await table.changed(left)
+                route = table.resolve(model, caller) or route
+                narrowed = table.satisfies(route, want)
+            route = narrowed
+        served = route.served
+        if model != served:
+            body = with_model(body, model, served)
+        engines = route.target.engines
+        exclude = frozenset(u for u in self.serving() if u not in engines)
+        return AdapterRequest(route, body, exclude)

@@ -1,0 +1,115 @@
+"""The adapter admin routes: ``GET /fleet/adapters``, ``POST /fleet/adapters/load`` and ``/unload``.
+
+``load``: ``{"adapter", "from", "version"?, "deadline_s"?, "allow_foreign_checkpoint"?}``, the whole
+adapter refit (``router.adapters.refit``) in one call: 200 when the adapter moved to the new version
+(engines that did not take it are listed in ``missing``, ``ok`` is then false); 500 when it did not (its
+canary failed); 400 for a body that is not what is asked or a directory the check refused (no engine
+was asked); 403 for an adapter another consumer owns; 409 when the plan has no room, a refit of it or
+a full refit is running, or the version was used before. ``unload``: ``{"adapter"}``.
+
+Who may: the admin routes' check (``router.http.auth``) lets in the fleet's owner and the admin keys of
+consumers it marked admin; here an admin consumer may change only its own adapters (the ones the
+fleet's spec reserved for it, or that it created by loading them first), never another's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from router.adapters.check import AdapterRefused
+from router.adapters.names import check_adapter_name, check_version
+from router.adapters.refit import DEFAULT_DEADLINE_S, AdapterRefits
+from router.adapters.table import AdapterForbidden
+from router.consumers import OWNER
+from router.fleet.checkpoint import ALLOW_FOREIGN
+from router.fleet.fleet import Fleet
+from router.fleet.refit import RefitRefused
+from router.http.auth import CONSUMER, Access, RouteTable
+
+MAX_DEADLINE_S = 3600.0
+
+
+def _json(status: int, payload: object) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _refused(status: int, message: str) -> web.Response:
+    return _json(status, {"ok": False, "error": message})
+
+
+def caller_of(request: web.Request) -> str:
+    """Who is asking, as adapters are owned: a consumer's name (its admin key acts for its account),
+    or ``OWNER`` for the fleet's owner and for a router without consumers."""
+    consumer = request.get(CONSUMER)
+    if consumer is None or consumer.name == OWNER:
+        return OWNER
+    return consumer.account or consumer.name
+
+
+class AdapterRoutes:
+    def __init__(self, refits: AdapterRefits) -> None:
+        self.refits = refits
+
+    def add_routes(self, table: RouteTable) -> None:
+        table.add("GET", "/fleet/adapters", self.view, Access.ADMIN)
+        table.add("POST", "/fleet/adapters/load", self.load, Access.ADMIN)
+        table.add("POST", "/fleet/adapters/unload", self.unload, Access.ADMIN)
+
+    async def view(self, request: web.Request) -> web.Response:
+        return _json(200, self.state())
+
+    def state(self) -> dict[str, Any]:
+        refits = self.refits
+        return {
+            **refits.table.to_json(),
+            "active": {n: t.to_json() for n, t in refits.active.items()},
+            "last": {n: t.to_json() for n, t in refits.last.items()},
+        }
+
+    async def load(self, request: web.Request) -> web.Response:
+        try:
+            body = await Fleet.read_body(request)
+            name = check_adapter_name(body.get("adapter"))
+            path = body.get("from")
+            if not isinstance(path, str) or not path:
+                raise ValueError('body needs "from": the adapter directory to load')
+            version = body.get("version")
+            if version is not None:
+                check_version(version)
+            deadline_s = body.get("deadline_s", DEFAULT_DEADLINE_S)
+            if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float):
+                raise ValueError(f'"deadline_s" must be a number of seconds, got {deadline_s!r}')
+            if not 0 < deadline_s <= MAX_DEADLINE_S:
+                raise ValueError(f'"deadline_s" must be in (0, {MAX_DEADLINE_S:g}], got {deadline_s!r}')
+            allow_foreign = body.get(ALLOW_FOREIGN, False)
+            if not isinstance(allow_foreign, bool):
+                raise ValueError(f'"{ALLOW_FOREIGN}" must be true or false, got {allow_foreign!r}')
+            txn = self.refits.begin(name, path, version, caller_of(request), float(deadline_s))
+        except AdapterForbidden as exc:
+            return _refused(403, str(exc))
+        except RefitRefused as exc:
+            return _refused(exc.status, str(exc))
+        except ValueError as exc:
+            return _refused(400, str(exc))
+        try:
+            checked = await self.refits.check(txn, allow_foreign)
+        except AdapterRefused as exc:
+            return _json(400, {"ok": False, "error": str(exc), **txn.to_json()} | {"ok": False})
+        done = await self.refits.coordinator.run(self.refits.run(txn, checked))
+        return _json(200 if done.moved else 500, done.to_json())
+
+    async def unload(self, request: web.Request) -> web.Response:
+        try:
+            body = await Fleet.read_body(request)
+            name = check_adapter_name(body.get("adapter"))
+            result = await self.refits.coordinator.run(self.refits.unload(name, caller_of(request)))
+        except AdapterForbidden as exc:
+            return _refused(403, str(exc))
+        except RefitRefused as exc:
+            return _refused(exc.status, str(exc))
+        except ValueError as exc:
+            return _refused(400, str(exc))
+        return _json(200, {"ok": True, **result})

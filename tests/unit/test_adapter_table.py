@@ -1,0 +1,119 @@
+"""The adapter table and the one body change: who may call or change an adapter, which version a request
+goes to, the plan's capacity, gates on an adapter's versions, and the model name replaced in place."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from router.adapters.body import model_of, with_model
+from router.adapters.names import served_name, split_served
+from router.adapters.plan import LoraPlan
+from router.adapters.table import (
+    AdapterCapacity,
+    AdapterForbidden,
+    AdapterTable,
+    AdapterUnavailable,
+    new_version,
+)
+from router.consumers import OWNER
+from router.state.versions import UnknownVersion, VersionWant
+
+E1, E2 = "http://127.0.0.1:1", "http://127.0.0.1:2"
+
+
+def table(max_adapters: int = 2) -> AdapterTable:
+    return AdapterTable(LoraPlan(max_adapters=max_adapters), lambda: {"pa": "tenant-a", "pb": "tenant-b"})
+
+
+def stamped(t: AdapterTable, name: str, owner: str, version: str, engines: set[str]) -> None:
+    v = new_version(name, version, f"/ckpt/{name}/{version}", 8)
+    v.engines = set(engines)
+    t.stamp(name, owner, v)
+
+
+def test_served_names_are_one_per_version_and_split_back() -> None:
+    assert served_name("policy-a", "step-3") == "policy-a@step-3"
+    assert split_served("policy-a@step-3") == ("policy-a", "step-3")
+    assert split_served("tiny") is None
+    assert split_served("a@b@c") is None  # the adapter part may not hold the separator
+
+
+def test_a_tenant_calls_its_own_adapter_and_is_refused_another_and_the_owner_calls_any() -> None:
+    t = table()
+    stamped(t, "pa", "tenant-a", "v1", {E1, E2})
+    route = t.resolve("pa", "tenant-a")
+    assert route is not None and route.served == "pa@v1" and route.target.engines == {E1, E2}
+    with pytest.raises(AdapterForbidden, match="belongs to consumer 'tenant-a'"):
+        t.resolve("pa", "tenant-b")
+    with pytest.raises(AdapterForbidden):  # its served name is the same adapter
+        t.resolve("pa@v1", "tenant-b")
+    assert t.resolve("pa", OWNER) is not None
+    assert t.resolve("tiny", "tenant-b") is None  # the base model: not the table's
+    with pytest.raises(AdapterUnavailable, match="not loaded on this fleet yet"):
+        t.resolve("pb", "tenant-b")  # reserved, not loaded: never passed on to a 404
+    with pytest.raises(AdapterForbidden):
+        t.resolve("pb", "tenant-a")
+
+
+def test_only_the_owner_or_the_fleet_owner_changes_an_adapter() -> None:
+    t = table()
+    t.may_change("pa", "tenant-a")
+    t.may_change("pa", OWNER)
+    with pytest.raises(AdapterForbidden, match="may not load or unload"):
+        t.may_change("pa", "tenant-b")
+    t.may_change("free", "tenant-b")  # not reserved: whoever loads it first owns it
+    stamped(t, "free", "tenant-b", "v1", {E1})
+    with pytest.raises(AdapterForbidden):
+        t.may_change("free", "tenant-a")
+
+
+def test_a_new_adapter_beyond_the_plan_is_refused_with_the_reason_and_a_known_one_is_not() -> None:
+    t = table(max_adapters=1)
+    t.admit_new("pa")
+    stamped(t, "pa", "tenant-a", "v1", {E1})
+    t.admit_new("pa")  # a new version of a served adapter needs no new slot
+    with pytest.raises(AdapterCapacity, match="max_adapters: 1"):
+        t.admit_new("pb")
+
+
+def test_a_new_version_drains_the_old_one_and_gates_read_the_adapters_versions() -> None:
+    t = table()
+    stamped(t, "pa", "tenant-a", "v1", {E1, E2})
+    stamped(t, "pa", "tenant-a", "v2", {E1})  # E2 did not take v2: it keeps serving others
+    route = t.resolve("pa", "tenant-a")
+    assert route is not None and route.version == "v2" and route.target.engines == {E1}
+    assert [d.version for d in t.adapters["pa"].draining] == ["v1"]
+    assert t.served_on() == {E1: ["pa@v1", "pa@v2"], E2: ["pa@v1"]}
+    at_least = t.satisfies(route, VersionWant("v1", at_least=True))
+    assert at_least is not None and at_least.version == "v2"
+    exact_old = t.satisfies(route, VersionWant("v1"))
+    assert exact_old is not None and exact_old.version == "v1"  # still draining: served where it is
+    with pytest.raises(UnknownVersion, match="no version 'v9'"):
+        t.satisfies(route, VersionWant("v9"))
+    t.pending["pa"] = "v3"
+    assert t.satisfies(route, VersionWant("v3")) is None  # a refit is loading it: wait
+
+
+def test_an_engine_that_left_gets_no_adapter_request_until_restored() -> None:
+    t = table()
+    stamped(t, "pa", "tenant-a", "v1", {E1, E2})
+    t.engines_left(E2)
+    route = t.resolve("pa", "tenant-a")
+    assert route is not None and route.target.engines == {E1}
+    t.engines_left(E1)
+    with pytest.raises(AdapterUnavailable, match="no engine serving"):
+        t.resolve("pa", "tenant-a")
+
+
+def test_the_model_is_replaced_in_place_and_nothing_else_changes() -> None:
+    body = b'{"model": "pa", "prompt": "say \\"model\\": \\"pa\\"", "max_tokens": 4, "temperature": 0.70}'
+    out = with_model(body, "pa", "pa@v2")
+    assert out == body.replace(b'"model": "pa"', b'"model": "pa@v2"', 1)
+    assert model_of(out) == "pa@v2"
+    nested = b'{"model":"pa","metadata":{"model":"pa"},"x":1.50}'
+    again = with_model(nested, "pa", "pa@v2")  # twice in the body: parsed and written whole
+    assert orjson.loads(again) == {"model": "pa@v2", "metadata": {"model": "pa"}, "x": 1.5}
+    escaped = b'{"model":"p\\u0061","prompt":"x"}'
+    assert model_of(escaped) == "pa" and model_of(with_model(escaped, "pa", "pa@v2")) == "pa@v2"
+    assert model_of(b"") is None and model_of(b"[1]") is None and model_of(b"{bad") is None
