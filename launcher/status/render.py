@@ -16,6 +16,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from launcher.status.adapters import adapters_text
 from launcher.status.charts import sparkline
 from launcher.status.elastic import elastic_text
 from launcher.status.refit import refit_line
@@ -409,6 +410,10 @@ def render_snapshot(
     refit_text = refit_line(refit.get("pause"), refit.get("step"), refit.get("transaction"))
     if refit_text is not None and refit_text.plain:
         parts.append(refit_text)
+    serving = sum(1 for e in snap.get("engines") or [] if e.get("state") in ("HEALTHY", "SUSPECT")) or None
+    adapters = adapters_text(refit.get("adapters"), serving)
+    if adapters is not None:
+        parts.append(adapters)
     rollouts = rollouts_text(snap.get("rollouts"))
     if rollouts is not None:
         parts.append(rollouts)

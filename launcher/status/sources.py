@@ -18,6 +18,7 @@ from launcher.jobdir import JobDir
 from launcher.jobdir.paths import record_dir as record_dir_of
 from launcher.record.tail import read_tail
 from launcher.record.view import rollouts_view
+from launcher.status.adapters import fetch_adapters
 from launcher.status.refit import fetch_refit, fetch_step, pause_view
 from launcher.status.standing import fetch_consumers, fetch_version
 
@@ -41,7 +42,7 @@ class JobSources:
             return None
         ours = bool(fleet_url and router_url and router_url.rstrip("/") == fleet_url.rstrip("/"))
         pause = pause_view(router_metrics) if ours else None
-        step = txn = None
+        step = txn = adapters = None
         if fleet_url is not None:
             try:
                 # a job attached to a standing fleet (an admin consumer) uses its own admin token there,
@@ -50,13 +51,14 @@ class JobSources:
             except (OSError, ValueError):
                 token = None
             if token:
-                step, txn = await asyncio.gather(
+                step, txn, adapters = await asyncio.gather(
                     fetch_step(self._http(), fleet_url, token, self.timeout_s),
                     fetch_refit(self._http(), fleet_url, token, self.timeout_s),
+                    fetch_adapters(self._http(), fleet_url, token, self.timeout_s),
                 )
-        if pause is None and step is None and txn is None:
+        if pause is None and step is None and txn is None and adapters is None:
             return None
-        return {"pause": pause, "step": step, "transaction": txn}
+        return {"pause": pause, "step": step, "transaction": txn, "adapters": adapters}
 
     async def _rollouts_view(
         self, jd: JobDir, state: dict[str, Any], refit: dict[str, Any] | None, now: float
