@@ -120,6 +120,7 @@ class EngineHostLauncher:
             tensor_parallel_size=gen.tensor_parallel_size,
             pipeline_parallel_size=gen.pipeline_parallel_size,
             env=dict(gen.env),
+            lora=gen.lora.model_dump() if gen.lora is not None else None,
             startup_timeout_s=gen.startup_timeout_s,
             log_dir=str(self.job.logs),
             job_dir=str(self.job.path),

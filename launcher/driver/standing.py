@@ -104,7 +104,9 @@ class StandingAttachment:
         if rules is None:
             raise RuntimeError(f"generation.fleet {gen.fleet!r}: {fleet_job.path} is not a standing fleet")
         mine = rules.consumer(self.spec.name)
-        self.name = standing.attach(self.record, self.job, self.spec.name, mine.weight, mine.admin)
+        self.name = standing.attach(
+            self.record, self.job, self.spec.name, mine.weight, mine.admin, mine.adapters
+        )
         fields: dict[str, Any] = {
             "router_url": fleet_state["router_url"],
             "attached_to": {

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.jobdir.atomic import write_json_atomic
+from router.adapters.plan import RUNTIME_LORA_ENV, LoraPlan
 
 
 @dataclass
@@ -41,9 +42,19 @@ class EngineHostConfig:
     """Dynamo workers: ``DynamoPlanes`` as a dict (discovery, request plane, runtime env)."""
     dynamo_python: str | None = None
     dynamo_worker_args: list[str] = field(default_factory=list)
+    lora: dict[str, Any] | None = None
+    """``generation.lora`` (``LoraPlan`` as a dict: the file is JSON), a field of every engine kind's
+    generation like the parallel sizes; a kind that serves adapters reads it through ``lora_command``."""
     options: dict[str, Any] = field(default_factory=dict)
     """Values of an engine kind that no field above carries (JSON-able; its ``host_fields`` puts them
     here and its ``build`` reads them): a new kind adds nothing to this class."""
+
+    def lora_command(self) -> tuple[list[str], dict[str, str]]:
+        """The engine flags and environment of the LoRA plan (none without one): its flags go before the
+        user's own arguments, and the environment mounts vLLM's runtime adapter routes."""
+        if self.lora is None:
+            return [], {}
+        return LoraPlan.model_validate(self.lora).engine_flags(), dict(RUNTIME_LORA_ENV)
 
     @classmethod
     def load(cls, path: str | Path) -> EngineHostConfig:

@@ -97,6 +97,9 @@ class EngineKind:
     """Whether one instance may span nodes through Ray's executor (vLLM's ``--distributed-executor-backend
     ray``): a Ray Serve replica then passes it the executor flags (``ServePlan.executor_args``) and the
     Ray address."""
+    serves_adapters: ClassVar[bool] = False
+    """Whether its engines take ``generation.lora``: vLLM's LoRA flags and its runtime adapter routes
+    (``/v1/load_lora_adapter``), through which the router loads adapters."""
     default_served_name: ClassVar[str] = ""
     """The model name clients send when the spec sets neither ``served_model_name`` nor ``model``."""
 

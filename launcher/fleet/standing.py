@@ -25,7 +25,7 @@ import pwd
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -342,12 +342,22 @@ def wait_serving(
 
 
 # -- consumers -------------------------------------------------------------------------------------------
-def attach(record: FleetRecord, consumer: JobDir, job_name: str, weight: float, admin: bool) -> str:
+def attach(
+    record: FleetRecord,
+    consumer: JobDir,
+    job_name: str,
+    weight: float,
+    admin: bool,
+    adapters: Sequence[str] = (),
+) -> str:
     """Register ``consumer`` with the fleet: a new client key in the consumer's own 0600 key file (the
     one its Gym overlay and environment read), its hash in the fleet's consumers file, never an admin
     credential (every rollout worker and agent sandbox reads it). ``admin`` (the fleet's spec marks the
     job so): the job's own ``secrets/admin_token`` is registered too, as the consumer's admin key
     (``router.consumers``), for the refit routes; only the job's driver and trainer read that file.
+    ``adapters``: the LoRA adapters the fleet's spec reserves for the job
+    (``fleet.consumers.<job>.adapters``), which the router lets only this consumer (and the owner) load,
+    unload and call.
     Returns the consumer's name there (its job directory's name: unique per job)."""
     from router.consumers import add_admin_key, add_consumer
 
@@ -355,7 +365,14 @@ def attach(record: FleetRecord, consumer: JobDir, job_name: str, weight: float, 
     name = consumer.path.name
     path = consumers_path(record.job_dir)
     add_consumer(
-        path, name, consumer.read_api_key(), weight=weight, admin=False, job=str(consumer.path), replace=True
+        path,
+        name,
+        consumer.read_api_key(),
+        weight=weight,
+        admin=False,
+        job=str(consumer.path),
+        replace=True,
+        adapters=tuple(adapters),
     )
     if admin:
         add_admin_key(path, name, consumer.read_admin_token(), job=str(consumer.path), weight=weight)

@@ -142,6 +142,9 @@ class FrontKind(Generic[S]):
     serves_consumers: ClassVar[bool] = False
     """Whether the front can be a standing fleet's (``fleet:``): it checks the consumers' own keys, revokes
     them when their jobs end and shares its in-flight capacity fairly between them."""
+    serves_adapters: ClassVar[bool] = False
+    """Whether the front can serve LoRA adapters (``generation.lora``): it keeps the adapter table (which
+    adapter is loaded on which engine, whose it is) and loads them through the engines' runtime routes."""
     serves_registrations: ClassVar[bool] = False
     """Whether the front can serve engines the trainer owns (``generation.owner: trainer``): a
     registration URL that takes no header (``router.http.capability``) and probing of its own."""

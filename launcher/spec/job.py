@@ -45,6 +45,7 @@ from launcher.spec.schema import (
     TrainingSection,
 )
 from launcher.spec.section import Section
+from router.adapters.plan import VLLM_LORA_RANKS, LoraPlan
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -165,7 +166,7 @@ def _foreign_settings(gen: GenerationSection, engine: EngineKind) -> list[Issue]
 # What a job attached to a standing fleet takes from the fleet: set here, it would be silently ignored.
 _FLEET_OWNED = (
     "nodes", "engine", "model", "tensor_parallel_size", "pipeline_parallel_size", "engines_per_node",
-    "restarts_per_engine", "restarts_per_run", "env", "slurm",
+    "restarts_per_engine", "restarts_per_run", "env", "slurm", "lora",
 )  # fmt: skip
 
 
@@ -247,6 +248,81 @@ def _trainer_owned_issues(spec: JobSpec) -> list[Issue]:
     return issues
 
 
+def _lora_issues(spec: JobSpec) -> list[Issue]:
+    """``generation.lora`` and the adapters a standing fleet reserves. The adapter table (which adapter is
+    loaded where, whose it is) lives in the memory of the builtin router's one process; engines whose
+    runtime adapter routes rl-launch does not start or cannot reach would serve adapters it does not know
+    of; and vLLM refuses at start a plan it cannot take, which costs a queue wait to learn."""
+    gen, issues = spec.generation, []
+    consumers = spec.fleet.consumers if spec.fleet is not None else {}
+    owner_of: dict[str, str] = {}
+    for name, consumer in consumers.items():
+        field = f"fleet.consumers.{name}.adapters"
+        if consumer.adapters and gen.lora is None:
+            issues.append(
+                Issue(field, "needs generation.lora (the fleet's LoRA plan): set it, or remove the adapters")
+            )
+        for adapter in consumer.adapters:
+            if adapter in owner_of:
+                other = owner_of[adapter]
+                issues.append(Issue(field, f"{adapter!r} is already reserved for {other!r}; keep it in one"))
+            owner_of.setdefault(adapter, name)
+    plan = gen.lora
+    if plan is None:
+        return issues
+    if not engine_kind(gen.engine).serves_adapters:
+        fits = " or ".join(n for n, k in ENGINE_KINDS.items() if k.serves_adapters)
+        issues.append(
+            Issue(
+                "generation.lora",
+                f"needs generation.engine {fits} (got {gen.engine!r}): only their engines load adapters at "
+                "run time; remove lora, or change the engine",
+            )
+        )
+    if gen.owner == "trainer":
+        issues.append(
+            Issue(
+                "generation.lora",
+                "rl-launch loads adapters into the engines it starts, and with owner: trainer it starts "
+                "none: remove lora, or use owner: launcher",
+            )
+        )
+    if not front_kind(spec.router.kind).serves_adapters:
+        fits = " or ".join(n for n, f in GATEWAY_KINDS.items() if f.serves_adapters)
+        issues.append(
+            Issue(
+                "router.kind",
+                f"is {spec.router.kind!r} but generation.lora is set: the adapter table lives in rl-launch's "
+                f"router; use router.kind: {fits}, or remove lora",
+            )
+        )
+    elif getattr(spec.router, "workers", 1) != 1:
+        issues.append(
+            Issue(
+                "router.workers",
+                f"must be 1 with generation.lora (got {spec.router.workers}): the adapter table lives in the "
+                "router process, which another worker would not see; remove workers, or remove lora",
+            )
+        )
+    if plan.max_lora_rank not in VLLM_LORA_RANKS:
+        issues.append(
+            Issue(
+                "generation.lora.max_lora_rank",
+                f"must be one of vLLM's {', '.join(map(str, VLLM_LORA_RANKS))} (got {plan.max_lora_rank}): "
+                "vLLM refuses another --max-lora-rank at start",
+            )
+        )
+    if plan.batch_loras > plan.cpu_loras:
+        issues.append(
+            Issue(
+                "generation.lora.max_loras",
+                f"must be at most 2 x max_adapters = {plan.cpu_loras} (got {plan.batch_loras}): vLLM refuses "
+                "--max-loras above --max-cpu-loras at start",
+            )
+        )
+    return issues
+
+
 def semantic_issues(spec: JobSpec) -> list[Issue]:
     """Rules across fields. Each issue names the field to change, so the fix is obvious."""
     gen = spec.generation
@@ -261,6 +337,7 @@ def semantic_issues(spec: JobSpec) -> list[Issue]:
 
     issues: list[Issue] = front.rules(spec.router, spec.cluster)
     issues += _trainer_owned_issues(spec)
+    issues += _lora_issues(spec)
     issues += _pairing_issues(front, engine, spec)
     if gen.owner != "trainer":  # rl-launch starts none of the trainer's engines: their settings are its
         issues += _foreign_settings(gen, engine)
@@ -376,6 +453,7 @@ def resolve(spec: JobSpec) -> ResolvedSpec:
             fleet_wait_s=gen.fleet_wait_s,
             drain_timeout_s=gen.drain_timeout_s,
             elastic=_resolve_elastic(gen),
+            lora=LoraPlan(**gen.lora.model_dump()) if gen.lora is not None else None,  # the router's type
             **kind_settings,
         ),
         router=spec.router,
@@ -425,7 +503,8 @@ def _resolve_fleet(section: FleetSection, engines: int, gen: GenerationSection) 
         capacity=section.capacity or max(1, engines * per_engine),
         default_weight=section.default_weight,
         consumers={
-            name: ResolvedConsumer(weight=c.weight, admin=c.admin) for name, c in section.consumers.items()
+            name: ResolvedConsumer(weight=c.weight, admin=c.admin, adapters=tuple(c.adapters))
+            for name, c in section.consumers.items()
         },
     )
 

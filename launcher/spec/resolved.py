@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from launcher.engines.kinds import engine_settings
 from launcher.spec.schema import Container, EngineName, RouterSection
+from router.adapters.plan import LoraPlan
 
 
 class _Resolved(BaseModel):
@@ -98,6 +99,9 @@ class _SharedResolvedGeneration(_Resolved):
     """``trainer``: the training command starts the engines and registers them (``num_engines`` is 0 and
     rl-launch starts, restarts and grows none)."""
 
+    lora: LoraPlan | None = None
+    """``generation.lora``: the engines' LoRA flags and the router's adapter table (None: no adapters)."""
+
     @property
     def trainer_owned(self) -> bool:
         return self.owner == "trainer"
@@ -117,6 +121,8 @@ read back (its port range comes back from YAML as a list, which the section's ow
 class ResolvedConsumer(_Resolved):
     weight: float
     admin: bool
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters the fleet reserves for the job (``router.consumers.Consumer.adapters``)."""
 
 
 class ResolvedFleet(_Resolved):

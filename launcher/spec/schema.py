@@ -15,13 +15,14 @@ import itertools
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from launcher.engines.kinds import DEFAULT_ENGINE_KIND, ENGINE_KINDS, engine_settings
 from launcher.gateways.kinds import router_section_type
 from launcher.slurm.options import check_sbatch_option, parse_sbatch_option
 from launcher.slurm.time import format_time, parse_time
 from launcher.spec.section import Section, str_args
+from router.adapters.plan import LoraPlan
 
 DEFAULT_JOB_ROOT = "~/rl-launch/jobs"
 DEFAULT_GYM_OVERLAY = "gym_overlay.yaml"
@@ -31,6 +32,9 @@ _SECRET_PAIRS = {("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY")}
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MEM_RE = re.compile(r"\d+[KMGT]?B?", re.IGNORECASE)
 _NO_SPACE_RE = re.compile(r"\S+")
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"""An adapter's name as ``fleet.consumers.<job>.adapters`` reserves it (the router's consumer file takes the
+same: ``router.consumers``)."""
 
 
 def _str_env(value: Any) -> Any:
@@ -237,6 +241,13 @@ class ElasticSection(Section):
     )
 
 
+class LoraSection(LoraPlan):
+    """``generation.lora``: the router's ``LoraPlan`` with the spec's strictness (``"8"`` for a rank is
+    refused, as everywhere in the spec); an instance is a ``LoraPlan``, so the router takes it as is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
 class _SharedGeneration(Section):
     """The fields of ``generation:`` every engine kind has."""
 
@@ -273,6 +284,11 @@ class _SharedGeneration(Section):
         "requests in flight before they are aborted",
     )
     elastic: ElasticSection | None = Field(default=None, description="the tail policy; off when unset")
+    lora: LoraSection | None = Field(
+        default=None,
+        description="serve LoRA adapters (router.adapters.plan): the engines get vLLM's LoRA flags and "
+        "runtime loading, the router the adapter table; off when unset",
+    )
 
     @field_validator("env", mode="before")
     @classmethod
@@ -310,6 +326,22 @@ class FleetConsumer(Section):
     admin: bool = Field(
         default=False, description="may pause, refit and change the serving set (else: generate only)"
     )
+    adapters: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapters reserved for this job: only it (and the fleet's owner) may load, unload "
+        "or call them (needs generation.lora)",
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapters(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not ADAPTER_NAME_RE.fullmatch(name):
+                raise ValueError(f"{name!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+        twice = sorted({n for n in v if v.count(n) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(map(repr, twice))} listed twice; keep one")
+        return v
 
 
 class FleetSection(Section):

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_ADAPTERS = 64
 MAX_RANK = 512
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM's ``--max-lora-rank`` choices (``vllm.config.lora.MaxLoRARanks``): another rank fails its start."""
 
 
 class LoraPlan(BaseModel):

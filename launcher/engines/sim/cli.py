@@ -22,12 +22,15 @@ import sys
 import typing
 from collections.abc import Mapping, Sequence
 
-from .config import SimConfig
+from .config import RUNTIME_LORA_ENV, SimConfig
 from .faults import FAULT_MODES, FaultSpec
 from .fleet import SimFleet
 
 API_KEY_ENV = "RL_LAUNCH_API_KEY"
 URL_PREFIX = "SIM_URL "
+FROM_ENV = {"allow_runtime_lora_updating": RUNTIME_LORA_ENV}
+"""``SimConfig`` fields vLLM takes from its environment, not its command line: read from there (as vLLM
+does, ``"1"`` or ``"true"``), so a launcher that gives vLLM the variable gives the simulator the same."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", dest="model_name", default=None, help="alias of --model-name")
     hints = typing.get_type_hints(SimConfig)
     for f in dataclasses.fields(SimConfig):
+        if f.name in FROM_ENV:
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         if kind is bool:
@@ -87,12 +92,14 @@ def _json_object(text: str) -> dict[str, object]:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    overrides = {
+    overrides: dict[str, object] = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(SimConfig)
         if getattr(args, f.name, None) is not None
     }
-    cfg = SimConfig(**overrides)
+    for name, var in FROM_ENV.items():
+        overrides[name] = os.environ.get(var, "0").strip().lower() in ("1", "true")
+    cfg = SimConfig(**overrides)  # type: ignore[arg-type]
     cfg.validate()
     return cfg
 

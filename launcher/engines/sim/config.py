@@ -25,8 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from router.adapters.plan import VLLM_LORA_RANKS
+
 WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc", "sparse_nccl", "sharded_rdt", "nccl_m2n")
 """vLLM 0.32's ``WeightTransferConfig.backend`` choices."""
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+"""Read from the environment, as vLLM reads it (``allow_runtime_lora_updating``); never a flag."""
 
 
 @dataclass
@@ -130,6 +134,23 @@ class SimConfig:
     """vLLM's ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``: keep the HTTP server up after the engine core died
     (every engine route 500, ``/health`` 503) instead of exiting, which is vLLM's default."""
 
+    enable_lora: bool = False
+    """vLLM's ``--enable-lora``: requests may name a loaded adapter as their model (``lora``)."""
+
+    max_loras: int = 1
+    """vLLM's ``--max-loras`` (adapters one batch mixes); checked at start as vLLM does, not modelled."""
+
+    max_lora_rank: int = 16
+    """vLLM's ``--max-lora-rank``: one of ``VLLM_LORA_RANKS``; a load of a larger rank fails (500)."""
+
+    max_cpu_loras: int = 0
+    """vLLM's ``--max-cpu-loras`` (0: ``max_loras``, vLLM's default). Not a limit on names: vLLM evicts
+    the least recently used adapter and reloads it from its directory on its next request."""
+
+    allow_runtime_lora_updating: bool = False
+    """``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` in the server's environment (the command line reads it from
+    there): with ``enable_lora``, mounts ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+
     def transfer_config(self) -> dict[str, Any] | None:
         """``weight_transfer_config`` as vLLM's ``WeightTransferConfig`` dumps it (None when unset)."""
         raw = self.weight_transfer_config
@@ -167,3 +188,12 @@ class SimConfig:
         if self.reload_delay_s < 0 or self.engine_death_s < 0:
             raise ValueError("reload_delay_s and engine_death_s must be >= 0")
         self.transfer_config()
+        if self.enable_lora:  # vLLM's LoRAConfig checks, at start
+            if self.max_lora_rank not in VLLM_LORA_RANKS:
+                raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))}")
+            if self.max_loras < 1:
+                raise ValueError("max_loras must be >= 1")
+            if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+                raise ValueError(
+                    f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+                )

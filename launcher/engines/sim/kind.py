@@ -33,6 +33,12 @@ class SimSettings(EngineSettings):
     refused_elsewhere = {"sim": "simulator options need generation.engine: sim; remove them"}
 
 
+_LORA_OPTIONS = frozenset(
+    {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "allow_runtime_lora_updating"}
+)
+"""``SimConfig`` fields that ``generation.lora`` sets (``EngineHostConfig.lora_command``)."""
+
+
 def _same_kind(value: Any, default: Any) -> bool:
     """Type check for a simulator option against its default: bools are not numbers, ints are floats."""
     if isinstance(default, bool) or isinstance(value, bool):
@@ -46,7 +52,7 @@ def sim_issues(sim: Mapping[str, Any]) -> list[Issue]:
     """Each simulator option checked against ``SimConfig`` (its name, its type, then the whole config)."""
     issues: list[Issue] = []
     fields = {f.name: f for f in dataclasses.fields(SimConfig)}
-    known = sorted([*(f for f in fields if f != "model_name"), "fault"])
+    known = sorted([*(f for f in fields if f != "model_name" and f not in _LORA_OPTIONS), "fault"])
     kwargs: dict[str, Any] = {}
     for key, value in sim.items():
         path = f"generation.sim.{key}"
@@ -54,6 +60,8 @@ def sim_issues(sim: Mapping[str, Any]) -> list[Issue]:
             issues.append(
                 Issue(path, "set generation.served_model_name instead (it names the model for Gym too)")
             )
+        elif key in _LORA_OPTIONS:
+            issues.append(Issue(path, "set generation.lora instead (the router reads it too)"))
         elif key == "fault":
             try:
                 FaultSpec.parse(value)
@@ -82,6 +90,7 @@ class SimKind(EngineKind):
     settings = (SimSettings,)
     runs_on = "CPU"
     uses_gpus = False
+    serves_adapters = True  # vLLM's LoRA flags and routes, simulated (launcher.engines.sim.lora)
     default_served_name = SimConfig.model_name
 
     def rules(self, gen: GenerationFields, place: Placement) -> list[Issue]:
@@ -99,12 +108,13 @@ class SimKind(EngineKind):
         from launcher.engines.base import EngineSpec
         from launcher.engines.sim.process import SimEngine
 
+        lora_flags, lora_env = cfg.lora_command()  # vLLM's flags and env: the simulator takes the same
         spec = EngineSpec(
             model=cfg.served_name or cfg.model,
             host=cfg.host,
             api_key=api_key,
-            extra_args=list(cfg.sim_args),
-            env=dict(cfg.env),
+            extra_args=[*lora_flags, *cfg.sim_args],
+            env={**cfg.env, **lora_env},
             log_path=log_path,
             startup_timeout_s=cfg.startup_timeout_s,
         )

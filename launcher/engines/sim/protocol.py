@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -67,6 +67,8 @@ class GenParams:
     tokens_as_ids: bool = False
     return_token_ids: bool = False
     seed: int | None = None
+    model: str = ""
+    """The model the request named (its answer's ``model``): the served one, or a LoRA adapter's name."""
 
 
 def _int(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
@@ -78,11 +80,16 @@ def _int(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
     return v
 
 
-def check_model(body: Mapping[str, Any], served: str) -> None:
-    """404 for another model's name, as vLLM does; a missing name means the served one."""
+def check_model(body: Mapping[str, Any], served: str, adapters: Collection[str] = ()) -> str:
+    """The model a request names: the served one (also when it names none) or a loaded LoRA adapter's;
+    404 for any other name, in vLLM 0.32's words."""
     model = body.get("model")
-    if model is not None and model != served:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if model is None:
+        return served
+    if model != served and model not in adapters:
+        message = f"The model `{model}` does not exist. Valid aliases: {served}."
+        raise ApiError(404, message, "NotFoundError", "model")
+    return str(model)
 
 
 def prompt_of(body: Mapping[str, Any], kind: Kind) -> list[int]:
@@ -113,11 +120,12 @@ def prompt_of(body: Mapping[str, Any], kind: Kind) -> list[int]:
     return ids
 
 
-def parse_generation(kind: Kind, body: Any, config: SimConfig) -> GenParams:
-    """Validate a generation body; raises ``ApiError`` with vLLM's status for each refusal."""
+def parse_generation(kind: Kind, body: Any, config: SimConfig, adapters: Collection[str] = ()) -> GenParams:
+    """Validate a generation body (its model: the served one or one of the loaded ``adapters``); raises
+    ``ApiError`` with vLLM's status for each refusal."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "request body must be a JSON object")
-    check_model(body, config.model_name)
+    model = check_model(body, config.model_name, adapters)
     n = _int(body, "n", 1)
     if n != 1:
         raise ApiError(400, "the simulator supports only n=1", param="n")
@@ -160,6 +168,7 @@ def parse_generation(kind: Kind, body: Any, config: SimConfig) -> GenParams:
         tokens_as_ids=bool(body.get("return_tokens_as_token_ids", False)),
         return_token_ids=bool(body.get("return_token_ids", False)),
         seed=_int(body, "seed", None),
+        model=model,
     )
 
 

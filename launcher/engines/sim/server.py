@@ -3,7 +3,8 @@
 Routes (vLLM's surface): ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming SSE or
 not), ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /health`` (200, empty body),
 ``GET /metrics`` (Prometheus text, vLLM names), and vLLM's RL and dev routes (``rl``: pause, weights,
-``/collective_rpc``, the weight-transfer routes, ``/get_world_size``, ``/server_info``). Admin:
+``/collective_rpc``, the weight-transfer routes, ``/get_world_size``, ``/server_info``), and with vLLM's
+LoRA flags its runtime adapter routes (``lora``). Admin:
 ``POST /sim/fault`` (body: see ``faults``), ``GET /sim/fault``, ``GET /sim/stats``.
 
 The engine core can die as vLLM's does (``core``): a generation step on weights a failed reload or a
@@ -42,6 +43,7 @@ from .checkpoint import CheckpointError, read_checkpoint
 from .config import SimConfig
 from .core import ENGINE_DEAD, CoreState, SimCore
 from .faults import FaultSpec
+from .lora import SimLora
 from .metrics import CONTENT_TYPE, SimMetrics
 from .protocol import (
     SSE_DONE,
@@ -154,6 +156,8 @@ class SimServer:
         self.metrics = SimMetrics(self.scheduler, self.config.model_name)
         self.exited = asyncio.Event()
         """Set when the engine core died and the server "exited" after it (see ``core``)."""
+        self.lora = SimLora(self.config, lambda: self.core)
+        self.lora.register(self.metrics.registry)
         self._new_core()
         self._fault = FaultSpec.parse(fault)
         # Seeded per engine so fleets repeat runs exactly yet engines do not fail in lockstep.
@@ -171,6 +175,7 @@ class SimServer:
         self.worker = SimWorker(self.config, initial_digest)
         self.core = SimCore(self.config, lambda: self.worker.detached, self._core_died, self._core_exit)
         self.scheduler.step_gate = self.core.step_gate
+        self.lora.reset()
         if hasattr(self, "rl"):  # its bound methods are the app's routes: restart it in place
             self.rl.worker, self.rl.core, self.rl.weight_version = self.worker, self.core, "default"
         else:
@@ -227,6 +232,7 @@ class SimServer:
         app.router.add_get("/sim/stats", self._get_stats)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         self.rl.add_routes(app)
+        self.lora.add_routes(app)
         # handler_cancellation: a client that hangs up cancels its handler, whose ``finally`` aborts the
         # request and frees its KV, as vLLM aborts on disconnect (else timed-out clients fill the cache).
         self._runner = web.AppRunner(
@@ -380,7 +386,7 @@ class SimServer:
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         try:
             given = _request_id(request)
-            params = parse_generation(kind, await self._read_json(request), self.config)
+            params = parse_generation(kind, await self._read_json(request), self.config, self.lora.names())
             total = len(params.prompt) + params.max_tokens
             if not self.scheduler.fits_alone(total):
                 raise ApiError(
@@ -389,6 +395,7 @@ class SimServer:
                     f"{self.config.num_gpu_blocks * self.config.block_size}",
                     param="max_tokens",
                 )
+            salt = await self.lora.salt(params.model, self.worker.output_salt)  # an adapter's text
         except ApiError as e:
             return _api_error(e)
         await self.core.wait_verdict()
@@ -401,7 +408,7 @@ class SimServer:
                 status=500,
                 content_type=_JSON,
             )
-        out = plan_output(params, self.config, self.worker.output_salt)
+        out = plan_output(params, self.config, salt)
         # vLLM's external id: the prefix plus X-Request-Id when the client sent one (POST /abort_requests
         # names requests by it).
         rid = new_id(kind) if not given else ("chatcmpl-" if kind == "chat" else "cmpl-") + given
@@ -414,6 +421,7 @@ class SimServer:
             stream=params.stream,
         )
         self.scheduler.submit(req)
+        self.lora.track(params.model, req)
         try:
             if params.stream:
                 return await self._stream(request, req, params, out)
@@ -431,9 +439,10 @@ class SimServer:
             # with finish_reason "abort" and what it had generated.
             output = PlannedOutput(out.tokens, out.text, ABORT_REASON) if aborted else out
             created = int(time.time())
-            model = self.config.model_name
+            model = params.model  # the served model's name, or a LoRA adapter's
             return _json(full_response(params, req.rid, created, model, output, req.n_gen, req.cached_tokens))
         finally:
+            self.lora.untrack(req)
             if req.state in (ReqState.WAITING, ReqState.RUNNING):
                 self.scheduler.abort(req)
 
@@ -443,7 +452,7 @@ class SimServer:
         assert req.progress is not None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        model = self.config.model_name
+        model = params.model
         created = int(time.time())
         sent = 0
         try:
@@ -488,7 +497,7 @@ class SimServer:
             body = await self._read_json(request)
             if not isinstance(body, dict):
                 raise ApiError(400, "request body must be a JSON object")
-            check_model(body, self.config.model_name)
+            check_model(body, self.config.model_name, self.lora.names())
             kind: Kind = "chat" if "messages" in body else "completion"
             ids = prompt_of(body, kind)
         except ApiError as e:
@@ -512,7 +521,9 @@ class SimServer:
         return _json({"prompt": text})
 
     async def _models(self, request: web.Request) -> web.Response:
-        return _json(models_body(self.config, self._created))
+        body = models_body(self.config, self._created)
+        body["data"] += self.lora.cards(self._created)
+        return _json(body)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.core.state == CoreState.DEAD else 200)

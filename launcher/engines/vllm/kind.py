@@ -42,6 +42,11 @@ _VLLM_MANAGED_FLAGS: dict[str, str] = {
     "--pipeline-parallel-size": "set generation.pipeline_parallel_size instead",
     "-pp": "set generation.pipeline_parallel_size instead",
     "--api-key": "the driver generates the API key at run time (secrets never live in the spec); remove it",
+    # generation.lora's flags: the router's adapter table checks every load against the same plan
+    "--enable-lora": "set generation.lora instead",
+    "--max-loras": "set generation.lora instead",
+    "--max-lora-rank": "set generation.lora instead",
+    "--max-cpu-loras": "set generation.lora instead",
 }
 
 
@@ -82,6 +87,7 @@ class VllmKind(EngineKind):
     name = "vllm"
     settings = (VllmSettings,)
     spans_nodes_with_ray = True
+    serves_adapters = True
 
     def rules(self, gen: GenerationFields, place: Placement) -> list[Issue]:
         issues = []
@@ -113,10 +119,11 @@ class VllmKind(EngineKind):
         from launcher.engines.base import EngineSpec
         from launcher.engines.vllm.engine import VllmEngine
 
-        env = dict(cfg.env)
+        lora_flags, lora_env = cfg.lora_command()
+        env = {**cfg.env, **lora_env}
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        extra = list(cfg.extra_args)
+        extra = [*lora_flags, *cfg.extra_args]  # the user's vllm_args last: they win, as without a plan
         if cfg.pipeline_parallel_size > 1:
             extra = ["--pipeline-parallel-size", str(cfg.pipeline_parallel_size), *extra]
         spec = EngineSpec(

@@ -70,6 +70,7 @@ class BuiltinRouterGateway(Gateway):
             health_managed=managed,
             api_key=ctx.api_key,
             admin_token=ctx.admin_token,
+            lora=ctx.spec.generation.lora,  # the adapter table checks each load against the engines' plan
             **sharing,
             **self.record_settings(),
         )

@@ -24,6 +24,7 @@ class BuiltinFront(FrontKind[BuiltinRouterSection]):
     gateway = "launcher.gateways.builtin.gateway:BuiltinRouterGateway"
     has_fleet_routes = True
     serves_consumers = True  # router.consumers: per-job keys, revocation, fair share
+    serves_adapters = True  # router.adapters: the adapter table, in its one routing process
     serves_registrations = True  # router.http.capability: NeMo-RL's /workers flow, probed by the router
     resets_through_fleet_route = True  # its route also clears the router's prefix index
     dies_with_ray = True  # a Ray actor on the driver's node: it goes with the Ray head
