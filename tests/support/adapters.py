@@ -24,10 +24,13 @@ def write_adapter(
     fill: bytes = b"a",
     rank_pattern: dict[str, int] | None = None,
     base_model: str = "sim",
+    hidden: int = HIDDEN,
 ) -> Path:
     """A LoRA adapter of ``rank`` in ``directory`` (made): ``fill`` bytes as its weights (other bytes,
     another adapter); ``broken``: its ``adapter_model.safetensors`` is garbage, which vLLM's load fails
-    on ("header too large"). Returns ``directory``."""
+    on ("header too large"); ``hidden``: the width its matrices take (another than the model's passes
+    every check of the files and fails only the engine's load, as an adapter of another base model).
+    Returns ``directory``."""
     directory.mkdir(parents=True)
     config: dict[str, Any] = {
         "peft_type": "LORA",
@@ -43,7 +46,7 @@ def write_adapter(
     offset = 0
     for module in ("q_proj", "v_proj"):
         prefix = f"base_model.model.model.layers.0.self_attn.{module}"
-        for part, shape in (("lora_A", [rank, HIDDEN]), ("lora_B", [HIDDEN, rank])):
+        for part, shape in (("lora_A", [rank, hidden]), ("lora_B", [HIDDEN, rank])):
             size = 4 * shape[0] * shape[1]
             tensors[f"{prefix}.{part}.weight"] = {
                 "dtype": "F32",

@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .checkpoint import CheckpointError, check_safetensors
+from .checkpoint import SIM_CONFIG, CheckpointError, check_safetensors
 from .config import SimConfig
 from .core import SimCore, error_response, field_error, rpc_failure, sanitize_message, validation_error
 from .protocol import ApiError
@@ -83,6 +83,29 @@ def adapter_rank(config: Any) -> int:
     return max([config["r"], *ranks])
 
 
+def _check_shapes(file: str) -> None:
+    """Each ``lora_A`` must take, and each ``lora_B`` give, the model's width, as vLLM's worker requires
+    when it stacks them into the layer (measured: a ``lora_A`` of 131 columns on a width-128 model is a
+    500 "The size of tensor a (128) must match the size of tensor b (131) at non-singleton dimension 1",
+    the engine up): an adapter of another base model, which no header check catches."""
+    hidden = int(SIM_CONFIG["hidden_size"])
+    with open(file, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    for name, info in header.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(shape, list) or len(shape) != 2:
+            continue
+        dim, got = (
+            (1, shape[1]) if ".lora_A." in name else (0, shape[0]) if ".lora_B." in name else (0, hidden)
+        )
+        if got != hidden:
+            raise AdapterError(
+                f"The size of tensor a ({hidden}) must match the size of tensor b ({got}) at non-singleton "
+                f"dimension {dim}"
+            )
+
+
 def read_adapter(path: str, max_rank: int) -> tuple[str, int]:
     """Check an adapter directory as vLLM's worker loads it (its config, the rank against the engine's
     ``max_lora_rank``, then the tensors); returns (digest of its files, rank). Blocking: run in a thread."""
@@ -109,6 +132,7 @@ def read_adapter(path: str, max_rank: int) -> tuple[str, int]:
             check_safetensors(file)
         except CheckpointError as e:
             raise AdapterError(str(e)) from None
+        _check_shapes(file)
     digest = hashlib.sha256(raw + b"\0")
     with open(file, "rb") as fh:
         while chunk := fh.read(1 << 20):
