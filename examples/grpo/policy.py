@@ -11,6 +11,13 @@ The update is GRPO's clipped policy-gradient loss, token-level mean, with the im
 the trainer's log-probabilities and the rollout's. vLLM samples in the checkpoint's dtype (bf16 for the
 tiny model) while the trainer keeps fp32 weights, so even on-policy the ratio is not exactly 1; the clip
 bounds what that mismatch can do, and the ratio's mean and max are reported every step.
+
+**LoRA mode** (``init`` with ``"lora": {"rank", "alpha", "target_modules"}``): the base weights stay
+frozen and ``peft``'s ``get_peft_model`` wraps the model with a LoRA adapter; the optimizer sees only
+the adapter's parameters, and ``save`` writes the adapter as ``peft`` does (``save_pretrained``:
+``adapter_config.json`` + ``adapter_model.safetensors``), the directory vLLM's ``/v1/load_lora_adapter``
+loads. A fresh adapter has B = 0 (peft's default), so the one saved before the first step serves exactly
+the base model's distribution, through the adapter path.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 class TorchPolicy:
     """The trainer's copy of the weights (fp32), its optimizer, the loss, and the checkpoint writer."""
 
-    def __init__(self, model_dir: str, lr: float, clip: float) -> None:
+    def __init__(self, model_dir: str, lr: float, clip: float, lora: dict[str, Any] | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -34,8 +41,29 @@ class TorchPolicy:
         self.config_text = (Path(model_dir) / "config.json").read_text()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.serve_dtype = getattr(torch, json.loads(self.config_text).get("dtype") or "bfloat16")
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.lora = lora
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(
+                r=int(lora["rank"]),
+                lora_alpha=float(lora["alpha"]),
+                target_modules=list(lora["target_modules"]),
+                lora_dropout=0.0,
+                bias="none",  # vLLM serves no LoRA biases
+                task_type="CAUSAL_LM",
+            )
+            self.model = get_peft_model(self.model, config)  # freezes every base weight
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
         self.clip = clip
+
+    def trainable(self) -> dict[str, int]:
+        """How many parameters the optimizer moves, of how many the model has."""
+        return {
+            "trainable": sum(p.numel() for p in self.params),
+            "total": sum(p.numel() for p in self.model.parameters()),
+        }
 
     def update(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         """One optimizer step over ``samples`` (``prompt``, ``tokens``, ``logprobs``, ``advantage``)."""
@@ -55,7 +83,7 @@ class TorchPolicy:
             loss.backward()
             loss_sum += loss.item()
             ratios.extend(ratio.detach().tolist())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, 1.0))
         self.opt.step()
         return {
             "loss": loss_sum,
@@ -65,12 +93,21 @@ class TorchPolicy:
         }
 
     def save(self, directory: str) -> None:
-        """``config.json`` and ``model.safetensors`` in the served dtype (what vLLM's loader reads), files
-        0644 in a 0755 directory: the router refuses a checkpoint others could write."""
+        """``config.json`` and ``model.safetensors`` in the served dtype (what vLLM's loader reads), or in
+        LoRA mode the adapter (``save_pretrained``: ``adapter_config.json``, ``adapter_model.safetensors``
+        in fp32, vLLM casts it); files 0644 in a 0755 directory: the router refuses a checkpoint others
+        could write."""
         from safetensors.torch import save_file
 
         d = Path(directory)
         d.mkdir(parents=True, mode=0o755)
+        if self.lora is not None:
+            # No copy of the base lm_head beside its adapter (peft saves one when lm_head is a target):
+            # the engines serve the base weights they loaded.
+            self.model.save_pretrained(str(d), save_embedding_layers=False)
+            for f in d.iterdir():
+                f.chmod(0o644)
+            return
         sd = self.model.state_dict()
         tensors = {k: v.detach().to(self.serve_dtype).contiguous() for k, v in sd.items()}
         save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
@@ -88,8 +125,8 @@ def serve() -> None:
         req = json.loads(line)
         try:
             if req["op"] == "init":
-                policy = TorchPolicy(req["model_dir"], req["lr"], req["clip"])
-                reply: dict[str, Any] = {"ok": True}
+                policy = TorchPolicy(req["model_dir"], req["lr"], req["clip"], req.get("lora"))
+                reply: dict[str, Any] = {"ok": True, "params": policy.trainable()}
             elif policy is None:
                 reply = {"ok": False, "error": "init first"}
             elif req["op"] == "update":

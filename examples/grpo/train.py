@@ -33,13 +33,46 @@ RL stack runs on top of rl-launch:
 Per step it prints the time split (rollouts, update, save, refit and the pause inside it) and writes the
 rewards to ``$RL_JOB_DIR/grpo/metrics.json`` and ``metrics.csv`` and, at the end, ``reward.png``.
 
+**LoRA mode** (``--lora-adapter NAME``, or ``$RL_LORA_ADAPTER``): a tenant of a shared fleet trains a LoRA
+adapter of its own on the fleet's frozen base model, beside other tenants training theirs
+(``examples/fleet-lora-vllm.yaml``, ``examples/lora-tenant-a.yaml``). What changes:
+
+* the worker wraps the model with ``peft`` (rank ``--lora-rank``, alpha ``--lora-alpha``, the linear
+  layers of ``--lora-targets``) and trains only the adapter; ``save`` writes the adapter directory
+  (``adapter_config.json`` + ``adapter_model.safetensors``) under ``$RL_JOB_DIR/adapters/step-N``;
+* before step 1 the fresh adapter (B = 0: exactly the base model) is saved and loaded as ``step-0``, so
+  the first rollouts already go through the adapter;
+* rollouts ask for ``"model": NAME``; the router answers each with the adapter's current version, whose
+  name is in the response's ``x-rl-weight-version`` (the adapter's version, ``step-k``) and body
+  (``"model": "NAME@step-k"``). The version filter keeps a sample only if both name the version the
+  last load stamped; the per-step metrics count the served names (``served_seen``);
+* the refit is ``FleetClient.load_adapter(NAME, dir, version=f"step-{n}")``: the router checks the
+  adapter, loads it into a canary engine, then into every engine, and moves ``NAME``'s requests to it.
+  Nothing pauses (other tenants keep sampling), so the time split names an ``adapter refit`` and no
+  pause. The base weights' version is never stamped: the fleet's base is not this tenant's;
+* the adapter's default modules are every linear layer, ``lm_head`` included (rank 8, alpha 16, lr
+  0.1: 0.109 -> 1.0 in the 8 steps of ``examples/lora-tenant-a.yaml``, measured on real vLLM CPU
+  engines behind a stand-in for the router's adapter routes). Why ``lm_head``: the tiny
+  model's final RMSNorm fixes the norm of the last hidden state and its ``lm_head`` rows are small
+  (init 0.02), so no change below ``lm_head`` can put more than 0.171 of the probability on the target
+  set (measured by optimizing the last hidden state directly; a random policy scores 0.125). vLLM 0.32
+  serves an ``lm_head`` LoRA target (not ``modules_to_save``: refused), with one flaw on its CPU build:
+  its logits kernel indexes the adapter slots with the request's slot, and a request of the *base*
+  model (slot -1) gets the last slot's ``lm_head`` delta. A fleet whose every request names an adapter
+  (the LoRA example's) never meets it; on a CPU fleet that also serves the base model, train without
+  ``lm_head`` (``--lora-targets``) or the base model's traffic samples from a tenant's head;
+* ``--lr`` defaults to 0.1 in LoRA mode (3e-3 for full weights): Adam moves each LoRA factor by about
+  lr a step, and the product ``B @ A`` (scaled by alpha / r) grows from zero, so the adapter needs a
+  larger step than the weights themselves to move the policy as far.
+
 This file runs in the launcher's python (``FleetClient``, matplotlib); torch lives in the vLLM venv only,
 so the update runs in ``policy.py`` under that venv's python (``--torch-python``, default
 ``$RL_LAUNCH_VLLM_PYTHON``), over a pipe (``examples/local-grpo-vllm.yaml``).
 
 **Without torch** (the README's first job: simulated engines, the main venv has no torch) the same loop
 runs in sim mode: rollouts, rewards, advantages, version checks, a checkpoint written as valid
-safetensors (the simulator's loader checks headers), the refit and the per-step files; there is no
+safetensors (the simulator's loader checks headers; in LoRA mode an adapter directory: an
+``adapter_config.json`` beside it), the refit and the per-step files; there is no
 gradient step, and the output says so. The reward stays flat there: a simulated engine's text is a hash
 of the prompt and the loaded checkpoint's digest, not a function of the weights' values, and its token
 ids (4 bytes each) never fall in the target set.
@@ -94,6 +127,8 @@ class Sample:
     version: str | None
     reward: float = 0.0
     advantage: float = 0.0
+    served: str | None = None
+    """The response body's ``model``: in LoRA mode the adapter version that sampled it, ``NAME@step-k``."""
 
 
 def reward(tokens: Sequence[int], target: frozenset[int] = TARGET) -> float:
@@ -111,11 +146,17 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[int], eps: float
     return [(r - stats[g][0]) / (stats[g][1] + eps) for g, r in zip(groups, rewards, strict=True)]
 
 
-def split_by_version(samples: Sequence[Sample], expected: str) -> tuple[list[Sample], list[Sample]]:
-    """(kept, dropped): a sample is trained on only if the engine that served it carried ``expected``.
-    A missing header counts as another version: nothing says which weights sampled it."""
-    kept = [s for s in samples if s.version == expected]
-    return kept, [s for s in samples if s.version != expected]
+def split_by_version(
+    samples: Sequence[Sample], expected: str, served: str | None = None
+) -> tuple[list[Sample], list[Sample]]:
+    """(kept, dropped): a sample is trained on only if the engine that served it carried ``expected``
+    (and, given ``served``, the body named that model: in LoRA mode ``NAME@<expected>``). A missing
+    header counts as another version: nothing says which weights sampled it."""
+
+    def ok(s: Sample) -> bool:
+        return s.version == expected and (served is None or s.served == served)
+
+    return [s for s in samples if ok(s)], [s for s in samples if not ok(s)]
 
 
 def score(samples: list[Sample]) -> None:
@@ -178,7 +219,7 @@ def rollouts(
         g = i // group
         body, version = router.complete(prompts[g], max_tokens, 1.0, seed * 100_003 + i)
         tokens, logprobs = parse_completion(body)
-        return Sample(g, prompts[g], tokens, logprobs, version)
+        return Sample(g, prompts[g], tokens, logprobs, version, served=body.get("model"))
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts) * group)))
@@ -189,7 +230,9 @@ class WorkerPolicy:
     """The torch half (``examples/grpo/policy.py``) in a process of the vLLM venv's python: the launcher's
     venv has no torch, and the vLLM venv not every dependency of the launcher (see policy.py's doc)."""
 
-    def __init__(self, python: str, model_dir: Path, lr: float, clip: float) -> None:
+    def __init__(
+        self, python: str, model_dir: Path, lr: float, clip: float, lora: dict[str, Any] | None = None
+    ) -> None:
         import subprocess
 
         self.proc = subprocess.Popen(
@@ -198,7 +241,10 @@ class WorkerPolicy:
             stdout=subprocess.PIPE,
             text=True,
         )
-        self._call({"op": "init", "model_dir": str(model_dir), "lr": lr, "clip": clip})
+        init: dict[str, Any] = {"op": "init", "model_dir": str(model_dir), "lr": lr, "clip": clip}
+        if lora is not None:
+            init["lora"] = lora
+        self.params: dict[str, int] = dict(self._call(init).get("params") or {})
 
     def _call(self, req: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -228,10 +274,14 @@ class WorkerPolicy:
 
 class NoTorchPolicy:
     """Sim mode: no gradient, and a checkpoint the simulator loads (valid safetensors headers; other
-    bytes every step, so every refit moves the fleet to weights with another checksum)."""
+    bytes every step, so every refit moves the fleet to weights with another checksum); in LoRA mode an
+    adapter directory instead (``adapter_config.json`` of the given rank, the same bytes as
+    ``adapter_model.safetensors``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lora: dict[str, Any] | None = None) -> None:
         self.saved = 0
+        self.lora = lora
+        self.params: dict[str, int] = {}
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
         return {}
@@ -242,6 +292,18 @@ class NoTorchPolicy:
         self.saved += 1
         directory.parent.mkdir(parents=True, exist_ok=True)
         write_checkpoint(str(directory), fill=bytes([self.saved % 255 + 1]))
+        if self.lora is not None:
+            config = {
+                "peft_type": "LORA",
+                "r": self.lora["rank"],
+                "lora_alpha": self.lora["alpha"],
+                "target_modules": self.lora["target_modules"],
+                "bias": "none",
+            }
+            (directory / "model.safetensors").rename(directory / "adapter_model.safetensors")
+            (directory / "config.json").unlink()
+            (directory / "adapter_config.json").write_text(json.dumps(config))
+            (directory / "adapter_config.json").chmod(0o644)
 
     def close(self) -> None:
         pass
@@ -259,6 +321,9 @@ class StepRecord:
     update: dict[str, float] = field(default_factory=dict)
     versions_seen: dict[str, int] = field(default_factory=dict)
     refit_phases: dict[str, float] = field(default_factory=dict)
+    served_seen: dict[str, int] = field(default_factory=dict)
+    """LoRA mode: the response bodies' ``model`` (``NAME@step-k``) of the step's samples, counted."""
+    quarantined: dict[str, str] = field(default_factory=dict)
 
 
 def greedy(router: Router, prompt: list[int], max_tokens: int) -> list[int]:
@@ -323,6 +388,22 @@ def served_model_dir(job_dir: Path) -> Path | None:
     return path if path is not None and path.is_dir() else None
 
 
+def lost_engines(txn: dict[str, Any]) -> dict[str, str]:
+    """The engines a refit left behind, ``{url: why}``: a full refit's ``quarantined``; an adapter
+    load's ``quarantined`` or ``missing`` (engines that did not take it, a list or a map)."""
+    lost = txn.get("quarantined") or txn.get("missing") or {}
+    return (
+        {str(k): str(v) for k, v in lost.items()}
+        if isinstance(lost, dict)
+        else {str(u): "missing" for u in lost}
+    )
+
+
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
+"""Every linear layer of a Llama, ``lm_head`` included (the module docstring says why, and when not to)."""
+LORA_LR, FULL_LR = 0.1, 3e-3
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -330,7 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"Adam's learning rate (default {FULL_LR:g}, LoRA mode {LORA_LR:g})",
+    )
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument(
         "--torch-python",
@@ -342,26 +428,69 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--model", type=Path, default=None, help="the served model's directory (default: the job's)"
     )
+    ap.add_argument(
+        "--lora-adapter",
+        default=os.environ.get("RL_LORA_ADAPTER") or None,
+        metavar="NAME",
+        help="LoRA mode: train the adapter NAME (one the fleet reserved for this job: "
+        "fleet.consumers.<job>.adapters) instead of the full weights (default $RL_LORA_ADAPTER)",
+    )
+    ap.add_argument("--lora-rank", type=int, default=8, help="LoRA mode: the adapter's rank r")
+    ap.add_argument(
+        "--lora-alpha", type=float, default=None, help="LoRA mode: peft's lora_alpha (default 2 x rank)"
+    )
+    ap.add_argument(
+        "--lora-targets",
+        default=LORA_TARGETS,
+        help="LoRA mode: the modules the adapter changes, comma-separated (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
 
     job_dir = Path(os.environ["RL_JOB_DIR"])
     out = job_dir / "grpo"
     out.mkdir(parents=True, exist_ok=True)
+    adapter: str | None = args.lora_adapter
+    if args.lr is None:
+        args.lr = LORA_LR if adapter else FULL_LR
+    lora = (
+        {
+            "rank": args.lora_rank,
+            "alpha": args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank,
+            "target_modules": [t.strip() for t in args.lora_targets.split(",") if t.strip()],
+        }
+        if adapter
+        else None
+    )
+    # LoRA mode asks for the adapter by its name; the router answers with its current version.
     router = Router(
-        os.environ["RL_POLICY_BASE_URL"], os.environ["RL_POLICY_API_KEY"], os.environ["RL_POLICY_MODEL_NAME"]
+        os.environ["RL_POLICY_BASE_URL"],
+        os.environ["RL_POLICY_API_KEY"],
+        adapter or os.environ["RL_POLICY_MODEL_NAME"],
     )
     fleet = FleetClient.from_job_dir(job_dir)
     model_dir = args.model or served_model_dir(job_dir)
+    if model_dir is not None:
+        model_dir = model_dir.expanduser().absolute()  # the adapter names its base by this path
     sim = not (args.torch_python and model_dir is not None)
-    policy = NoTorchPolicy() if sim else WorkerPolicy(args.torch_python, model_dir, args.lr, args.clip)
+    policy: WorkerPolicy | NoTorchPolicy = (
+        NoTorchPolicy(lora) if sim else WorkerPolicy(args.torch_python, model_dir, args.lr, args.clip, lora)
+    )
     why = (
         "no python with torch (--torch-python)"
         if not args.torch_python
         else "the engines serve no model directory"
     )
+    trains = (
+        f"LoRA adapter {adapter!r} (rank {lora['rank']}, alpha {lora['alpha']:g}, "
+        f"{','.join(lora['target_modules'])}"
+        + (f"; {policy.params['trainable']} of {policy.params['total']} parameters" if policy.params else "")
+        + ")"
+        if lora
+        else "full weights"
+    )
     print(
         f"grpo: {f'sim mode ({why}): no gradient step' if sim else 'torch update in ' + args.torch_python}, "
-        f"model {model_dir or os.environ['RL_POLICY_MODEL_NAME']}, "
+        f"model {model_dir or os.environ['RL_POLICY_MODEL_NAME']}, {trains}, "
         f"{args.steps} steps x {args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens"
     )
 
@@ -370,66 +499,98 @@ def main(argv: list[str] | None = None) -> int:
     # (the simulator takes any id; 512 is the tiny model's size, the default without a config).
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"] if model_dir else 512
     probe = [rng.randrange(8, vocab) for _ in range(args.prompt_len)]
-    # Every sample of step 0 must carry a version too: stamp the weights the engines started on.
+    # Every sample of step 0 must carry a version too: stamp the weights the engines started on, or in
+    # LoRA mode load the fresh adapter (B = 0: the base model's distribution) as step-0.
     version = "step-0"
-    fleet.set_weight_version(version)
+    if adapter:
+        first = job_dir / "adapters" / version
+        policy.save(first)
+        loaded = fleet.load_adapter(adapter, first, version=version)
+        print(
+            f"grpo: adapter {adapter!r} {version} loaded as {loaded.get('served_name')} in "
+            f"{float(loaded.get('elapsed_s') or 0.0):.2f}s"
+            + (f"; engines without it: {lost_engines(loaded)}" if lost_engines(loaded) else ""),
+            flush=True,
+        )
+    else:
+        fleet.set_weight_version(version)
     greedy_first = greedy(router, probe, args.max_tokens)
     records: list[StepRecord] = []
     extra: dict[str, Any] = {
         "mode": "sim" if sim else "torch",
         "target": [FIRST_TARGET, FIRST_TARGET + TARGET_SIZE],
-        "title": f"GRPO, {'simulated engines (flat by design)' if sim else 'tiny Llama on vLLM CPU'}",
+        "title": f"GRPO, {'simulated engines (flat by design)' if sim else 'tiny Llama on vLLM CPU'}"
+        + (f", LoRA adapter {adapter} (r {lora['rank']})" if lora else ""),
         "greedy_first": greedy_first,
     }
+    if lora:
+        extra["lora"] = {"adapter": adapter, **lora, "lr": args.lr, **policy.params}
+    refit_key = "adapter_refit" if adapter else "refit"
     for step in range(args.steps):
         t0 = time.perf_counter()
         prompts = [[rng.randrange(8, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
         samples = rollouts(router, prompts, args.group, args.max_tokens, step)
         t1 = time.perf_counter()
-        kept, dropped = split_by_version(samples, version)
+        kept, dropped = split_by_version(samples, version, f"{adapter}@{version}" if adapter else None)
         seen: dict[str, int] = {}
+        served_seen: dict[str, int] = {}
         for s in samples:
             seen[str(s.version)] = seen.get(str(s.version), 0) + 1
+            if adapter:
+                served_seen[str(s.served)] = served_seen.get(str(s.served), 0) + 1
         score(kept)
         stats = policy.update(kept) if kept else {}
         t2 = time.perf_counter()
-        ckpt = job_dir / "checkpoints" / f"step-{step + 1}"
+        next_version = f"step-{step + 1}"
+        ckpt = job_dir / ("adapters" if adapter else "checkpoints") / next_version
         policy.save(ckpt)
         t3 = time.perf_counter()
-        next_version = f"step-{step + 1}"
-        txn = fleet.load_weights(ckpt, version=next_version)
+        if adapter:
+            # No pause: the other tenants (and this adapter's requests still in flight) keep sampling.
+            txn = fleet.load_adapter(adapter, ckpt, version=next_version)
+        else:
+            txn = fleet.load_weights(ckpt, version=next_version)
         t4 = time.perf_counter()
-        # The fleet is paused from the transaction's start to its resume (the router's clock): the part of
-        # the refit no rollout can run in; the rest of ``refit`` is the call's own overhead.
-        pause = float(txn.get("elapsed_s") or 0.0)
         phases: dict[str, float] = {}
         for st in txn.get("steps", []):
             phases[st["phase"]] = phases.get(st["phase"], 0.0) + float(st.get("took_s") or 0.0)
+        seconds = {"rollouts": t1 - t0, "update": t2 - t1, "save": t3 - t2, refit_key: t4 - t3}
+        if adapter:
+            # The router's own clock of the load (check, canary, every engine): the rest of
+            # ``adapter_refit`` is the call's overhead. Nothing paused.
+            seconds["router"] = float(txn.get("elapsed_s") or 0.0)
+        else:
+            # The fleet is paused from the transaction's start to its resume (the router's clock): the
+            # part of the refit no rollout can run in; the rest of ``refit`` is the call's own overhead.
+            seconds["pause"] = float(txn.get("elapsed_s") or 0.0)
+        seconds["total"] = t4 - t0
         rec = StepRecord(
             step=step,
             version=version,
             reward_mean=statistics.fmean(s.reward for s in kept) if kept else math.nan,
             samples=len(kept),
             dropped=len(dropped),
-            seconds={
-                "rollouts": t1 - t0,
-                "update": t2 - t1,
-                "save": t3 - t2,
-                "refit": t4 - t3,
-                "pause": pause,
-                "total": t4 - t0,
-            },
+            seconds=seconds,
             update=stats,
             versions_seen=seen,
             refit_phases=phases,
+            served_seen=served_seen,
+            quarantined=lost_engines(txn),
         )
         records.append(rec)
         sec = rec.seconds
+        of = f"{adapter}@{version}" if adapter else version
+        refit = (
+            f"adapter refit {sec['adapter_refit']:.2f}s (router {sec['router']:.2f}s, no pause)"
+            if adapter
+            else f"refit {sec['refit']:.2f}s (pause {sec['pause']:.2f}s)"
+        )
         print(
-            f"grpo step {step}: reward {rec.reward_mean:.3f} on {rec.samples} samples of {version} "
+            f"grpo step {step}: reward {rec.reward_mean:.3f} on {rec.samples} samples of {of} "
             f"(dropped {rec.dropped}) | rollouts {sec['rollouts']:.2f}s update {sec['update']:.2f}s "
-            f"save {sec['save']:.2f}s refit {sec['refit']:.2f}s (pause {sec['pause']:.2f}s)"
-            + (f" | ratio {stats['ratio_mean']:.3f} max {stats['ratio_max']:.3f}" if stats else ""),
+            f"save {sec['save']:.2f}s {refit}"
+            + (f" | ratio {stats['ratio_mean']:.3f} max {stats['ratio_max']:.3f}" if stats else "")
+            + (f" | engines left behind: {rec.quarantined}" if rec.quarantined else ""),
             flush=True,
         )
         version = next_version
@@ -440,8 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(out, records, extra)
     png = write_plot(out, records, extra["title"])
     first, last = records[0].reward_mean, records[-1].reward_mean
+    on = f"adapter {adapter} on {version}" if adapter else f"fleet on {version}"
     print(
-        f"grpo: reward {first:.3f} -> {last:.3f} over {len(records)} steps; fleet on {version}; "
+        f"grpo: reward {first:.3f} -> {last:.3f} over {len(records)} steps; {on}; "
         f"dropped {sum(r.dropped for r in records)} samples of another version; {out / 'metrics.json'}"
         + (f", {png}" if png else "")
     )

@@ -189,6 +189,12 @@ class ResolvedSpec(_Resolved):
         from launcher.engines.kinds import engine_kind
         from launcher.gateways.kinds import front_kind
 
+        attached = self.generation.fleet
+        if attached is not None:  # no front or engines of its own: the standing fleet's serve it
+            return {
+                "front": f"the router of standing fleet {attached!r}",
+                "engines": f"standing fleet {attached!r}",
+            }
         return {
             "front": front_kind(self.router.kind).label(self.router),
             "engines": (

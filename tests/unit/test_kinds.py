@@ -45,6 +45,9 @@ LABELS = {
     "local-ray-serve.yaml": ("ray-serve: cache_aware over Serve", "4 sim"),
     "local-vllm-router.yaml": ("vllm-router (managed): cache_aware", "4 sim"),
     "fleet-local.yaml": ("builtin router: cache_aware", "4 sim"),
+    "fleet-lora-vllm.yaml": ("builtin router: round_robin", "2 vllm examples/grpo/tiny-llama (on CPUs)"),
+    "lora-tenant-a.yaml": ("the router of standing fleet 'lora-fleet'", "standing fleet 'lora-fleet'"),
+    "lora-tenant-b.yaml": ("the router of standing fleet 'lora-fleet'", "standing fleet 'lora-fleet'"),
 }
 
 
@@ -53,6 +56,9 @@ def test_each_example_labels_its_front_and_engine_kind(example: Path) -> None:
     assert example.name in LABELS, f"add the labels {example.name} must show to LABELS"
     r = load_resolved(example)
     front, engine = front_kind(r.router.kind), engine_kind(r.generation.engine)
+    if r.generation.fleet is not None:  # an attached job: the standing fleet serves it
+        assert (r.kind_labels()["front"], r.kind_labels()["engines"]) == LABELS[example.name]
+        return
     assert (front.label(r.router), r.kind_labels()["engines"]) == LABELS[example.name]
     if not r.generation.trainer_owned:  # the trainer's engines are labelled by who registers them
         assert engine.label(r.generation) == LABELS[example.name][1]
@@ -71,6 +77,9 @@ def test_cli_validate_names_the_front_and_engine_kind(example: Path) -> None:
     r = load_resolved(example)
     front, engine = front_kind(r.router.kind), engine_kind(r.generation.engine)
     lines = result.stdout.splitlines()
+    if r.generation.fleet is not None:  # an attached job: no router or engines of its own
+        assert f"  generation: standing fleet {r.generation.fleet!r}" in lines, result.stdout
+        return
     assert f"  router: {front.summary(r.router)}" in lines, result.stdout
     if r.generation.trainer_owned:
         assert f", {r.kind_labels()['engines']} at $RL_ROUTER_REGISTRATION_URL" in result.stdout

@@ -675,8 +675,9 @@ def test_cli_submit_dry_run_submits_nothing(example: str, no_sbatch: Path) -> No
     assert "nothing was submitted" in out
     resolved_yaml = out.split("\n\n", 1)[0]
     generation = yaml.safe_load(resolved_yaml)["generation"]
-    # rl-launch starts the engines, or (owner: trainer) none: the trainer's own register
-    assert generation["num_engines"] >= 1 or generation["owner"] == "trainer"
+    # rl-launch starts the engines, or none: (owner: trainer) the trainer's own register, or (fleet) the
+    # standing fleet's serve it
+    assert generation["num_engines"] >= 1 or generation["owner"] == "trainer" or generation["fleet"]
     if yaml.safe_load(resolved_yaml)["cluster"] != "local":
         assert "#SBATCH --nodes=" in out and "timeout_min:" in out
     assert not no_sbatch.exists()
