@@ -146,11 +146,15 @@ class AdapterTable:
 
     # -- who may ---------------------------------------------------------------------------------------
     def owner_of(self, name: str) -> str | None:
-        """The adapter's owner: its entry's, else the consumer it is reserved for, else None (free)."""
+        """The adapter's owner: the consumer it is reserved for now, else its entry's (whoever loaded it
+        first), else None (free). The reservation is read live: a consumer is a job, so a trainer
+        resubmitted after its job ended attaches as a new consumer, and the fleet's spec reserving the
+        adapter for its job name hands it the adapter its last run trained."""
+        reserved = self._reserved().get(name)
+        if reserved is not None:
+            return reserved
         known = self.adapters.get(name)
-        if known is not None:
-            return known.owner
-        return self._reserved().get(name)
+        return known.owner if known is not None else None
 
     def may_change(self, name: str, caller: str) -> None:
         """Raise ``AdapterForbidden`` unless ``caller`` (a consumer name, or OWNER) may load or unload
@@ -182,7 +186,7 @@ class AdapterTable:
                 f"adapter {model!r} is not loaded on this fleet yet: its owner loads it first "
                 "(FleetClient.load_adapter, rl-launch fleet refit --adapter)"
             )
-        self._check_caller(adapter.name, adapter.owner, caller)
+        self._check_caller(adapter.name, self.owner_of(adapter.name) or adapter.owner, caller)
         target = adapter.current if pinned is None else adapter.version(pinned)
         if target is None:
             if pinned is not None:
@@ -286,7 +290,9 @@ class AdapterTable:
     def to_json(self) -> dict[str, Any]:
         return {
             "plan": self.plan.model_dump(),
-            "adapters": {n: a.to_json() for n, a in sorted(self.adapters.items())},
+            "adapters": {
+                n: {**a.to_json(), "owner": self.owner_of(n)} for n, a in sorted(self.adapters.items())
+            },
             "reserved": dict(sorted(self._reserved().items())),
             "engines": self.served_on(),
         }

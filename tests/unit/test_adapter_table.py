@@ -117,3 +117,19 @@ def test_the_model_is_replaced_in_place_and_nothing_else_changes() -> None:
     escaped = b'{"model":"p\\u0061","prompt":"x"}'
     assert model_of(escaped) == "pa" and model_of(with_model(escaped, "pa", "pa@v2")) == "pa@v2"
     assert model_of(b"") is None and model_of(b"[1]") is None and model_of(b"{bad") is None
+
+
+def test_a_reserved_adapter_follows_its_reservation_to_a_resubmitted_job() -> None:
+    """A consumer is a job: a trainer resubmitted after its job ended attaches under a new name, and the
+    fleet's spec, which reserves the adapter for the job's name, hands it the adapter its last run
+    trained; while nobody holds the reservation, only the fleet's owner may use it."""
+    reserved = {"pa": "tenant-a-1"}
+    t = AdapterTable(LoraPlan(), lambda: dict(reserved))
+    stamped(t, "pa", "tenant-a-1", "v1", {E1})
+    del reserved["pa"]  # the job ended: its consumer entry (and reservation) revoked
+    with pytest.raises(AdapterForbidden):
+        t.resolve("pa", "tenant-a-2")
+    reserved["pa"] = "tenant-a-2"  # resubmitted: the same job name, a new consumer
+    assert t.resolve("pa", "tenant-a-2") is not None
+    t.may_change("pa", "tenant-a-2")
+    assert t.to_json()["adapters"]["pa"]["owner"] == "tenant-a-2"
