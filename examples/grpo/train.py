@@ -407,6 +407,9 @@ LORA_LR, FULL_LR = 0.1, 3e-3
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument(
+        "--seed", type=int, default=0, help="the prompts' and samples' seed (two tenants: two different runs)"
+    )
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -494,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} steps x {args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens"
     )
 
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
     # Prompts are random token ids of the served vocabulary, clear of the special tokens at its bottom
     # (the simulator takes any id; 512 is the tiny model's size, the default without a config).
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"] if model_dir else 512
@@ -529,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         t0 = time.perf_counter()
         prompts = [[rng.randrange(8, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
-        samples = rollouts(router, prompts, args.group, args.max_tokens, step)
+        samples = rollouts(router, prompts, args.group, args.max_tokens, args.seed * 1_000 + step)
         t1 = time.perf_counter()
         kept, dropped = split_by_version(samples, version, f"{adapter}@{version}" if adapter else None)
         seen: dict[str, int] = {}
