@@ -58,6 +58,8 @@ class AdapterDir:
     weights: str
     base: str = ""
     note: str = ""
+    lm_head: bool = False
+    """It adapts ``lm_head`` (refused on CPU engines that serve the base model: ``router.adapters.refit``)."""
 
     def summary(self) -> str:
         compared = f"base compared with {self.base}" if self.base else self.note
@@ -121,7 +123,8 @@ def read_adapter(
     except OSError as exc:
         raise AdapterRefused(f"adapter directory {path}: {exc}") from None
     base, note = _compare_base(config, path, served_root)
-    return AdapterDir(path, rank, sorted(targets), weights, base, note)
+    lm_head = any(t == "lm_head" or t.endswith(".lm_head") for t in targets)
+    return AdapterDir(path, rank, sorted(targets), weights, base, note, lm_head)
 
 
 def _compare_base(config: dict[str, Any], path: str, served_root: str | None) -> tuple[str, str]:

@@ -45,6 +45,13 @@ class LoraPlan(BaseModel):
         "smaller number saves memory, and requests of more adapters wait for a batch",
     )
 
+    base_model: bool = Field(
+        default=True,
+        description="serve the base model to requests that name no adapter; false: such requests are "
+        "refused (404), and adapters that adapt lm_head may be loaded on CPU engines, whose vLLM 0.32 "
+        "build applies such an adapter's lm_head to requests of the base model",
+    )
+
     @property
     def batch_loras(self) -> int:
         return self.max_loras or self.max_adapters

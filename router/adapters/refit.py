@@ -48,6 +48,7 @@ from router.fleet.checkpoint import CheckpointGuard
 from router.fleet.engine import EngineAnswer, EngineClient
 from router.fleet.fleet import Fleet
 from router.fleet.refit import RefitCoordinator, RefitRefused
+from router.fleet.refit_routes import device_of
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class AdapterRefits:
         self.active: dict[str, AdapterTxn] = {}
         self.last: dict[str, AdapterTxn] = {}
         self.drain_timeout_s = DRAIN_TIMEOUT_S
+        self._device: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- load -----------------------------------------------------------------------------------------------
@@ -174,6 +176,14 @@ class AdapterRefits:
         t0 = time.monotonic()
         try:
             checked = await self.guard.run(read_adapter, txn.path, self.table.plan, root, allow_foreign)
+            if checked.lm_head and self.table.plan.base_model and await self._on_cpu():
+                raise AdapterRefused(
+                    f"adapter {txn.path} adapts lm_head, and this fleet's engines run on CPUs, where vLLM "
+                    "0.32 applies the lm_head of a loaded adapter to requests of the base model (punica's "
+                    "CPU path reads 'no adapter' as the last slot): every base-model consumer would sample "
+                    "from this tenant's head. Train without lm_head, or serve adapters only "
+                    "(generation.lora.base_model: false)"
+                )
         except ValueError as exc:
             txn.error = str(exc)
             self.end(txn)
@@ -181,6 +191,20 @@ class AdapterRefits:
         txn.check = checked.summary()
         txn.steps.append({"phase": "checking", "took_s": round(time.monotonic() - t0, 4), "failed": {}})
         return checked
+
+    async def _on_cpu(self) -> bool:
+        """Whether the fleet's engines run on CPUs (the first serving engine's ``/server_info``; read once:
+        a fleet does not change device). An engine that does not say counts as not on CPUs."""
+        if self._device is None:
+            urls = list(self.fleet.backends.serving)
+            if not urls:
+                return False
+            async with EngineClient.open(self.fleet.engine_key, 30.0) as engines:
+                info = await engines.server_info(urls[0])
+            if info.value is None:
+                return False
+            self._device = device_of(info.value)
+        return self._device == "cpu"
 
     async def run(self, txn: AdapterTxn, checked: AdapterDir) -> AdapterTxn:
         """Load, verify and stamp a checked adapter (module doc); ends the transaction whatever happens."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.adapters.body import model_of, with_model
-from router.adapters.table import AdapterRoute, AdapterTable
+from router.adapters.table import AdapterRoute, AdapterTable, BaseModelNotServed
 from router.state.versions import VersionRefused, VersionWant
 
 
@@ -35,15 +35,20 @@ class AdapterRequests:
 
     async def prepare(self, body: bytes, caller: str, want: VersionWant | None) -> AdapterRequest | None:
         """Raises ``AdapterForbidden``, ``AdapterUnavailable``, ``UnknownVersion`` (a gate on a version
-        the adapter never had) and ``VersionRefused`` (one still loading past the wait)."""
+        the adapter never had), ``VersionRefused`` (one still loading past the wait) and, on a fleet
+        serving adapters only, ``BaseModelNotServed``."""
         table = self.table
-        if not table.adapters and not table.pending:
+        serves_base = table.plan.base_model
+        if serves_base and not table.adapters and not table.pending:
             return None
         model = model_of(body)
-        if model is None:
-            return None
-        route = table.resolve(model, caller)
+        route = table.resolve(model, caller) if model is not None else None
         if route is None:
+            if not serves_base:
+                raise BaseModelNotServed(
+                    f"this fleet serves its LoRA adapters only (generation.lora.base_model: false), and "
+                    f'{model!r} names none: name your adapter in "model"'
+                )
             return None
         if want is not None:
             until = time.monotonic() + self.max_wait_s

@@ -49,6 +49,10 @@ class AdapterUnavailable(Exception):
     retry fixes; its owner loads it)."""
 
 
+class BaseModelNotServed(Exception):
+    """A request that names no adapter on a fleet that serves its adapters only (answered 404)."""
+
+
 class AdapterCapacity(Exception):
     """A load the fleet's LoRA plan has no room for (answered 409, with the reason)."""
 

@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router.adapters.requests import AdapterRequest, AdapterRequests
-from router.adapters.table import AdapterForbidden, AdapterUnavailable
+from router.adapters.table import AdapterForbidden, AdapterUnavailable, BaseModelNotServed
 from router.consumers import OWNER_CONSUMER, Consumer
 from router.http.attribution import Blame, InputFailure, malformed_headers
 from router.http.auth import CONSUMER, still_admitted
@@ -313,6 +313,9 @@ class Forwarder:
             except UnknownVersion as exc:
                 self.metrics.errors.labels("unknown_weight_version").inc()
                 return json_response(400, error_body(str(exc), "unknown_weight_version", 400))
+            except BaseModelNotServed as exc:
+                self.metrics.errors.labels("model_not_served").inc()
+                return json_response(404, error_body(str(exc), "model_not_found", 404))
             if adapter is not None:
                 body, want = adapter.body, None  # the gate was the adapter's version, met above
                 route_request = self.policy.scope(route_request, adapter.route.served)

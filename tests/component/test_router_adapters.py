@@ -199,3 +199,41 @@ async def test_the_plan_bounds_the_adapters_and_a_restarted_engine_gets_them_bac
     for _ in range(8):
         status, body, _ = await complete(url, API, "policy-a")
         assert status == 200 and body["model"] == "policy-a@v1", body
+
+
+async def test_an_lm_head_adapter_on_cpu_engines_serving_the_base_model_is_refused(
+    sims: Callable[..., Any], routers: Callable[..., GenerationRouter], tmp_path: Path
+) -> None:
+    """vLLM 0.32's CPU build applies a loaded adapter's lm_head to requests of the base model (the
+    simulator does too): on a fleet that serves the base model such an adapter is refused before any
+    engine is asked; a fleet that serves adapters only takes it and refuses base-model requests."""
+    engines = await sims(2, **LORA)
+    head = write_adapter(tmp_path / "head", targets=("q_proj", "v_proj", "lm_head"))
+    r = routers([e.url for e in engines], lora={"max_adapters": 2})
+    url = r.base_url()
+    _, before, _ = await complete(url, API, "tiny")
+    status, body = await load(url, TOKEN, "policy-a", head)
+    assert status == 400 and "adapts lm_head" in body["error"] and "base_model: false" in body["error"], body
+    for e in engines:
+        assert await served_on(e) == {"tiny"}
+    _, after, _ = await complete(url, API, "tiny")
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+
+    only = routers([e.url for e in engines], lora={"max_adapters": 2, "base_model": False})
+    url = only.base_url()
+    status, txn = await load(url, TOKEN, "policy-a", head, "v1")
+    assert status == 200, txn
+    status, body, _ = await complete(url, API, "tiny")
+    assert status == 404 and "serves its LoRA adapters only" in body["error"]["message"], body
+    status, body, version = await complete(url, API, "policy-a")
+    assert (status, body["model"], version) == (200, "policy-a@v1", "v1")
+    # what the refusal protects: an engine with that adapter loaded answers the base model with its head
+    leaked = (
+        await call(
+            engines[0].url,
+            "/v1/completions",
+            "",
+            {"model": "tiny", "prompt": "hello world", "max_tokens": 4, "temperature": 0},
+        )
+    )[1]
+    assert leaked["choices"][0]["text"] != before["choices"][0]["text"]

@@ -25,18 +25,20 @@ def write_adapter(
     rank_pattern: dict[str, int] | None = None,
     base_model: str = "sim",
     hidden: int = HIDDEN,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
 ) -> Path:
     """A LoRA adapter of ``rank`` in ``directory`` (made): ``fill`` bytes as its weights (other bytes,
     another adapter); ``broken``: its ``adapter_model.safetensors`` is garbage, which vLLM's load fails
     on ("header too large"); ``hidden``: the width its matrices take (another than the model's passes
     every check of the files and fails only the engine's load, as an adapter of another base model).
+    ``targets``: its ``target_modules`` (the tensors stay two attention projections' either way).
     Returns ``directory``."""
     directory.mkdir(parents=True)
     config: dict[str, Any] = {
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": ["q_proj", "v_proj"],
+        "target_modules": list(targets),
         "base_model_name_or_path": base_model,
     }
     if rank_pattern:

@@ -72,6 +72,16 @@ class Adapter:
     digest: str
     rank: int
     int_id: int
+    lm_head: bool = False
+    """It adapts ``lm_head`` (``target_modules``): on vLLM 0.32's CPU build its delta leaks into requests
+    of the base model (``SimLora.salt``)."""
+
+
+def adapts_lm_head(config: Any) -> bool:
+    targets = config.get("target_modules") if isinstance(config, dict) else None
+    if isinstance(targets, str):
+        return targets == "lm_head" or targets.endswith(".lm_head")
+    return isinstance(targets, list) and any(t == "lm_head" or str(t).endswith(".lm_head") for t in targets)
 
 
 def adapter_rank(config: Any) -> int:
@@ -106,9 +116,10 @@ def _check_shapes(file: str) -> None:
             )
 
 
-def read_adapter(path: str, max_rank: int) -> tuple[str, int]:
+def read_adapter(path: str, max_rank: int) -> tuple[str, int, bool]:
     """Check an adapter directory as vLLM's worker loads it (its config, the rank against the engine's
-    ``max_lora_rank``, then the tensors); returns (digest of its files, rank). Blocking: run in a thread."""
+    ``max_lora_rank``, then the tensors); returns (digest of its files, rank, whether it adapts
+    ``lm_head``). Blocking: run in a thread."""
     where = os.path.expanduser(path)
     try:
         with open(os.path.join(where, ADAPTER_CONFIG), "rb") as fh:
@@ -118,9 +129,10 @@ def read_adapter(path: str, max_rank: int) -> tuple[str, int]:
     except OSError as e:
         raise AdapterError(str(e)) from None
     try:
-        rank = adapter_rank(json.loads(raw))
+        config = json.loads(raw)
     except json.JSONDecodeError as e:
         raise AdapterError(str(e)) from None
+    rank = adapter_rank(config)
     if rank > max_rank:
         raise AdapterError(f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.")
     tensors = next((f for f in TENSOR_FILES if os.path.isfile(os.path.join(where, f))), None)
@@ -137,7 +149,7 @@ def read_adapter(path: str, max_rank: int) -> tuple[str, int]:
     with open(file, "rb") as fh:
         while chunk := fh.read(1 << 20):
             digest.update(chunk)
-    return digest.hexdigest(), rank
+    return digest.hexdigest(), rank, adapts_lm_head(config)
 
 
 def _text(body: str, status: int = 200) -> web.Response:
@@ -196,11 +208,18 @@ class SimLora:
         loader's reason if that fails)."""
         adapter = self.adapters.get(model)
         if adapter is None:
+            # What vLLM 0.32's CPU build does (measured): a request of the base model is computed with
+            # the lm_head delta of the adapter in the last slot (punica_cpu reads the index -1 "no
+            # adapter" as the last slot), so its answer is a tenant's, not the base model's. The
+            # simulator takes the most recently loaded lm_head adapter as that slot's.
+            leaking = [a for n in self._resident if (a := self.adapters.get(n)) is not None and a.lm_head]
+            if model not in self.adapters and leaking:
+                return int(leaking[-1].digest[:16], 16) ^ (base or 0)
             return base
         if model not in self._resident:
             try:
                 rank = self.config.max_lora_rank
-                adapter.digest, _ = await asyncio.to_thread(read_adapter, adapter.path, rank)
+                adapter.digest, _, _ = await asyncio.to_thread(read_adapter, adapter.path, rank)
             except AdapterNotFound:
                 why = f"Loading lora {model} failed: No adapter found for {adapter.path}"
                 raise ApiError(500, sanitize_message(why), "InternalServerError") from None
@@ -274,7 +293,7 @@ class SimLora:
             if not core.alive:
                 return core.dead_response()
             try:
-                digest, rank = await asyncio.to_thread(read_adapter, path, self.config.max_lora_rank)
+                digest, rank, lm_head = await asyncio.to_thread(read_adapter, path, self.config.max_lora_rank)
             except AdapterNotFound:
                 message = f"Loading lora {name} failed: No adapter found for {path}"
                 return error_response(404, message, "NotFoundError")
@@ -282,7 +301,7 @@ class SimLora:
                 return rpc_failure("add_lora", str(e))
             old = self.adapters.get(name)
             int_id = old.int_id if old is not None else self._new_id()
-            self.adapters[name] = Adapter(name, path, digest, rank, int_id)
+            self.adapters[name] = Adapter(name, path, digest, rank, int_id, lm_head)
             self._touch(name)  # vLLM's add_lora loads it: the first request finds it in place
         return _text(f"Success: LoRA adapter '{name}' added successfully.")
 
