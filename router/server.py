@@ -231,7 +231,7 @@ class GenerationRouter:
             body_timeout_s=self.http_limits.body_timeout_s,
         )
         admin.add_routes(table)
-        self.fleet.add_routes(table)
+        self.fleet.add_routes(table, tenants=self.adapters is not None)
         if self.adapters is not None:
             self.adapters.add_routes(table)
             refits = self.adapters.refits

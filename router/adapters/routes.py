@@ -59,15 +59,25 @@ class AdapterRoutes:
         table.add("POST", "/fleet/adapters/unload", self.unload, Access.ADMIN)
 
     async def view(self, request: web.Request) -> web.Response:
-        return _json(200, self.state())
+        return _json(200, self.state(caller_of(request)))
 
-    def state(self) -> dict[str, Any]:
+    def state(self, caller: str = OWNER) -> dict[str, Any]:
+        """The table and each adapter's refits; an admin consumer sees its own adapters only (another
+        tenant's directories and versions are that tenant's business)."""
         refits = self.refits
-        return {
-            **refits.table.to_json(),
-            "active": {n: t.to_json() for n, t in refits.active.items()},
-            "last": {n: t.to_json() for n, t in refits.last.items()},
-        }
+        view = refits.table.to_json()
+        active = {n: t.to_json() for n, t in refits.active.items()}
+        last = {n: t.to_json() for n, t in refits.last.items()}
+        if caller != OWNER:
+            mine = {n for n in (*view["adapters"], *active, *last) if refits.table.owner_of(n) == caller}
+            view["adapters"] = {n: a for n, a in view["adapters"].items() if n in mine}
+            view["reserved"] = {n: c for n, c in view["reserved"].items() if c == caller}
+            view["engines"] = {
+                u: [s for s in names if s.rpartition("@")[0] in mine] for u, names in view["engines"].items()
+            }
+            active = {n: t for n, t in active.items() if n in mine}
+            last = {n: t for n, t in last.items() if n in mine}
+        return {**view, "active": active, "last": last}
 
     async def load(self, request: web.Request) -> web.Response:
         try:

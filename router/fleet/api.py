@@ -112,25 +112,29 @@ class FleetApi:
     def current_version(self, version: str | None) -> None:
         self.fleet.current_version = version
 
-    def add_routes(self, target: RouteTable | web.Application) -> None:
+    def add_routes(self, target: RouteTable | web.Application, tenants: bool = False) -> None:
         """Every route here is an admin route (``router.http.auth``). ``target``: the router's table, or an
-        application of the driver's, whose table is then made on it."""
+        application of the driver's, whose table is then made on it. ``tenants``: a fleet of LoRA
+        tenants (``router.adapters``), whose base weights every tenant's adapter is trained on: the
+        routes that pause the fleet or change its base weights are then the fleet owner's alone
+        (``Access.OWNER``); an admin consumer changes its own adapters (``/fleet/adapters``)."""
         table = target if isinstance(target, RouteTable) else RouteTable.of(target)
-        for method, path, handler in (
-            ("POST", "/fleet/pause", self.pause),
-            ("POST", "/fleet/resume", self.resume),
-            ("GET", "/fleet/is_paused", self.is_paused),
-            ("POST", "/fleet/abort", self.abort),
-            ("GET", "/fleet/weight_version", self.get_version),
-            ("POST", "/fleet/weight_version", self.set_version),
-            ("GET", "/fleet/stale", self.stale),
-            ("POST", "/fleet/checksum", self.checksum),
-            ("GET", "/fleet/counters", self.counters),
-            ("POST", "/fleet/step/begin", self.step_begin),
-            ("GET", "/fleet/step", self.step),
+        base = Access.OWNER if tenants else Access.ADMIN
+        for method, path, handler, access in (
+            ("POST", "/fleet/pause", self.pause, base),
+            ("POST", "/fleet/resume", self.resume, base),
+            ("GET", "/fleet/is_paused", self.is_paused, Access.ADMIN),
+            ("POST", "/fleet/abort", self.abort, base),
+            ("GET", "/fleet/weight_version", self.get_version, Access.ADMIN),
+            ("POST", "/fleet/weight_version", self.set_version, base),
+            ("GET", "/fleet/stale", self.stale, Access.ADMIN),
+            ("POST", "/fleet/checksum", self.checksum, Access.ADMIN),
+            ("GET", "/fleet/counters", self.counters, Access.ADMIN),
+            ("POST", "/fleet/step/begin", self.step_begin, Access.ADMIN),
+            ("GET", "/fleet/step", self.step, Access.ADMIN),
         ):
-            table.add(method, path, handler, Access.ADMIN)
-        self.refit_routes.add_routes(table)
+            table.add(method, path, handler, access)
+        self.refit_routes.add_routes(table, base)
         table.app.on_cleanup.append(self._close)
 
     async def _close(self, app: web.Application) -> None:

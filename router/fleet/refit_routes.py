@@ -109,10 +109,13 @@ class RefitRoutes:
         self.checks = CheckpointGuard()
         """Runs the check before a pause off the loop, under its deadline, one at a time."""
 
-    def add_routes(self, table: RouteTable) -> None:
+    def add_routes(self, table: RouteTable, access: Access = Access.ADMIN) -> None:
+        """``access``: the transaction's routes' (``Access.OWNER`` on a fleet of LoRA tenants, where the
+        base weights are the owner's: ``router.fleet.api.FleetApi.add_routes``); reading the state stays
+        an admin route."""
+        table.add("GET", "/fleet/refit", self.state, Access.ADMIN)
         for method, path, handler in (
             ("POST", "/fleet/refit", self.refit_from_directory),
-            ("GET", "/fleet/refit", self.state),
             ("POST", "/fleet/refit/begin", self.begin),
             ("POST", "/fleet/refit/lease", self.lease),
             ("POST", "/fleet/refit/load", self.load),
@@ -122,7 +125,7 @@ class RefitRoutes:
             ("GET", "/fleet/weight_transfer/plan", self.transfer_plan),
             ("POST", "/fleet/weight_transfer/init", self.transfer_init),
         ):
-            table.add(method, path, handler, Access.ADMIN)
+            table.add(method, path, handler, access)
 
     # -- helpers ----------------------------------------------------------------------------------------
     async def _directories(self, body: dict[str, Any]) -> tuple[str, dict[str, str], Checked]:

@@ -10,7 +10,10 @@ Five kinds of access (``Access``):
   (it is in Gym's config).
 * ``OWNER``: as ``ADMIN``, but never a consumer's key, admin or not: ``/workers``, the serving set. Who
   changes it decides where the engine key is sent (every fan-out presents it to every member), so it
-  stays with the fleet's owner; an admin consumer keeps the refit routes.
+  stays with the fleet's owner; an admin consumer keeps the refit routes. On a fleet of LoRA tenants
+  (``router.adapters``) the routes that pause the fleet or change its base weights are ``OWNER`` too:
+  every tenant's adapter is trained on those weights, and one tenant must not move them under the
+  others (``router.fleet.api.FleetApi.add_routes``).
 * ``CAPABILITY``: the job's registration capability in the path (``/t/<capability>/...``,
   ``router.http.capability``) in place of any header: the routes a trainer that owns its engines uses
   (``/workers`` and the proxied routes under that prefix), for clients that send no key of ours. Served
@@ -293,8 +296,9 @@ def _admin_checked(
                     return _refuse(
                         403,
                         f"consumer {consumer.account or consumer.name} may not call {request.method} "
-                        f"{request.path}: the serving set is the fleet owner's alone (admin consumers "
-                        "pause and refit through /fleet/*)",
+                        f"{request.path}: it is the fleet owner's alone (the serving set on every "
+                        "fleet; on a fleet of LoRA tenants also the pause and the base weights, and an "
+                        "admin consumer refits its own adapters through /fleet/adapters)",
                         "forbidden",
                     )
                 if not consumer.admin:

@@ -128,6 +128,19 @@ async def test_two_tenants_refit_their_own_adapters_and_neither_touches_the_othe
     # a version used before is refused: its name on the engines would be the old one's
     status, body = await load(url, ADMIN["a"], "policy-a", a1, "step-0")
     assert status == 409 and "already had version 'step-0'" in body["error"]
+    # on a fleet of tenants the base weights and the pause are the owner's: no tenant moves them
+    for path, body in (
+        ("/fleet/refit", {"version": "x", "from": str(a1)}),
+        ("/fleet/pause", {}),
+        ("/fleet/refit/begin", {"version": "x"}),
+        ("/fleet/weight_version", {"version": "x"}),
+    ):
+        status, answer, _ = await call(url, path, ADMIN["a"], body)
+        assert status == 403 and "fleet owner's alone" in answer["error"]["message"], (path, answer)
+    # a tenant sees its own adapters only
+    status, mine, _ = await call(url, "/fleet/adapters", ADMIN["b"])
+    assert status == 200 and set(mine["adapters"]) == {"policy-b"} and set(mine["last"]) == {"policy-b"}
+    assert all(names == ["policy-b@v1"] for names in mine["engines"].values()), mine["engines"]
     # the table, as the dashboard reads it
     status, view, _ = await call(url, "/fleet/adapters", TOKEN)
     assert (
