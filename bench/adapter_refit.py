@@ -51,7 +51,7 @@ from typing import Any
 
 import aiohttp
 
-from launcher.engines.base import EngineSpec
+from launcher.engines.base import EngineSpec, start_all
 from launcher.engines.vllm.engine import VllmEngine
 from launcher.fleet.client import FleetClient, FleetHttpError
 from router import GenerationRouter
@@ -139,15 +139,7 @@ def start_vllm(python: str, model: str, n: int, plan: LoraPlan, logs: Path) -> l
         )
         engines.append(VllmEngine(spec, python=python))
     t0 = time.monotonic()
-    try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait_ready(t0 + 900)
-    except BaseException:
-        for e in engines:
-            e.stop()
-        raise
+    start_all(engines, 900)
     print(
         f"{n} vLLM engines ready in {time.monotonic() - t0:.0f} s: {[e.url for e in engines]} (logs {logs})"
     )
@@ -272,22 +264,25 @@ def check_versions(answers: list[Answer], calls: list[Call], first_adapter: Call
     return problems
 
 
+def router_config(plan: LoraPlan, **more: Any) -> RouterConfig:
+    """The benches' router: on 127.0.0.1, the bench's tokens, the fleet's LoRA plan, no probing."""
+    return RouterConfig(
+        host="127.0.0.1",
+        port=0,
+        admin_token=ADMIN,
+        api_key=API_KEY,
+        lora=plan,
+        policy="round_robin",
+        probe_interval_s=0,
+        backend_timeout_s=300,
+        **more,
+    )
+
+
 async def part_refit(
     urls: list[str], args: argparse.Namespace, plan: LoraPlan, adapters: list[str], copies: list[str]
 ) -> None:
-    router = GenerationRouter(
-        RouterConfig(
-            host="127.0.0.1",
-            port=0,
-            admin_token=ADMIN,
-            api_key=API_KEY,
-            lora=plan,
-            policy="round_robin",
-            probe_interval_s=0,
-            backend_timeout_s=300,
-        ),
-        urls,
-    )
+    router = GenerationRouter(router_config(plan), urls)
     base_url = router.serve_in_background()
     load = Load(base_url, API_KEY, args.max_tokens)
     tasks: list[asyncio.Task[None]] = []
@@ -387,18 +382,7 @@ async def part_tenants(
         add_consumer(cfile, t, keys[t], 1.0, adapters=(owns[t],), replace=True)
         add_admin_key(cfile, t, admins[t])
     router = GenerationRouter(
-        RouterConfig(
-            host="127.0.0.1",
-            port=0,
-            admin_token=ADMIN,
-            api_key=API_KEY,
-            lora=plan,
-            policy="round_robin",
-            probe_interval_s=0,
-            backend_timeout_s=300,
-            consumers_file=str(cfile),
-            fair_share_capacity=args.capacity,
-        ),
+        router_config(plan, consumers_file=str(cfile), fair_share_capacity=args.capacity),
         urls,
     )
     base_url = router.serve_in_background()

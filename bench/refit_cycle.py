@@ -34,7 +34,7 @@ import time
 
 import aiohttp
 
-from launcher.engines.base import EngineSpec
+from launcher.engines.base import EngineSpec, start_all
 from launcher.engines.sim.checkpoint import write_checkpoint
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.server import SimServer
@@ -144,15 +144,7 @@ def start_vllm(model_dir: str, name: str, n: int) -> list[VllmEngine]:
         )
         engines.append(VllmEngine(spec, python=os.environ["RL_LAUNCH_VLLM_PYTHON"]))
     t0 = time.monotonic()
-    try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait_ready(t0 + 900)
-    except BaseException:
-        for e in engines:
-            e.stop()
-        raise
+    start_all(engines, 900)
     print(f"{n} vLLM engines ready in {time.monotonic() - t0:.0f} s (logs {logs})")
     return engines
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -81,3 +82,19 @@ class Engine(ABC):
         except BaseException:
             self.stop()
             raise
+
+
+def start_all(engines: Sequence[Engine], timeout_s: float) -> None:
+    """Start every engine at once and wait for all of them (a fleet's start is its slowest engine's, not
+    the sum); if any fails or ``timeout_s`` passes, every one is stopped before the error propagates, so
+    nothing half-started is left behind."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready(deadline)
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise

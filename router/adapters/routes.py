@@ -40,6 +40,16 @@ def _refused(status: int, message: str) -> web.Response:
     return _json(status, {"ok": False, "error": message})
 
 
+def _refusal(exc: Exception) -> web.Response:
+    """The answer to a call refused before anything was read or sent: 403 for another's adapter, the
+    refusal's own status (409, 404), 400 for a body that is not what is asked."""
+    if isinstance(exc, AdapterForbidden):
+        return _refused(403, str(exc))
+    if isinstance(exc, RefitRefused):
+        return _refused(exc.status, str(exc))
+    return _refused(400, str(exc))
+
+
 def caller_of(request: web.Request) -> str:
     """Who is asking, as adapters are owned: a consumer's name (its admin key acts for its account),
     or ``OWNER`` for the fleet's owner and for a router without consumers."""
@@ -98,12 +108,8 @@ class AdapterRoutes:
             if not isinstance(allow_foreign, bool):
                 raise ValueError(f'"{ALLOW_FOREIGN}" must be true or false, got {allow_foreign!r}')
             txn = self.refits.begin(name, path, version, caller_of(request), float(deadline_s))
-        except AdapterForbidden as exc:
-            return _refused(403, str(exc))
-        except RefitRefused as exc:
-            return _refused(exc.status, str(exc))
-        except ValueError as exc:
-            return _refused(400, str(exc))
+        except (AdapterForbidden, ValueError) as exc:  # RefitRefused is a ValueError
+            return _refusal(exc)
         try:
             checked = await self.refits.check(txn, allow_foreign)
         except AdapterRefused as exc:
@@ -116,10 +122,6 @@ class AdapterRoutes:
             body = await Fleet.read_body(request)
             name = check_adapter_name(body.get("adapter"))
             result = await self.refits.coordinator.run(self.refits.unload(name, caller_of(request)))
-        except AdapterForbidden as exc:
-            return _refused(403, str(exc))
-        except RefitRefused as exc:
-            return _refused(exc.status, str(exc))
-        except ValueError as exc:
-            return _refused(400, str(exc))
+        except (AdapterForbidden, ValueError) as exc:
+            return _refusal(exc)
         return _json(200, {"ok": True, **result})
