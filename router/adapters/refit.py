@@ -235,7 +235,28 @@ class AdapterRefits:
             txn.error or f"verified on {len(txn.to_json()['verified'])} engine(s)",
         )
 
+    def _draining(self, txn: AdapterTxn) -> list[AdapterVersion]:
+        adapter = self.table.adapters.get(txn.adapter)
+        return [d for d in adapter.draining if d.in_flight] if adapter is not None else []
+
+    async def _drained(self, txn: AdapterTxn, draining: list[AdapterVersion]) -> None:
+        """Wait (at most half of what the deadline leaves) for the adapter's versions still draining from
+        its last refit: the plan gives each adapter two versions on an engine (``--max-cpu-loras``), and
+        a third would make vLLM evict one, maybe the one a request is still decoding on. Past the wait
+        the load goes on (the step's refit matters more), and the log says so."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(d.idle.wait() for d in draining)), txn.remaining() / 2)
+        except TimeoutError:
+            log.warning(
+                "adapter refit %s: %s still in flight; loading %s beside them",
+                txn.id,
+                ", ".join(f"{d.served} ({d.in_flight})" for d in draining),
+                txn.served,
+            )
+
     async def _load_all(self, txn: AdapterTxn, checked: AdapterDir) -> None:
+        if draining := self._draining(txn):
+            await self._timed(txn, "draining", self._drained(txn, draining))
         urls = list(self.fleet.backends.serving)
         if not urls:
             txn.error = "no engine is serving: nothing to load the adapter into"

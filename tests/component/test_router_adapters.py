@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 import pytest
 
-from launcher.engines.sim import SimServer
+from launcher.engines.sim import SimConfig, SimServer
 from router import GenerationRouter
 from router.consumers import add_admin_key, add_consumer
 from tests.support.adapters import write_adapter
@@ -70,10 +70,24 @@ async def served_on(engine: SimServer) -> set[str]:
         return {m["id"] for m in (await r.json())["data"]}
 
 
+async def on_version(url: str, version: str, in_flight: int) -> None:
+    """Wait until the router counts ``in_flight`` requests on ``version`` of policy-a."""
+    for _ in range(200):
+        _, view, _ = await call(url, "/fleet/adapters", TOKEN)
+        a = view["adapters"]["policy-a"]
+        if any(
+            v["version"] == version and v["in_flight"] == in_flight for v in [a["current"], *a["draining"]]
+        ):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"policy-a {version} never had {in_flight} request(s) in flight: {view}")
+
+
 async def test_two_tenants_refit_their_own_adapters_and_neither_touches_the_others(
-    sims: Callable[..., Any], routers: Callable[..., GenerationRouter], tmp_path: Path
+    make_server: Callable[..., Any], routers: Callable[..., GenerationRouter], tmp_path: Path
 ) -> None:
-    engines = await sims(2, **LORA)
+    # speed 1: a request of 300 tokens takes ~2 s, long enough to be in flight across a refit
+    engines = [await make_server(SimConfig(speed=1.0, **LORA), index=i) for i in range(2)]
     r = routers([e.url for e in engines], consumers_file=str(consumers(tmp_path)), lora={"max_adapters": 2})
     url = r.base_url()
     a1 = write_adapter(tmp_path / "a1", fill=b"a")
@@ -105,9 +119,9 @@ async def test_two_tenants_refit_their_own_adapters_and_neither_touches_the_othe
 
     # a new version while a request is on the old one: that request ends on the old version, the next
     # ones go to the new, and the old is unloaded from every engine once nothing is in flight on it
-    long = {"model": "policy-a", "prompt": "hello", "max_tokens": 60, "ignore_eos": True}
+    long = {"model": "policy-a", "prompt": "hello", "max_tokens": 300, "ignore_eos": True}
     in_flight = asyncio.ensure_future(call(url, "/v1/completions", KEYS["a"], long))
-    await asyncio.sleep(0.3)
+    await on_version(url, "step-0", 1)
     status, txn = await load(url, ADMIN["a"], "policy-a", write_adapter(tmp_path / "a2", fill=b"c"), "step-1")
     assert status == 200 and txn["previous_version"] == "step-0"
     _, body, version = await complete(url, KEYS["a"], "policy-a")
@@ -121,8 +135,25 @@ async def test_two_tenants_refit_their_own_adapters_and_neither_touches_the_othe
         await asyncio.sleep(0.05)
     for e in engines:
         assert await served_on(e) == {"tiny", "policy-a@step-1", "policy-b@v1"}
+    # a refit that follows while the version before drains waits for it first: no engine holds a third
+    # version of one adapter (the plan's --max-cpu-loras has room for two)
+    in_flight = asyncio.ensure_future(call(url, "/v1/completions", KEYS["a"], long))
+    await on_version(url, "step-1", 1)
+    assert (await load(url, ADMIN["a"], "policy-a", write_adapter(tmp_path / "a3", fill=b"d"), "step-2"))[
+        0
+    ] == 200
+    status, txn = await load(url, ADMIN["a"], "policy-a", write_adapter(tmp_path / "a4", fill=b"e"), "step-3")
+    assert status == 200 and txn["steps"][1]["phase"] == "draining", txn["steps"]
+    assert in_flight.done()  # the load waited for it
+    assert (await in_flight)[1]["model"] == "policy-a@step-1"
+    for _ in range(100):
+        listed = [await served_on(e) for e in engines]
+        if all(names == {"tiny", "policy-a@step-3", "policy-b@v1"} for names in listed):
+            break
+        await asyncio.sleep(0.05)
+    assert listed == [{"tiny", "policy-a@step-3", "policy-b@v1"}] * 2
     # a gate on the adapter's versions
-    assert (await complete(url, KEYS["a"], "policy-a", **{"x-rl-weight-version": ">=step-0"}))[2] == "step-1"
+    assert (await complete(url, KEYS["a"], "policy-a", **{"x-rl-weight-version": ">=step-0"}))[2] == "step-3"
     status, body, _ = await complete(url, KEYS["a"], "policy-a", **{"x-rl-weight-version": "step-7"})
     assert status == 400 and "no version 'step-7'" in body["error"]["message"]
     # a version used before is refused: its name on the engines would be the old one's
@@ -145,7 +176,7 @@ async def test_two_tenants_refit_their_own_adapters_and_neither_touches_the_othe
     status, view, _ = await call(url, "/fleet/adapters", TOKEN)
     assert (
         view["adapters"]["policy-a"]["owner"] == "tenant-a"
-        and view["adapters"]["policy-a"]["version"] == "step-1"
+        and view["adapters"]["policy-a"]["version"] == "step-3"
     )
     assert view["reserved"] == {"policy-a": "tenant-a", "policy-b": "tenant-b"}
 
