@@ -133,3 +133,25 @@ def test_a_reserved_adapter_follows_its_reservation_to_a_resubmitted_job() -> No
     assert t.resolve("pa", "tenant-a-2") is not None
     t.may_change("pa", "tenant-a-2")
     assert t.to_json()["adapters"]["pa"]["owner"] == "tenant-a-2"
+
+
+def test_cache_affinity_is_keyed_by_adapter_version_and_prefix() -> None:
+    """The same prompt for two adapters (or two versions) shares no KV on an engine (vLLM keys its prefix
+    cache by the adapter's name), so the cache-aware policy must not send one after the other for a hit;
+    the same adapter version and prompt continue to find each other."""
+    from router.policies import make_policy
+    from router.policies.base import LoadTracker, RouteRequest
+
+    policy = make_policy("cache_aware")
+    body = b'{"model": "pa", "messages": [{"role": "user", "content": "' + b"x" * 600 + b'"}]}'
+    prepared = policy.prepare(RouteRequest("/v1/chat/completions", body))
+    a1, a1_again = policy.scope(prepared, "pa@v1"), policy.scope(prepared, "pa@v1")
+    b1, a2 = policy.scope(prepared, "pb@v1"), policy.scope(prepared, "pa@v2")
+    assert a1.features == a1_again.features
+    assert not set(a1.features) & set(b1.features) and not set(a1.features) & set(a2.features)  # type: ignore[arg-type]
+    load = LoadTracker([E1, E2])
+    first = policy.choose(a1, load)
+    policy.commit(a1, first)
+    load.acquire(first)
+    assert policy.choose(a1_again, load) == first  # its own prefix: affinity
+    assert policy.choose(b1, load) != first  # another adapter's: nothing cached for it there
