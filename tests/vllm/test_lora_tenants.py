@@ -133,8 +133,10 @@ def test_two_tenants_train_their_own_adapters_on_one_standing_fleet(
         before = view["adapters"]["policy-a"]["version"]
         engines = sorted(view["engines"])
         other = write_adapter(tmp_path / "other-base", rank=8, hidden=131)
-        status, txn = call(url + "/fleet/adapters/load", owner, {"adapter": "policy-a", "from": str(other)})
-        assert status == 500 and txn["phase"] == "failed" and txn["canary"] in engines, txn
+        cli = rl("fleet", "refit", str(fleet), "--adapter", "policy-a", "--from", str(other), "--json")
+        assert cli.returncode == 1 and "fleet refit --adapter policy-a: not moved" in cli.stderr, cli.stderr
+        txn = json.loads(cli.stdout)
+        assert txn["phase"] == "failed" and txn["canary"] in engines, txn
         assert "must match the size" in txn["error"] and txn["quarantined"] == {}, txn
         assert [u for u, e in txn["engines"].items() if e["state"] == "untouched"] == [
             u for u in engines if u != txn["canary"]
