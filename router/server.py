@@ -142,6 +142,8 @@ class GenerationRouter:
         )
         self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
         self.adapters: AdapterRoutes | None = None
+        self._reserved: dict[str, str] = {}
+        self._reserved_at = -1
         if config.lora is not None:
             self.adapters = self._serve_adapters(config.lora, config.version_max_wait_s)
         self._api_key = config.secret("api_key")
@@ -211,11 +213,16 @@ class GenerationRouter:
         return AdapterRoutes(refits)
 
     def _reserved_adapters(self) -> dict[str, str]:
-        """Adapter -> the consumer the fleet's spec reserved it for (the consumers file's ``adapters``)."""
+        """Adapter -> the consumer the fleet's spec reserved it for (the consumers file's ``adapters``).
+        Asked on every adapter request: rebuilt only when the file was re-read (``ConsumerKeys.reloads``)."""
         keys = self.consumer_keys
         if keys is None:
             return {}
-        return {a: name for name, c in keys.accounts().items() for a in c.adapters}
+        keys.refresh()
+        if self._reserved_at != keys.reloads:
+            self._reserved = {a: name for name, c in keys.accounts().items() for a in c.adapters}
+            self._reserved_at = keys.reloads
+        return self._reserved
 
     def _admin_routes(self, table: RouteTable) -> None:
         admin = AdminApi(
