@@ -37,13 +37,13 @@ import orjson
 from aiohttp import web
 
 from router.adapters.plan import LoraPlan
-from router.adapters.refit import AdapterRefits
 from router.adapters.requests import AdapterRequests
-from router.adapters.routes import AdapterRoutes
 from router.adapters.table import AdapterTable
 from router.config import RouterConfig
 from router.consumers import ConsumerKeys
 from router.fleet import revocation
+from router.fleet.adapter_refit import AdapterRefits
+from router.fleet.adapter_routes import AdapterRoutes
 from router.fleet.admin import AdminApi
 from router.fleet.api import FleetApi
 from router.http.app import bind_listening_socket, build_app, not_found, runner_kwargs, serve_guarded

@@ -1,6 +1,6 @@
 """The fleet's LoRA adapters on the dashboard: each tenant's adapter and version, and which engines hold it.
 
-From ``GET /fleet/adapters`` at the job's ``fleet_url`` (``router.adapters.routes``; the admin token read
+From ``GET /fleet/adapters`` at the job's ``fleet_url`` (``router.fleet.adapter_routes``; the admin token read
 from the job directory, as the refit line's). On a shared fleet the question an operator asks is "which
 team is on which version, and is any engine missing one": an engine that failed a load keeps serving the
 others and takes none of that adapter's requests, so a fleet one engine short for one tenant only shows

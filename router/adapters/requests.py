@@ -7,6 +7,7 @@ requests, and names the engines judge (an unknown model is their 404, as without
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,15 +34,19 @@ class AdapterRequests:
         self.serving = serving
         self.max_wait_s = max_wait_s
 
-    async def prepare(self, body: bytes, caller: str, want: VersionWant | None) -> AdapterRequest | None:
+    async def prepare(
+        self, body: bytes, caller: str, want: VersionWant | None, large: bool = False
+    ) -> AdapterRequest | None:
         """Raises ``AdapterForbidden``, ``AdapterUnavailable``, ``UnknownVersion`` (a gate on a version
         the adapter never had), ``VersionRefused`` (one still loading past the wait) and, on a fleet
         serving adapters only, ``BaseModelNotServed``."""
         table = self.table
         serves_base = table.plan.base_model
+        # ``large``: the body is parsed and rewritten off the loop, as the forwarder hashes a large one
         if serves_base and not table.adapters and not table.pending:
             return None
-        model = model_of(body)
+        loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(None, model_of, body) if large else model_of(body)
         route = table.resolve(model, caller) if model is not None else None
         if route is None:
             if not serves_base:
@@ -66,7 +71,10 @@ class AdapterRequests:
             route = narrowed
         served = route.served
         if model != served:
-            body = with_model(body, model, served)
+            if large:
+                body = await loop.run_in_executor(None, with_model, body, model, served)
+            else:
+                body = with_model(body, model, served)
         engines = route.target.engines
         exclude = frozenset(u for u in self.serving() if u not in engines)
         return AdapterRequest(route, body, exclude)

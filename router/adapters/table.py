@@ -1,8 +1,9 @@
 """The router's table of the fleet's adapters: who owns each, which version serves, on which engines.
 
 Every request whose ``model`` names an adapter is resolved here before a backend is chosen
-(``AdapterTable.resolve``), and every adapter refit changes it only at its end (``router.adapters.refit``),
-so a request either goes to the version before a refit or to the one after, never to a mix:
+(``AdapterTable.resolve``), and every adapter refit changes it only at its end
+(``router.fleet.adapter_refit``), so a request either goes to the version before a refit or to the one
+after, never to a mix:
 
 * **Ownership.** An adapter belongs to the consumer that the fleet's spec reserved it for
   (``fleet.consumers.<job>.adapters``, carried by the consumers file), else to whoever first loaded it
@@ -214,7 +215,7 @@ class AdapterTable:
 
     def engines_left(self, url: str) -> None:
         """``url`` left the fleet (removed, or restarted without its adapters): no version is routed
-        there until a load puts it back (``router.adapters.refit.AdapterRefits.restore``)."""
+        there until a load puts it back (``router.fleet.adapter_refit.AdapterRefits.restore``)."""
         for adapter in self.adapters.values():
             for v in (adapter.current, *adapter.draining):
                 if v is not None:

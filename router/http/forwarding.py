@@ -300,9 +300,8 @@ class Forwarder:
         adapter: AdapterRequest | None = None
         if hold and self.adapters is not None:
             try:
-                adapter = await self.adapters.prepare(
-                    body, (request.get(CONSUMER) or OWNER_CONSUMER).name, want
-                )
+                caller = (request.get(CONSUMER) or OWNER_CONSUMER).name
+                adapter = await self.adapters.prepare(body, caller, want, len(body) > LARGE_BODY_BYTES)
             except AdapterForbidden as exc:
                 self.metrics.errors.labels("adapter_forbidden").inc()
                 return json_response(403, error_body(str(exc), "forbidden", 403))

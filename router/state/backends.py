@@ -75,7 +75,7 @@ class BackendSet:
         # header, gated requests and straddlers read it; the fleet API writes it.
         self.versions = WeightVersions()
         # Called with each URL that (re)enters the serving set, on the loop: an engine that restarted
-        # comes back without its LoRA adapters (router.adapters.refit restores them before routing any).
+        # comes back without its LoRA adapters (router.fleet.adapter_refit restores them before routing any).
         self.serving_listeners: list[Callable[[str], None]] = []
 
     # -- members and the serving set ---------------------------------------------------------------

@@ -40,10 +40,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.adapters.check import AdapterDir, AdapterRefused, read_adapter
 from router.adapters.names import check_version, served_name
 from router.adapters.table import AdapterCapacity, AdapterTable, AdapterVersion
 from router.consumers import OWNER
+from router.fleet.adapter_check import AdapterDir, AdapterRefused, read_adapter
 from router.fleet.checkpoint import CheckpointGuard
 from router.fleet.engine import EngineAnswer, EngineClient
 from router.fleet.fleet import Fleet
@@ -116,7 +116,7 @@ class AdapterTxn:
 
 
 class AdapterRefits:
-    """The adapter transactions of one router (``router.adapters.routes`` calls them)."""
+    """The adapter transactions of one router (``router.fleet.adapter_routes`` calls them)."""
 
     def __init__(
         self,
@@ -170,7 +170,7 @@ class AdapterRefits:
         return txn
 
     async def check(self, txn: AdapterTxn, allow_foreign: bool = False) -> AdapterDir:
-        """The directory's check (``router.adapters.check``) off the loop, before any engine is asked;
+        """The directory's check (``router.fleet.adapter_check``) off the loop, before any engine is asked;
         ``AdapterRefused`` ends the transaction (``end``) with nothing touched."""
         root = await self.served_root()
         t0 = time.monotonic()

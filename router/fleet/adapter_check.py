@@ -59,7 +59,7 @@ class AdapterDir:
     base: str = ""
     note: str = ""
     lm_head: bool = False
-    """It adapts ``lm_head`` (refused on CPU engines that serve the base model: ``router.adapters.refit``)."""
+    """It adapts ``lm_head`` (refused on CPU engines serving the base model: ``adapter_refit``)."""
 
     def summary(self) -> str:
         compared = f"base compared with {self.base}" if self.base else self.note

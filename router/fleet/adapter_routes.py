@@ -1,7 +1,7 @@
 """The adapter admin routes: ``GET /fleet/adapters``, ``POST /fleet/adapters/load`` and ``/unload``.
 
 ``load``: ``{"adapter", "from", "version"?, "deadline_s"?, "allow_foreign_checkpoint"?}``, the whole
-adapter refit (``router.adapters.refit``) in one call: 200 when the adapter moved to the new version
+adapter refit (``router.fleet.adapter_refit``) in one call: 200 when the adapter moved to the new version
 (engines that did not take it are listed in ``missing``, ``ok`` is then false); 500 when it did not (its
 canary failed); 400 for a body that is not what is asked or a directory the check refused (no engine
 was asked); 403 for an adapter another consumer owns; 409 when the plan has no room, a refit of it or
@@ -19,11 +19,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from router.adapters.check import AdapterRefused
 from router.adapters.names import check_adapter_name, check_version
-from router.adapters.refit import DEFAULT_DEADLINE_S, AdapterRefits
 from router.adapters.table import AdapterForbidden
 from router.consumers import OWNER
+from router.fleet.adapter_check import AdapterRefused
+from router.fleet.adapter_refit import DEFAULT_DEADLINE_S, AdapterRefits
 from router.fleet.checkpoint import ALLOW_FOREIGN
 from router.fleet.fleet import Fleet
 from router.fleet.refit import RefitRefused
