@@ -23,6 +23,7 @@ from launcher.jobdir.paths import record_dir as record_dir_of
 from router.record.format import read_records
 from router.state.backends import canonical_backend_url
 from tests.support.cli import RL_LAUNCH
+from tests.support.running_job import DRAIN_REACHES_ROUTER_S
 from tests.support.slurm import SLURM, run, slurm_cluster, squeue_empty, wait_no_leftovers  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.slurm
@@ -268,7 +269,7 @@ def test_grow_and_shrink_mid_replay_on_slurm(tmp_path: Path) -> None:
             f"the first {on_grown[0] - joined['t']:.1f} s after joining"
         )
         assert on_grown[0] - joined["t"] < 5
-        assert on_grown[-1] < drain["t"] + 0.5, "a request went to a draining engine"
+        assert on_grown[-1] < drain["t"] + DRAIN_REACHES_ROUTER_S, "a request went to a draining engine"
     finally:
         if replay is not None and replay.poll() is None:
             replay.kill()

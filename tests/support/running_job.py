@@ -228,3 +228,11 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
                 shared.cancel()
             finally:
                 SHARED_SLURM_JOBS.discard(JobDir(shared.job).slurm_job_id() or "")
+
+
+DRAIN_REACHES_ROUTER_S = 1.5
+"""How long after the elastic manager's ``drain`` event a request may still go to a draining engine: the
+fleet controller drops the node's engines from the router's serving set at its next push
+(``FleetController.drain_node``), one tick (1 s) later at most, and a request dispatched before that push
+went there legitimately; 0.5 s more for a push and a record timestamp on a loaded 2-core machine (0.5 s
+alone failed once in CI: a request 0.91 s after the event)."""
