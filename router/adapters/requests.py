@@ -69,6 +69,7 @@ class AdapterRequests:
                 route = table.resolve(model, caller) or route
                 narrowed = table.satisfies(route, want)
             route = narrowed
+        route.adapter.requests += 1  # once per request, however long its gate waited
         served = route.served
         if model != served:
             if large:

@@ -202,7 +202,6 @@ class AdapterTable:
             raise AdapterUnavailable(f"adapter {adapter.name!r} is not loaded on any engine")
         if not target.engines:
             raise AdapterUnavailable(f"no engine serving adapter {target.served!r} is in the fleet")
-        adapter.requests += 1
         return AdapterRoute(adapter, target)
 
     @staticmethod

@@ -42,7 +42,6 @@ from typing import Any
 
 from router.adapters.names import check_version, served_name
 from router.adapters.table import AdapterCapacity, AdapterTable, AdapterVersion
-from router.consumers import OWNER
 from router.fleet.adapter_check import AdapterDir, AdapterRefused, read_adapter
 from router.fleet.checkpoint import CheckpointGuard
 from router.fleet.engine import EngineAnswer, EngineClient
@@ -416,6 +415,3 @@ class AdapterRefits:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def caller_name(self, holder: str | None) -> str:
-        return holder or OWNER
