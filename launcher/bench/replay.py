@@ -253,19 +253,21 @@ def write_outputs(
     out = Console()
     if not out.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
         out = Console(width=160)
+    # The report's lines are printed whole (soft_wrap): wrapped at the console's width, a long record
+    # path split "cut short" over two lines of a logged report, where grep no longer finds it.
     if recorded is not None:
         for line in recorded.summary_lines():
-            out.print(line, markup=False, highlight=False)
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
     out.print(render_table(rows, title=f"rollout replay: {title}"))
     for o in outcomes:
         if o.row.get("cpu"):
-            out.print(cpu_line(o.arm, o.row["cpu"]), markup=False, highlight=False)
+            out.print(cpu_line(o.arm, o.row["cpu"]), markup=False, highlight=False, soft_wrap=True)
     for arm, rows_ in slowest.items():
         listed = ", ".join(f"{x['session']} {x['span_s']:.1f}s/{x['turns']}t" for x in rows_[:5])
-        out.print(f"slowest sessions ({arm}): {listed}", markup=False, highlight=False)
+        out.print(f"slowest sessions ({arm}): {listed}", markup=False, highlight=False, soft_wrap=True)
     for w in warnings:
-        out.print(f"WARNING {w}", markup=False, highlight=False, style="bold yellow")
-    console.print(f"wrote {json_path}, {csv_path}, {', '.join(str(p) for p in written)}")
+        out.print(f"WARNING {w}", markup=False, highlight=False, style="bold yellow", soft_wrap=True)
+    console.print(f"wrote {json_path}, {csv_path}, {', '.join(str(p) for p in written)}", soft_wrap=True)
     return rows
 
 

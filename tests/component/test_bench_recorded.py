@@ -135,7 +135,10 @@ def job_dir(root: Path, name: str) -> Path:
 # ----------------------------------------------------------------------------------------------------
 def test_replaying_a_record_reproduces_the_step(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     trace = small_step()
-    job = job_dir(tmp_path / "jobs", "grpo-4242")
+    # A long job root, as a cluster's scratch paths are: the report's lines must not wrap (wrapped at the
+    # console's width, "cut short" once came out over two lines).
+    root = tmp_path / ("jobs-on-a-scratch-filesystem-" + "x" * 100)
+    job = job_dir(root, "grpo-4242")
     original = record_a_step(monkeypatch, trace, job / "record" / RECORD_FILE)
     # What a killed job and a newer rl-launch leave behind: a line of format version 2, a line cut short.
     with (job / "record" / "requests-w1.jsonl").open("wb") as f:
@@ -143,12 +146,14 @@ def test_replaying_a_record_reproduces_the_step(monkeypatch: pytest.MonkeyPatch,
         f.write(RecordingClient.records[0].line()[:40])
 
     out = tmp_path / "replay.json"
-    args = ["replay", "--trace", "4242", "--root", str(tmp_path / "jobs"), "--compare", "cache_aware"]
+    args = ["replay", "--trace", "4242", "--root", str(root), "--compare", "cache_aware"]
     args += ["--engines", "4", "--sim-speed", "10", "-q", "--json", str(out), "--results-dir", str(tmp_path)]
     args += ["--router-opt", f"policy_options={json.dumps(STICKY['policy_options'])}"]
     res = CliRunner().invoke(bench_group, args)
     assert res.exit_code == 0, res.output
-    assert "cut short" in res.output and "format version 2" in res.output  # the report says what it skipped
+    # The report says what it skipped, on the record's one line.
+    (line,) = [x for x in res.output.splitlines() if x.startswith("record ")]
+    assert str(job) in line and "cut short" in line and "format version 2" in line, res.output
     doc = json.loads(out.read_text())
     rec = doc["record"]
     assert rec["skipped"] == {
