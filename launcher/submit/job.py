@@ -120,8 +120,11 @@ def _stderr(exc: subprocess.CalledProcessError) -> str:
 def follow_job(job_id: str, job_dir: Path, poll_s: float = 1.0, timeout_s: float | None = None) -> int:
     """Print each phase as the driver records it, until Slurm says the job ended; return its exit code."""
     from rich.console import Console
+    from rich.markup import escape
 
-    console = Console(stderr=True)
+    # Whole lines (soft_wrap): piped into a log, rich wrapped an event at 80 columns, and a phase's detail
+    # is printed as text, never read as markup (a "[node1]" in an error vanished).
+    console = Console(stderr=True, soft_wrap=True)
     job = JobDir(job_dir)
     seen = 0
     start = time.monotonic()
@@ -131,7 +134,7 @@ def follow_job(job_id: str, job_dir: Path, poll_s: float = 1.0, timeout_s: float
             state = job_state(job_id)
             events = job.read_events()
             for ev in events[seen:]:
-                console.print(f"[bold]{ev['phase']}[/bold] {ev.get('detail', '')}")
+                console.print(f"[bold]{ev['phase']}[/bold] {escape(str(ev.get('detail', '')))}")
             seen = len(events)
             status.update(
                 f"job {job_id}: {state or 'submitted'}; phase {events[-1]['phase'] if events else '-'}"
@@ -143,7 +146,7 @@ def follow_job(job_id: str, job_dir: Path, poll_s: float = 1.0, timeout_s: float
                 return 0
             time.sleep(poll_s)
     for ev in job.read_events()[seen:]:
-        console.print(f"[bold]{ev['phase']}[/bold] {ev.get('detail', '')}")
+        console.print(f"[bold]{ev['phase']}[/bold] {escape(str(ev.get('detail', '')))}")
     result = job.read_result()
     code = result.exit_code if result is not None else (0 if state == "COMPLETED" else 1)
     console.print(f"job {job_id} {state}: exit {code}")
