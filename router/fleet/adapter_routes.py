@@ -27,7 +27,7 @@ from router.fleet.adapter_refit import DEFAULT_DEADLINE_S, AdapterRefits
 from router.fleet.checkpoint import ALLOW_FOREIGN
 from router.fleet.fleet import Fleet
 from router.fleet.refit import RefitRefused
-from router.http.auth import CONSUMER, Access, RouteTable
+from router.http.auth import Access, RouteTable, account_of
 
 MAX_DEADLINE_S = 3600.0
 
@@ -50,15 +50,6 @@ def _refusal(exc: Exception) -> web.Response:
     return _refused(400, str(exc))
 
 
-def caller_of(request: web.Request) -> str:
-    """Who is asking, as adapters are owned: a consumer's name (its admin key acts for its account),
-    or ``OWNER`` for the fleet's owner and for a router without consumers."""
-    consumer = request.get(CONSUMER)
-    if consumer is None or consumer.name == OWNER:
-        return OWNER
-    return consumer.account or consumer.name
-
-
 class AdapterRoutes:
     def __init__(self, refits: AdapterRefits) -> None:
         self.refits = refits
@@ -69,7 +60,7 @@ class AdapterRoutes:
         table.add("POST", "/fleet/adapters/unload", self.unload, Access.ADMIN)
 
     async def view(self, request: web.Request) -> web.Response:
-        return _json(200, self.state(caller_of(request)))
+        return _json(200, self.state(account_of(request)))
 
     def state(self, caller: str = OWNER) -> dict[str, Any]:
         """The table and each adapter's refits; an admin consumer sees its own adapters only (another
@@ -107,7 +98,7 @@ class AdapterRoutes:
             allow_foreign = body.get(ALLOW_FOREIGN, False)
             if not isinstance(allow_foreign, bool):
                 raise ValueError(f'"{ALLOW_FOREIGN}" must be true or false, got {allow_foreign!r}')
-            txn = self.refits.begin(name, path, version, caller_of(request), float(deadline_s))
+            txn = self.refits.begin(name, path, version, account_of(request), float(deadline_s))
         except (AdapterForbidden, ValueError) as exc:  # RefitRefused is a ValueError
             return _refusal(exc)
         try:
@@ -121,7 +112,7 @@ class AdapterRoutes:
         try:
             body = await Fleet.read_body(request)
             name = check_adapter_name(body.get("adapter"))
-            result = await self.refits.coordinator.run(self.refits.unload(name, caller_of(request)))
+            result = await self.refits.coordinator.run(self.refits.unload(name, account_of(request)))
         except (AdapterForbidden, ValueError) as exc:
             return _refusal(exc)
         return _json(200, {"ok": True, **result})

@@ -18,7 +18,10 @@ The router's own part:
   out (every engine serves the checkpoint). When the fleet's weights are in a directory it verified, it
   restores such an engine itself (``router.fleet.restore``), as it does the engines a refit quarantined.
 * **Step metrics**: ``POST /fleet/step/begin`` snapshots the engines' counters, ``GET /fleet/step``
-  answers the delta since then (``router.fleet.engine_counters``).
+  answers the delta since then (``router.fleet.engine_counters``). Each caller (the owner, each
+  consumer's account) has its own step: on a fleet of LoRA tenants one trainer's new step reset the
+  step another trainer was measuring. The counters are the engines', so a step's figures are the whole
+  fleet's, every tenant's requests included.
 
 All routes are registered as admin routes (``router.http.auth.Access.ADMIN``). Every call to an engine
 goes through ``router.fleet.engine.EngineClient``, which presents the engine key (``backend_api_key``).
@@ -36,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -47,7 +51,7 @@ from router.fleet.ops import FleetOpReport, compare_checksums, fan_out
 from router.fleet.refit import RefitCoordinator
 from router.fleet.refit_routes import RefitRoutes
 from router.fleet.restore import Restorer
-from router.http.auth import Access, RouteTable, holder_of
+from router.http.auth import Access, RouteTable, account_of, holder_of
 from router.state.backends import BackendSet, canonical_backend_url
 from router.state.pause_gate import PauseGate
 
@@ -56,6 +60,18 @@ log = logging.getLogger(__name__)
 
 COUNTERS_TIMEOUT_S = 15.0
 """How long a read of the engines' counters waits (a step's metrics must not stall the trainer long)."""
+MAX_STEP_CALLERS = 1024
+"""Callers whose steps are kept (one per consumer account and the owner; a consumers file lists fewer)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepMark:
+    """Where one caller's step began: its number, when, the engines' counters, the straddlers' count."""
+
+    number: int
+    started: float
+    snapshot: Snapshot
+    straddled: int
 
 
 def _json(status: int, payload: object) -> web.Response:
@@ -89,9 +105,8 @@ class FleetApi:
         """The consumer whose key made the plain pause in force (None: the owner, or no pause): revoking
         that key resumes the fleet (``end_held_by``)."""
         self._verifying: set[asyncio.Task[None]] = set()
-        self._step: int = 0
-        self._step_started: float = 0.0
-        self._step_snapshot: Snapshot | None = None
+        self._steps: dict[str, StepMark] = {}
+        """Each caller's current step (``account_of``), the most recently begun last."""
         backends.admission = self._on_new_member
         self.refit = RefitCoordinator(self.fleet, gate, holds_requests=holds_requests)
         self.refit_routes = RefitRoutes(self.fleet, self.refit)
@@ -349,19 +364,27 @@ class FleetApi:
         return _json(200 if not errors else 500, {**step_dict(snap), "errors": errors})
 
     async def step_begin(self, request: web.Request) -> web.Response:
+        caller = account_of(request)
         snap, errors = await self._snapshot()
-        self._step += 1
-        self._step_started = time.time()
-        self._step_snapshot = snap
-        self.backends.versions.begin_step()
-        return _json(200 if not errors else 500, {"step": self._step, "errors": errors})
+        before = self._steps.pop(caller, None)
+        mark = StepMark(
+            number=(before.number if before else 0) + 1,
+            started=time.time(),
+            snapshot=snap,
+            straddled=self.backends.versions.step_mark(),
+        )
+        self._steps[caller] = mark
+        while len(self._steps) > MAX_STEP_CALLERS:  # revoked consumers' steps go, the oldest first
+            self._steps.pop(next(iter(self._steps)))
+        return _json(200 if not errors else 500, {"step": mark.number, "errors": errors})
 
     async def step(self, request: web.Request) -> web.Response:
-        if self._step_snapshot is None:
+        mark = self._steps.get(account_of(request))
+        if mark is None:
             return _json(409, {"ok": False, "error": "no step begun: POST /fleet/step/begin first"})
         now, errors = await self._snapshot()
-        out = step_dict(delta(self._step_snapshot, now))
-        out.update(step=self._step, started_at=self._step_started, seconds=time.time() - self._step_started)
+        out = step_dict(delta(mark.snapshot, now))
+        out.update(step=mark.number, started_at=mark.started, seconds=time.time() - mark.started)
         # Requests that straddled a weight change this step (router.state.versions), by request id.
-        out["straddled"] = self.backends.versions.step_straddlers()
+        out["straddled"] = self.backends.versions.straddlers_since(mark.straddled)
         return _json(200 if not errors else 500, {**out, "errors": errors})

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from router.consumers import OWNER_CONSUMER, Consumer, ConsumerKeys
+from router.consumers import OWNER, OWNER_CONSUMER, Consumer, ConsumerKeys
 from router.http.bodies import read_admin_body
 from router.http.capability import presents
 from router.http.capability import refused as refused_capability
@@ -91,6 +91,16 @@ def holder_of(request: web.Request) -> str | None:
     if consumer is None or consumer is OWNER_CONSUMER:
         return None
     return consumer.name
+
+
+def account_of(request: web.Request) -> str:
+    """Who is asking, as what a caller owns is kept (adapters, a trainer's step): a consumer's account
+    (its admin key acts for it, so both keys see the same), or ``OWNER`` for the fleet's owner and for a
+    router without consumers."""
+    consumer = request.get(CONSUMER)
+    if consumer is None or consumer is OWNER_CONSUMER or consumer.name == OWNER:
+        return OWNER
+    return consumer.account or consumer.name
 
 
 def still_admitted(request: web.Request) -> bool:

@@ -103,9 +103,9 @@ class WeightVersions:
         self.refused_total = 0
         """Gated requests refused past the hold's bounds."""
         self.straddled_total = 0
-        self._step_straddled = 0
-        self._step_ids: deque[str] = deque()
-        self._step_id_bytes = 0
+        self._recent: deque[tuple[int, str]] = deque()
+        """The latest straddlers' ids, each with its number (``straddled_total`` after it)."""
+        self._recent_bytes = 0
 
     # -- what the fleet API tells it -----------------------------------------------------------------
     def stamped(self, url: str, version: str) -> None:
@@ -231,22 +231,22 @@ class WeightVersions:
         if now is None or now == dispatched_on:
             return False
         self.straddled_total += 1
-        self._step_straddled += 1
         if request_id:
             # The latest are listed: the oldest leave once the count or the bytes are past their bound.
-            ids = self._step_ids
-            ids.append(request_id)
-            self._step_id_bytes += len(request_id)
-            while len(ids) > MAX_STRADDLERS_LISTED or self._step_id_bytes > MAX_STRADDLER_ID_BYTES:
-                self._step_id_bytes -= len(ids.popleft())
+            recent = self._recent
+            recent.append((self.straddled_total, request_id))
+            self._recent_bytes += len(request_id)
+            while len(recent) > MAX_STRADDLERS_LISTED or self._recent_bytes > MAX_STRADDLER_ID_BYTES:
+                self._recent_bytes -= len(recent.popleft()[1])
         return True
 
-    def begin_step(self) -> None:
-        self._step_straddled = 0
-        self._step_ids.clear()
-        self._step_id_bytes = 0
+    def step_mark(self) -> int:
+        """Where a step begins, for ``straddlers_since``. A mark, not a reset: on a fleet of several
+        trainers (LoRA tenants) one trainer's new step must not empty what another's step has seen."""
+        return self.straddled_total
 
-    def step_straddlers(self) -> dict[str, object]:
-        """``{"count", "request_ids"}`` since ``begin_step`` (``count`` all of them; the latest ids listed,
-        up to ``MAX_STRADDLERS_LISTED`` and ``MAX_STRADDLER_ID_BYTES``)."""
-        return {"count": self._step_straddled, "request_ids": list(self._step_ids)}
+    def straddlers_since(self, mark: int) -> dict[str, object]:
+        """``{"count", "request_ids"}`` since ``mark`` (``count`` all of them; the latest ids listed, up to
+        ``MAX_STRADDLERS_LISTED`` and ``MAX_STRADDLER_ID_BYTES`` of the whole fleet's)."""
+        ids = [rid for n, rid in self._recent if n > mark]
+        return {"count": self.straddled_total - mark, "request_ids": ids}

@@ -100,14 +100,14 @@ def test_straddler_ids_are_bounded_by_bytes_and_the_count_goes_on() -> None:
     n = MAX_STRADDLERS_LISTED + 50
     for i in range(n):
         v.ended("http://e:1", "v0", f"{i:0128d}")  # the longest id the router keeps
-    step = v.step_straddlers()
+    step = v.straddlers_since(0)
     ids = step["request_ids"]
     assert isinstance(ids, list) and step["count"] == n
     assert sum(map(len, ids)) <= MAX_STRADDLER_ID_BYTES < MAX_STRADDLERS_LISTED * 128
     assert len(ids) == MAX_STRADDLER_ID_BYTES // 128 and ids[-1] == f"{n - 1:0128d}"  # the latest kept
-    v.begin_step()
+    mark = v.step_mark()
     v.ended("http://e:1", "v0", "again")
-    assert v.step_straddlers() == {"count": 1, "request_ids": ["again"]}
+    assert v.straddlers_since(mark) == {"count": 1, "request_ids": ["again"]}
 
 
 # -- the record: every request a line ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,13 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.server import SimServer
 from launcher.fleet import EngineState, HealthPolicy
-from launcher.fleet.client import FleetClient, FleetOpError, flatten
+from launcher.fleet.client import FleetClient, FleetHttpError, FleetOpError, flatten
 from launcher.fleet.controller import FleetController
 from launcher.gateways.base import Gateway, GatewayView
 from launcher.jobdir import EngineEntry, EngineListing, JobDir, StateWriter
 from launcher.spec.snapshot import write_spec
 from router import GenerationRouter
 from router.config import RouterConfig
+from router.consumers import add_admin_key, add_consumer
 from router.fleet.engine_counters import delta, parse_counters
 from router.state.pause_gate import PauseGate
 from tests.support.http_backends import router_factory
@@ -226,6 +228,36 @@ async def test_step_metrics_delta_matches_tokens_sent(sims, router_over) -> None
     assert set(step["engines"]) == {e.url for e in engines}
     flat = flatten(step)
     assert flat["generation/generation_tokens"] == 30 and "generation/engine1/generation_tokens" in flat
+
+
+async def test_each_consumer_has_its_own_step(sims, router_over, tmp_path: Path) -> None:
+    """Two trainers on one fleet (LoRA tenants, each with its admin key): when one began its step, the
+    other's step was reset mid-way (one snapshot for the fleet). Each caller now has its own; the figures
+    are the engines' and so the whole fleet's."""
+    consumers = tmp_path / "consumers.json"
+    for name in ("tenant-a", "tenant-b"):
+        add_consumer(consumers, name, f"{name}-client-key-0123456789")
+        add_admin_key(consumers, name, f"{name}-admin-key-0123456789")
+    engines = await sims(2)
+    r = router_over([e.url for e in engines], consumers_file=str(consumers))
+    url = r.base_url()
+    a, b = (FleetClient(url, f"tenant-{t}-admin-key-0123456789") for t in "ab")
+    owner = FleetClient(url, TOKEN)
+    client = {"Authorization": "Bearer tenant-a-client-key-0123456789"}
+    assert await in_thread(a.begin_step) == 1
+    for i in range(3):
+        assert (await send(url, chat(max_tokens=5, content=f"a {i}"), client))[0] == 200
+    assert await in_thread(b.begin_step) == 1  # b's first step: a's goes on
+    for i in range(2):
+        assert (await send(url, chat(max_tokens=5, content=f"b {i}"), client))[0] == 200
+    assert (await in_thread(a.step_metrics))["fleet"]["generation_tokens"] == 25
+    assert await in_thread(a.begin_step) == 2  # a's next step: b's goes on
+    step_b = await in_thread(b.step_metrics)
+    assert step_b["step"] == 1 and step_b["fleet"]["generation_tokens"] == 10, step_b
+    step_a = await in_thread(a.step_metrics)
+    assert step_a["step"] == 2 and step_a["fleet"]["generation_tokens"] == 0, step_a
+    with pytest.raises(FleetHttpError, match="no step begun"):  # the owner began none
+        await in_thread(owner.step_metrics)
 
 
 async def test_client_refit_cycle_and_loud_failure(sims, router_over) -> None:

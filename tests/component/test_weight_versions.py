@@ -100,10 +100,13 @@ def test_straddlers_counted_per_step_and_listed_by_id() -> None:
     assert v.ended("a", "v1", "r2")
     assert v.ended("a", "v1", None)  # counted, not listed
     assert not v.ended("gone", "v1", "r3")  # the engine left: nothing to compare with
-    assert v.step_straddlers() == {"count": 2, "request_ids": ["r2"]}
-    v.begin_step()
-    assert v.step_straddlers() == {"count": 0, "request_ids": []}
-    assert v.straddled_total == 2
+    assert v.straddlers_since(0) == {"count": 2, "request_ids": ["r2"]}
+    mark = v.step_mark()
+    assert v.straddlers_since(mark) == {"count": 0, "request_ids": []}
+    assert v.ended("a", "v1", "r4")
+    assert v.straddlers_since(mark) == {"count": 1, "request_ids": ["r4"]}
+    assert v.straddlers_since(0) == {"count": 3, "request_ids": ["r2", "r4"]}  # an earlier step's, untouched
+    assert v.straddled_total == 3
 
 
 async def test_wait_change_wakes_on_stamps_and_serving_changes() -> None:
