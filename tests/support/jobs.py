@@ -81,12 +81,20 @@ TRAINER = textwrap.dedent(
         live = json.load(urllib.request.urlopen(urllib.request.Request(status_url + "/status", headers=key),
                                                 timeout=5))
         json.dump(live, open(os.path.join(out, "status_endpoint.json"), "w"))
-        deadline = time.time() + 90  # stay up until the restarted engine is readmitted (bounded)
+        def members(action):
+            # a front the controller registers engines with (vllm-router) logs each one it adds or removes
+            events = [json.loads(x) for x in open(os.path.join(job, "events.jsonl")).read().splitlines()]
+            return {e["url"] for e in events if e["phase"] == "gateway_member" and e["action"] == action}
+        # Stay up until the restarted engine is readmitted and, where the front has members, registered
+        # there (vllm-router adds it a tick after HEALTHY, once its own health check passed): a job that
+        # ended at HEALTHY undid the registration (bounded).
+        deadline = time.time() + 90
         while time.time() < deadline:
             fleet = json.load(open(os.path.join(job, "state.json"))).get("fleet", {})
             engine = next((e for e in fleet.get("engines", []) if e["id"] == "node0-0"), {})
             if engine.get("state") == "HEALTHY" and victim in engine.get("previous_urls", []):
-                break
+                if not members("deregistered") or engine["url"].rstrip("/") in members("registered"):
+                    break
             time.sleep(0.5)
         return code
     if mode != "serve":
