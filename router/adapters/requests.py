@@ -39,10 +39,11 @@ class AdapterRequests:
     ) -> AdapterRequest | None:
         """Raises ``AdapterForbidden``, ``AdapterUnavailable``, ``UnknownVersion`` (a gate on a version
         the adapter never had), ``VersionRefused`` (one still loading past the wait) and, on a fleet
-        serving adapters only, ``BaseModelNotServed``."""
+        serving adapters only, ``BaseModelNotServed``. ``large``: the body is parsed and rewritten off
+        the loop, as the forwarder hashes a large one (parsed on the loop, ~1 ms per MB holds every other
+        request that long)."""
         table = self.table
         serves_base = table.plan.base_model
-        # ``large``: the body is parsed and rewritten off the loop, as the forwarder hashes a large one
         if serves_base and not table.adapters and not table.pending:
             return None
         loop = asyncio.get_running_loop()

@@ -78,7 +78,7 @@ from router.adapters.requests import AdapterRequest, AdapterRequests
 from router.adapters.table import AdapterForbidden, AdapterUnavailable, BaseModelNotServed
 from router.consumers import OWNER_CONSUMER, Consumer
 from router.http.attribution import Blame, InputFailure, malformed_headers
-from router.http.auth import CONSUMER, still_admitted
+from router.http.auth import CONSUMER, account_of, still_admitted
 from router.http.bodies import LARGE_BODY_BYTES, read_body
 from router.http.capability import ROUTE_KEY
 from router.http.consumer_limits import ConsumerLimits
@@ -300,7 +300,7 @@ class Forwarder:
         adapter: AdapterRequest | None = None
         if hold and self.adapters is not None:
             try:
-                caller = (request.get(CONSUMER) or OWNER_CONSUMER).name
+                caller = account_of(request)  # as the adapter routes name owners
                 adapter = await self.adapters.prepare(body, caller, want, len(body) > LARGE_BODY_BYTES)
             except AdapterForbidden as exc:
                 self.metrics.errors.labels("adapter_forbidden").inc()
