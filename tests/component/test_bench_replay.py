@@ -352,13 +352,8 @@ def test_bench_is_registered_on_rl_launch() -> None:
 # End to end: the real simulator fleet and router
 # ----------------------------------------------------------------------------------------------------
 def test_compare_end_to_end_on_sim_fleet_and_router(tmp_path: Path) -> None:
-    pytest.importorskip("launcher.engines.sim", reason="simulator not available")
     from launcher.bench.arms import run_compare
 
-    try:
-        from launcher.engines.sim import SimFleet  # noqa: F401
-    except ImportError:
-        pytest.skip("launcher.engines.sim has no SimFleet yet")
     trace = generate("longtail", seed=1, scale=0.02, group_size=2, turn_scale=0.25)
     outcomes = run_compare(
         trace,
@@ -392,7 +387,7 @@ async def test_max_wall_cancels_and_counts_unfinished_sessions() -> None:
 
 
 def test_url_arm_finds_engines_through_router_workers() -> None:
-    sim = pytest.importorskip("launcher.engines.sim", reason="simulator not available")
+    from launcher.engines import sim  # the project's own simulator: a rename fails here, never skips
     from router import GenerationRouter, RouterConfig
 
     trace = generate("p30_all", seed=2, scale=0.01, turn_scale=0.1)
