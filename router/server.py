@@ -198,7 +198,10 @@ class GenerationRouter:
     def _serve_adapters(self, plan: LoraPlan, max_wait_s: float) -> AdapterRoutes:
         """The fleet's LoRA adapters: their table (who owns which, which version on which engines), the
         refits that change it, the forwarder's resolution of a request's ``model``, and the restore of a
-        restarted engine's adapters before any adapter request reaches it."""
+        restarted engine's adapters before any adapter request reaches it. The table is rebuilt from
+        the engines and the consumers file when the router starts (``router.fleet.adapter_rebuild``):
+        this router may be a restart (a Ray actor, ``max_restarts=-1``) of one whose engines still
+        hold every tenant's adapters."""
         fleet = self.fleet
         table = AdapterTable(plan, self._reserved_adapters)
         refits = AdapterRefits(
@@ -210,7 +213,7 @@ class GenerationRouter:
         )
         self.backends.serving_listeners.append(refits.on_serving)
         self.forwarder.adapters = AdapterRequests(table, lambda: self.backends.serving, max_wait_s)
-        return AdapterRoutes(refits)
+        return AdapterRoutes(refits, self.config.no_healthy_backend_status)
 
     def _reserved_adapters(self) -> dict[str, str]:
         """Adapter -> the consumer the fleet's spec reserved it for (the consumers file's ``adapters``).
@@ -289,6 +292,8 @@ class GenerationRouter:
             await web.UnixSite(self._runner, self.workers.admin_path).start()
             await self.workers.start()
         self._background.extend(asyncio.get_running_loop().create_task(c) for c in self._background_jobs())
+        if self.adapters is not None:  # no adapter is served until the table holds what the engines do
+            self.adapters.refits.start()
 
     def _background_jobs(self) -> list[Coroutine[Any, Any, None]]:
         """The prober when standalone, the no-backend warning when nothing feeds the router, and with

@@ -1,10 +1,11 @@
 """The one change the router makes to a request body: the adapter name a tenant sends becomes the
 served name of the adapter's current version (``router.adapters.names``).
 
-Everything else stays byte for byte: the value of the top-level ``"model"`` is replaced in place when it
-can be found exactly once and the result parses with the new name; only a body where that fails (the
-name written with escapes, or the same key and value nested in another object as well) is parsed and
-written again whole, which keeps its meaning but not its spacing.
+The body is read once, strictly (``requested_model``): a body orjson refuses is refused, never passed
+on unread. Everything else stays byte for byte: the value of the top-level ``"model"`` is replaced in
+place when it can be found exactly once and the result parses with the new name; only a body where that
+fails (the name written with escapes, or the same key and value nested in another object as well) is
+parsed and written again whole, which keeps its meaning but not its spacing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,31 @@ import re
 from typing import Any
 
 import orjson
+
+
+class UnreadableBody(ValueError):
+    """A generation body the router cannot read (answered 400 on a fleet with adapters).
+
+    The router and the engines must agree on what a body names: vLLM parses with ``json.loads``, which
+    takes what orjson refuses (``NaN``, a UTF-8 byte order mark, a lone surrogate escape). A body the
+    router could not read used to be forwarded as a base-model request, and the engine served the adapter
+    it named to whoever sent it; refused here, nothing unread reaches an engine."""
+
+
+def requested_model(body: bytes) -> str | None:
+    """The top-level ``"model"`` of a generation body: None when it names none (absent or null: the
+    engine's default, the base model); ``UnreadableBody`` for a body that is not one JSON object orjson
+    reads, or a ``model`` that is not a string."""
+    try:
+        data: Any = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise UnreadableBody(f"the request body is not JSON the router can read ({exc})") from None
+    if not isinstance(data, dict):
+        raise UnreadableBody("the request body must be one JSON object")
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise UnreadableBody(f'"model" must be a string, got {type(model).__name__}')
+    return model
 
 
 def model_of(body: bytes) -> str | None:

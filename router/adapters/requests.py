@@ -1,8 +1,10 @@
 """A generation request for an adapter, made ready for dispatch: who may, which version, which engines.
 
 The forwarder calls ``AdapterRequests.prepare`` for every generation request when the fleet serves
-adapters. A request whose ``model`` names no adapter is left alone (``None``): the base model's
-requests, and names the engines judge (an unknown model is their 404, as without adapters).
+adapters, whatever the table holds (an empty table too: a restarted router's engines may hold every
+adapter). A body the router cannot read is refused (``UnreadableBody``), never forwarded unread. A
+request whose ``model`` names no adapter is left alone (``None``): the base model's requests, and plain
+names the engines judge (an unknown model is their 404, as without adapters).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.adapters.body import model_of, with_model
-from router.adapters.table import AdapterRoute, AdapterTable, BaseModelNotServed
+from router.adapters.body import requested_model, with_model
+from router.adapters.table import AdapterRoute, AdapterTable, BaseModelNotServed, TableRebuilding
 from router.state.versions import VersionRefused, VersionWant
 
 
@@ -37,18 +39,21 @@ class AdapterRequests:
     async def prepare(
         self, body: bytes, caller: str, want: VersionWant | None, large: bool = False
     ) -> AdapterRequest | None:
-        """Raises ``AdapterForbidden``, ``AdapterUnavailable``, ``UnknownVersion`` (a gate on a version
-        the adapter never had), ``VersionRefused`` (one still loading past the wait) and, on a fleet
-        serving adapters only, ``BaseModelNotServed``. ``large``: the body is parsed and rewritten off
-        the loop, as the forwarder hashes a large one (parsed on the loop, ~1 ms per MB holds every other
-        request that long)."""
+        """Raises ``UnreadableBody``, ``AdapterForbidden``, ``AdapterUnavailable``, ``UnknownVersion``
+        (a gate on a version the adapter never had), ``VersionRefused`` (one still loading past the wait)
+        and, on a fleet serving adapters only, ``BaseModelNotServed``. ``large``: the body is parsed and
+        rewritten off the loop, as the forwarder hashes a large one (parsed on the loop, ~1 ms per MB holds
+        every other request that long)."""
         table = self.table
         serves_base = table.plan.base_model
-        if serves_base and not table.adapters and not table.pending:
-            return None
         loop = asyncio.get_running_loop()
-        model = await loop.run_in_executor(None, model_of, body) if large else model_of(body)
-        route = table.resolve(model, caller) if model is not None else None
+        model = await loop.run_in_executor(None, requested_model, body) if large else requested_model(body)
+        try:
+            route = table.resolve(model, caller) if model is not None else None
+        except TableRebuilding:  # a restarted router: what the engines hold is being read
+            if not await table.until_rebuilt(self.max_wait_s):
+                raise
+            route = table.resolve(model, caller) if model is not None else None
         if route is None:
             if not serves_base:
                 raise BaseModelNotServed(

@@ -11,6 +11,16 @@ after, never to a mix:
   refused 403, never counted or sent to an engine) nor load or unload it. The fleet's owner may do
   everything. A tenant's adapter weights are its training run: another team sampling from them reads
   its results, and another team loading over them ruins its run.
+* **Every served name has an owner.** Each ``NAME@VERSION`` the engines may hold (a version being
+  loaded, the current one, one draining, one unloaded from some engines but not yet all) is kept with its
+  owner (``names``) until its engines dropped it, and a request naming any ``NAME@VERSION`` is checked
+  against that owner; a served name the table does not know is refused, never passed on. Before, a
+  name outside the table (a draining version after its adapter's unload, any name after a router
+  restart, any name while the table was empty) went to the engines as a base-model request, and they
+  served another tenant's adapter to whoever asked.
+* **Rebuilt after a restart.** The table lives in the router's memory; a restarted router starts with
+  it not ``rebuilt`` and refuses every adapter-looking name (a reserved one, any ``NAME@VERSION``) until
+  it has read what the engines hold (``router.adapters.adoption``, owners from the reservations).
 * **Where a version is.** A version is routed only to the engines that loaded and verified it
   (``AdapterVersion.engines``): an engine that failed the load keeps serving the base model and the
   other adapters, and is never sent this adapter (vLLM would answer 404 "model does not exist" in the
@@ -21,7 +31,9 @@ after, never to a mix:
 * **Capacity.** The plan's ``max_adapters`` bounds how many adapters the fleet serves; a load of one
   more is refused with the reason before any engine is touched (``admit_new``), rather than vLLM
   evicting an adapter from its cache and a tenant meeting the reload (or a 404, if its directory is
-  gone) at rollout time.
+  gone) at rollout time. A reservation holds its slot: an unreserved name fits only in what the
+  reservations not loaded yet leave (else one tenant's scratch adapters lock another out of the adapter
+  the fleet's spec promised it).
 
 The table lives on the loop of the router process (a router with worker processes is refused with
 adapters, ``launcher.spec``): no lock.
@@ -50,6 +62,11 @@ class AdapterUnavailable(Exception):
     retry fixes; its owner loads it)."""
 
 
+class TableRebuilding(AdapterUnavailable):
+    """An adapter-looking name asked for before the table holds what the engines serve (a restarted
+    router): waited for a moment (``AdapterRequests.prepare``), then refused."""
+
+
 class BaseModelNotServed(Exception):
     """A request that names no adapter on a fleet that serves its adapters only (answered 404)."""
 
@@ -70,6 +87,10 @@ class AdapterVersion:
     stamped_at: float = field(default_factory=time.time)
     idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     """Set while no request is in flight on it: what its drain waits for."""
+    digest: str = ""
+    """The digest of its files as the load's check read them (``router.fleet.adapter_check``); what a
+    restarted engine's restore compares the directory with (``router.fleet.adapter_restore``). Empty
+    for a version adopted from the engines, whose files this router never read."""
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -147,6 +168,12 @@ class AdapterTable:
         self._reserved = reserved or dict
         self.pending: dict[str, str] = {}
         """Adapter -> the version a refit in progress is loading (what a gated request may wait for)."""
+        self.names: dict[str, str] = {}
+        """Served name -> the owner of the version it names, for every name the engines may hold
+        (loading, current, draining, unloading): kept until its engines dropped it (``forget``)."""
+        self.rebuilt = False
+        """Whether the table holds what the engines serve (``router.adapters.adoption``): until then
+        every adapter-looking name is refused (a restarted router knows nothing of what they hold)."""
         self._changed = asyncio.Event()
 
     # -- who may ---------------------------------------------------------------------------------------
@@ -161,6 +188,20 @@ class AdapterTable:
         known = self.adapters.get(name)
         return known.owner if known is not None else None
 
+    def owner_of_served(self, served: str) -> str | None:
+        """The owner of a served name ``NAME@VERSION``: its adapter's reservation, else the owner the
+        version was loaded for (kept while any engine may hold it), else None (not one of this fleet's)."""
+        parts = split_served(served)
+        if parts is None:
+            return None
+        reserved = self._reserved().get(parts[0])
+        if reserved is not None:
+            return reserved
+        adapter = self.adapters.get(parts[0])
+        if adapter is not None and adapter.version(parts[1]) is not None:
+            return adapter.owner
+        return self.names.get(served)
+
     def may_change(self, name: str, caller: str) -> None:
         """Raise ``AdapterForbidden`` unless ``caller`` (a consumer name, or OWNER) may load or unload
         ``name``."""
@@ -174,35 +215,52 @@ class AdapterTable:
     # -- requests ---------------------------------------------------------------------------------------
     def resolve(self, model: str, caller: str) -> AdapterRoute | None:
         """Where a request for ``model`` goes, when it names an adapter (or one of its served versions);
-        None when it names none (the base model, or a name the engines judge). ``caller``: the
-        consumer's name, or OWNER. Raises ``AdapterForbidden`` / ``AdapterUnavailable``."""
-        adapter = self.adapters.get(model)
-        pinned: str | None = None
-        if adapter is None:
-            parts = split_served(model)
-            if parts is not None and parts[0] in self.adapters:
-                adapter, pinned = self.adapters[parts[0]], parts[1]
-        if adapter is None:
-            owner = self._reserved().get(model)
-            if owner is None:
-                return None
-            self._check_caller(model, owner, caller)
-            raise AdapterUnavailable(
-                f"adapter {model!r} is not loaded on this fleet yet: its owner loads it first "
-                "(FleetClient.load_adapter, rl-launch fleet refit --adapter)"
-            )
-        self._check_caller(adapter.name, self.owner_of(adapter.name) or adapter.owner, caller)
-        target = adapter.current if pinned is None else adapter.version(pinned)
-        if target is None:
-            if pinned is not None:
+        None when it names none (the base model, or a plain name the engines judge: they serve adapters
+        under ``NAME@VERSION`` only). ``caller``: the consumer's name, or OWNER. Raises
+        ``AdapterForbidden`` / ``AdapterUnavailable``; every ``NAME@VERSION`` is checked against its
+        owner, whether the table holds it or not (class doc)."""
+        parts = split_served(model)
+        if parts is None:
+            adapter = self.adapters.get(model)
+            if adapter is None:
+                owner = self._reserved().get(model)
+                if owner is None:
+                    return None
+                self._check_caller(model, owner, caller)
+                self._check_rebuilt(model)
                 raise AdapterUnavailable(
-                    f"version {pinned!r} of adapter {adapter.name!r} is no longer served (current: "
-                    f"{adapter.current.version if adapter.current else None!r})"
+                    f"adapter {model!r} is not loaded on this fleet yet: its owner loads it first "
+                    "(FleetClient.load_adapter, rl-launch fleet refit --adapter)"
                 )
-            raise AdapterUnavailable(f"adapter {adapter.name!r} is not loaded on any engine")
+            self._check_caller(adapter.name, self.owner_of(adapter.name) or adapter.owner, caller)
+            target = adapter.current
+            if target is None:
+                raise AdapterUnavailable(f"adapter {adapter.name!r} is not loaded on any engine")
+        else:
+            name, pinned = parts
+            owner = self.owner_of_served(model)
+            if owner is None:
+                self._check_rebuilt(model)
+                raise AdapterUnavailable(f"no adapter version {model!r} is served on this fleet")
+            self._check_caller(name, owner, caller)
+            self._check_rebuilt(model)
+            adapter = self.adapters.get(name)
+            target = adapter.version(pinned) if adapter is not None else None
+            if adapter is None or target is None:
+                current = adapter.current.version if adapter is not None and adapter.current else None
+                raise AdapterUnavailable(
+                    f"version {pinned!r} of adapter {name!r} is not served now (current: {current!r})"
+                )
         if not target.engines:
             raise AdapterUnavailable(f"no engine serving adapter {target.served!r} is in the fleet")
         return AdapterRoute(adapter, target)
+
+    def _check_rebuilt(self, model: str) -> None:
+        if not self.rebuilt:
+            raise TableRebuilding(
+                f"{model!r}: the router is reading which adapters the engines hold (it restarted); "
+                "retry in a moment"
+            )
 
     @staticmethod
     def _check_caller(name: str, owner: str, caller: str) -> None:
@@ -222,14 +280,22 @@ class AdapterTable:
 
     # -- capacity and changes ----------------------------------------------------------------------------
     def admit_new(self, name: str) -> None:
-        """Raise ``AdapterCapacity`` when ``name`` is a new adapter the plan has no room for."""
+        """Raise ``AdapterCapacity`` when ``name`` is a new adapter the plan has no room for: the loaded
+        adapters and the new ones being loaded take a slot each, and an unreserved name fits only in
+        what the reservations not loaded yet leave."""
         if name in self.adapters:
             return
-        if len(self.adapters) >= self.plan.max_adapters:
+        taken = set(self.adapters) | {n for n in self.pending if n != name}
+        most = self.plan.max_adapters
+        held = sorted(n for n in self._reserved() if n not in taken and n != name)
+        if name in self._reserved():
+            held = []  # its own reservation is the slot it takes
+        if len(taken) + len(held) >= most:
+            owed = f"; reserved for consumers, not loaded yet: {', '.join(held)}" if held else ""
             raise AdapterCapacity(
-                f"the fleet serves {len(self.adapters)} adapters, the most its plan allows "
-                f"(generation.lora.max_adapters: {self.plan.max_adapters}; loaded: "
-                f"{', '.join(sorted(self.adapters))}): unload one, or plan more"
+                f"the fleet serves {len(taken)} adapters and holds {len(held)} slot(s) for reserved ones, "
+                f"the most its plan allows (generation.lora.max_adapters: {most}; loaded: "
+                f"{', '.join(sorted(taken)) or 'none'}{owed}): unload one, or plan more"
             )
 
     def stamp(self, name: str, owner: str, new: AdapterVersion) -> AdapterVersion | None:
@@ -240,6 +306,7 @@ class AdapterTable:
         old = adapter.current
         adapter.current = new
         adapter.history.append(new.version)
+        self.names[new.served] = adapter.owner
         if old is not None:
             adapter.draining.append(old)
         self.announce()
@@ -272,10 +339,21 @@ class AdapterTable:
         except TimeoutError:
             pass
 
+    async def until_rebuilt(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the table to be rebuilt; whether it is."""
+        until = time.monotonic() + timeout_s
+        while not self.rebuilt and (left := until - time.monotonic()) > 0:
+            await self.changed(left)
+        return self.rebuilt
+
     def announce(self) -> None:
         """Wake the requests waiting in ``changed`` (a stamp, or a refit that ended without one)."""
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def forget(self, served: str) -> None:
+        """No engine holds ``served`` any more: its owner need not be kept."""
+        self.names.pop(served, None)
 
     def drop(self, name: str) -> Adapter | None:
         """Forget the adapter (after its unload); its versions' requests still in flight finish."""
@@ -298,6 +376,7 @@ class AdapterTable:
                 n: {**a.to_json(), "owner": self.owner_of(n)} for n, a in sorted(self.adapters.items())
             },
             "reserved": dict(sorted(self._reserved().items())),
+            "rebuilt": self.rebuilt,
             "engines": self.served_on(),
         }
 

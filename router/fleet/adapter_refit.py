@@ -28,6 +28,13 @@ this tenant's in flight, go on while it loads. The steps, under one deadline:
 * Steps run as tasks of their own (``RefitCoordinator.run``'s shield): a trainer that disconnects does
   not cancel a load half-way. At most one transaction per adapter at a time, and none while a full
   refit owns the fleet (that one pauses and reloads every engine under it).
+* **Every name the engines may hold has its owner in the table** from the moment its load begins until
+  every engine it was sent to dropped it (``AdapterTable.names``): a half-loaded canary, a draining
+  version, an unloaded adapter's versions. An unload an engine did not answer keeps the name (refused to
+  everyone else) rather than forgetting a name an engine may still serve.
+* **After a router restart** nothing is loaded or unloaded, and no adapter request is served, until
+  the table has taken in what the serving engines hold (``rebuild``, ``router.adapters.adoption``);
+  an engine that joins later with names the table does not know has them adopted too.
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ from typing import Any
 
 from router.adapters.names import check_version, served_name
 from router.adapters.table import AdapterCapacity, AdapterTable, AdapterVersion
+from router.fleet import adapter_restore
 from router.fleet.adapter_check import AdapterDir, AdapterRefused, read_adapter
+from router.fleet.adapter_rebuild import rebuild, rejoin
 from router.fleet.checkpoint import CheckpointGuard
 from router.fleet.engine import EngineAnswer, EngineClient
 from router.fleet.fleet import Fleet
@@ -80,6 +89,8 @@ class AdapterTxn:
     """Engines taken out of routing (a canary that stopped answering ``/health`` after the failure)."""
     unloaded: list[str] = field(default_factory=list)
     """The old versions' served names unloaded once drained (filled after the answer)."""
+    kept_by: set[str] = field(default_factory=set)
+    """Engines a failed load left the new served name on (their unload failed): its owner is kept."""
     _t0: float = field(default_factory=time.monotonic, repr=False)
 
     def remaining(self) -> float:
@@ -135,12 +146,15 @@ class AdapterRefits:
         self.drain_timeout_s = DRAIN_TIMEOUT_S
         self._device: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.joined = asyncio.Event()
+        """Set when an engine enters the serving set (what a rebuild with none yet waits for)."""
 
     # -- load -----------------------------------------------------------------------------------------------
     def begin(self, name: str, path: str, version: str | None, caller: str, deadline_s: float) -> AdapterTxn:
         """Refuse (``RefitRefused``, ``AdapterForbidden``) before anything is read or sent; else the
         transaction, registered as this adapter's active one."""
         self.table.may_change(name, caller)
+        self._check_rebuilt()
         if name in self.active:
             raise RefitRefused(f"adapter {name!r} is being refit already ({self.active[name].id})", 409)
         if busy := self.coordinator.busy():
@@ -166,7 +180,14 @@ class AdapterRefits:
         txn.previous_version = adapter.current.version if adapter and adapter.current else None
         self.active[name] = txn
         self.table.pending[name] = version
+        self.table.names[txn.served] = self.table.owner_of(name) or caller
         return txn
+
+    def _check_rebuilt(self) -> None:
+        if not self.table.rebuilt:
+            raise RefitRefused(
+                "the router is reading which adapters the engines hold (it restarted): retry in a moment", 409
+            )
 
     async def check(self, txn: AdapterTxn, allow_foreign: bool = False) -> AdapterDir:
         """The directory's check (``router.fleet.adapter_check``) off the loop, before any engine is asked;
@@ -221,6 +242,8 @@ class AdapterRefits:
         txn.ended_at = time.time()
         self.active.pop(txn.adapter, None)
         self.table.pending.pop(txn.adapter, None)
+        if not txn.moved and not txn.kept_by:
+            self.table.forget(txn.served)
         self.table.announce()
         self.last[txn.adapter] = txn
         log.info(
@@ -274,10 +297,10 @@ class AdapterRefits:
                 txn, "loading", asyncio.gather(*(self._load_one(txn, u) for u in rest))
             )
             for a in answers:
-                if not a.ok:
-                    await self._unload(a.url, txn.served)
+                if not a.ok and not _dropped(await self._unload(a.url, txn.served)):
+                    txn.kept_by.add(a.url)
         verified = {u for u, e in txn.engines.items() if e["state"] == "verified"}
-        new = AdapterVersion(txn.version, txn.served, txn.path, checked.rank, verified)
+        new = AdapterVersion(txn.version, txn.served, txn.path, checked.rank, verified, digest=checked.digest)
         owner = self.table.owner_of(txn.adapter) or txn.caller
         old = self.table.stamp(txn.adapter, owner, new)
         txn.moved = True
@@ -320,7 +343,8 @@ class AdapterRefits:
         for u, e in txn.engines.items():
             if u != canary:
                 e.update(state="untouched", reason="not asked: the canary failed")
-        await self._unload(canary, txn.served)
+        if not _dropped(await self._unload(canary, txn.served)):
+            txn.kept_by.add(canary)
         async with EngineClient.open(self.fleet.engine_key, 15.0) as engines:
             health = await engines.health(canary)
         if not health.ok:
@@ -352,7 +376,11 @@ class AdapterRefits:
             if old in adapter.draining:
                 adapter.draining.remove(old)
         engines, old.engines = sorted(old.engines), set()
-        await asyncio.gather(*(self._unload(u, old.served) for u in engines))
+        answers = await asyncio.gather(*(self._unload(u, old.served) for u in engines))
+        if all(_dropped(a) for a in answers):
+            self.table.forget(old.served)
+        else:  # an engine may still serve it: its owner stays known, and it stays refused to others
+            log.warning("adapter version %s: not unloaded from every engine: %s", old.served, answers)
         if txn is not None:
             txn.unloaded.append(old.served)
         log.info("adapter version %s unloaded from %d engine(s)", old.served, len(engines))
@@ -361,6 +389,7 @@ class AdapterRefits:
         """Stop serving adapter ``name``: its entry goes at once (new requests for it are refused), each
         version is unloaded from its engines once its requests in flight end."""
         self.table.may_change(name, caller)
+        self._check_rebuilt()
         if name in self.active:
             raise RefitRefused(
                 f"adapter {name!r} is being refit ({self.active[name].id}); unload it after", 409
@@ -375,26 +404,28 @@ class AdapterRefits:
     # -- restarted engines ----------------------------------------------------------------------------------
     def on_serving(self, url: str) -> None:
         """``url`` (re)entered the serving set: no adapter request goes there until its adapters are
-        checked and reloaded (a restarted engine has none; vLLM would answer 404 mid-rollout)."""
-        if not self.table.adapters:
-            return
+        checked and reloaded (a restarted engine has none; vLLM would answer 404 mid-rollout), and what
+        it holds that the table does not know is adopted (``router.fleet.adapter_rebuild``)."""
         self.table.engines_left(url)
-        self._spawn(self.restore(url))
+        self.joined.set()
+        if self.table.rebuilt:  # before, the rebuild reads every serving engine
+            self._spawn(rejoin(self, url))
+
+    def drain_later(self, version: AdapterVersion) -> None:
+        """Unload ``version`` from its engines once nothing is in flight on it (an adopted stale one)."""
+        self._spawn(self._drain(None, version))
+
+    def start(self) -> None:
+        """Called once the router's loop runs: the table is rebuilt before any adapter is served."""
+        self._spawn(rebuild(self))
 
     async def restore(self, url: str) -> None:
-        async with EngineClient.open(self.fleet.engine_key, 120.0) as engines:
-            listed = await engines.models(url)
-            have = listed.value or {}
-            for adapter in list(self.table.adapters.values()):
-                for v in (adapter.current, *adapter.draining):
-                    if v is None or url not in self.fleet.backends.serving:
-                        continue
-                    if v.served not in have:
-                        loaded = await engines.load_adapter(url, v.served, v.path)
-                        if not loaded.ok:
-                            log.warning("adapter %s not restored on %s: %s", v.served, url, loaded.detail)
-                            continue
-                    v.engines.add(url)
+        """Give ``url`` every version the table routes, each only after the check of a fresh load and
+        with the digest its files had when it was loaded, before and after the engine reads them; the
+        others are left off that engine and reported ``missing`` there (``router.fleet.adapter_restore``:
+        a restore that reloaded the recorded path unchecked served another user's adapter under a
+        tenant's version)."""
+        await adapter_restore.restore(self, url)
 
     # -- plumbing ---------------------------------------------------------------------------------------
     async def _timed(self, txn: AdapterTxn, phase: str, step: Awaitable[Any]) -> Any:
@@ -415,3 +446,8 @@ class AdapterRefits:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _dropped(answer: EngineAnswer) -> bool:
+    """The engine no longer holds the name: it unloaded it, or never had it (vLLM's 404)."""
+    return answer.ok or answer.status == 404

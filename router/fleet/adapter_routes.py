@@ -7,6 +7,11 @@ canary failed); 400 for a body that is not what is asked or a directory the chec
 was asked); 403 for an adapter another consumer owns; 409 when the plan has no room, a refit of it or
 a full refit is running, or the version was used before. ``unload``: ``{"adapter"}``.
 
+``GET /v1/models`` (a client route on a fleet with adapters; proxied to an engine on any other): the
+engines' list as each caller may see it, the base model and the caller's own adapters' served names, and
+no ``root``. The engines list every tenant's served names with their directories; proxied as it was,
+that list told any client key which names to ask for, and where each tenant keeps its run.
+
 Who may: the admin routes' check (``router.http.auth``) lets in the fleet's owner and the admin keys of
 consumers it marked admin; here an admin consumer may change only its own adapters (the ones the
 fleet's spec reserved for it, or that it created by loading them first), never another's.
@@ -19,15 +24,17 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from router.adapters.names import check_adapter_name, check_version
+from router.adapters.names import check_adapter_name, check_version, split_served
 from router.adapters.table import AdapterForbidden
 from router.consumers import OWNER
 from router.fleet.adapter_check import AdapterRefused
 from router.fleet.adapter_refit import DEFAULT_DEADLINE_S, AdapterRefits
 from router.fleet.checkpoint import ALLOW_FOREIGN
+from router.fleet.engine import EngineClient, has
 from router.fleet.fleet import Fleet
 from router.fleet.refit import RefitRefused
 from router.http.auth import Access, RouteTable, account_of
+from router.http.status import error_body
 
 MAX_DEADLINE_S = 3600.0
 
@@ -40,6 +47,12 @@ def _refused(status: int, message: str) -> web.Response:
     return _json(status, {"ok": False, "error": message})
 
 
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.Response(
+        status=status, body=error_body(message, kind, status), content_type="application/json"
+    )
+
+
 def _refusal(exc: Exception) -> web.Response:
     """The answer to a call refused before anything was read or sent: 403 for another's adapter, the
     refusal's own status (409, 404), 400 for a body that is not what is asked."""
@@ -50,11 +63,19 @@ def _refusal(exc: Exception) -> web.Response:
     return _refused(400, str(exc))
 
 
+MODELS_TIMEOUT_S = 30.0
+REBUILD_WAIT_S = 60.0
+"""How long a load or unload sent to a router that just started waits for its table to be rebuilt
+(``router.fleet.adapter_rebuild``) before it is refused (409, retry)."""
+
+
 class AdapterRoutes:
-    def __init__(self, refits: AdapterRefits) -> None:
+    def __init__(self, refits: AdapterRefits, no_healthy_status: int = 409) -> None:
         self.refits = refits
+        self.no_healthy_status = no_healthy_status
 
     def add_routes(self, table: RouteTable) -> None:
+        table.add("GET", "/v1/models", self.models, Access.CLIENT)
         table.add("GET", "/fleet/adapters", self.view, Access.ADMIN)
         table.add("POST", "/fleet/adapters/load", self.load, Access.ADMIN)
         table.add("POST", "/fleet/adapters/unload", self.unload, Access.ADMIN)
@@ -80,6 +101,41 @@ class AdapterRoutes:
             last = {n: t for n, t in last.items() if n in mine}
         return {**view, "active": active, "last": last}
 
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models`` for this caller (module doc): read from a serving engine (a second one when
+        the first fails: a failed backend is a 500 after one retry elsewhere, as on proxied routes)."""
+        caller = account_of(request)
+        backends = self.refits.fleet.backends
+        urls = sorted(backends.serving, key=backends.load.in_flight)[:2]
+        if not urls:
+            status = self.no_healthy_status
+            return _error(status, "no healthy backend serves the fleet's models now", "no_healthy_backend")
+        why = ""
+        async with EngineClient.open(self.refits.fleet.engine_key, MODELS_TIMEOUT_S) as engines:
+            for url in urls:
+                answer = await engines.call(url, "GET", "/v1/models", check=has("data"))
+                if answer.ok and isinstance(answer.body["data"], list):
+                    listed = [m for m in answer.body["data"] if isinstance(m, dict)]
+                    return _json(200, {**answer.body, "data": self.visible(listed, caller)})
+                why = answer.detail or "/v1/models data is not a list"
+        return _error(500, f"the engines did not list their models: {why}", "backend_error")
+
+    def visible(self, listed: list[dict[str, Any]], caller: str) -> list[dict[str, Any]]:
+        """The entries ``caller`` may see, without ``root``: every base model, and the served names
+        whose owner is the caller (every one for the fleet's owner)."""
+        table = self.refits.table
+        out = []
+        for entry in listed:
+            name = entry.get("id")
+            if not isinstance(name, str):
+                continue
+            if split_served(name) is not None:
+                owner = table.owner_of_served(name)
+                if owner is None or (caller != OWNER and owner != caller):
+                    continue
+            out.append({k: v for k, v in entry.items() if k != "root"})
+        return out
+
     async def load(self, request: web.Request) -> web.Response:
         try:
             body = await Fleet.read_body(request)
@@ -98,6 +154,7 @@ class AdapterRoutes:
             allow_foreign = body.get(ALLOW_FOREIGN, False)
             if not isinstance(allow_foreign, bool):
                 raise ValueError(f'"{ALLOW_FOREIGN}" must be true or false, got {allow_foreign!r}')
+            await self.refits.table.until_rebuilt(min(float(deadline_s), REBUILD_WAIT_S))
             txn = self.refits.begin(name, path, version, account_of(request), float(deadline_s))
         except (AdapterForbidden, ValueError) as exc:  # RefitRefused is a ValueError
             return _refusal(exc)
@@ -112,6 +169,7 @@ class AdapterRoutes:
         try:
             body = await Fleet.read_body(request)
             name = check_adapter_name(body.get("adapter"))
+            await self.refits.table.until_rebuilt(REBUILD_WAIT_S)
             result = await self.refits.coordinator.run(self.refits.unload(name, account_of(request)))
         except (AdapterForbidden, ValueError) as exc:
             return _refusal(exc)

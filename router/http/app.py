@@ -29,10 +29,11 @@ import orjson
 from aiohttp import web
 
 from router.consumers import ConsumerKeys
-from router.http.auth import Access, Credentials, RouteTable
+from router.http.auth import ROUTE_TABLE, Access, Credentials, RouteTable
 from router.http.capability import capability_path, stripped
 from router.http.connections import ConnectionGate, GuardedSockSite
 from router.http.consumer_limits import ConsumerLimits
+from router.http.keyed import KeyedRouteTable
 from router.http.forwarding import Forwarder
 from router.http.limits import HttpLimits, effective_connection_cap, raise_open_file_limit
 from router.http.status import error_body
@@ -134,7 +135,9 @@ async def serve_guarded(
     """Serve ``app`` on the bound ``sock`` with the head deadline and the connection cap. ``share``: the
     number of processes accepting on ``sock``; each admits its share of the cap, so the router as a whole
     keeps the configured one. ``metrics``: where refusals and head timeouts are counted (None: nowhere;
-    the launcher driver's own small listeners have no metrics)."""
+    the launcher driver's own small listeners have no metrics). An application whose routes promote
+    their connections (``build_app``'s ``KeyedRouteTable``) is served with the gate's pools: connections
+    that presented no key get a small share of the cap (``router.http.connections``)."""
     runner = web.AppRunner(app, **runner_kwargs(limits))
     await runner.setup()
     cap = effective_connection_cap(limits, raise_open_file_limit())
@@ -143,7 +146,8 @@ async def serve_guarded(
         if metrics is not None:
             metrics.errors.labels(kind).inc()
 
-    gate = ConnectionGate(max(1, -(-cap // share)), on_event=count)
+    keyed = isinstance(app.get(ROUTE_TABLE), KeyedRouteTable)
+    gate = ConnectionGate(max(1, -(-cap // share)), on_event=count, keyless=limits if keyed else None)
     site = GuardedSockSite(
         runner, sock, gate=gate, head_timeout_s=limits.head_timeout_s, handler_kwargs=handler_kwargs(limits)
     )
@@ -176,14 +180,19 @@ def build_app(
         forwarder.consumer_limits = ConsumerLimits(
             consumers, limits, max_request_bytes, status, forwarder.metrics
         )
-    table = RouteTable(app, Credentials(api_key, admin_token, limits.body_timeout_s, consumers, capability))
-    for path, methods in PROXIED_ROUTES:
+    # Each checked route moves its connection to the keyed pool once its check passed (router.http.keyed).
+    credentials = Credentials(api_key, admin_token, limits.body_timeout_s, consumers, capability)
+    table = KeyedRouteTable(app, credentials, forwarder.config.no_healthy_backend_status)
+    proxied = PROXIED_ROUTES
+    if forwarder.adapters is not None:  # the router answers it per caller (router.fleet.adapter_routes)
+        proxied = tuple(r for r in PROXIED_ROUTES if r[0] != "/v1/models")
+    for path, methods in proxied:
         for method in methods:
             table.add(method, path, forwarder.handle, Access.CLIENT)
     if capability is not None:
         # The same routes under the job's capability, for a trainer that sends no key of ours
         # (router.http.capability); the forwarder sees the path after the prefix.
-        for path, methods in PROXIED_ROUTES:
+        for path, methods in proxied:
             for method in methods:
                 table.add(method, capability_path(path), stripped(forwarder.handle), Access.CAPABILITY)
     rest(table)

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router.adapters.body import UnreadableBody
 from router.adapters.requests import AdapterRequest, AdapterRequests
 from router.adapters.table import AdapterForbidden, AdapterUnavailable, BaseModelNotServed
 from router.consumers import OWNER_CONSUMER, Consumer
@@ -315,6 +316,9 @@ class Forwarder:
             except BaseModelNotServed as exc:
                 self.metrics.errors.labels("model_not_served").inc()
                 return json_response(404, error_body(str(exc), "model_not_found", 404))
+            except UnreadableBody as exc:  # the engine may read what the router cannot: never passed on
+                self.metrics.errors.labels("unreadable_body").inc()
+                return json_response(400, error_body(str(exc), "invalid_request_error", 400))
             if adapter is not None:
                 body, want = adapter.body, None  # the gate was the adapter's version, met above
                 route_request = self.policy.scope(route_request, adapter.route.served)

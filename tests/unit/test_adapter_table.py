@@ -23,7 +23,9 @@ E1, E2 = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
 
 def table(max_adapters: int = 2) -> AdapterTable:
-    return AdapterTable(LoraPlan(max_adapters=max_adapters), lambda: {"pa": "tenant-a", "pb": "tenant-b"})
+    t = AdapterTable(LoraPlan(max_adapters=max_adapters), lambda: {"pa": "tenant-a", "pb": "tenant-b"})
+    t.rebuilt = True  # as the router's start leaves it (router.fleet.adapter_rebuild)
+    return t
 
 
 def stamped(t: AdapterTable, name: str, owner: str, version: str, engines: set[str]) -> None:
@@ -125,6 +127,7 @@ def test_a_reserved_adapter_follows_its_reservation_to_a_resubmitted_job() -> No
     trained; while nobody holds the reservation, only the fleet's owner may use it."""
     reserved = {"pa": "tenant-a-1"}
     t = AdapterTable(LoraPlan(), lambda: dict(reserved))
+    t.rebuilt = True
     stamped(t, "pa", "tenant-a-1", "v1", {E1})
     del reserved["pa"]  # the job ended: its consumer entry (and reservation) revoked
     with pytest.raises(AdapterForbidden):
@@ -155,3 +158,77 @@ def test_cache_affinity_is_keyed_by_adapter_version_and_prefix() -> None:
     load.acquire(first)
     assert policy.choose(a1_again, load) == first  # its own prefix: affinity
     assert policy.choose(b1, load) != first  # another adapter's: nothing cached for it there
+
+
+def test_every_served_name_is_checked_against_its_owner_even_outside_the_table() -> None:
+    """Security findings 2026-12-05 #1: a ``NAME@VERSION`` the table did not hold (a draining version of
+    an unloaded adapter, any name while the table was empty) went to the engines as a base-model request."""
+    t = table()
+    with pytest.raises(AdapterForbidden, match="belongs to consumer 'tenant-a'"):
+        t.resolve("pa@v1", "tenant-b")  # an empty table: the reservation still names its owner
+    with pytest.raises(AdapterUnavailable, match="no adapter version 'free@v1'"):
+        t.resolve("free@v1", "tenant-b")  # nobody's: not one of this fleet's, never passed on
+    stamped(t, "free", "tenant-b", "v1", {E1})
+    dropped = t.drop("free")  # unloaded: its version drains on the engines
+    assert dropped is not None and t.names == {"free@v1": "tenant-b"}
+    with pytest.raises(AdapterForbidden):
+        t.resolve("free@v1", "tenant-a")
+    with pytest.raises(AdapterUnavailable, match="not served now"):
+        t.resolve("free@v1", "tenant-b")
+    t.forget("free@v1")  # its engines unloaded it
+    with pytest.raises(AdapterUnavailable, match="no adapter version"):
+        t.resolve("free@v1", "tenant-a")
+    assert t.resolve("tiny", "tenant-a") is None and t.resolve("free", "tenant-a") is None
+
+
+def test_until_rebuilt_every_adapter_looking_name_is_refused() -> None:
+    t = AdapterTable(LoraPlan(), lambda: {"pa": "tenant-a"})
+    for model in ("pa", "pa@v1", "other@v1"):
+        with pytest.raises(AdapterUnavailable, match="reading which adapters the engines hold"):
+            t.resolve(model, "tenant-a")
+    with pytest.raises(AdapterForbidden):
+        t.resolve("pa@v1", "tenant-b")  # the reservation answers another tenant at once
+    assert t.resolve("tiny", "tenant-a") is None and t.resolve("scratch", "tenant-b") is None
+
+
+def test_a_reservation_holds_its_slot_against_unreserved_loads() -> None:
+    """Security findings 2026-12-05 #5: tenant B's scratch adapter took the slot the spec reserved for A."""
+    t = table(max_adapters=2)
+    t.admit_new("pb")
+    stamped(t, "pb", "tenant-b", "v1", {E1})
+    with pytest.raises(AdapterCapacity, match="reserved for consumers, not loaded yet: pa"):
+        t.admit_new("scratch")
+    t.admit_new("pa")
+    t.pending["pa"] = "v1"  # a first load in progress takes its slot too
+    big = table(max_adapters=3)
+    big.pending["x"] = "v1"
+    with pytest.raises(AdapterCapacity):
+        big.admit_new("y")  # x loading, pa and pb reserved: no room
+
+
+def test_what_the_engines_hold_is_adopted_with_owners_from_the_reservations() -> None:
+    from router.adapters.adoption import adopt
+
+    t = AdapterTable(LoraPlan(max_adapters=3), lambda: {"pa": "tenant-a", "pb": "tenant-b"})
+    listings = {
+        E1: {"tiny": "/m", "pb@v1": "/b1", "pa@v1": "/a1", "pa@v2": "/a2", "scratch@v1": "/s1"},
+        E2: {"tiny": "/m", "pa@v1": "/a1", "pa@v2": "/a2", "pb@v1": "/elsewhere"},
+    }
+    stale = adopt(t, listings)
+    t.rebuilt = True
+    assert [v.served for v in stale] == ["pa@v1"]
+    a = t.adapters["pa"]
+    assert (a.owner, a.current and a.current.served, a.current and a.current.engines) == (
+        "tenant-a",
+        "pa@v2",
+        {E1, E2},
+    )
+    assert t.adapters["pb"].current is not None and t.adapters["pb"].current.engines == {E1}  # E2: other dir
+    assert t.adapters["scratch"].owner == OWNER  # unreserved: the fleet's owner's (fails closed)
+    with pytest.raises(AdapterForbidden):
+        t.resolve("pa@v1", "tenant-b")
+    route = t.resolve("pa", "tenant-a")
+    assert route is not None and route.served == "pa@v2"
+    with pytest.raises(AdapterCapacity):
+        t.admit_new("another")  # three held by the engines
+    assert adopt(t, listings) == []  # known now: nothing adopted twice
