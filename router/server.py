@@ -48,6 +48,7 @@ from router.fleet.admin import AdminApi
 from router.fleet.api import FleetApi
 from router.http.app import bind_listening_socket, build_app, not_found, runner_kwargs, serve_guarded
 from router.http.auth import Access, RouteTable
+from router.http.capability import ROUTER_ADDRESS
 from router.http.connections import ConnectionGate
 from router.http.forwarding import Forwarder, ForwardingConfig
 from router.http.limits import HttpLimits
@@ -184,7 +185,7 @@ class GenerationRouter:
 
     # -- application ---------------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        return build_app(
+        app = build_app(
             self.forwarder,
             self._api_key,
             self._admin_token,
@@ -194,6 +195,8 @@ class GenerationRouter:
             self.consumer_keys,
             self.config.secret("registration_capability"),
         )
+        app[ROUTER_ADDRESS] = (self.host, self.port)  # a registration must not name the router itself
+        return app
 
     def _serve_adapters(self, plan: LoraPlan, max_wait_s: float) -> AdapterRoutes:
         """The fleet's LoRA adapters: their table (who owns which, which version on which engines), the
@@ -263,7 +266,11 @@ class GenerationRouter:
     def _engine_key(self) -> str | None:
         """The key the router's own engine calls (fleet operations) present: the backend key, else the
         clients' key, which is what the engines expect when no separate one is set (the proxied
-        requests carry it through). Without it a job's engines answer the fleet routes 401."""
+        requests carry it through). Without it a job's engines answer the fleet routes 401. None with a
+        registration capability: its engines are whatever URLs its holder registered, and every fan-out
+        (the step counters behind ``GET /fleet/step`` included) handed them the job's API key."""
+        if self.config.registration_capability is not None:
+            return None
         return self.config.secret("backend_api_key") or self.config.secret("api_key")
 
     def _session(self) -> aiohttp.ClientSession:

@@ -16,6 +16,9 @@ sent the key elsewhere. Here:
   with a one-line reason.
 * **Typed results**: ``Health`` for a probe, ``Reading`` for a value read (version, paused, counters),
   ``EngineAnswer`` for an operation (it goes into ``router.fleet.ops.FleetOpReport`` as is).
+* **Bounded answers** (``router.fleet.engine_reads``): an answer is read up to the cap of its route
+  (8 MiB for ``/metrics``, 1 MiB for the rest), past it that engine's call fails, and a large one is
+  parsed off the event loop: an engine the trainer registered may be any URL.
 
 The routes are vLLM 0.32's (``VLLM_SERVER_DEV_MODE=1``; ``vllm/entrypoints/rl/online/api_router.py`` and
 the dev routes), which the simulator (``launcher.engines.sim``) serves with the same semantics, plus a
@@ -40,6 +43,15 @@ from typing import Any, Generic, TypeVar
 import aiohttp
 
 from router.fleet.engine_counters import Counters, parse_counters
+from router.fleet.engine_reads import (
+    MAX_ANSWER_BYTES,
+    MAX_METRICS_BYTES,
+    AnswerTooLarge,
+    decoded,
+    off_loop,
+    read_capped,
+)
+from router.fleet.weight_checksums import CHECKSUM_METHOD, from_checker, merge_workers, no_such_method
 
 HEALTH_PATH = "/health"
 WEIGHT_INFO_PATH = "/weight_info"
@@ -220,7 +232,7 @@ class EngineClient:
             return EngineAnswer(url, False, None, got)
         status, text = got
         try:
-            body = json.loads(text) if text else None
+            body = await off_loop(json.loads, text) if text else None
         except ValueError:
             body = None
         if not 200 <= status < 300:
@@ -242,10 +254,12 @@ class EngineClient:
         params: dict[str, str] | None = None,
         key: bool,
         brief: bool = False,
+        limit: int = MAX_ANSWER_BYTES,
     ) -> tuple[int, str] | str:
         """``(status, text)``, or why nothing came back: the exception's type and message for the
         reports the trainer logs (``ClientConnectorError: ...``), or with ``brief`` the few words a
-        dashboard row has room for (``describe_failure``)."""
+        dashboard row has room for (``describe_failure``). At most ``limit`` bytes are read
+        (``read_capped``): past it the call fails."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if key and self.api_key else {}
         try:
             async with self.session.request(
@@ -257,9 +271,13 @@ class EngineClient:
                 allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             ) as resp:
-                return resp.status, await resp.text(errors="replace")
+                raw = await read_capped(resp, limit)
+                charset = resp.charset or "utf-8"
+        except AnswerTooLarge as exc:
+            return f"{path}: {exc}"
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             return describe_failure(exc, self.timeout_s) if brief else f"{type(exc).__name__}: {exc}"
+        return resp.status, await decoded(raw, charset)
 
     # -- reads ----------------------------------------------------------------------------------------
     async def health(self, url: str) -> Health:
@@ -293,21 +311,21 @@ class EngineClient:
     async def counters(self, url: str) -> Reading[Counters]:
         """The engine's counters from ``GET /metrics`` (``router.fleet.engine_counters`` names them). An
         answer that is not Prometheus text (an HTML page) is an error of the read, not zero counts."""
-        got = await self._send(url, "GET", METRICS_PATH, key=True)
+        got = await self._send(url, "GET", METRICS_PATH, key=True, limit=MAX_METRICS_BYTES)
         if isinstance(got, str):
             return Reading(url, None, got)
         status, text = got
         if status != 200:
             return Reading(url, None, f"HTTP {status}")
         try:
-            return Reading(url, parse_counters(text))
+            return Reading(url, await off_loop(parse_counters, text))
         except ValueError as exc:
             return Reading(url, None, f"unparsable /metrics: {exc}")
 
     async def metrics_text(self, url: str) -> Reading[str]:
         """The engine's whole ``GET /metrics`` text, for a reader that wants more than the counters
         (``rl-launch status``'s load, cache and latency figures)."""
-        got = await self._send(url, "GET", METRICS_PATH, key=True, brief=True)
+        got = await self._send(url, "GET", METRICS_PATH, key=True, brief=True, limit=MAX_METRICS_BYTES)
         if isinstance(got, str):
             return Reading(url, None, got)
         status, text = got
@@ -337,10 +355,24 @@ class EngineClient:
         )
 
     async def checksum(self, url: str) -> EngineAnswer:
-        """The engine's per-parameter weight checksums (``body["checksums"]``)."""
-        return await self.call(
+        """The engine's per-parameter weight checksums (``body["checksums"]``) of every weight it computes
+        with: the launcher's worker extension through ``/collective_rpc``, else (an engine without it)
+        vLLM's ``/weight_checker``, whose ``body["uncovered"]`` names what it hashed as zero bytes
+        (``router.fleet.weight_checksums`` says why)."""
+        answer = await self.call(url, "POST", COLLECTIVE_RPC_PATH, json_body={"method": CHECKSUM_METHOD})
+        if answer.ok:
+            merged, why = merge_workers(answer.body)
+            if merged is None:
+                return EngineAnswer(url, False, answer.status, why, answer.body)
+            return EngineAnswer(url, True, answer.status, "", merged)
+        if not no_such_method(answer.detail):
+            return answer
+        answer = await self.call(
             url, "POST", WEIGHT_CHECKER_PATH, json_body={"action": "checksum"}, check=has("checksums")
         )
+        if answer.ok:
+            answer.body = from_checker(answer.body)
+        return answer
 
     async def reload_weights(self, url: str, weights_path: str) -> EngineAnswer:
         """Reload the engine's weights in place from ``weights_path`` on every one of its workers (vLLM's

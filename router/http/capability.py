@@ -15,19 +15,29 @@ generate. A wrong or missing capability is a 401 like a wrong key. The compariso
 What it does not: the URL is a bearer secret, so anything that prints the trainer's config (NeMo-RL logs
 its resolved config, W&B saves it) prints the capability; the engines the trainer registers are its own
 processes, open as it started them (rl-launch sends them no key and cannot close them); and a holder of
-the capability may register any URL, which the router then probes and routes to.
+the capability may register any URL, which the router then probes and routes to. Since such a URL may be
+anyone's, the router sends the engines it registers no key of the job (neither the client's on a rollout
+nor its own on a fan-out), reads their answers with a cap (``router.fleet.engine_reads``), and refuses to
+register itself or an address with a path (``registration_refusal``): a request sent there came back
+into the router, and with the router as its only member recursed until the connection cap.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
+import socket
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 
+import orjson
 from aiohttp import web
 from yarl import URL
 
 from router.http.bodies import read_admin_body
 from router.http.status import error_body
+from router.state.backends import registered_backend_url
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -88,11 +98,77 @@ def stripped(handler: Handler) -> Handler:
     return strip
 
 
+ROUTER_ADDRESS = web.AppKey("rl_launch.router_address", tuple)
+"""``(host, port)`` the router's socket is bound to, set on its application by the router: the address a
+registration must not name (``registration_refusal``)."""
+RESOLVE_TIMEOUT_S = 2.0
+
+
+def _is_local(address: str) -> bool:
+    """Whether a connection to ``address`` stays on this machine: loopback, the unspecified address
+    (which connects to loopback), or an address of one of its interfaces (it can be bound here)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if ip.is_loopback or ip.is_unspecified:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+async def names_this_router(url: str, port: int) -> bool:
+    """Whether ``url`` reaches the router's own port on this machine, however spelled (``127.0.0.1``,
+    ``localhost``, the node's name or any of its addresses). A name that does not resolve in time is not
+    this router (its registration then fails its health wait, as any dead URL's does)."""
+    parts = urlsplit(url)
+    if parts.port != port or not parts.hostname:
+        return False
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+            infos = await loop.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except (OSError, TimeoutError):
+        return False
+    return any(_is_local(str(info[4][0])) for info in infos)
+
+
+async def registration_refusal(request: web.Request) -> str | None:
+    """Why the URL a registration names must not become an engine, or None: a path other than ``/`` or
+    ``/v1`` (``registered_backend_url``), or this router itself. A body that names no URL is left to the
+    handler, which answers it as it always has."""
+    try:
+        raw = orjson.loads(await request.read())["url"]
+        url = registered_backend_url(raw)
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    except ValueError as exc:
+        return str(exc)
+    own = request.app.get(ROUTER_ADDRESS)
+    if own is not None and await names_this_router(url, int(own[1])):
+        return (
+            f"worker URL {raw!r} is this router itself (port {own[1]} on this machine): requests sent to it "
+            "would come back into the router; register the engines' own URLs"
+        )
+    return None
+
+
 def bounded_body(handler: Handler, timeout_s: float) -> Handler:
-    """``handler`` with the body read as an admin route's is (capped, in time), before it runs: the
+    """``handler`` with the body read as an admin route's is (capped, in time), and the URL it registers
+    checked (``registration_refusal``: 400 ``ADD_WORKER_FAILED``, nothing probed), before it runs: the
     registration routes take a small JSON body from a caller who holds no key."""
 
     async def bounded(request: web.Request) -> web.StreamResponse:
-        return await handler(await read_admin_body(request, timeout_s))
+        request = await read_admin_body(request, timeout_s)
+        why = await registration_refusal(request)
+        if why is not None:
+            body = orjson.dumps({"success": False, "code": "ADD_WORKER_FAILED", "message": why})
+            return web.Response(status=400, body=body, content_type="application/json")
+        return await handler(request)
 
     return bounded

@@ -131,10 +131,11 @@ class ForwardingConfig:
 
     @classmethod
     def of(cls, config: RouterConfig) -> ForwardingConfig:
-        """The forwarding part of a router's config: one mapping for the single process and for every
-        worker process, so that a new setting cannot reach one and miss the other. With a consumers
-        file the engines get the owner's key in place of the client's (module doc)."""
+        """The forwarding part of a router's config: one mapping for every process of the router, so a
+        new setting cannot reach one and miss another. With a consumers file the engines get the owner's
+        key in place of the client's (module doc); under a capability no key, the client's dropped."""
         consumers_engine_key = config.secret("api_key") if config.consumers_file is not None else None
+        registered = config.registration_capability is not None  # engines: any URL its holder named
         return cls(
             backend_timeout_s=config.backend_timeout_s,
             connect_timeout_s=config.connect_timeout_s,
@@ -142,10 +143,10 @@ class ForwardingConfig:
             max_attempts=config.max_attempts,
             retry_on_timeout=config.retry_on_timeout,
             health_managed=config.health_managed,
-            backend_api_key=config.secret("backend_api_key") or consumers_engine_key,
+            backend_api_key=None if registered else config.secret("backend_api_key") or consumers_engine_key,
             max_request_bytes=config.max_request_bytes,
             consumer_accounting=config.consumer_accounting,
-            drop_client_auth=config.consumers_file is not None,
+            drop_client_auth=config.consumers_file is not None or registered,
             record_text=config.record_text,
         )
 

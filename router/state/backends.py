@@ -50,6 +50,22 @@ def canonical_backend_url(url: str) -> str:
     return f"{parts.scheme}://{host}:{port}{path}"
 
 
+def registered_backend_url(url: str) -> str:
+    """``canonical_backend_url`` for a URL registered through ``POST /workers``, which must name an
+    engine by its address alone (``http://host:port``, or with ``/v1``). Raises ``ValueError`` naming
+    the URL for any other path: the router sends ``<path>/v1/...`` there, so a path prefix reaches
+    whatever serves under it, the router's own capability prefix included (a request then recurses
+    into the router until its connection cap)."""
+    canonical = canonical_backend_url(url)
+    path = urlsplit(canonical).path
+    if path:
+        raise ValueError(
+            f"worker URL {url!r} has the path {path!r}: register an engine by its address alone, "
+            "http://host:port or http://host:port/v1"
+        )
+    return canonical
+
+
 class BackendSet:
     """Serving set, in-flight counts and outcome windows. All mutation happens on the router's loop
     thread except the outcome counters, which the loop and a controller thread share under a lock."""
