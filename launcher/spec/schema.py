@@ -2,7 +2,7 @@
 
 Why the validation is strict (``extra="forbid"``, strict types): a typo in a job spec otherwise costs a
 queue wait plus an allocation before anything notices. The whole spec (``JobSpec``) and its rules across
-fields are in ``launcher.spec.job``.
+fields are in ``launcher.spec.job`` and ``launcher.spec.rules``.
 
 Two sections belong to the kinds: ``router:`` is the section of the front ``router.kind`` names
 (``launcher.gateways.kinds``), and ``generation:`` holds, beside its shared fields, every engine kind's own
@@ -311,7 +311,7 @@ class _SharedGeneration(Section):
 class GenerationSection(*engine_settings(), _SharedGeneration):  # type: ignore[misc]
     """The fleet: the shared fields, then every engine kind's own (``EngineKind.settings``, e.g.
     ``vllm_args``, ``sim``); a field of a kind other than ``engine`` is refused by the spec's rules
-    (``launcher.spec.job``)."""
+    (``launcher.spec.rules``)."""
 
 
 RouterSection = router_section_type()
