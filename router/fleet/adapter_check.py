@@ -7,8 +7,9 @@ engine stays up each time. So a bad directory costs no engine, but it does cost 
 refit in the middle of a step, and the owner of a shared fleet a log full of tracebacks. The router
 refuses what it can see before that, naming the file and the reason:
 
-* the directory is absolute, there, readable, this user's and not writable by others (the checkpoint
-  check's rules, ``router.fleet.checkpoint``: whoever can write it chooses what every rollout of the
+* the directory is absolute, there, readable, this user's and not writable by others, and no other user
+  can rename or re-point anything on the way to it (the checkpoint check's rules,
+  ``router.fleet.checkpoint``: whoever can write it, or swap it, chooses what every rollout of the
   tenant samples from), unless the caller allows a foreign one;
 * ``adapter_config.json`` is a JSON object of a LoRA adapter (``peft_type`` ``LORA``) whose rank (``r``,
   and every value of ``rank_pattern``) is within the fleet's ``max_lora_rank``;
@@ -18,12 +19,20 @@ refuses what it can see before that, naming the file and the reason:
   architecture and sizes are the served model's (``router.fleet.checkpoint.mismatches``): an adapter
   trained on another base would load and produce garbage.
 
+The check also returns the digest of the two files the engines read (``adapter_digest``: the config and
+the weights, a few MB), which the router keeps with the version it loads: vLLM has no checksum of an
+adapter, and the engines re-read the directory whenever they load the version again (a restarted engine's
+restore, ``router.fleet.adapter_restore``), so the digest is how the router knows that what they read
+then is what was checked and served under that version (issue 38: a restore reloaded a directory swapped
+since, and half of a tenant's rollouts of one version came from another user's adapter).
+
 What is not checked: that the tensors fit the served model's modules (the engine's loader checks that;
 the canary engine finds it before any other engine is touched).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +41,7 @@ from router.adapters.plan import LoraPlan
 from router.fleet.checkpoint import (
     MAX_CONFIG_BYTES,
     CheckpointRefused,
+    _open_regular,
     check_weight_file,
     mismatches,
     read_json,
@@ -60,6 +70,8 @@ class AdapterDir:
     note: str = ""
     lm_head: bool = False
     """It adapts ``lm_head`` (refused on CPU engines serving the base model: ``adapter_refit``)."""
+    digest: str = ""
+    """``adapter_digest`` of the files as this check read them (kept with the version it is loaded as)."""
 
     def summary(self) -> str:
         compared = f"base compared with {self.base}" if self.base else self.note
@@ -116,6 +128,7 @@ def read_adapter(
         if weights is None:
             raise AdapterRefused(f"adapter directory {path} holds neither {' nor '.join(WEIGHT_FILES)}")
         check_weight_file(real, weights, allow_foreign)
+        digest = adapter_digest(real, weights)
     except AdapterRefused:
         raise
     except CheckpointRefused as exc:
@@ -124,7 +137,23 @@ def read_adapter(
         raise AdapterRefused(f"adapter directory {path}: {exc}") from None
     base, note = _compare_base(config, path, served_root)
     lm_head = any(t == "lm_head" or t.endswith(".lm_head") for t in targets)
-    return AdapterDir(path, rank, sorted(targets), weights, base, note, lm_head)
+    return AdapterDir(path, rank, sorted(targets), weights, base, note, lm_head, digest)
+
+
+def adapter_digest(directory: str, weights: str) -> str:
+    """The hex SHA-256 of the adapter's ``adapter_config.json`` and its weight file ``weights`` (names and
+    bytes) in the (checked, real) ``directory``: every byte vLLM's LoRA loader reads. Each file is
+    opened as the check opens it (a regular file, no symlink followed at the last step). Blocking."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_FILE, weights):
+        path = os.path.join(directory, name)
+        fh, _ = _open_regular(os.path.realpath(path), path)
+        with fh:
+            digest.update(name.encode() + b"\0")
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+            digest.update(b"\0")
+    return digest.hexdigest()
 
 
 def _compare_base(config: dict[str, Any], path: str, served_root: str | None) -> tuple[str, str]:

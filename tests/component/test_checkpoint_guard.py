@@ -34,6 +34,8 @@ import pytest
 from launcher.engines.sim.checkpoint import CheckpointError, check_safetensors
 from launcher.fleet.client import FleetClient
 from router import GenerationRouter
+from router.adapters.plan import LoraPlan
+from router.fleet.adapter_check import read_adapter
 from router.fleet.checkpoint import (
     CHECK_TIMEOUT_S,
     MAX_CONFIG_BYTES,
@@ -44,6 +46,7 @@ from router.fleet.checkpoint import (
 )
 from router.fleet.refit_routes import MAX_DEADLINE_S, MAX_LEASE_S
 from router.fleet.safetensors import HeaderError, read_header
+from tests.support.adapters import write_adapter
 from tests.support.checkpoints import CONFIG, broken, checkpoint, unloadable
 from tests.support.http_backends import router_factory
 from tests.support.other_user import other_user
@@ -230,6 +233,42 @@ def test_another_users_or_a_writable_checkpoint_is_refused_unless_allowed(tmp_pa
     assert f"lies under {open_dir}, which every user can write (mode 0777, no sticky bit)" in refused(under)
     open_dir.chmod(0o1777)
     assert read_checkpoint(str(under)).files == ["model.safetensors"]
+
+
+def test_a_path_another_user_can_redirect_is_refused_naming_where(tmp_path: Path) -> None:
+    """Issue 38, finding 2: every directory the path is resolved through, and every symlink on the way,
+    only this user or root can change; the checkpoint and the adapter check alike."""
+    probe = other_user()
+    team = tmp_path / "team"  # a team scratch the other user made, as /tmp is made
+    team.mkdir()
+    probe.chown(team)
+    team.chmod(0o1777)
+    mine = checkpoint(team, "run1-ckpt")
+    why = refused(mine)
+    assert f"lies under {team}, owned by {probe.name} (uid {probe.uid}): its owner can rename" in why, why
+    assert '"allow_foreign_checkpoint": true' in why and "\n" not in why
+    assert read_checkpoint(str(mine), allow_foreign=True).files == ["model.safetensors"]
+    adapter = write_adapter(team / "a-v1")
+    with pytest.raises(CheckpointRefused, match=f"adapter directory {adapter} lies under {team}, owned by"):
+        read_adapter(str(adapter), LoraPlan(max_lora_rank=8), None)
+    # a directory another user's group can write (no sticky bit), two levels up
+    project = tmp_path / "project"
+    project.mkdir()
+    os.chown(project, 0, probe.gid)
+    project.chmod(0o775)
+    deep = checkpoint(project / "me" / "runs", "step-9")
+    why = refused(deep)
+    assert f"lies under {project}, which group {probe.name} (gid {probe.gid}) can write (mode 0775" in why
+    project.chmod(0o1775)  # sticky, root's: its group adds names but cannot move ours
+    assert read_checkpoint(str(deep)).files == ["model.safetensors"]
+    # the path goes through another user's directory, though it leads to ours
+    (team / "latest").symlink_to(deep)
+    assert f"lies under {team}, owned by {probe.name}" in refused(team / "latest")
+    # a symlink another user owns, in a directory of ours
+    link = tmp_path / "theirs-latest"
+    link.symlink_to(deep)
+    probe.chown(link)
+    assert f"the path goes through the symlink {link}, owned by {probe.name}" in refused(link)
 
 
 def test_a_symlink_out_of_the_directory_is_refused_one_inside_is_not(tmp_path: Path) -> None:
