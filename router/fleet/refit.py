@@ -55,6 +55,7 @@ from typing import Any
 from router.fleet.engine import EngineAnswer, EngineClient
 from router.fleet.fleet import EngineCall, Fleet
 from router.fleet.ops import FleetOpReport, checksum_digest, compare_checksums
+from router.fleet.tensor_manifest import DirectoryRecord
 from router.state.pause_gate import PauseGate
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class WeightSource:
     """``None`` only for the start directory when no serving engine could be read."""
     started_from: bool = False
     """The directory the engines were started from (the job's own choice), not a refit's."""
+    record: DirectoryRecord | None = None
+    """Its weight files as the refit checked them and found them again after the load
+    (``router.fleet.tensor_manifest``): a restore refuses files that changed since."""
 
 
 @dataclass
@@ -119,6 +123,13 @@ class RefitTxn:
     lease_s: float
     path: str | None = None
     expected_checksum: str | None = None
+    records: dict[str, DirectoryRecord] = field(default_factory=dict, repr=False)
+    """What the check before the pause read of each directory (``from`` and ``from_by_engine``'s)."""
+    paths: dict[str, str] = field(default_factory=dict, repr=False)
+    """Each engine's own directory (``from_by_engine``); the others read ``path``."""
+    uncovered: list[str] = field(default_factory=list)
+    """Parameters an engine's checksum could not see (vLLM's ``/weight_checker`` fallback on an engine
+    without the launcher's worker extension: ``router.fleet.weight_checksums``)."""
     phase: str = "pausing"
     started_at: float = field(default_factory=time.time)
     ended_at: float | None = None
@@ -193,6 +204,7 @@ class RefitTxn:
             "checksum": self.checksum,
             "previous_checksum": self.previous_checksum,
             "expected_checksum": self.expected_checksum,
+            "uncovered_parameters": self.uncovered,
             "error": self.error,
             "moved": self.moved,
             "held": self.released,
@@ -322,9 +334,11 @@ class RefitCoordinator:
         path: str,
         per_engine: dict[str, str] | None = None,
         expected_checksum: str | None = None,
+        records: dict[str, DirectoryRecord] | None = None,
     ) -> RefitTxn:
         """Every engine still in the transaction reloads its weights from ``path`` (checked by the caller
-        before the pause), or from its own entry of ``per_engine`` (a node-local copy), each bounded by
+        before the pause: ``records``, what the check read of each directory, is read again before the
+        verify), or from its own entry of ``per_engine`` (a node-local copy), each bounded by
         what is left of the deadline. For a ``directory`` transaction one canary engine loads first and
         is verified (``expected_checksum`` too, when given); if it fails, it is quarantined and the
         transaction ends here, the others untouched (``txn.ended``: there is nothing to commit)."""
@@ -332,6 +346,7 @@ class RefitCoordinator:
         async with self._lock:
             txn = self.find(txn_id)
             txn.path = path
+            txn.records, txn.paths = dict(records or {}), dict(paths)
             if expected_checksum is not None:
                 txn.expected_checksum = expected_checksum
             self._hold_lease(txn)
@@ -529,14 +544,45 @@ class RefitCoordinator:
         )
         return report
 
+    async def _unchanged(self, txn: RefitTxn) -> None:
+        """Read each checked directory again: an engine that loaded from one whose files changed since
+        the check (written during the refit: what it loaded is not what was checked, and may differ from
+        what its neighbours loaded) is quarantined, naming the files."""
+        for where, record in txn.records.items():
+            try:
+                now = await asyncio.wait_for(asyncio.to_thread(record.again), STEP_TIMEOUT_S)
+                changes = record.changes(now)
+            except (ValueError, OSError, TimeoutError) as exc:
+                changes = [f"not readable again ({exc or type(exc).__name__})"]
+            if not changes:
+                continue
+            why = f"checkpoint {where} changed while the refit loaded it: {'; '.join(changes)}"
+            for u in txn.live():
+                if txn.paths.get(u, txn.path) == where:
+                    txn.quarantine(u, why)
+
     async def _verify(self, txn: RefitTxn) -> None:
         urls = [u for u in txn.live() if txn.engines[u].state == "loaded" or txn.source == "external"]
         for u in txn.live():
             if u not in urls:
                 txn.quarantine(u, "received no weights in this refit")
+        if txn.records:
+            await self._unchanged(txn)
+            urls = [u for u in urls if u in txn.live()]
         report = await self._step(txn, "verifying", "checksum", urls, lambda e, u: e.checksum(u))
         for a in report.failures():
             txn.quarantine(a.url, f"checksum unreadable: {a.detail}")
+        txn.uncovered = sorted(
+            {n for a in report.engines if a.ok for n in (a.body or {}).get("uncovered") or []}
+        )
+        if txn.uncovered:
+            log.warning(
+                "refit %s: the engines' checksums cannot see %d parameters (an engine without the "
+                "launcher's worker extension): %s",
+                txn.id,
+                len(txn.uncovered),
+                txn.uncovered[:8],
+            )
         groups: dict[str, list[str]] = compare_checksums(report.engines)[0]["groups"]
         for digest, members in groups.items():
             for u in members:
@@ -586,7 +632,7 @@ class RefitCoordinator:
             versions.fleet_moved_to(v)
             self.source_set = True
             if txn.source == "directory" and txn.path is not None and txn.checksum is not None:
-                self.source = WeightSource(v, txn.path, txn.checksum)
+                self.source = WeightSource(v, txn.path, txn.checksum, record=txn.records.get(txn.path))
             else:  # streamed or external: these weights are in no directory the router verified
                 self.source = None
         elif not txn.error:

@@ -29,17 +29,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from router.fleet.checkpoint import (
-    ALLOW_FOREIGN,
-    Checked,
-    CheckpointGuard,
-    CheckpointRefused,
-    check_directories,
-)
+from router.fleet.checkpoint import ALLOW_FOREIGN, CheckpointGuard, CheckpointRefused
 from router.fleet.engine import PAUSE_MODES, EngineClient
 from router.fleet.fleet import Fleet
 from router.fleet.ops import fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S, SOURCES, RefitCoordinator, RefitRefused
+from router.fleet.tensor_manifest import CheckedTensors, check_checkpoints
 from router.http.auth import Access, RouteTable, holder_of
 from router.state.backends import canonical_backend_url
 
@@ -128,10 +123,11 @@ class RefitRoutes:
             table.add(method, path, handler, access)
 
     # -- helpers ----------------------------------------------------------------------------------------
-    async def _directories(self, body: dict[str, Any]) -> tuple[str, dict[str, str], Checked]:
+    async def _directories(self, body: dict[str, Any]) -> tuple[str, dict[str, str], CheckedTensors]:
         """``"from"`` and ``"from_by_engine"`` (``{engine url: directory}``, node-local copies), each
-        checked (``router.fleet.checkpoint``: every file read in a thread under a deadline) against the
-        served model, or ``CheckpointRefused`` / ``ValueError``: nothing is paused yet."""
+        checked (``router.fleet.checkpoint``: every file read in a thread under a deadline; its tensors,
+        ``router.fleet.tensor_manifest``) against the served model, or ``CheckpointRefused`` /
+        ``ValueError``: nothing is paused yet."""
         path = _text(body, "from", required=False)
         if path is None:
             raise CheckpointRefused('body needs "from": the checkpoint directory to load')
@@ -152,7 +148,7 @@ class RefitRoutes:
         last_path = last.path if last is not None and last.moved else None
         directories = [path, *per_engine.values()]
         served = await self.served_root()
-        checked = await self.checks.run(check_directories, directories, served, last_path, allow_foreign)
+        checked = await self.checks.run(check_checkpoints, directories, served, last_path, allow_foreign)
         log.info("refit from %s: %s", path, checked.summary())
         return path, per_engine, checked
 
@@ -196,7 +192,7 @@ class RefitRoutes:
                 held_by_router=True,
                 holder=holder_of(request),
             )
-            await self.refit.load(txn.id, path, per_engine, expected)
+            await self.refit.load(txn.id, path, per_engine, expected, checked.records)
             if not txn.ended:  # a canary that failed ended it: the fleet stays on its version
                 await self.refit.commit(txn.id, expected, reset_cache)
             return {**txn.to_json(), "checkpoint_check": checked.summary()}
@@ -276,7 +272,7 @@ class RefitRoutes:
             txn_id = str(_text(body, "id"))
             self.refit.find(txn_id)
             path, per_engine, checked = await self._directories(body)
-            txn = await self.refit.run(self.refit.load(txn_id, path, per_engine))
+            txn = await self.refit.run(self.refit.load(txn_id, path, per_engine, records=checked.records))
         except (ValueError, RefitRefused, CheckpointRefused) as exc:
             return _refused(exc)
         ok = bool(txn.live()) and not txn.ended  # ended: its canary failed

@@ -12,9 +12,12 @@ any refit, the absolute directory the engines were started from (the served mode
 root). A restore of one engine, run between transactions (``RefitCoordinator.between_refits``; a refit
 that begins meanwhile waits for it):
 
-    re-check the directory (``router.fleet.checkpoint``, off the loop under its deadline: it may have
-    been deleted or overwritten since) -> reload it into the engine -> its checksum must equal the
-    fleet's -> reset its prefix cache -> stamp the fleet's version -> readmit it (``clear_stale``)
+    re-check the directory (``router.fleet.checkpoint`` and its tensors, off the loop under its
+    deadline: it may have been deleted or overwritten since) -> its weight files must be as the refit
+    verified them (``router.fleet.tensor_manifest``: size, mtime, ctime, inode, header) -> reload it into
+    the engine -> its files still as verified -> its checksum (every weight the engine computes with,
+    ``router.fleet.weight_checksums``) must equal the fleet's -> reset its prefix cache -> stamp the
+    fleet's version -> readmit it (``clear_stale``)
 
 A failed attempt is retried ``ATTEMPTS`` times with a growing pause, releasing the lock in between; one
 that still fails leaves the engine STALE with ``restore from DIR failed: ...`` (and a warning in the log).
@@ -41,11 +44,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from router.fleet.checkpoint import CheckpointGuard, CheckpointRefused, check_directories
+from router.fleet.checkpoint import CheckpointGuard, CheckpointRefused
 from router.fleet.engine import EngineClient
 from router.fleet.fleet import Fleet
 from router.fleet.ops import checksum_digest, compare_checksums, fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, RefitCoordinator, WeightSource
+from router.fleet.tensor_manifest import DirectoryRecord, check_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +164,12 @@ class Restorer:
         path = source.path
         try:
             root = await self._served_root()
-            await self._guard.run(check_directories, [path], root, None, source.started_from)
+            checked = await self._guard.run(check_checkpoints, [path], root, None, source.started_from)
         except CheckpointRefused as exc:
             return f"{path} failed: the directory no longer passes the check: {exc}", False
+        changed = self._changed(source, checked.records[path])
+        if changed:
+            return f"{path} failed: {changed}", False
         async with EngineClient.open(self.api_key, LOAD_TIMEOUT_S) as engines:
             loaded = await engines.reload_weights(url, path)
             engines.timeout_s = STEP_TIMEOUT_S
@@ -175,6 +182,13 @@ class Restorer:
             wanted = source.checksum or await self._fleet_checksum(url)
             if wanted is not None and digest != wanted:
                 return f"{path} failed: checksum {digest} differs from the fleet's {wanted}", False
+            try:  # written during this load: the engine holds what nobody verified
+                after = await self._guard.run(checked.records[path].again)
+            except CheckpointRefused as exc:
+                return f"{path} failed: the directory is not readable again after the load: {exc}", False
+            changed = self._changed(source, after)
+            if changed:
+                return f"{path} failed: {changed}", False
             reset = await engines.reset_cache(url)
             if not reset.ok:
                 return f"{path} failed: prefix cache not reset: {reset.detail}", False
@@ -195,6 +209,20 @@ class Restorer:
             digest,
         )
         return None
+
+    @staticmethod
+    def _changed(source: WeightSource, now: DirectoryRecord) -> str:
+        """Why the directory's files are not those its version was verified with ("" when they are, or
+        when no record was kept: the start directory, whose engines' checksums are compared instead)."""
+        if source.record is None:
+            return ""
+        changes = source.record.changes(now)
+        if not changes:
+            return ""
+        return (
+            f"its files changed since version {source.version!r} was verified from it "
+            f"({'; '.join(changes)}): it no longer holds that version's weights; refit the fleet"
+        )
 
     async def _source(self, url: str) -> WeightSource:
         """The verified directory of the fleet's current weights, or ``NothingToRestore``."""

@@ -11,16 +11,19 @@ The format: 8 bytes little-endian N, N bytes of UTF-8 JSON mapping each tensor's
 ``__metadata__`` of strings; the tensors' byte ranges tile the data region from 0 without gaps or
 overlaps, each exactly its shape times its dtype's size, and the data region ends at the end of the
 file. The messages are the ``safetensors`` library's (measured with its ``safe_open`` on crafted
-files), so an engine's error and this one read the same. What is not checked: the tensor values (any
-bytes are valid floats) and whether the names and shapes are those of the served model's parameters.
+files), so an engine's error and this one read the same. What is not checked here: the tensor values
+(any bytes are valid floats). Each header's tensors (``Header.tensors_of``: name, dtype, shape) are
+what ``router.fleet.tensor_manifest`` compares with the served model's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any, BinaryIO
 
 MAX_HEADER_BYTES = 100_000_000
@@ -55,6 +58,10 @@ class Header:
     tensors: int
     size: int
     """8 + header + data: the file's size, which it was checked to be."""
+    tensors_of: dict[str, tuple[str, tuple[int, ...]]] = dataclass_field(default_factory=dict)
+    """Each tensor's ``(dtype, shape)`` by name."""
+    digest: str = ""
+    """SHA-256 of the 8 + N header bytes: names, dtypes, shapes and byte ranges, as written."""
 
 
 def _json_kind(value: Any) -> str:
@@ -144,4 +151,6 @@ def read_header(fh: BinaryIO, size: int) -> Header:
         start = end
     if start + 8 + n != size:
         raise HeaderError("incomplete metadata, file not fully covered", size_said=start + 8 + n)
-    return Header(header_bytes=n, tensors=len(entries), size=size)
+    tensors_of = {name: (info["dtype"], tuple(info["shape"])) for name, info in header.items()}
+    digest = hashlib.sha256(prefix + raw).hexdigest()
+    return Header(header_bytes=n, tensors=len(entries), size=size, tensors_of=tensors_of, digest=digest)

@@ -118,6 +118,12 @@ class SimWorker:
     async def rpc_compute_weight_checksums(self, args: list[Any], kwargs: dict[str, Any]) -> dict[str, str]:
         return self.checksums()
 
+    async def rpc_rl_launch_weight_checksums(self, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The launcher's worker extension (``launcher.engines.vllm.worker_ext``), which every vLLM engine
+        the launcher starts has: the same table as ``/weight_checker`` here, whose weights are one digest
+        with no CPU kernel holding a copy of its own (``kernels``: 0)."""
+        return {"checksums": self.checksums(), "kernels": 0}
+
     async def rpc_reload_weights(self, args: list[Any], kwargs: dict[str, Any]) -> None:
         where = "GPUModelRunner.reload_weights()"
         if len(args) > len(RELOAD_PARAMS):

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Literal
 
 from launcher.engines.base import Engine, EngineSpec, EngineStartError
 from launcher.engines.key_guard import GUARD_DIR, GUARD_IMPORT_PATH
+from launcher.engines.vllm.worker_ext import EXTENSION_CLS, WORKER_EXT_DIR, WORKER_EXT_FLAG
 from router.ports import free_port
 
 if TYPE_CHECKING:
@@ -218,8 +219,18 @@ class VllmEngine(Engine):
         argv += ["--tensor-parallel-size", str(s.tensor_parallel_size), "--enable-prefix-caching"]
         if self.guarded:
             argv += ["--middleware", GUARD_IMPORT_PATH]
+        if self.weight_checksums:
+            argv += [WORKER_EXT_FLAG, EXTENSION_CLS]
         argv += list(s.extra_args)
         return argv
+
+    @property
+    def weight_checksums(self) -> bool:
+        """Whether the engine gets the launcher's worker extension (``launcher.engines.vllm.worker_ext``):
+        the checksum of every weight it computes with, which the router's refit verify and restore
+        compare. Not when the caller's ``extra_args`` name a worker extension of their own (vLLM takes
+        one): the router then falls back to vLLM's ``/weight_checker`` and says what it cannot see."""
+        return not any(a.split("=", 1)[0] == WORKER_EXT_FLAG for a in self.spec.extra_args)
 
     @property
     def guarded(self) -> bool:
@@ -246,6 +257,8 @@ class VllmEngine(Engine):
         env.update(self.spec.env)
         if self.guarded:  # the key guard is imported by the engine's interpreter, from its own directory
             env["PYTHONPATH"] = os.pathsep.join(p for p in (GUARD_DIR, env.get("PYTHONPATH", "")) if p)
+        if self.weight_checksums:  # imported by every worker of the engine, from its own directory
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (WORKER_EXT_DIR, env.get("PYTHONPATH", "")) if p)
         return env
 
     # ----------------------------------------------------------------- lifecycle
