@@ -11,8 +11,9 @@ The count of held requests is bounded per consumer where the holds are decided, 
 who the consumer is and before its body is read:
 
 * connections: at most ``HttpLimits.max_connections_per_consumer`` per process (0: the consumer's weighted
-  share of this process's cap, the consumers' weights from the file and the owner's 1); a request on one
-  more is refused and that connection closed, so it goes back to the cap for the others.
+  share of this process's cap for keyed connections, ``ConnectionGate.keyed_cap``: the cap less the pool
+  kept for connections that presented no key; the consumers' weights from the file and the owner's 1); a
+  request on one more is refused and that connection closed, so it goes back to the cap for the others.
 * bodies: at most ``HttpLimits.max_body_bytes_per_consumer`` of the consumer's request bodies in this
   process at once, counted from the declared ``Content-Length`` before a byte is read (a body without one
   is counted at ``max_request_bytes``, the most it may be, since its size is known only once read) until
@@ -99,7 +100,7 @@ class ConsumerLimits:
             return None
         claim = getattr(request.protocol, "claim", None)  # a GuardedRequestHandler (router.http.connections)
         if claim is not None:
-            cap = self._connection_cap(consumer, request.protocol.gate.cap)  # type: ignore[union-attr]
+            cap = self._connection_cap(consumer, request.protocol.gate.keyed_cap)  # type: ignore[union-attr]
             if not claim(consumer.name, cap):
                 return self._refuse(
                     "consumer_connections",

@@ -26,6 +26,15 @@ Each limit closes a way for one misbehaving peer to take the router (and so ever
   consumer's held requests kept their bodies in memory for as long as they were held (8 x 8 MB: router
   RSS +80 MB) with no bound but the connection cap x ``max_request_bytes``. 1 GiB is ~25,000 of Gym's
   ~40 KB conversations.
+* ``keyless_share``, ``keyless_idle_timeout_s``, ``keyless_max_requests``: connections that have made no
+  authenticated request (``router.http.connections``). Another local user with no key held every
+  connection of the cap with idle keep-alive ``/health`` connections, and every consumer's next connection
+  was closed at accept: the per-consumer caps never applied, as those connections never authenticated.
+  Now a connection that has made only unauthenticated requests lives in a small pool of its own
+  (``keyless_share`` of the cap, at least 4, at most half: ``keyless_pool``), is closed after
+  ``keyless_idle_timeout_s`` idle (a keyed one keeps ``keepalive_timeout_s``) and after
+  ``keyless_max_requests`` requests; connections that presented a key have the rest of the cap; and a
+  new connection is never refused while an unauthenticated one could make room for it.
 * ``body_timeout_s``: a request body the router reads must have arrived this long after its head, else
   the client gets 408 and the connection is closed; a body it does not read (a ``/health`` with a body,
   a request refused before its body) is drained and discarded for at most this long, then the
@@ -39,6 +48,7 @@ They are ``RouterConfig.http`` (and a job spec's ``router.http``), validated wit
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -58,9 +68,12 @@ class HttpLimits:
     body_timeout_s: float = 10.0
     max_connections_per_consumer: int = 0
     max_body_bytes_per_consumer: int = 1024 * 1024 * 1024
+    keyless_share: float = 0.05
+    keyless_idle_timeout_s: float = 3.0
+    keyless_max_requests: int = 100
 
     def __post_init__(self) -> None:
-        for name in ("head_timeout_s", "keepalive_timeout_s", "body_timeout_s"):
+        for name in ("head_timeout_s", "keepalive_timeout_s", "body_timeout_s", "keyless_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HttpLimits.{name} must be > 0, got {getattr(self, name)}")
         for name in (
@@ -68,9 +81,15 @@ class HttpLimits:
             "max_backend_header_bytes",
             "max_error_body_bytes",
             "max_body_bytes_per_consumer",
+            "keyless_max_requests",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"HttpLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.keyless_share <= 0.5:
+            raise ValueError(
+                "HttpLimits.keyless_share must be in [0, 0.5] (the part of the connection cap kept for "
+                f"connections that have presented no key), got {self.keyless_share}"
+            )
         if self.max_connections_per_consumer < 0:
             raise ValueError(
                 "HttpLimits.max_connections_per_consumer must be >= 0 (0: the consumer's weighted share "
@@ -107,3 +126,13 @@ def effective_connection_cap(limits: HttpLimits, open_file_limit: int) -> int:
     """Client connections admitted at once: the configured cap, bounded so that every admitted client
     can also hold an upstream connection without reaching the open-file limit."""
     return max(1, min(limits.max_client_connections, (open_file_limit - RESERVED_FDS) // 2))
+
+
+MIN_KEYLESS_POOL = 4
+
+
+def keyless_pool(cap: int, share: float) -> int:
+    """Connections of one process's ``cap`` kept for those that have made no authenticated request: the
+    ``share`` of it, at least ``MIN_KEYLESS_POOL`` (so a few probes and scrapers keep their keep-alive on
+    a small cap), at most half (so a cap of 1 or 2 still admits a keyed connection)."""
+    return min(cap // 2, max(MIN_KEYLESS_POOL, math.ceil(cap * share)))
