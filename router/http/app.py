@@ -33,8 +33,8 @@ from router.http.auth import ROUTE_TABLE, Access, Credentials, RouteTable
 from router.http.capability import capability_path, stripped
 from router.http.connections import ConnectionGate, GuardedSockSite
 from router.http.consumer_limits import ConsumerLimits
-from router.http.keyed import KeyedRouteTable
 from router.http.forwarding import Forwarder
+from router.http.keyed import KeyedRouteTable
 from router.http.limits import HttpLimits, effective_connection_cap, raise_open_file_limit
 from router.http.status import error_body
 from router.state.metrics import RouterMetrics
