@@ -30,6 +30,7 @@ import pytest
 
 from router import GenerationRouter
 from router.consumers import add_consumer, new_key
+from router.http.limits import HttpLimits, keyless_pool
 from router.state.versions import WANT_HEADER
 from tests.support.http_backends import (
     router_factory,
@@ -199,7 +200,8 @@ async def test_a_consumer_past_its_held_bound_is_refused_while_another_is_served
 async def test_a_consumer_past_its_share_of_connections_is_refused(sims, routers, keys, workers) -> None:
     path, p, q = keys
     es = await sims(2)
-    # 12 connections in all (6 per process with 2 workers): P's share is a third of each process's cap.
+    # 12 connections in all (6 per process with 2 workers): P's share is a third of each process's keyed
+    # pool (the cap less the keyless pool, issue 38).
     r = routers(
         [e.url + "/v1" for e in es],
         consumers_file=path,
@@ -210,7 +212,8 @@ async def test_a_consumer_past_its_share_of_connections_is_refused(sims, routers
     base = r.base_url()
     await stamp(base, "v1")
     await on_loop(r, lambda: r.backends.versions.announce("v2"))
-    share = 12 // 3 if workers == 1 else 6 // 3
+    per_process = 12 // workers
+    share = (per_process - keyless_pool(per_process, HttpLimits().keyless_share)) // 3
     # Six requests of P at once, each on a connection of its own, held for v2 (so their connections stay).
     tasks = [
         asyncio.create_task(call(base, p, completion(), {WANT_HEADER: "v2"}, timeout_s=20)) for _ in range(6)

@@ -316,19 +316,23 @@ async def test_half_open_connection_flood_is_capped_and_timed_out(engines, route
     t0 = time.monotonic()
     closed = await asyncio.gather(*(is_closed(reader, 5) for reader, _ in conns))
     took = time.monotonic() - t0
-    assert all(closed) and took < 3  # every one closed: at once above the cap, at the head deadline below
+    # Every one closed: above the cap the oldest unauthenticated one makes room for the new (issue 38:
+    # a new connection is never refused while one that presented no key could go), the rest at the head
+    # deadline.
+    assert all(closed) and took < 3
     if workers == 1:
         assert r.connections is not None and r.connections.open == 0
     errors = await metric_samples(r, "rl_router_errors")
+    assert (("kind", "connection_cap"),) not in errors
     if workers == 1:
-        assert errors[(("kind", "connection_cap"),)] == 100.0
+        assert errors[(("kind", "keyless_evicted"),)] == 100.0
         assert errors[(("kind", "head_timeout"),)] == 100.0
     else:
         # Each worker admits its share of the cap (50) and the kernel decides which worker accepts each
-        # connection: at least the configured 100 are refused, and every connection was either refused
-        # or timed out. The gates are the workers' (the router process has none to read).
-        refused = errors[(("kind", "connection_cap"),)]
-        assert refused >= 100.0 and refused + errors[(("kind", "head_timeout"),)] == 200.0
+        # connection: at least the configured 100 are closed for newer ones, and every connection was
+        # either closed so or timed out. The gates are the workers' (the router process has none to read).
+        evicted = errors[(("kind", "keyless_evicted"),)]
+        assert evicted >= 100.0 and evicted + errors[(("kind", "head_timeout"),)] == 200.0
     for _, writer in conns:
         writer.close()
     assert (await post(r.base_url() + CHAT, {}))[0] == 200  # real requests still served
@@ -1013,7 +1017,8 @@ HELD = 8  # the connection cap in the lockout tests, and the connections the att
 
 async def hold_slot(port: int, head: bytes, stop: asyncio.Event) -> asyncio.Task[None] | None:
     """Open a connection, send ``head`` and the first byte of its body, and trickle one more byte every
-    0.2 s until ``stop``; None when the router refused the connection at its cap."""
+    0.2 s until ``stop`` or the router closes it (a write then fails); None when the router refused the
+    connection at its cap."""
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(head + b"{")
@@ -1061,7 +1066,10 @@ async def test_trickled_bodies_hold_a_connection_only_until_the_body_deadline(
     """Issue 17: with worker processes every open route relayed its body, read whole with no deadline,
     so eight connections trickling a body to /health locked real clients out for good (one process:
     10 s, aiohttp's drain time); a proxied route read its body with no deadline in either mode. Now a
-    body is read within ``body_timeout_s`` (408) and an unread one drained for at most as long."""
+    body is read within ``body_timeout_s`` (408) and an unread one drained for at most as long: every
+    trickling connection is closed by the router within twice the deadline. And since issue 38 they lock
+    nobody out meanwhile: presenting no key they are closed to make room for a new connection (and those
+    whose route has no check are keyed, within the keyed pool, which leaves the keyless one free)."""
     (e,) = await engines(1)
     body_timeout_s = 2.0
     limits = HttpLimits(max_client_connections=HELD, body_timeout_s=body_timeout_s)
@@ -1075,11 +1083,10 @@ async def test_trickled_bodies_hold_a_connection_only_until_the_body_deadline(
     held: list[asyncio.Task[None]] = []
     try:
         # Each process admits its share of the cap, and the kernel hands a connection on the shared socket
-        # to whichever process accepts first: the full one may win many times in a row (94 refusals in a
-        # row on a loaded CI machine). A refused connection is retried after a pause, so the other process
-        # gets its turn, within half the body deadline (no slot is released before the deadline).
+        # to whichever process accepts first. A refused connection is retried after a pause, within half
+        # the body deadline (bounded in count and time).
         hold_until = time.monotonic() + body_timeout_s / 2
-        for _ in range(200):  # bounded in count and time
+        for _ in range(200):
             task = await hold_slot(r.port, head, stop)
             if task is not None:
                 held.append(task)
@@ -1089,20 +1096,14 @@ async def test_trickled_bodies_hold_a_connection_only_until_the_body_deadline(
                 await asyncio.sleep(0.02)
         assert len(held) == HELD, f"only {len(held)} connections held"
         t0 = time.monotonic()
-        refused = 0
-        for _ in range(100):  # bounded in count (and in time below)
-            if await health_answered(r.port):
-                break
-            refused += 1
-            assert time.monotonic() - t0 < 10, f"real clients locked out for {time.monotonic() - t0:.1f} s"
-            await asyncio.sleep(0.1)
-        locked_out = time.monotonic() - t0
+        assert await health_answered(r.port), "a real client was locked out"
+        # Read within the deadline (408 and a close), or drained for at most the deadline: 2x, plus slack.
+        _, still_open = await asyncio.wait(held, timeout=2 * body_timeout_s + 2.0)
+        took = time.monotonic() - t0
     finally:
         stop.set()
         await asyncio.gather(*held, return_exceptions=True)
-    assert refused >= 1  # the held connections did take every slot
-    # Read within the deadline (408 and a close), or drained for at most the deadline: 2x, plus slack.
-    assert locked_out < 2 * body_timeout_s + 2.0, f"real clients locked out for {locked_out:.1f} s"
+    assert not still_open, f"{len(still_open)} trickling connections still open after {took:.1f} s"
 
 
 def reset_peak_rss(pid: int) -> None:
