@@ -232,3 +232,20 @@ def test_what_the_engines_hold_is_adopted_with_owners_from_the_reservations() ->
     with pytest.raises(AdapterCapacity):
         t.admit_new("another")  # three held by the engines
     assert adopt(t, listings) == []  # known now: nothing adopted twice
+
+
+def test_a_body_is_read_once_strictly() -> None:
+    from router.adapters.body import UnreadableBody, requested_model
+
+    assert requested_model(b'{"model": "pa@v1", "prompt": "x"}') == "pa@v1"
+    assert requested_model(b'{"prompt": "x"}') is None and requested_model(b'{"model": null}') is None
+    for body in (
+        b'{"model": "pa@v1", "x": NaN}',  # json.loads (vLLM) reads these three; orjson does not
+        b'\xef\xbb\xbf{"model": "pa@v1"}',
+        b'{"model": "pa@v1", "user": "\\ud800"}',
+        b"",
+        b'["pa@v1"]',
+        b'{"model": ["pa@v1"]}',
+    ):
+        with pytest.raises(UnreadableBody):
+            requested_model(body)
