@@ -25,8 +25,8 @@ weights every rollout (and so the training data) comes from, or swap files betwe
 load. So the directory and every file read are refused, after ``realpath``, when not owned by this
 process's user or writable by group or others, as is a symlink that leads out of the directory and a
 path that another user can redirect: every directory its resolution reads (``_ancestors``) must be
-owned by this user or root and writable by no one else unless sticky, every symlink on the way owned
-by one of them (issue 38: another user's sticky team scratch, or a group-writable one, let that user
+owned by this user or root and writable by no one else unless sticky (or out of every other user's
+reach, below a 0700 directory), every symlink on the way owned by one of them (issue 38: another user's sticky team scratch, or a group-writable one, let that user
 swap a checked checkpoint before the engines loaded it). ``allow_foreign`` (the refit body's
 ``"allow_foreign_checkpoint": true``) lets an operator load a colleague's checkpoint anyway. Anything
 that is not a regular file (a FIFO, a device, a socket) is refused always, without reading it: each
@@ -174,10 +174,11 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
-def _safe_to_look_up(directory: str, st: os.stat_result, what: str) -> None:
+def _safe_to_look_up(directory: str, st: os.stat_result, what: str, private: bool) -> None:
     """Refuse ``directory`` (one the path is resolved through) unless only this user or root can change
     its entries: owned by one of them, and writable by nobody else, or sticky (then others may add
-    names but not rename or remove this user's: ``/tmp``)."""
+    names but not rename or remove this user's: ``/tmp``), or ``private``: below a directory of theirs
+    that grants group and others no search, where no other user reaches it to write it."""
     me = os.geteuid()
     if st.st_uid not in (me, 0):
         raise CheckpointRefused(
@@ -186,7 +187,7 @@ def _safe_to_look_up(directory: str, st: os.stat_result, what: str) -> None:
             f"it under a directory only you (uid {me}) or root can change, or {OPT_OUT}"
         )
     writers = _writers(st)
-    if writers and not st.st_mode & stat.S_ISVTX:
+    if writers and not st.st_mode & stat.S_ISVTX and not private:
         raise CheckpointRefused(
             f"{what} lies under {directory}, which {writers} can write (mode {stat.S_IMODE(st.st_mode):04o}, "
             f"no sticky bit): any of them can rename it away and put another in its place; chmod go-w "
@@ -206,13 +207,18 @@ def _ancestors(path: str, what: str) -> str:
     (issue 38: a team scratch another user made, ``chmod 1777``, swapped under a checked checkpoint in
     0.05 ms). What passes here can be changed only by this user and root, so the path names, at the
     load, the directory that was checked unless this user itself moves it (what the adapter restore's
-    digest, ``router.fleet.adapter_check.adapter_digest``, and the full restore's checksum are for)."""
+    digest, ``router.fleet.adapter_check.adapter_digest``, and the full restore's checksum are for).
+
+    A directory group or others can write is fine below one of this user's (or root's) that grants
+    group and others no search permission (``mode & 0o011 == 0``: a job directory is 0700): no other
+    user can reach it to rename anything. Under umask 002 a trainer's ``mkdir -p`` makes every folder
+    it adds 0775, and refusing those inside a private job directory would refuse what nobody can
+    change. Another user's directory is refused wherever it is."""
     me = os.geteuid()
     todo = [c for c in reversed(path.split("/")) if c]
     current, hops = "/", 0
-    st = os.stat(current)
-    _safe_to_look_up(current, st, what)
-    safe = {current}
+    private = {current: False}  # whether an ancestor keeps every other user out (search denied)
+    looked_up: dict[str, os.stat_result] = {}
     while todo:
         name = todo.pop()
         if name == ".":
@@ -220,9 +226,9 @@ def _ancestors(path: str, what: str) -> str:
         if name == "..":
             current = os.path.dirname(current)
             continue
-        if current not in safe:
-            _safe_to_look_up(current, os.stat(current), what)
-            safe.add(current)
+        if current not in looked_up:
+            looked_up[current] = os.stat(current)
+            _safe_to_look_up(current, looked_up[current], what, private[current])
         entry = os.path.join(current, name)
         st = os.lstat(entry)
         if stat.S_ISLNK(st.st_mode):
@@ -239,6 +245,7 @@ def _ancestors(path: str, what: str) -> str:
             if target.startswith("/"):
                 current = "/"
             continue
+        private[entry] = private[current] or not looked_up[current].st_mode & 0o011
         current = entry
     return current
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,13 +33,16 @@ from tests.support.adapters import write_adapter
 from tests.support.http_backends import router_factory
 from tests.support.other_user import OtherUser, other_user
 from tests.support.refit_calls import TOKEN
+from tests.support.shared_dir import shared_dir
+
+__all__ = ["shared_dir"]  # the fixture
 
 API = "client-key-of-the-owner-0123456789"
 LORA = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4}
 LORA.update(allow_runtime_lora_updating=True, model_name="tiny")
 SYSTEM_PYTHON = "/usr/bin/python3"
-RENAMES = "import os, sys\nfd = int(sys.argv[1])\nfor a, b in zip(sys.argv[2::2], sys.argv[3::2]):\n"
-RENAMES += "    os.rename(a, b, src_dir_fd=fd, dst_dir_fd=fd)\n"
+RENAMES = "import os, sys\nos.chdir(sys.argv[1])\nfor a, b in zip(sys.argv[2::2], sys.argv[3::2]):\n"
+RENAMES += "    os.rename(a, b)\n"
 
 
 @pytest.fixture
@@ -86,31 +88,26 @@ async def served_on(engine: SimServer) -> set[str]:
 
 def as_other_user(probe: OtherUser, where: Path, *names: str) -> None:
     """Rename ``names`` pairwise in ``where`` as the other user (the kernel judges each rename)."""
-    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        done = subprocess.run(
-            [SYSTEM_PYTHON, "-c", RENAMES, str(fd), *names],
-            user=probe.uid,
-            group=probe.gid,
-            extra_groups=[],
-            pass_fds=(fd,),
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin"},
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    finally:
-        os.close(fd)
+    done = subprocess.run(
+        [SYSTEM_PYTHON, "-c", RENAMES, str(where), *names],
+        user=probe.uid,
+        group=probe.gid,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
 
 
-def change(how: str, tmp_path: Path) -> tuple[Path, dict[str, Any], Callable[[], None]]:
+def change(how: str, tmp_path: Path, shared: Path) -> tuple[Path, dict[str, Any], Callable[[], None]]:
     """The adapter's directory, the load's extra fields, and the change made to it after the load."""
     if how == "another user swaps its team scratch":  # the finding's repro, loaded with the opt-in
         probe = other_user()
-        team = tmp_path / "team"
+        team = shared / "team"
         team.mkdir()
         probe.chown(team)
         team.chmod(0o1777)
@@ -140,12 +137,16 @@ CASES = ["swapped", "rewritten in place", "another user swaps its team scratch",
 
 @pytest.mark.parametrize("how", CASES)
 async def test_a_restarted_engine_gets_an_adapter_back_only_as_it_was_loaded(
-    how: str, sims: Callable[..., Any], routers: Callable[..., GenerationRouter], tmp_path: Path
+    how: str,
+    sims: Callable[..., Any],
+    routers: Callable[..., GenerationRouter],
+    tmp_path: Path,
+    shared_dir: Path,
 ) -> None:
     engines = await sims(2, **LORA)
     r = routers([e.url for e in engines], lora={"max_adapters": 2, "max_lora_rank": 8})
     url = r.base_url()
-    directory, extra, changed = change(how, tmp_path)
+    directory, extra, changed = change(how, tmp_path, shared_dir)
     status, answer = await load(url, directory, **extra)
     assert status == 200 and answer["ok"], answer
     own = set(await texts(url, "policy-a", 4))

@@ -51,6 +51,9 @@ from tests.support.checkpoints import CONFIG, broken, checkpoint, unloadable
 from tests.support.http_backends import router_factory
 from tests.support.other_user import other_user
 from tests.support.refit_calls import TOKEN, admin, chat, in_thread, send
+from tests.support.shared_dir import shared_dir
+
+__all__ = ["shared_dir"]  # the fixture
 
 
 @pytest.fixture
@@ -225,21 +228,22 @@ def test_another_users_or_a_writable_checkpoint_is_refused_unless_allowed(tmp_pa
     loose.chmod(0o755)
     (loose / "config.json").chmod(0o666)
     assert f"{loose / 'config.json'} is writable by group or others (mode 0666)" in refused(loose)
+
+
+def test_a_path_another_user_can_redirect_is_refused_naming_where(shared_dir: Path, tmp_path: Path) -> None:
+    """Issue 38, finding 2: every directory the path is resolved through, and every symlink on the way,
+    only this user or root can change; the checkpoint and the adapter check alike. ``shared_dir`` is a
+    directory other users can enter (pytest's own temp directory is 0700: out of their reach)."""
+    probe = other_user()
     # under a world-writable directory without the sticky bit (with it, like /tmp: fine)
-    open_dir = tmp_path / "open"
+    open_dir = shared_dir / "open"
     open_dir.mkdir()
     under = checkpoint(open_dir, "under")
     open_dir.chmod(0o777)
     assert f"lies under {open_dir}, which every user can write (mode 0777, no sticky bit)" in refused(under)
     open_dir.chmod(0o1777)
     assert read_checkpoint(str(under)).files == ["model.safetensors"]
-
-
-def test_a_path_another_user_can_redirect_is_refused_naming_where(tmp_path: Path) -> None:
-    """Issue 38, finding 2: every directory the path is resolved through, and every symlink on the way,
-    only this user or root can change; the checkpoint and the adapter check alike."""
-    probe = other_user()
-    team = tmp_path / "team"  # a team scratch the other user made, as /tmp is made
+    team = shared_dir / "team"  # a team scratch the other user made, as /tmp is made
     team.mkdir()
     probe.chown(team)
     team.chmod(0o1777)
@@ -252,7 +256,7 @@ def test_a_path_another_user_can_redirect_is_refused_naming_where(tmp_path: Path
     with pytest.raises(CheckpointRefused, match=f"adapter directory {adapter} lies under {team}, owned by"):
         read_adapter(str(adapter), LoraPlan(max_lora_rank=8), None)
     # a directory another user's group can write (no sticky bit), two levels up
-    project = tmp_path / "project"
+    project = shared_dir / "project"
     project.mkdir()
     os.chown(project, 0, probe.gid)
     project.chmod(0o775)
@@ -261,6 +265,19 @@ def test_a_path_another_user_can_redirect_is_refused_naming_where(tmp_path: Path
     assert f"lies under {project}, which group {probe.name} (gid {probe.gid}) can write (mode 0775" in why
     project.chmod(0o1775)  # sticky, root's: its group adds names but cannot move ours
     assert read_checkpoint(str(deep)).files == ["model.safetensors"]
+    # the same, inside a directory that grants group and others no search (a job directory, 0700):
+    # nobody else reaches it (a trainer's mkdir -p under umask 002 makes such folders 0775)
+    job = shared_dir / "job"
+    job.mkdir(mode=0o700)
+    os.chown(project.rename(job / "project"), 0, probe.gid)
+    (job / "project").chmod(0o775)
+    assert read_checkpoint(str(job / "project" / "me" / "runs" / "step-9")).files == ["model.safetensors"]
+    job.chmod(0o701)  # searchable by others again: refused again
+    assert f"lies under {job / 'project'}, which group {probe.name}" in refused(
+        job / "project/me/runs/step-9"
+    )
+    deep = job / "project" / "me" / "runs" / "step-9"
+    job.chmod(0o700)
     # the path goes through another user's directory, though it leads to ours
     (team / "latest").symlink_to(deep)
     assert f"lies under {team}, owned by {probe.name}" in refused(team / "latest")
