@@ -153,17 +153,17 @@ def tensor_mismatches(served: Tensors, candidate: Tensors) -> list[str]:
         if served[n] != candidate[n]
     ]
 
-    def listed(what: str, names: list[str]) -> str:
+    def listed(verb: str, what: str, names: list[str]) -> str:
         more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
-        return f"{len(names)} {what}: {', '.join(names[:SHOWN])}{more}"
+        return f"{verb} {len(names)} {what}: {', '.join(names[:SHOWN])}{more}"
 
     out = []
     if missing:
-        out.append(listed("tensor(s) of the served model missing", missing))
+        out.append(listed("lacks", "of the served model's tensors", missing))
     if extra:
-        out.append(listed("tensor(s) the served model does not have", extra))
+        out.append(listed("has", "tensor(s) the served model does not have", extra))
     if other:
-        out.append(listed("tensor(s) of another dtype or shape", other))
+        out.append(listed("has", "tensor(s) of another dtype or shape", other))
     return out
 
 
@@ -227,8 +227,8 @@ def check_checkpoints(
         bad = tensor_mismatches(reference.tensors, record.tensors)
         if bad:
             raise CheckpointRefused(
-                f"checkpoint directory {path} does not hold the served model's tensors (compared with "
-                f"{out.reference}): {'; '.join(bad)}. vLLM's reload keeps its old values of a tensor it "
-                "does not find, so the engines would serve a mix; save every tensor of the model"
+                f"checkpoint {path} {'; '.join(bad)} (the served model's are {out.reference}): vLLM's "
+                "reload keeps its old values of a tensor it does not find, so the engines would serve a "
+                "mix; save every tensor of the model, as it is served"
             )
     return out

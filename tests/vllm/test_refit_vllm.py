@@ -14,6 +14,7 @@ Needs ``RL_LAUNCH_VLLM_PYTHON``::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from launcher.engines.vllm.engine import VllmEngine
 from launcher.fleet.client import FleetClient, FleetOpError, RefitError
 from router import GenerationRouter, RouterConfig
 from router.fleet.engine_counters import parse_counters
+from tests.support.checkpoints import llama_weight_table
 from tests.support.engine_key_probes import KEY, PROBES, _call, expected, refused_without_key
 from tests.support.prometheus_readers import ours, reference
 
@@ -584,3 +586,152 @@ def test_a_cut_checkpoint_is_refused_and_a_failing_canary_costs_one_engine(
         f"\n[refit vllm] cut checkpoint refused before the pause: {str(refused.value)[:200]!r}; "
         f"canary {canary} quarantined with {why[:160]!r}, restored to step-4 ({on_b}); 16/16 rollouts 200"
     )
+
+
+EDIT_TENSOR = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+path, action, name = sys.argv[1:4]
+tensors = load_file(path)
+if action == "drop":
+    del tensors[name]
+else:
+    noise = torch.randn(tensors[name].shape, generator=torch.Generator().manual_seed(11)) * 0.5
+    tensors[name] = (tensors[name].float() + noise).to(tensors[name].dtype)
+save_file(tensors, path, metadata={"format": "pt"})
+"""
+LINEAR = "model.layers.1.self_attn.o_proj.weight"
+"""A linear layer's tensor: on vLLM 0.32 CPU its parameter is emptied once loaded (issue 38, finding 11)."""
+EMPTY = hashlib.sha256(b"").hexdigest()
+
+
+def _edited_copy(vllm_python: str, source: Path, target: Path, action: str, name: str = LINEAR) -> Path:
+    """A copy of ``source`` with one tensor perturbed (``"perturb"``) or left out (``"drop"``)."""
+    if not target.exists():
+        shutil.copytree(source, target)
+    weights = target / "model.safetensors"
+    out = subprocess.run(
+        [vllm_python, "-c", EDIT_TENSOR, str(weights), action, name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return target
+
+
+def _post_engine(engine_url: str, path: str, body: Any) -> Any:
+    req = urllib.request.Request(
+        engine_url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _unprefixed(table: dict[str, str]) -> dict[str, str]:
+    return {name.rsplit(":", 1)[-1]: digest for name, digest in table.items()}
+
+
+def test_a_checkpoint_differing_in_one_linear_layer_gets_another_checksum(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """Issue 38 finding 11: vLLM's ``/weight_checker`` hashes zero bytes for every linear weight on the CPU
+    build, so a checkpoint differing from C in one linear layer got exactly C's checksum. The checksum the
+    refit verifies now covers every weight the engine computes with, and equals the table computed from
+    the checkpoint's own files (vLLM's fused parameters stacked from their parts)."""
+    client: FleetClient = fleet["client"]
+    engines = fleet["engines"]
+    base = _perturbed_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-c", 1.5)
+    linear = _edited_copy(vllm_python, base, fleet["logdir"] / "tiny-c-linear", "perturb")
+    on_c = client.load_weights(base, "step-c")
+    assert on_c["ok"] and on_c["uncovered_parameters"] == [], on_c
+    checker = _post_engine(engines[0].url, "/weight_checker", {"action": "checksum"})["checksums"]
+    extension = _post_engine(engines[0].url, "/collective_rpc", {"method": "rl_launch_weight_checksums"})
+    table = extension["results"][0]["checksums"]
+    assert _unprefixed(table) == llama_weight_table(base)  # every parameter, as the files hold it
+    greedy_c = _greedy(engines[0].url)
+    on_linear = client.load_weights(linear, "step-c-linear")
+    assert on_linear["ok"], on_linear
+    assert on_linear["checksum"] != on_c["checksum"], "one linear layer apart, the same checksum"
+    assert _greedy(engines[0].url) != greedy_c  # it is other weights the engines serve
+    blind = sorted(n for n, d in checker.items() if d == EMPTY)
+    print(
+        f"\n[refit vllm] parameters hashed: /weight_checker {len(checker) - len(blind)} of {len(checker)} "
+        f"(zero bytes for {len(blind)}: {[n.rsplit(':', 1)[-1] for n in blind]}); the launcher's extension "
+        f"{sum(d != EMPTY for d in table.values())} of {len(table)}, equal to the checkpoint's own table; "
+        f"C {on_c['checksum']} -> C with {LINEAR} changed {on_linear['checksum']}"
+    )
+
+
+def test_a_checkpoint_missing_a_linear_tensor_is_refused_before_the_pause(
+    fleet: Any, vllm_python: str
+) -> None:
+    """Issue 38 finding 11: a checkpoint missing one linear tensor refitted with exit 0 (vLLM's reload
+    keeps the old layer) and the engines served a hybrid under the new version. Now refused 400 before
+    anything pauses, naming the tensor; the engines are untouched."""
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    engines = fleet["engines"]
+    source = fleet["logdir"] / "tiny-c"
+    missing = _edited_copy(vllm_python, source, fleet["logdir"] / "tiny-c-missing", "drop")
+    before = client.checksum().result["groups"]
+    last = client.refit_state()["last"]["id"]
+    version = client.weight_version().result["current"]
+    paused_before = router.gate.pauses_total
+    with pytest.raises(ValueError) as refused:
+        client.load_weights(missing, "step-hybrid")
+    why = str(refused.value)
+    assert "lacks 1 of the served model" in why and LINEAR in why, why
+    assert client.refit_state()["last"]["id"] == last  # no transaction began: nothing paused
+    assert router.gate.pauses_total == paused_before
+    assert client.weight_version().result["current"] == version
+    assert set(client.weight_version().result["engines"].values()) == {version}
+    assert client.checksum().result["groups"] == before
+    assert all(_weight_version(e.url) == version for e in engines)
+    print(f"\n[refit vllm] a checkpoint missing {LINEAR}: refused before the pause: {why[:300]!r}")
+
+
+def test_a_directory_rewritten_after_its_refit_is_refused_on_restore(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """Issue 38 finding 11: a checkpoint directory rewritten after its refit was reloaded into a restarted
+    engine under the old version, and the fleet served two weights under one version. Now the restore
+    refuses files changed since their version was verified: the restarted engine stays out, with the
+    reason, and serves nothing until a refit; a refit from the rewritten directory then brings it in."""
+    client: FleetClient = fleet["client"]
+    router: GenerationRouter = fleet["router"]
+    d = _perturbed_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-d", 2.5)
+    moved = client.load_weights(d, "step-d")
+    assert moved["ok"], moved
+    time.sleep(0.05)  # a distinct mtime even on a coarse clock
+    _edited_copy(vllm_python, d, d, "perturb")  # the next step saved over it
+    old = fleet["engines"][1]
+    old.stop()
+    cpus = fleet["cpus"]
+    new = _engine(
+        vllm_python,
+        tiny_model_dir,
+        fleet["logdir"] / "engine1-rewritten.log",
+        cpus[1] if len(cpus) >= 2 else None,
+    )
+    fleet["engines"][1] = new
+    _start([new])
+    e0 = fleet["engines"][0]
+    router.set_serving_backends([e0.api_url, new.api_url])
+    assert _until(lambda: "changed since version 'step-d'" in client.stale_engines().get(new.url, ""), 120), (
+        client.stale_engines()
+    )
+    why = client.stale_engines()[new.url]
+    assert "model.safetensors" in why, why
+    assert router.serving_backends() == [e0.url]
+    assert _weight_version(new.url) != "step-d"
+    before = _generation_tokens(new.url)
+    url = router.base_url()
+    assert all(_chat(url, 4, f"while refused {i}")[0] == 200 for i in range(4))
+    assert _generation_tokens(new.url) == before, "the engine refused a restore served"
+    again = client.load_weights(d, "step-d2")  # the trainer refits from what the directory holds now
+    assert again["ok"] and sorted(again["verified"]) == sorted([e0.url, new.url]), again
+    assert again["checksum"] != moved["checksum"]
+    print(f"\n[refit vllm] restore of a restarted engine from a rewritten directory refused: {why[:300]!r}")
