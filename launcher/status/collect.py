@@ -38,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from launcher.fleet.registered import SILENT as REGISTERED_SILENT
 from launcher.gateways.kinds import GATEWAY_KINDS
 from launcher.jobdir import FINAL_PHASES, FleetSnapshot, GatewaySnapshot, JobDir, read_json
 from launcher.status.elastic import elastic_view
@@ -50,6 +51,7 @@ from launcher.status.figures import (
     rounded,
     windowed_ratio,
 )
+from launcher.status.registered_rows import JUDGED_SOURCE, judge_registered_rows
 from launcher.status.samples import EngineSample, RouterSample, Scrape, canonical_url, fetch_metrics
 from launcher.status.sources import JobSources
 from router.fleet.engine import EngineClient
@@ -169,6 +171,10 @@ class StatusCollector(JobSources):
         start_t, events = jd.read_event_tail(self.events) if jd is not None else (None, [])
         fleet = FleetSnapshot.from_state(state)
         engines, source, problems = fleet_engines(fleet, self.job_dir)
+        gateway_snapshot = GatewaySnapshot.from_state(state)
+        registered = source == "listing" and jd is not None and bool(jd.read_registration_capability())
+        judged = judge_registered_rows(engines, gateway_snapshot) if registered else []
+        source = JUDGED_SOURCE if judged else source
         router_url = state.get("router_url") or None
         fleet_url = state.get("fleet_url") or None
         phase = str(state.get("phase") or ("queued" if not state else "?"))
@@ -214,9 +220,8 @@ class StatusCollector(JobSources):
             self._prev_router = cur_router
         # An engine the fleet state calls DEAD, RETIRED or RESTARTING is expected to be silent; one that
         # should be serving and is not is news, even when its row is scrolled off the screen.
-        unreachable = [
-            e for e in engines if e.get("reachable") is False and e["state"] not in EXPECTED_SILENT
-        ]
+        silent = EXPECTED_SILENT | REGISTERED_SILENT  # a registered engine held out is its row's news
+        unreachable = [e for e in engines if e.get("reachable") is False and e["state"] not in silent]
         if unreachable:
             problems.append(
                 f"{len(unreachable)} of {len(engines)} engine(s) that should serve did not answer /metrics "
@@ -225,7 +230,9 @@ class StatusCollector(JobSources):
 
         if key_problem is not None and scrape:
             problems.append(key_problem)
-        gateway = gateway_view(GatewaySnapshot.from_state(state), engines)
+        gateway = gateway_view(gateway_snapshot, engines)
+        for row, routed in judged:
+            row["in_gateway"] = routed  # a member the router holds out is not routed to
         front = GATEWAY_KINDS.get(str(gateway["kind"])) if gateway is not None else None
         foreign = gateway["extra"] if gateway is not None and front and front.forwards_client_key else []
         if foreign and not done and not gateway["final"]:  # type: ignore[index]

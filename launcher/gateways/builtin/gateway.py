@@ -9,13 +9,16 @@ actor rebinds the same port and converges on the controller's next push.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from launcher.gateways.actors import stop_restartable_actor
 from launcher.gateways.base import Gateway, GatewayError, GatewayMember, GatewayView
 from launcher.gateways.builtin.kind import BUILTIN
 from launcher.jobdir import EngineEntry, EngineListing
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 _CALL_TIMEOUT_S = 5.0
 
@@ -34,6 +37,8 @@ class BuiltinRouterGateway(Gateway):
         self._actor_pid: int | None = None
         self._listed: dict[str, list[str]] = {}
         """Registered engines by host, append-only (``engine_listings``)."""
+        self._config: RouterConfig | None = None
+        """What the router actor was made with (its probing thresholds name a held-out engine's reason)."""
 
     def start(self, engine_urls: Sequence[str]) -> str:
         import ray
@@ -81,6 +86,7 @@ class BuiltinRouterGateway(Gateway):
                 node_id=ray.get_runtime_context().get_node_id(), soft=False
             ),
         )
+        self._config = config
         self.actor = actor_cls.remote(config, list(engine_urls))
         try:
             self._url = ray.get(self.actor.base_url.remote(), timeout=120)
@@ -125,13 +131,25 @@ class BuiltinRouterGateway(Gateway):
         try:
             if self.context.registration_capability:
                 members = self._get(self.actor.member_backends.remote())
-                return GatewayView(
-                    self.kind, self._url, True, tuple(GatewayMember(u, bool(ok)) for u, ok in members)
-                )
+                why = self._held_out_why()
+                judged = tuple(GatewayMember(u, bool(ok), "" if ok else why) for u, ok in members)
+                return GatewayView(self.kind, self._url, True, judged)
             serving = self._get(self.actor.serving_backends.remote())
         except Exception as exc:
             return GatewayView(self.kind, self._url, False, detail=f"router actor unreachable: {exc!r}")
         return GatewayView(self.kind, self._url, True, tuple(GatewayMember(u, True) for u in serving))
+
+    def _held_out_why(self) -> str:
+        """Why the router holds a registered engine out, with the thresholds it judges by, for the
+        dashboard's row (``launcher.fleet.registered``): nothing of ours restarts the trainer's engines."""
+        c = self._config
+        if c is None:
+            return ""
+        return (
+            f"held out by the router: {c.probe_failures_to_eject} failed health probes or requests in a row; "
+            f"probed on, readmitted after {c.probe_successes_to_readmit} passing probes. rl-launch does not "
+            "restart it: the trainer owns the process"
+        )
 
     def sync_owned_engines(self) -> None:
         """Engines the trainer registered survive a restart of the router actor: Ray restarts it with
