@@ -3,7 +3,9 @@
 The driver owns every side effect (probing ``GET /health``, draining the router, restarting processes,
 pushing the serving set); this module only decides. Keeping it pure (no I/O, time injected through a
 clock callable) is what lets every transition below be unit-tested deterministically, and lets the
-same object be replayed from an event log when a failure needs explaining.
+same object be replayed from an event log when a failure needs explaining. It judges the engines the job
+started; those a trainer registers (``generation.owner: trainer``) are not ours to restart, and the router
+judges them with its own probes (``launcher.fleet.registered`` names their states for the dashboard).
 
 Engine identity is separate from its URL: an ``EngineRecord`` keeps its ``id`` and ``node`` for the
 whole run while ``url`` changes on every restart (the replacement listens on a new port). Probe results
