@@ -9,7 +9,8 @@ no Authorization header (blocking until the router has probed it), then rollouts
 
 What must hold: registered engines serve through the router (both of them, round-robin); one killed is
 held out (the rest keep serving) and readmitted when it returns on its port, with no rl-launch restart of
-it; the dashboard (``rl-launch status --json``) and the request record show them; a registration without
+it; the dashboard (``rl-launch status --json``) shows each as the router judges it (HELD_OUT while held
+out, HEALTHY again once readmitted), and the request record shows the rollouts; a registration without
 the job's capability is refused and never reaches an engine; and after ``rl-launch cancel`` nothing of the
 job is left (the engines are the trainer's: the test stops them itself).
 """
@@ -184,6 +185,8 @@ def test_trainer_registers_its_engines_with_the_capability_url(
 
         # The dashboard shows the registered engines: the router's view (members, how many healthy) and
         # one row per engine, scraped from the engine itself.
+        states: dict[str, str] = {}
+
         def dashboard() -> tuple[int, int, set[str]]:
             proc = subprocess.run(
                 [RL_LAUNCH, "status", job.name, "--root", str(root), "--json"],
@@ -194,6 +197,7 @@ def test_trainer_registers_its_engines_with_the_capability_url(
             assert proc.returncode == 0, proc.stderr
             snap = json.loads(proc.stdout)
             gateway = snap.get("gateway") or {}
+            states.update({e["url"]: e["state"] for e in snap["engines"]})
             rows = {e["url"] for e in snap["engines"] if e.get("in_gateway")}
             return gateway.get("members", 0), gateway.get("healthy", 0), rows
 
@@ -206,11 +210,16 @@ def test_trainer_registers_its_engines_with_the_capability_url(
             lambda: workers(router_url) == {replicas[0].url: True, replicas[1].url: False}, 60, "hold-out"
         )
         complete()
-        wait_for(lambda: dashboard()[:2] == (2, 1), 30, "the dashboard's held-out engine")
+        # Judged on the dashboard as the router judges it: held out, out of rotation, not "HEALTHY?".
+        held_out = (2, 1, {replicas[0].url})
+        wait_for(lambda: dashboard() == held_out, 30, "the dashboard's held-out engine")
+        assert states == {replicas[0].url: "HEALTHY", replicas[1].url: "HELD_OUT"}, states
         replicas[1].start()
         wait_for(replicas[1].ready, STARTUP_TIMEOUT_S, "the restarted replica")
         wait_for(lambda: workers(router_url) == {r.url: True for r in replicas}, 60, "readmission")
         complete()
+        wait_for(lambda: dashboard() == (2, 2, urls), 30, "the dashboard's readmitted engine")
+        assert set(states.values()) == {"HEALTHY"}, states
         events = [e.get("phase") or e.get("kind") for e in JobDir(job).read_events()]
         assert not any("restart" in str(e) for e in events), events
 
