@@ -40,14 +40,14 @@ from router.adapters.plan import LoraPlan
 from router.adapters.requests import AdapterRequests
 from router.adapters.table import AdapterTable
 from router.config import RouterConfig
-from router.consumers import ConsumerKeys
+from router.consumers import OWNER, ConsumerKeys
 from router.fleet import revocation
 from router.fleet.adapter_refit import AdapterRefits
 from router.fleet.adapter_routes import AdapterRoutes
 from router.fleet.admin import AdminApi
 from router.fleet.api import FleetApi
 from router.http.app import bind_listening_socket, build_app, not_found, runner_kwargs, serve_guarded
-from router.http.auth import Access, RouteTable
+from router.http.auth import Access, RouteTable, account_of
 from router.http.capability import ROUTER_ADDRESS
 from router.http.connections import ConnectionGate
 from router.http.forwarding import Forwarder, ForwardingConfig
@@ -254,14 +254,27 @@ class GenerationRouter:
 
             table.app.on_cleanup.append(close_adapters)
         table.add("GET", "/fleet/consumers", self._consumers_view, Access.ADMIN)
+        table.add("GET", "/fleet/metrics", self._consumer_metrics, Access.OWNER)
         table.add("*", "/{tail:.*}", not_found, Access.CLIENT)
 
     async def _consumers_view(self, request: web.Request) -> web.Response:
         """``GET /fleet/consumers``: the fair-share capacity and every consumer's weight, in flight,
         waiting, requests, completion tokens and share (``FairShare.view``), for the launcher's status.
-        Without consumers nor a capacity: ``{"capacity": null, "consumers": {}}``."""
+        Without consumers nor a capacity: ``{"capacity": null, "consumers": {}}``. An admin consumer's key
+        (a LoRA tenant's) sees its own row only, as on ``GET /fleet/adapters``: the other consumers' names,
+        job paths and usage are the fleet owner's to see."""
         view = self.fair.view() if self.fair is not None else {"capacity": None, "consumers": {}}
+        caller = account_of(request)
+        if caller != OWNER:
+            view["consumers"] = {n: row for n, row in view["consumers"].items() if n == caller}
         return web.Response(status=200, body=orjson.dumps(view), content_type="application/json")
+
+    async def _consumer_metrics(self, request: web.Request) -> web.Response:
+        """``GET /fleet/metrics`` (the fleet owner's): the per-consumer families (``rl_router_consumer_*``),
+        which name the consumers and so are left out of the open ``/metrics`` (``RouterMetrics.render``)."""
+        await self.metrics.refresh()
+        body = self.metrics.render(consumers=True)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     def _engine_key(self) -> str | None:
         """The key the router's own engine calls (fleet operations) present: the backend key, else the

@@ -348,5 +348,28 @@ class RouterMetrics:
         if self._workers is not None:
             await self._workers.refresh()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, consumers: bool = False) -> bytes:
+        """The open ``/metrics``: every family but the per-consumer ones. ``consumers``: those alone
+        (``GET /fleet/metrics``, the fleet owner's). The families of a standing fleet's consumers are
+        labelled with their job names, which the open ``/metrics`` showed any local user (with each one's
+        requests, tokens and share); an opaque label would still count the tenants and their usage, and a
+        job name is guessed from the spec name and a timestamp, so a digest of it hides nothing."""
+        return generate_latest(_Families(self.registry, consumers))
+
+
+CONSUMER_FAMILIES = "rl_router_consumer_"
+"""The prefix of every family labelled with a consumer's name (``_ConsumerCollector``, ``poisoned``)."""
+
+
+class _Families(Collector):
+    """The families of ``registry`` that are (``consumers``) or are not per consumer, as a registry
+    ``generate_latest`` reads."""
+
+    def __init__(self, registry: CollectorRegistry, consumers: bool) -> None:
+        self._registry = registry
+        self._consumers = consumers
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            if family.name.startswith(CONSUMER_FAMILIES) == self._consumers:
+                yield family

@@ -263,7 +263,11 @@ async def poisoned_counts(router: GenerationRouter) -> dict[str, float]:
     """``rl_router_consumer_poisoned_total`` by consumer. In worker mode read through the workers' own
     counts, which each worker sends after the failures it reported (one ordered channel): once a count
     is seen, the failures that came before it have reached the routing state."""
-    async with aiohttp.ClientSession() as s, s.get(router.base_url() + "/metrics") as r:
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}  # the per-consumer families are the owner's
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(router.base_url() + "/fleet/metrics", headers=headers) as r,
+    ):
         text = await r.text()
     return metric_by_label(parse_metrics(text), "rl_router_consumer_poisoned_total", "consumer")
 

@@ -30,6 +30,7 @@ from router.consumers import (
     OWNER,
     ConsumerKeys,
     ConsumersFileError,
+    add_admin_key,
     add_consumer,
     hash_key,
     new_key,
@@ -544,10 +545,9 @@ async def test_metrics_and_the_consumers_view_count_requests_and_tokens(
     status, by_b = await call(base, "GET", "/fleet/consumers", key_b)
     assert status == 200 and by_b["consumers"]["b"]["requests"] == sent["b"]
 
-    async with aiohttp.ClientSession() as s:
-        async with s.get(base + "/metrics") as resp:
-            text = await resp.text()
-    m = parse_metrics(text, ("rl_router_consumer_",))
+    status, text = await call(base, "GET", "/fleet/metrics", ADMIN_TOKEN)  # the owner's (issue 38)
+    assert status == 200
+    m = parse_metrics(text.decode(), ("rl_router_consumer_",))
     assert metric_by_label(m, "rl_router_consumer_requests_total", "consumer") == {**sent, "idle": 0}
     assert metric_by_label(m, "rl_router_consumer_completion_tokens_total", "consumer") == {
         **tokens,
@@ -570,6 +570,8 @@ async def test_without_a_consumers_file_nothing_changes(sims, routers, tmp_path:
     async with aiohttp.ClientSession() as s:
         async with s.get(base + "/metrics") as resp:
             assert "rl_router_consumer_" not in await resp.text()
+    status, text = await call(base, "GET", "/fleet/metrics", ADMIN_TOKEN)
+    assert status == 200 and "rl_router_consumer_" not in text.decode()
     assert r.fair is None and r.consumer_keys is None
 
 
@@ -580,3 +582,59 @@ def test_a_corrupt_consumers_file_stops_the_router_at_its_start(tmp_path: Path) 
         with pytest.raises(ConsumersFileError, match=str(path)):
             make([], consumers_file=str(path))
     assert os.path.exists(path)
+
+
+# -- who sees which consumer (issue 38, finding 7) ---------------------------------------------------------
+async def test_a_tenants_admin_key_sees_its_own_consumer_row_only(sims, routers, tmp_path: Path) -> None:
+    """Two tenants, each a client key and an admin key (as ``rl-launch`` registers an admin job): tenant
+    B's admin key on ``GET /fleet/consumers`` gets B's row alone, with neither A's name nor its job
+    path; the owner's admin token gets every row."""
+    es = await sims(1)
+    path = tmp_path / "consumers.json"
+    keys = {name: (new_key(), new_key()) for name in ("lora-a", "lora-b")}
+    for name, (client, admin) in keys.items():
+        add_consumer(path, name, client, admin=True, job=f"/jobs/{name}-local-1")
+        add_admin_key(path, name, admin, job=f"/jobs/{name}-local-1")
+    base = routers([e.url + "/v1" for e in es], consumers_file=str(path)).base_url()
+    for client, _ in keys.values():
+        assert (await call(base, "POST", COMPLETIONS, client, completion()))[0] == 200
+    status, by_b = await call(base, "GET", "/fleet/consumers", keys["lora-b"][1])
+    print(f"\ntenant B's admin key on /fleet/consumers: {status} rows {sorted(by_b['consumers'])}")
+    assert status == 200 and set(by_b["consumers"]) == {"lora-b"}, by_b
+    assert by_b["consumers"]["lora-b"]["requests"] == 1
+    assert "lora-a" not in orjson.dumps(by_b).decode()
+    owner = await consumers_view(base)
+    assert {"lora-a", "lora-b"} <= set(owner["consumers"])
+    assert owner["consumers"]["lora-a"]["job"] == "/jobs/lora-a-local-1"
+
+
+async def test_the_open_metrics_name_no_consumer(sims, routers, tmp_path: Path) -> None:
+    """Any local user reads ``/metrics``: it names no consumer (no ``rl_router_consumer_*`` family); the
+    per-consumer families are on ``GET /fleet/metrics``, the fleet owner's alone (an admin consumer's key
+    is 403 there, no key 401)."""
+    es = await sims(1)
+    path = tmp_path / "consumers.json"
+    plain, admin = new_key(), new_key()
+    add_consumer(path, "sec-plain-local-1", plain)
+    add_consumer(path, "sec-admin-local-2", admin, admin=True)
+    base = routers([e.url + "/v1" for e in es], consumers_file=str(path)).base_url()
+    for key in (plain, admin, OWNER_KEY):
+        assert (await call(base, "POST", COMPLETIONS, key, completion()))[0] == 200
+    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    named = [line for line in text.splitlines() if "sec-plain" in line or "sec-admin" in line]
+    print(f"\nopen /metrics lines naming a consumer: {len(named)} {named[:2]}")
+    assert named == [] and "rl_router_consumer_" not in text
+    assert "rl_router_requests_total" in text  # the rest is still there
+    status, owners = await call(base, "GET", "/fleet/metrics", ADMIN_TOKEN)
+    assert status == 200
+    m = parse_metrics(owners.decode(), ("rl_router_",))
+    assert metric_by_label(m, "rl_router_consumer_requests_total", "consumer") == {
+        "sec-plain-local-1": 1,
+        "sec-admin-local-2": 1,
+        OWNER: 1,
+    }
+    assert "rl_router_requests_total" not in m  # the per-consumer families only
+    assert (await call(base, "GET", "/fleet/metrics", admin))[0] == 403
+    assert (await call(base, "GET", "/fleet/metrics", None))[0] == 401

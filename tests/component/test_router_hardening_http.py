@@ -170,10 +170,11 @@ async def post(url: str, body: bytes | dict[str, object], **kwargs: object) -> t
 
 
 async def metric_samples(
-    router: GenerationRouter, family: str, sample: str | None = None
+    router: GenerationRouter, family: str, sample: str | None = None, path: str = "/metrics"
 ) -> dict[tuple[tuple[str, str], ...], float]:
-    """Samples of one metric family by their labels (only the sample named ``sample`` if given)."""
-    async with aiohttp.ClientSession() as s, s.get(router.base_url() + "/metrics") as resp:
+    """Samples of one metric family by their labels (only the sample named ``sample`` if given), from
+    ``path`` (``/fleet/metrics``: the per-consumer families, the owner's; open on these routers)."""
+    async with aiohttp.ClientSession() as s, s.get(router.base_url() + path) as resp:
         text = await resp.text()
     for f in text_string_to_metric_families(text):
         if f.name == family:
@@ -508,11 +509,11 @@ async def test_5xx_does_not_eject_a_health_managed_backend(engines, routers) -> 
     assert (await post(r.base_url() + CHAT, {}))[0] == 500
     assert sorted(r.serving_backends()) == sorted([a.url, b.url])
     # Nor count against either engine's health (issue 28): it failed on both, so it is the request's,
-    # counted against its consumer. The count is read through /metrics, after the failures' frames in
-    # worker mode (same channel, in order), so an empty drain is not a frame still on its way.
-    assert await metric_samples(r, "rl_router_consumer_poisoned", "rl_router_consumer_poisoned_total") == {
-        (("consumer", "owner"),): 1.0
-    }
+    # counted against its consumer. The count is read through /fleet/metrics (the per-consumer families
+    # are the owner's, issue 38), after the failures' frames in worker mode (same channel, in order), so
+    # an empty drain is not a frame still on its way.
+    family, sample = "rl_router_consumer_poisoned", "rl_router_consumer_poisoned_total"
+    assert await metric_samples(r, family, sample, "/fleet/metrics") == {(("consumer", "owner"),): 1.0}
     assert r.drain_backend_outcomes() == {}
 
 
