@@ -46,6 +46,7 @@ from router.fleet.engine_counters import Counters, parse_counters
 from router.fleet.engine_reads import (
     MAX_ANSWER_BYTES,
     MAX_METRICS_BYTES,
+    MAX_TABLE_BYTES,
     AnswerTooLarge,
     decoded,
     off_loop,
@@ -224,10 +225,12 @@ class EngineClient:
         params: dict[str, str] | None = None,
         check: Check | None = None,
         hint: Hint = dev_mode_hint,
+        limit: int = MAX_ANSWER_BYTES,
     ) -> EngineAnswer:
         """``method path`` on one engine, with the key; an error, a timeout, a non-2xx answer, an
-        ``"error"`` key in the body or a failed ``check`` is a failure of that engine."""
-        got = await self._send(url, method, path, json_body=json_body, params=params, key=True)
+        ``"error"`` key in the body, a failed ``check`` or an answer over ``limit`` bytes is a failure of
+        that engine."""
+        got = await self._send(url, method, path, json_body=json_body, params=params, key=True, limit=limit)
         if isinstance(got, str):
             return EngineAnswer(url, False, None, got)
         status, text = got
@@ -359,7 +362,8 @@ class EngineClient:
         with: the launcher's worker extension through ``/collective_rpc``, else (an engine without it)
         vLLM's ``/weight_checker``, whose ``body["uncovered"]`` names what it hashed as zero bytes
         (``router.fleet.weight_checksums`` says why)."""
-        answer = await self.call(url, "POST", COLLECTIVE_RPC_PATH, json_body={"method": CHECKSUM_METHOD})
+        rpc = {"method": CHECKSUM_METHOD}
+        answer = await self.call(url, "POST", COLLECTIVE_RPC_PATH, json_body=rpc, limit=MAX_TABLE_BYTES)
         if answer.ok:
             merged, why = merge_workers(answer.body)
             if merged is None:
@@ -368,7 +372,12 @@ class EngineClient:
         if not no_such_method(answer.detail):
             return answer
         answer = await self.call(
-            url, "POST", WEIGHT_CHECKER_PATH, json_body={"action": "checksum"}, check=has("checksums")
+            url,
+            "POST",
+            WEIGHT_CHECKER_PATH,
+            json_body={"action": "checksum"},
+            check=has("checksums"),
+            limit=MAX_TABLE_BYTES,
         )
         if answer.ok:
             answer.body = from_checker(answer.body)

@@ -22,7 +22,10 @@ MAX_METRICS_BYTES = 8 * 1024 * 1024
 """The most of an engine's ``/metrics`` read: vLLM's is tens of KiB (a few hundred KiB with many LoRA
 adapters or engine indexes), so 8 MiB is generous and still bounds what one engine costs the router."""
 MAX_ANSWER_BYTES = 1024 * 1024
-"""The most of any other engine answer read (JSON: versions, checksums, ``/server_info``, ``/v1/models``)."""
+"""The most of any other engine answer read (JSON: versions, ``/server_info``, ``/v1/models``), but:"""
+MAX_TABLE_BYTES = 64 * 1024 * 1024
+"""The most of an answer with an entry per weight tensor (the checksums): a mixture-of-experts model has
+tens of thousands of tensors, each hashed by every worker of the engine (TP x PP)."""
 OFF_LOOP_BYTES = 64 * 1024
 """An answer at least this large is decoded and parsed in a thread, not on the caller's event loop (the
 router's, which relays every rollout)."""
