@@ -524,8 +524,9 @@ def test_a_cut_checkpoint_is_refused_and_a_failing_canary_costs_one_engine(
     fleet: Any, vllm_python: str, tiny_model_dir: Path
 ) -> None:
     """Issue 28's finding 1 on real vLLM: refit to B; a copy of B with ``model.safetensors`` cut to half
-    its size is refused before the pause (the router reads every header); a well-formed copy of B that
-    vLLM's loader refuses (a tensor the model has no parameter for) is tried on one canary engine only,
+    its size is refused before the pause (the router reads every header), and so is one with a tensor the
+    model has no parameter for (issue 38: the tensors are compared); a copy of B that vLLM's loader
+    refuses (a torch file whose pickle is not one) is tried on one canary engine only,
     which is quarantined while the other is never touched; no request fails; and the canary serves B
     again, restored by the fleet from B's directory, with no trainer call."""
     client: FleetClient = fleet["client"]
@@ -556,9 +557,21 @@ def test_a_cut_checkpoint_is_refused_and_a_failing_canary_costs_one_engine(
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    # A tensor the model has no parameter for is refused before the pause too (issue 38, finding 11:
+    # names, dtypes and shapes against the served model's); what only the loader finds is a torch file
+    # whose container is whole and whose pickle is not.
+    with pytest.raises(
+        ValueError, match=r"the served model does not have: model\.layers\.0\.mlp\.bogus\.weight"
+    ):
+        client.load_weights(odd, "step-5-odd")
+    unpicklable = fleet["logdir"] / "tiny-step-b4-unpicklable"
+    shutil.copytree(step_b, unpicklable)
+    (unpicklable / "model.safetensors").unlink()
+    with zipfile.ZipFile(unpicklable / "pytorch_model.bin", "w") as archive:
+        archive.writestr("archive/data.pkl", b"not a pickle")
     results, threads = _stream(url, 8, "during the odd refit")
     with pytest.raises(RefitError) as failed:
-        client.load_weights(odd, "step-5-odd")
+        client.load_weights(unpicklable, "step-5-odd")
     for t in threads:
         t.join(300)
     txn = failed.value.txn
@@ -566,7 +579,7 @@ def test_a_cut_checkpoint_is_refused_and_a_failing_canary_costs_one_engine(
     other = next(e for e in engines if e.url != canary)
     assert txn["phase"] == "failed" and list(txn["quarantined"]) == [canary], txn
     why = txn["quarantined"][canary]
-    assert why.startswith("canary: reload from") and "no module or parameter named" in why, why
+    assert why.startswith("canary: reload from") and "tiny-step-b4-unpicklable" in why, why
     assert txn["engines"][other.url]["state"] == "pending"  # never touched
     assert [results[i][0] for i in range(8)] == [200] * 8, results
     assert client.weight_version(check=False).result["current"] == "step-4"
@@ -646,22 +659,26 @@ def test_a_checkpoint_differing_in_one_linear_layer_gets_another_checksum(
     base = _perturbed_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-c", 1.5)
     linear = _edited_copy(vllm_python, base, fleet["logdir"] / "tiny-c-linear", "perturb")
     on_c = client.load_weights(base, "step-c")
-    assert on_c["ok"] and on_c["uncovered_parameters"] == [], on_c
+    assert on_c["ok"], on_c
     checker = _post_engine(engines[0].url, "/weight_checker", {"action": "checksum"})["checksums"]
-    extension = _post_engine(engines[0].url, "/collective_rpc", {"method": "rl_launch_weight_checksums"})
-    table = extension["results"][0]["checksums"]
-    assert _unprefixed(table) == llama_weight_table(base)  # every parameter, as the files hold it
+    blind = sorted(n.rsplit(":", 1)[-1] for n, d in checker.items() if d == EMPTY)
     greedy_c = _greedy(engines[0].url)
     on_linear = client.load_weights(linear, "step-c-linear")
     assert on_linear["ok"], on_linear
+    print(
+        f"\n[refit vllm] /weight_checker hashes {len(checker) - len(blind)} of {len(checker)} parameters "
+        f"(zero bytes for {len(blind)}: {blind}); refit checksum of C {on_c['checksum']}, of C with "
+        f"{LINEAR} changed {on_linear['checksum']}"
+    )
     assert on_linear["checksum"] != on_c["checksum"], "one linear layer apart, the same checksum"
     assert _greedy(engines[0].url) != greedy_c  # it is other weights the engines serve
-    blind = sorted(n for n, d in checker.items() if d == EMPTY)
+    assert on_c["uncovered_parameters"] == [] and on_linear["uncovered_parameters"] == []
+    extension = _post_engine(engines[0].url, "/collective_rpc", {"method": "rl_launch_weight_checksums"})
+    table = extension["results"][0]["checksums"]
+    assert _unprefixed(table) == llama_weight_table(linear)  # every parameter, as the files hold it
     print(
-        f"\n[refit vllm] parameters hashed: /weight_checker {len(checker) - len(blind)} of {len(checker)} "
-        f"(zero bytes for {len(blind)}: {[n.rsplit(':', 1)[-1] for n in blind]}); the launcher's extension "
-        f"{sum(d != EMPTY for d in table.values())} of {len(table)}, equal to the checkpoint's own table; "
-        f"C {on_c['checksum']} -> C with {LINEAR} changed {on_linear['checksum']}"
+        f"[refit vllm] the launcher's extension hashes {sum(d != EMPTY for d in table.values())} of "
+        f"{len(table)}, equal to the table computed from the checkpoint's files"
     )
 
 
