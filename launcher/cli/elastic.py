@@ -1,6 +1,8 @@
 """``rl-launch fleet grow JOB --nodes N`` and ``rl-launch fleet shrink JOB --nodes N | --node NAME``:
 resizing a running job's generation fleet (``launcher.fleet.elastic.client`` does the work; this parses and
-prints). JOB is a job (id, name, directory) or a standing fleet's name."""
+prints). JOB is a job (id, directory name or path, or its name: a standing fleet's name among them),
+found by the lookup every command shares (``launcher.jobdir.lookup``); only the caller's own: a grow or
+shrink request written into a planted directory would wait on answers its owner writes."""
 
 from __future__ import annotations
 
@@ -10,32 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from launcher.cli.options import root_option
+from launcher.cli.options import lookup_job, root_option
 from launcher.fleet.elastic import shapes
 
 if TYPE_CHECKING:
     from launcher.fleet.elastic.client import ResizeResult
-
-
-def _job_dir(job: str, root: Path) -> Path:
-    """A job, or a standing fleet by name (its record points at its job directory); only the caller's
-    own (``find_job`` and ``read_record`` refuse another user's, naming it: a grow or shrink request
-    written into a planted directory would wait on answers its owner writes)."""
-    from launcher.fleet.standing import FleetRefused, read_record
-    from launcher.jobdir.lookup import JobNotFound, JobRefused, find_job
-
-    try:
-        return find_job(job, root)
-    except JobRefused as exc:
-        raise click.ClickException(str(exc)) from None
-    except JobNotFound as exc:
-        try:
-            record = read_record(root, job)
-        except FleetRefused as refused:
-            raise click.ClickException(str(refused)) from None
-        if record is None:
-            raise click.ClickException(str(exc)) from None
-        return Path(record.job_dir)
 
 
 def _summary(elastic: dict[str, Any]) -> str:
@@ -101,7 +82,7 @@ def fleet_grow_command(
     from launcher.fleet.elastic.client import ElasticError, cancel, grow
     from launcher.slurm.time import parse_time
 
-    jd = _job_dir(job, root)
+    jd = lookup_job(job, root)
     if (nodes is None) == (cancel_id is None):
         raise click.UsageError("give --nodes N (grow) or --cancel GROW_ID")
     try:
@@ -148,7 +129,7 @@ def fleet_shrink_command(
     in flight finish (at most the drain timeout), then the engines stop and the nodes are released."""
     from launcher.fleet.elastic.client import ElasticError, shrink
 
-    jd = _job_dir(job, root)
+    jd = lookup_job(job, root)
     if (nodes is None) == (not names):
         raise click.UsageError("give --nodes N or --node NAME (repeatable)")
     try:

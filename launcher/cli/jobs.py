@@ -1,8 +1,9 @@
 """``rl-launch list``, ``rl-launch cancel [JOB]``, ``rl-launch logs [JOB]``: the job directory plus Slurm.
 
-A job is named by its Slurm job id (``123``), its directory name (``grpo-123``) or its directory path,
-found under ``--root`` by ``launcher.jobdir.lookup``; ``logs`` (like ``status``) takes the newest job when
-none is named. A Slurm job is known from the moment
+A job is named by its Slurm job id (``123``), its directory name (``grpo-123``), its directory path or its
+name (``grpo``, a standing fleet's name: the newest job of that name), found under ``--root`` by the lookup
+every command shares (``launcher.cli.options``); ``logs`` (like ``status``) takes the newest job when none
+is named. A Slurm job is known from the moment
 ``submit`` returns (its ``submitted.json``), queued or not. Everything shown comes from the job directory
 (``launcher.jobdir``) and, for live state, from ``squeue``/``sacct`` (``launcher.slurm.queue``): nothing
 else needs to be running for these commands to work.

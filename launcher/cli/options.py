@@ -1,8 +1,9 @@
 """What the commands that look a job up share: ``--root`` and the ``JOB`` argument's lookup.
 
 ``list``, ``logs``, ``cancel``, ``status`` and every ``fleet`` command take the same ``--root`` and find
-``JOB`` the same way (``launcher.jobdir.lookup``), so one word names one job everywhere. A lookup that
-finds nothing is the command's one-line error (exit 1), never a traceback.
+``JOB`` the same way (``find_target``: ``launcher.jobdir.lookup.find_job``, by path, Slurm id, directory
+name or job name, then a standing fleet's record by name), so one word names one job everywhere. A lookup
+that finds nothing is the command's one-line error (exit 1), never a traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from launcher.jobdir.lookup import DEFAULT_ROOT, JobNotFound, default_root, find_job
+from launcher.jobdir.lookup import DEFAULT_ROOT, JobNotFound, JobRefused, default_root, find_job
 
 
 def _root_or_default(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path:
@@ -31,9 +32,34 @@ root_option = click.option(
 def lookup_job(job: str | None, root: Path) -> Path:
     """The directory of ``JOB`` (id, name or path; None: the newest job under ``root``)."""
     try:
-        return find_job(job, root)
+        return find_job_or_fleet(job, root)
     except JobNotFound as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def find_job_or_fleet(job: str | None, root: Path) -> Path:
+    """``find_job``, then, for a word it does not know, the standing fleet of that name by its record
+    (``launcher.fleet.standing.read_record``): the record says which job directory serves the name even
+    where the directory's own records do not. A record that is not the caller's (a planted ``fleets/``,
+    a record of another uid, a job directory of another user's) is refused naming it, as ``fleet down``
+    refuses it. Here, not in ``launcher.jobdir`` (floor 1), because the record is the fleet wing's
+    (floor 3)."""
+    try:
+        return find_job(job, root)
+    except JobRefused:
+        raise
+    except JobNotFound:
+        if job is None:
+            raise
+        from launcher.fleet.standing import FleetRefused, read_record
+
+        try:
+            record = read_record(root, job)
+        except FleetRefused as refused:
+            raise JobRefused(str(refused)) from None
+        if record is None:
+            raise
+        return Path(record.job_dir)
 
 
 def find_target(job: str | None, root: Path) -> tuple[Path | None, str | None]:
@@ -46,14 +72,14 @@ def find_target(job: str | None, root: Path) -> tuple[Path | None, str | None]:
     A Slurm job that is still queued has no directory yet (the driver makes it on the allocation), so a
     bare job id that Slurm knows resolves to ``(None, id)`` and shows as queued instead of "no such job".
     """
-    if job is None:
-        return find_job(None, root), None
     try:
-        return find_job(job, root), None
+        return find_job_or_fleet(job, root), None
+    except JobRefused:
+        raise
     except JobNotFound:
         from launcher.slurm import queue
 
-        if job.isdigit() and queue.describe_state(job) not in ("", "?"):
+        if job is not None and job.isdigit() and queue.describe_state(job) not in ("", "?"):
             return None, job
         raise
 

@@ -71,7 +71,8 @@ def status_command(
 ) -> None:
     """Show a job's fleet: router and per-engine load, latency, cache and health, and the last events.
 
-    JOB is a Slurm job id, a job directory name or path; without it, the newest job under --root.
+    JOB is a Slurm job id, a job directory name or path, or a job's name (a standing fleet's among them: the
+    newest job of that name); without it, the newest job under --root.
     """
     job_dir, queued_id = lookup_target(job, root)
     collector = StatusCollector(job_dir, slurm_job_id=queued_id, timeout_s=timeout_s, events=events)

@@ -1,5 +1,15 @@
 """Finding a job from what a person types: ``JOB`` is a Slurm job id (``123``), a job directory's name
-(``grpo-123``) or its path; no ``JOB`` means the newest job under the job root.
+(``grpo-123``) or its path, or a job's name (the spec's ``name``: ``grpo``, a standing fleet's name such as
+``lora-fleet``), which names the newest job of that name; no ``JOB`` means the newest job under the job
+root.
+
+A name is matched last, after ids and directory names: a standing fleet is known to its users by its name
+(``rl-launch status lora-fleet``, as docs/lora.md writes it), but its directory is
+``lora-fleet-local-<time>-<pid>`` (or ``lora-fleet-<Slurm id>``), and matching directory names only made
+``status`` answer "no job 'lora-fleet'" while the fleet served (``fleet grow``/``shrink`` had a fallback
+of their own to the fleet record; ``status``, ``logs`` and ``cancel`` had none). The newest job of a name
+is the one a name means: a fleet's name serves one fleet at a time, and an older job of the same name
+stays reachable by its directory name or id.
 
 One place for it, so ``list``, ``logs``, ``cancel``, ``status`` and every ``fleet`` command agree on which
 job a word names and on what "newest" means (submission time, not the directory's mtime, which every
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -89,13 +100,30 @@ def job_dirs(root: Path, skipped: list[tuple[Path, str]] | None = None) -> list[
     return sorted(dirs, key=lambda p: (created_at(p), p.name))
 
 
+_JOB_ID = re.compile(r"-(?:\d+|local-\d{8}-\d{6}-\d+)$")
+"""The ``-<job id>`` every job directory's name ends in (``ResolvedSpec.job_dir``): a Slurm id, or
+``local-<date>-<time>-<pid>`` for a local job or a local standing fleet."""
+
+
 def _matches(d: Path, job: str) -> bool:
     return d.name == job or d.name.endswith(f"-{job}")
 
 
+def job_name(d: Path) -> str | None:
+    """The name the job was submitted under (the spec's ``name``): ``submitted.json``'s, else the
+    directory's name without its job id (a local job has no ``submitted.json``); None when neither says."""
+    submitted = JobDir(d).read_submitted()
+    if submitted is not None and submitted.name:
+        return submitted.name
+    m = _JOB_ID.search(d.name)
+    return d.name[: m.start()] if m else None
+
+
 def find_job(job: str | None, root: Path) -> Path:
-    """The named job's directory; the newest job under ``root`` when ``job`` is None. Only the caller's
-    own: a directory given by path, or the only match by name, that is not is refused with its owner."""
+    """The named job's directory (by path, id, directory name, then job name: the newest of that name);
+    the newest job under ``root`` when ``job`` is None. The one lookup of every command that takes a
+    ``JOB``. Only the caller's own: a directory given by path, or a match by name, that is not is refused
+    with its owner."""
     if job is None:
         dirs = job_dirs(root)
         if not dirs:
@@ -108,10 +136,14 @@ def find_job(job: str | None, root: Path) -> Path:
             raise JobRefused(problem)
         return path
     skipped: list[tuple[Path, str]] = []
-    for d in reversed(job_dirs(root, skipped)):
+    dirs = list(reversed(job_dirs(root, skipped)))  # newest first
+    for d in dirs:
         if _matches(d, job) or JobDir(d).slurm_job_id() == job:
             return d
+    for d in dirs:
+        if job_name(d) == job:
+            return d
     for d, problem in skipped:
-        if _matches(d, job):
+        if _matches(d, job) or d.name.startswith(f"{job}-"):
             raise JobRefused(f"job {job!r}: {problem}")
     raise JobNotFound(f"no job {job!r} under {root} (rl-launch list shows the jobs there)")

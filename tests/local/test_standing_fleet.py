@@ -360,3 +360,82 @@ def test_readme_standing_fleet_commands(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=180)  # fmt: skip
     assert down.returncode == 0, down.stderr
     wait_for(lambda: job_processes(fleet_job) == [], 30, "the fleet's processes to end")
+
+
+def documented(page: str, command: str) -> list[str]:
+    """The words of the line in ``page``'s first bash block that starts with ``command``, as written."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / page).read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block, page
+    (line,) = [x for x in block.group(1).splitlines() if x.startswith(command)]
+    return line.split("#")[0].split()
+
+
+def first_frame(argv: list[str], env: dict[str, str], until: str, timeout_s: float) -> tuple[str, int]:
+    """Run ``argv`` on a terminal of its own (a pseudo-terminal: the live dashboard draws frames only on
+    one, as in a user's shell) until its output shows ``until``, then Ctrl-C it; ``(output, exit code)``.
+    A command that ends by itself (an error) is read to its end."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=env, close_fds=True)
+    os.close(follower)
+    out = b""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while until.encode() not in out and time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # the command ended and closed its terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+        os.close(leader)
+    return out.decode(errors="replace"), code
+
+
+def test_docs_lora_status_line_finds_the_standing_fleet_by_its_name(tmp_path: Path) -> None:
+    """docs/lora.md's ``rl-launch status lora-fleet``, run as written (no --root: the default job root,
+    in a home of its own) while a standing fleet of that name serves, on a terminal as a user runs it.
+    Before, every command that takes a JOB matched directory names only, and the fleet's directory is
+    ``lora-fleet-local-<time>-<pid>``: "no job 'lora-fleet'" while it served. The fleet here has
+    simulated engines (the page's has 2 real vLLM CPU engines); the lookup is the same."""
+    argv = documented("lora.md", "rl-launch status")
+    name = argv[2]
+    assert argv == ["rl-launch", "status", name], argv
+    env = dict(os.environ, HOME=str(tmp_path))
+    spec = write_spec(
+        tmp_path / "fleet.yaml",
+        local_spec(name, root=None, fleet={"consumers": {}}, generation=sim(2, speed=4)),
+    )
+    up = run("fleet", "up", str(spec), "--json", timeout=240, env=env)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    job = Path(json.loads(up.stdout)["job_dir"])
+    assert job.parent == tmp_path / "rl-launch" / "jobs" and job.name.startswith(f"{name}-local-")
+    try:
+        frame, code = first_frame([RL_LAUNCH, *argv[1:]], env, until="HEALTHY", timeout_s=60)
+        as_json = run("status", name, "--json", timeout=60, env=env)
+        logs = run("logs", name, timeout=30, env=env)
+    finally:
+        down = run("fleet", "down", name, timeout=180, env=env)
+    print(f"\n$ {' '.join(argv)}  (exit {code})\n{frame[-2500:]}")
+    assert f"no job {name!r}" not in frame and job.name in frame and "HEALTHY" in frame, frame[-3000:]
+    assert code == 0, frame[-3000:]  # Ctrl-C ends the live view cleanly
+    assert as_json.returncode == 0, as_json.stderr
+    snap = json.loads(as_json.stdout)
+    assert snap["job"]["dir"] == str(job) and snap["condition"] == "running", snap["job"]
+    assert logs.returncode == 0 and str(job) in logs.stdout, logs.stdout[-2000:] + logs.stderr
+    assert down.returncode == 0, down.stderr
+    wait_for(lambda: job_processes(job) == [], 60, "the fleet's processes to end")
