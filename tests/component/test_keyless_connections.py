@@ -337,3 +337,18 @@ async def test_silent_connections_at_the_cap_make_room_for_a_consumer(
     assert kinds.get("keyless_evicted", 0) >= (9 if workers == 1 else 8) and "connection_cap" not in kinds
     for _, writer in conns:
         writer.close()
+
+
+def test_keyless_pool_defaults_and_edges_are_literal() -> None:
+    """5 % of each process's cap, at least 4, at most half (a cap of 1 keeps its one connection for a key)."""
+    limits = HttpLimits()
+    assert (limits.keyless_share, limits.keyless_idle_timeout_s, limits.keyless_max_requests) == (
+        0.05,
+        3.0,
+        100,
+    )
+    sizes = {cap: keyless_pool(cap, limits.keyless_share) for cap in (1, 2, 8, 32, 64, 100, 4096, 8192)}
+    assert sizes == {1: 0, 2: 1, 8: 4, 32: 4, 64: 4, 100: 5, 4096: 205, 8192: 410}
+    for bad in ({"keyless_share": 0.6}, {"keyless_idle_timeout_s": 0}, {"keyless_max_requests": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            HttpLimits(**bad)  # type: ignore[arg-type]
