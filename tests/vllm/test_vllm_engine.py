@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
+from launcher.engines.cores import split_cores, started_on, usable_cores
 from launcher.engines.vllm.engine import API_SERVER_MODULE, VllmEngine, _group_pids
 from router.ports import free_port
 
@@ -223,6 +224,72 @@ def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------ real vLLM e2e
 
+CORE_RECORDER = """#!{python}
+# Stand-in for the vLLM server: records the cores it may run on and its OpenMP binding, serves /health.
+import http.server, json, os, sys
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+with open(os.environ["FAKE_RECORD"] + "." + str(port), "w") as f:
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    json.dump({{"cores": sorted(os.sched_getaffinity(0)), "bind": bind}}, f)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_host_starts_each_cpu_engine_on_its_own_cores_and_restarts_it_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine host's side of the pinning (the real engines' is tests/vllm/test_cpu_cores.py): each
+    vLLM engine without a GPU starts on a disjoint share of the host's cores with its OpenMP threads bound
+    inside it, its log says so, and a restart puts it back on the same share."""
+    from launcher.engines.host import EngineHost, start_all
+    from launcher.engines.host_config import EngineHostConfig
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"one core here ({cores}): two engines cannot have cores of their own")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake = _script(tmp_path / "python", CORE_RECORDER.format(python=sys.executable))
+    record = tmp_path / "record"
+    cfg = EngineHostConfig(
+        kind="vllm",
+        count=2,
+        host="127.0.0.1",
+        model="/models/tiny",
+        vllm_python=fake,
+        env={"FAKE_RECORD": str(record)},
+        job_dir=str(tmp_path / "job"),
+        log_dir=str(tmp_path / "job" / "logs"),
+        startup_timeout_s=30,
+    )
+    host = EngineHost(cfg)
+
+    def seen(i: int) -> dict[str, Any]:
+        return json.loads(Path(f"{record}.{host.engines[i].port}").read_text())
+
+    try:
+        start_all(host.engines, 30, host.cores)
+        first, second = seen(0), seen(1)
+        assert first["cores"] and second["cores"] and not set(first["cores"]) & set(second["cores"])
+        assert set(first["cores"]) | set(second["cores"]) == set(cores)
+        for got in (first, second):
+            assert got["bind"] and set(map(int, got["bind"].replace("-", ",").split(","))) <= set(
+                got["cores"]
+            )
+        assert f"rl-launch: cores {first['cores'][0]}" in host.engines[0].log_tail(50)
+        assert os.sched_getaffinity(0) == set(cores)  # the host's own thread is back on every core
+        host.restart(1, 1)
+        assert host.errors[1] is None and seen(1)["cores"] == second["cores"]
+    finally:
+        host.stop()
+
+
 N_ENGINES = 2
 STARTUP_TIMEOUT_S = 600.0  # ~70-150 s seen on a busy 2-core box; generous for slow CI runners
 REQUEST_TIMEOUT_S = 60.0  # client side; a tiny-model request takes well under a second
@@ -317,13 +384,12 @@ def vllm_engines(
 ) -> Iterator[list[VllmEngine]]:
     """Two real vLLM CPU engines on OS-chosen loopback ports, started in parallel."""
     logdir = tmp_path_factory.mktemp("vllm-logs")
-    cpus = sorted(os.sched_getaffinity(0))
+    # As the engine host does: a disjoint share of this process's cores per engine, each started on its
+    # share and binding its OpenMP threads there (vLLM's "auto" binding put both on the same core).
+    shares, _ = split_cores(usable_cores(), N_ENGINES)
     engines = []
     for i in range(N_ENGINES):
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB; the default would reserve far more RAM
-        if len(cpus) >= N_ENGINES:
-            # vLLM's "auto" binding puts every engine's OMP threads on the same core; spread them.
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i])
         spec = EngineSpec(
             model=str(tiny_model_dir),
             served_name="tiny",
@@ -333,11 +399,12 @@ def vllm_engines(
             log_path=str(logdir / f"engine{i}.log"),
             startup_timeout_s=STARTUP_TIMEOUT_S,
         )
-        engines.append(VllmEngine(spec, python=vllm_python))
+        engines.append(VllmEngine(spec, python=vllm_python, cpu_workers=1))
     t0 = time.monotonic()
     try:
-        for e in engines:
-            e.start()
+        for e, share in zip(engines, shares, strict=True):
+            with started_on(share):
+                e.start()
         for e in engines:
             try:
                 e.wait_ready(t0 + STARTUP_TIMEOUT_S)

