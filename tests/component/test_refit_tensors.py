@@ -8,6 +8,8 @@ first two were measured.
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import pytest
 
 from launcher.fleet.client import FleetClient, RefitError
 from router import GenerationRouter
+from router.fleet.tensor_manifest import read_record
 from tests.support.checkpoints import checkpoint, tensors_checkpoint
 from tests.support.http_backends import router_factory
 from tests.support.refit_calls import TOKEN, checksums, in_thread
@@ -136,3 +139,22 @@ async def test_a_directory_rewritten_after_its_refit_is_not_restored(
     assert list(r.backends.serving) == [engines[0].url]
     again = await in_thread(client.load_weights, a, "v2")  # a refit from what it holds now brings it in
     assert again["ok"] and sorted(again["verified"]) == sorted([engines[0].url, replacement.url]), again
+
+
+def test_a_file_rewritten_with_its_mtime_set_back_is_still_a_change(tmp_path: Path) -> None:
+    """The stamp a restore compares: a rewrite of the same size whose writer set the mtime back (``touch
+    -d``, ``cp -p``) still changes the ctime, which no user can set; a file put in place by a rename is
+    another inode; an untouched directory reads the same."""
+    d = checkpoint(tmp_path, "a", b"a")
+    record = read_record(str(d))
+    assert record.changes(record.again()) == []
+    weights = d / "model.safetensors"
+    before = weights.stat()
+    time.sleep(0.02)
+    rewrite(d)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert record.changes(record.again()) == ["model.safetensors: changed (ctime; mtime was set back)"]
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(weights.read_bytes())
+    os.replace(copy, weights)
+    assert record.changes(record.again())[0].startswith("model.safetensors: replaced by another file")
