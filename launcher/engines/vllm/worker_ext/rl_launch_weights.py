@@ -20,6 +20,11 @@ there (``lm_head`` keeps it, and keeps a packed copy beside it), a kernel copy t
 reported as ``NAME:kernel``, so an engine that computes with other weights than it shows stands out.
 On a GPU build no layer has ``cpu_linear``, and the table is vLLM's checker's: one form on every
 device, the fused parameter's bytes (``qkv_proj`` = q, k and v stacked, as vLLM holds them).
+What the probe costs: ``K x K x N`` multiply-adds per layer on the engine's own kernel (the tiny test
+model: milliseconds; a 7B model on CPUs: tens of TFLOP, minutes), once per checksum read. A cheaper
+fingerprint (a few random rows instead of the identity) was not taken: its outputs are rounded to the
+weight's dtype, so a small change of one weight can vanish from it, and hashing the packed copy itself
+would give engines on CPUs of another ISA (another packing) other checksums for the same weights.
 
 Weights detached by a failed reload (on the meta device) fail the call, as vLLM's checker does, so a
 refit's "checksum unreadable" still means "no weights".
