@@ -213,7 +213,7 @@ def test_status_judges_registered_engines_and_no_key_reaches_them(
 
         # No key of the job reached the registered listener: rollouts, fan-outs, status scrapes.
         logged = [json.loads(line) for line in seen.read_text().splitlines()]
-        print(f"the registered listener saw: {sorted({tuple(x) for x in logged})}")
+        print(f"the registered listener saw: {sorted({tuple(x) for x in logged}, key=str)}")
         assert {("POST", "/v1/completions"), ("GET", "/metrics"), ("POST", "/reset_prefix_cache")} <= {
             (m, p) for m, p, _ in logged
         }
