@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,88 +31,13 @@ from tests.support.http_backends import (
     router_factory,
     workers_fixture,  # noqa: F401 (the fixture)
 )
+from tests.support.keyless_flood import start_flood
 from tests.support.other_user import other_user
 
 OWNER_KEY = "owner-key-" + "k" * 20
 ADMIN_TOKEN = "admin-token-" + "t" * 20
 COMPLETIONS = "/v1/completions"
 CAP = 64  # the finding's router.http.max_client_connections
-
-# The other user's flood: stdlib only (it runs as that user, under the system's python), bounded by its
-# arguments. Opens connections that each ask /health (kept alive), asks again on every held one each
-# round, and reopens what it lost, up to ``n`` held; one JSON line per round.
-FLOOD = r"""
-import json, socket, sys, time
-port, n, seconds, every = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-REQ = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-
-def ask(s):
-    s.sendall(REQ)
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = s.recv(4096)
-        if not chunk:
-            return False
-        buf += chunk
-    head, _, rest = buf.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":")[1])
-    while len(rest) < length:
-        chunk = s.recv(4096)
-        if not chunk:
-            return False
-        rest += chunk
-    return head.startswith(b"HTTP/1.1 200")
-
-def fresh():
-    try:
-        s = socket.create_connection(("127.0.0.1", port), timeout=2)
-        s.settimeout(2)
-        if ask(s):
-            return s
-        s.close()
-    except OSError:
-        pass
-    return None
-
-held, opened, t0 = [], 0, time.monotonic()
-while time.monotonic() - t0 < seconds:
-    kept = []
-    for s in held:
-        try:
-            ok = ask(s)
-        except OSError:
-            ok = False
-        if ok:
-            kept.append(s)
-        else:
-            s.close()
-    lost, held = len(held) - len(kept), kept
-    for _ in range(n - len(held)):
-        s = fresh()
-        opened += 1
-        if s is not None:
-            held.append(s)
-    alive = 0
-    for s in held:
-        try:
-            alive += ask(s)
-        except OSError:
-            pass
-    print(json.dumps({"t": round(time.monotonic() - t0, 2), "held": alive, "lost": lost, "opened": opened}),
-          flush=True)
-    time.sleep(every)
-"""
-
-
-def system_python() -> str:
-    """A python the other user can run (the test's own may sit under root's 0700 home)."""
-    for p in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.access(p, os.X_OK):
-            return p
-    pytest.skip("no system python3 the second user can run")
 
 
 @pytest.fixture
@@ -172,21 +96,7 @@ async def test_another_users_idle_keyless_connections_leave_consumers_served(
     assert await generate(base, key) == "200"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as kept:
         assert await generate(base, key, kept) == "200"  # a consumer's kept-alive connection, made first
-        flood = await asyncio.create_subprocess_exec(
-            "runuser",
-            "-u",
-            probe.name,
-            "--",
-            system_python(),
-            "-c",
-            FLOOD,
-            str(r.port),
-            str(2 * CAP),
-            "10",
-            "1",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
+        flood = await start_flood(probe, r.port, 2 * CAP, 10)
         try:
             assert flood.stdout is not None
             first = json.loads(await asyncio.wait_for(flood.stdout.readline(), 30))
