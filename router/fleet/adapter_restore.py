@@ -22,7 +22,7 @@ got that far, and the version's last transaction (``GET /fleet/adapters``, ``rl-
 
 * **The path as the version was given, not its realpath.** Every engine of a version lists the same
   root, which the table's rebuild after a router restart (``router.adapters.adoption``) matches; and
-  the check refuses any path another user could redirect (``router.fleet.checkpoint._ancestors``), so
+  the check refuses any path another user could redirect (``router.fleet.trusted_path``), so
   the path and its realpath name the same files for everyone but this user and root.
 * **The digest after the load as well as before.** The engine reads the directory itself, after the
   check; reading the digest again once it has loaded closes that window: a rewrite meanwhile (this user,

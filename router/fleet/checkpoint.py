@@ -24,10 +24,11 @@ Who may have written it: another user's directory, or one anyone can write, lets
 weights every rollout (and so the training data) comes from, or swap files between this check and the
 load. So the directory and every file read are refused, after ``realpath``, when not owned by this
 process's user or writable by group or others, as is a symlink that leads out of the directory and a
-path that another user can redirect: every directory its resolution reads (``_ancestors``) must be
-owned by this user or root and writable by no one else unless sticky (or out of every other user's
-reach, below a 0700 directory), every symlink on the way owned by one of them (issue 38: another user's sticky team scratch, or a group-writable one, let that user
-swap a checked checkpoint before the engines loaded it). ``allow_foreign`` (the refit body's
+path that another user can redirect (``router.fleet.trusted_path``): every directory its resolution
+reads must be owned by this user or root and writable by no one else unless sticky (or out of every
+other user's reach, below a 0700 directory), every symlink on the way owned by one of them (issue 38:
+another user's sticky team scratch, or a group-writable one, let that user swap a checked checkpoint
+before the engines loaded it). ``allow_foreign`` (the refit body's
 ``"allow_foreign_checkpoint": true``) lets an operator load a colleague's checkpoint anyway. Anything
 that is not a regular file (a FIFO, a device, a socket) is refused always, without reading it: each
 file is ``lstat``-ed, opened ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat``-ed before a byte is read.
@@ -44,10 +45,8 @@ quarantined.
 from __future__ import annotations
 
 import asyncio
-import grp
 import json
 import os
-import pwd
 import stat
 import time
 import zipfile
@@ -56,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
 from router.fleet.safetensors import HeaderError, read_header
+from router.fleet.trusted_path import UntrustedPath, resolve_trusted
 
 T = TypeVar("T")
 
@@ -149,105 +149,6 @@ def _trusted(st: os.stat_result, what: str, allow_foreign: bool) -> None:
             f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): anyone who can "
             f"write it chooses the weights; chmod go-w it, or {OPT_OUT}"
         )
-
-
-MAX_SYMLINKS = 40
-"""Symlinks followed while a path is resolved (the kernel's own limit): a loop is refused, not walked."""
-
-
-def _writers(st: os.stat_result) -> str:
-    """Who besides its owner may add, rename and remove entries of a directory (``""`` when no one)."""
-    if st.st_mode & stat.S_IWOTH:
-        return "every user"
-    if st.st_mode & stat.S_IWGRP:
-        try:
-            return f"group {grp.getgrgid(st.st_gid).gr_name} (gid {st.st_gid})"
-        except KeyError:
-            return f"group gid {st.st_gid}"
-    return ""
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _safe_to_look_up(directory: str, st: os.stat_result, what: str, private: bool) -> None:
-    """Refuse ``directory`` (one the path is resolved through) unless only this user or root can change
-    its entries: owned by one of them, and writable by nobody else, or sticky (then others may add
-    names but not rename or remove this user's: ``/tmp``), or ``private``: below a directory of theirs
-    that grants group and others no search, where no other user reaches it to write it."""
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
-        raise CheckpointRefused(
-            f"{what} lies under {directory}, owned by {_user(st.st_uid)}: its owner can rename anything "
-            f"in it (sticky or not) and put other files in its place between the check and the load; move "
-            f"it under a directory only you (uid {me}) or root can change, or {OPT_OUT}"
-        )
-    writers = _writers(st)
-    if writers and not st.st_mode & stat.S_ISVTX and not private:
-        raise CheckpointRefused(
-            f"{what} lies under {directory}, which {writers} can write (mode {stat.S_IMODE(st.st_mode):04o}, "
-            f"no sticky bit): any of them can rename it away and put another in its place; chmod go-w "
-            f"{directory} (or chmod +t it), move it, or {OPT_OUT}"
-        )
-
-
-def _ancestors(path: str, what: str) -> str:
-    """The real path of ``path``, resolved one name at a time the way the kernel resolves it, or
-    ``CheckpointRefused`` naming the first directory or symlink on the way that another user could
-    change.
-
-    Why every directory the resolution reads, not only the ancestors of the ``realpath``: the engines
-    load the path later, resolving it again, and anyone who can rename an entry of any directory on the
-    way (its owner, sticky bit or not; a group or everyone, without the sticky bit), or re-point a
-    symlink the path goes through, chooses what they load, after this check read the right files
-    (issue 38: a team scratch another user made, ``chmod 1777``, swapped under a checked checkpoint in
-    0.05 ms). What passes here can be changed only by this user and root, so the path names, at the
-    load, the directory that was checked unless this user itself moves it (what the adapter restore's
-    digest, ``router.fleet.adapter_check.adapter_digest``, and the full restore's checksum are for).
-
-    A directory group or others can write is fine below one of this user's (or root's) that grants
-    group and others no search permission (``mode & 0o011 == 0``: a job directory is 0700): no other
-    user can reach it to rename anything. Under umask 002 a trainer's ``mkdir -p`` makes every folder
-    it adds 0775, and refusing those inside a private job directory would refuse what nobody can
-    change. Another user's directory is refused wherever it is."""
-    me = os.geteuid()
-    todo = [c for c in reversed(path.split("/")) if c]
-    current, hops = "/", 0
-    private = {current: False}  # whether an ancestor keeps every other user out (search denied)
-    looked_up: dict[str, os.stat_result] = {}
-    while todo:
-        name = todo.pop()
-        if name == ".":
-            continue
-        if name == "..":
-            current = os.path.dirname(current)
-            continue
-        if current not in looked_up:
-            looked_up[current] = os.stat(current)
-            _safe_to_look_up(current, looked_up[current], what, private[current])
-        entry = os.path.join(current, name)
-        st = os.lstat(entry)
-        if stat.S_ISLNK(st.st_mode):
-            hops += 1
-            if hops > MAX_SYMLINKS:
-                raise CheckpointRefused(f"{what}: more than {MAX_SYMLINKS} symlinks on the way (a loop?)")
-            if st.st_uid not in (me, 0):
-                raise CheckpointRefused(
-                    f"{what}: the path goes through the symlink {entry}, owned by {_user(st.st_uid)}, "
-                    f"which its owner can point elsewhere; give the directory it leads to, or {OPT_OUT}"
-                )
-            target = os.readlink(entry)
-            todo.extend(c for c in reversed(target.split("/")) if c)
-            if target.startswith("/"):
-                current = "/"
-            continue
-        private[entry] = private[current] or not looked_up[current].st_mode & 0o011
-        current = entry
-    return current
 
 
 def _inside(directory: str, entry: str, allow_foreign: bool) -> str:
@@ -388,8 +289,13 @@ def trusted_directory(path: str, allow_foreign: bool, kind: str = "checkpoint") 
         raise CheckpointRefused(f"{kind} directory {path} is not readable (check its permissions)")
     what = f"{kind} directory {path}" + (f" ({real})" if real != path else "")
     _trusted(st, what, allow_foreign)
-    if not allow_foreign and _ancestors(path, what) != real:
-        raise CheckpointRefused(f"{what} moved while it was checked; try again once it stays in place")
+    if not allow_foreign:
+        try:
+            resolved = resolve_trusted(path, what)
+        except UntrustedPath as exc:
+            raise CheckpointRefused(f"{exc}, or {OPT_OUT}") from None
+        if resolved != real:
+            raise CheckpointRefused(f"{what} moved while it was checked; try again once it stays in place")
     return real, os.listdir(real)
 
 

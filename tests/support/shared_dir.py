@@ -2,7 +2,7 @@
 
 pytest's base temp directory is private (``/tmp/pytest-of-USER``, 0700, and pytest makes it 0700 again
 at each session's start): no other user reaches anything under it, and the router's check rightly
-trusts what no other user can reach (``router.fleet.checkpoint._ancestors``). On a cluster, checkpoints
+trusts what no other user can reach (``router.fleet.trusted_path``). On a cluster, checkpoints
 lie under homes and project directories other users can enter; ``shared_dir`` is one: a 0755 directory
 of the test's own directly under ``/tmp``, removed after the test (everything in it, whoever owns it).
 """
