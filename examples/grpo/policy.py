@@ -4,8 +4,8 @@ Why a process of its own: torch lives only in the vLLM venv (the launcher's venv
 is a CUDA build of several GB), and the vLLM venv lacks some of the launcher's own dependencies, so
 neither venv runs the whole trainer. ``train.py`` runs in the launcher's python (``FleetClient``, the
 router, the plots) and starts this file with the vLLM venv's python (``--torch-python``); they speak one
-JSON object a line over the worker's stdin/stdout (``init``, ``update``, ``save``), and the worker's
-stray prints go to stderr, so they never corrupt the protocol.
+JSON object a line over the worker's stdin/stdout (``init``, ``update``, ``target_mass``, ``save``), and
+the worker's stray prints go to stderr, so they never corrupt the protocol.
 
 The update is GRPO's clipped policy-gradient loss, token-level mean, with the importance ratio between
 the trainer's log-probabilities and the rollout's. vLLM samples in the checkpoint's dtype (bf16 for the
@@ -92,6 +92,19 @@ class TorchPolicy:
             "ratio_max": max(ratios),
         }
 
+    def target_mass(self, prompts: list[list[int]], lo: int, hi: int) -> float:
+        """The probability the policy puts on token ids ``[lo, hi)`` as the next token of each prompt,
+        averaged: the expected reward of a first token, read from the weights without sampling noise
+        (the sampled reward of 16 completions moves by +-0.05 from noise alone)."""
+        torch = self.torch
+        self.model.eval()
+        with torch.no_grad():
+            masses = [
+                float(torch.softmax(self.model(torch.tensor([p])).logits[0, -1].float(), -1)[lo:hi].sum())
+                for p in prompts
+            ]
+        return sum(masses) / len(masses)
+
     def save(self, directory: str) -> None:
         """``config.json`` and ``model.safetensors`` in the served dtype (what vLLM's loader reads), or in
         LoRA mode the adapter (``save_pretrained``: ``adapter_config.json``, ``adapter_model.safetensors``
@@ -131,6 +144,8 @@ def serve() -> None:
                 reply = {"ok": False, "error": "init first"}
             elif req["op"] == "update":
                 reply = {"ok": True, "stats": policy.update(req["samples"])}
+            elif req["op"] == "target_mass":
+                reply = {"ok": True, "mass": policy.target_mass(req["prompts"], req["lo"], req["hi"])}
             elif req["op"] == "save":
                 policy.save(req["dir"])
                 reply = {"ok": True}
