@@ -6,8 +6,9 @@ reverse, the stamp racing the load); a trainer that dies mid-refit and leaves ev
 engine that missed the update serving again after resume. So one transaction runs, under one deadline:
 
     pause (keep) -> load (from a directory: one canary engine first, then the rest) or receive (streamed
-    by the trainer) -> verify (every engine's checksum equal, and equal to the trainer's expected one when
-    given) -> reset prefix caches -> stamp the version -> resume
+    by the trainer) -> verify (the directory's files as checked; every engine's checksum of every weight
+    it computes with, ``router.fleet.weight_checksums``, equal, and equal to the trainer's expected one
+    when given) -> reset prefix caches -> stamp the version -> resume
 
 * An engine that fails any step, or misses the deadline, is **quarantined**: held out of routing as
   STALE with the reason (the same hold-out ``router.fleet.api`` keeps for restarted engines, so every
@@ -577,8 +578,8 @@ class RefitCoordinator:
         )
         if txn.uncovered:
             log.warning(
-                "refit %s: the engines' checksums cannot see %d parameters (an engine without the "
-                "launcher's worker extension): %s",
+                "refit %s: the engines' checksums cannot see %d parameters (hashed as zero bytes: an "
+                "engine without the launcher's worker extension, or weights held where it cannot read): %s",
                 txn.id,
                 len(txn.uncovered),
                 txn.uncovered[:8],
