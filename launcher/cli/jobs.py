@@ -21,7 +21,7 @@ from typing import Any
 import click
 
 from launcher.cli.options import lookup_job, root_option
-from launcher.jobdir import JobDir, NotTheDriver, driver_pid
+from launcher.jobdir import LOST, JobDir, JobResult, NotTheDriver, StateWriter, driver_pid, lost_detail
 from launcher.jobdir.lookup import JobNotFound, created_at, job_dirs
 
 
@@ -35,14 +35,16 @@ def slurm_state(job_id: str) -> str:
     return describe_state(job_id)
 
 
-def driver_gone(job: JobDir, slurm: str | None) -> bool:
-    """The job can no longer record a result (its driver was SIGKILLed, or the node went down): Slurm
-    says it ended, or, for a local job on this host, its driver process is gone."""
+def driver_gone(job: JobDir, slurm: str | None) -> str | None:
+    """Why the job can no longer record a result (its driver was SIGKILLed, or the node went down):
+    Slurm says it ended, or, for a local job on this host, its driver process is gone; None otherwise."""
     if slurm is not None:
         from launcher.slurm.queue import is_final
 
-        return is_final(slurm)
-    return job.driver_alive() is False
+        return f"Slurm says {slurm}" if is_final(slurm) else None
+    if job.driver_alive() is False:
+        return f"its driver (pid {job.read_state().get('driver_pid')}) is gone"
+    return None
 
 
 def job_summary(d: Path) -> dict[str, Any]:
@@ -56,8 +58,8 @@ def job_summary(d: Path) -> dict[str, Any]:
     detail = str(result.reason if result is not None else state.get("detail") or "")
     if result is not None:
         phase = result.outcome or phase
-    elif driver_gone(job, slurm if job_id else None):
-        phase, detail = "lost", f"ended without a result (last phase {phase}); rl-launch logs {d.name}"
+    elif (why := driver_gone(job, slurm if job_id else None)) is not None:
+        phase, detail = LOST, lost_detail(d.name, why, phase)
     submitted = job.read_submitted()
     return {
         **_fleet_columns(job, state, result is not None),
@@ -169,17 +171,25 @@ def cancel_command(job: str, wait: bool, timeout_s: float, root: Path) -> None:
     if ended is not None:
         raise click.ClickException(f"{d.name} has already ended ({ended.outcome}: {ended.reason})")
     if job_id is not None:
+        state = job_state(job_id)
+        if is_final(state):  # Slurm ended it before its driver could record how: nothing is left to scancel
+            _record_gone(jd, f"Slurm says {state}", [])
+            return
         error = cancel_own(job_id)
         if error:
             raise click.ClickException(f"scancel {job_id} failed: {error}")
         click.echo(f"cancelled Slurm job {job_id} ({d})")
         done = lambda: jd.read_result() is not None or is_final(job_state(job_id))  # noqa: E731
     else:
+        if jd.driver_alive() is False:
+            _clean_up_after(jd, timeout_s)
+            return
         pid = _driver_process(jd)
         try:
             os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            raise click.ClickException(f"the driver of {d} (pid {pid}) is not running") from None
+        except ProcessLookupError:  # it died between the check and the signal
+            _clean_up_after(jd, timeout_s)
+            return
         click.echo(f"sent SIGTERM to the local driver {pid} ({d})")
         done = lambda: (r := jd.read_result()) is not None and r.torn_down  # noqa: E731
     if not wait:
@@ -192,6 +202,38 @@ def cancel_command(job: str, wait: bool, timeout_s: float, root: Path) -> None:
     result = jd.read_result()
     if result is not None:
         click.echo(f"{d.name}: {result.outcome}: {result.reason} (exit {result.exit_code})")
+
+
+def _clean_up_after(jd: JobDir, timeout_s: float) -> None:
+    """A local job whose driver is gone (SIGKILLed, the OOM killer) without its teardown: end what of the
+    job still runs on this machine (``launcher.jobdir.leftovers``: its processes by their environment,
+    SIGTERM then SIGKILL), then record it cancelled. Before, ``cancel`` answered "the driver ... is not
+    running" (exit 1), and the state said ``training`` for good."""
+    from launcher.jobdir import leftovers
+
+    why = f"its driver (pid {jd.read_state().get('driver_pid')}) was gone"
+    found, left = leftovers.end(jd.path, grace_s=min(leftovers.GRACE_S, timeout_s))
+    if left:
+        raise click.ClickException(
+            f"{why}; {len(left)} process(es) of the job outlived SIGKILL: "
+            + ", ".join(f"{p.pid} ({p.command[:60]})" for p in left[:5])
+        )
+    _record_gone(jd, why, [p.pid for p in found])
+
+
+def _record_gone(jd: JobDir, why: str, ended: list[int]) -> None:
+    """Record a job that ended without its driver's word as cancelled (the state's phase, the event, the
+    result), so ``list``, ``status``, an attached job's fleet and a second ``cancel`` all see it ended,
+    and say what was done."""
+    state = jd.read_state()
+    last = str(state.get("phase") or "submitted")
+    what = f"ended {len(ended)} process(es) it left" if ended else "nothing of it was running any more"
+    reason = f"{why} without its teardown (last phase {last}); rl-launch cancel {what}"
+    StateWriter(jd).event("cancelled", reason, outcome="cancelled", torn_down=True, left_pids=ended)
+    jd.write_result(JobResult(1, reason, "cancelled", None, {}, time.time(), torn_down=True))
+    click.echo(f"{jd.path.name}: cancelled: {reason}")
+    if ended:
+        click.echo(f"ended: {' '.join(map(str, ended))}")
 
 
 def engine_log(d: Path, which: str) -> Path:

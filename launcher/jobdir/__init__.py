@@ -5,6 +5,7 @@ from launcher.jobdir.layout import JobDir, StateWriter
 from launcher.jobdir.process import NotTheDriver, driver_pid, is_same_process, start_ticks
 from launcher.jobdir.records import (
     FINAL_PHASES,
+    LOST,
     PHASES,
     STOPPED,
     ControlRequests,
@@ -17,10 +18,12 @@ from launcher.jobdir.records import (
     JobResult,
     SubmittedJob,
     engine_id,
+    lost_detail,
 )
 
 __all__ = [
     "FINAL_PHASES",
+    "LOST",
     "PHASES",
     "STOPPED",
     "ControlRequests",
@@ -39,6 +42,7 @@ __all__ = [
     "driver_pid",
     "engine_id",
     "is_same_process",
+    "lost_detail",
     "read_json",
     "start_ticks",
     "write_json_atomic",

@@ -41,11 +41,24 @@ def start_ticks(pid: int) -> int | None:
     return int(fields[19]) if len(fields) > 19 else None
 
 
+def is_zombie(pid: int) -> bool:
+    """``pid`` has exited and waits for its parent to collect it (state ``Z``): it runs no more, though
+    its pid and start time still read as before (a SIGKILLed ``rl-launch submit`` whose parent has not
+    waited for it looked alive to ``list``, ``status`` and ``cancel``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    return bool(fields) and fields[0] == "Z"
+
+
 def is_same_process(pid: int, ticks: int | None) -> bool:
-    """Whether ``pid`` still runs (and, with ``ticks``, is the process that started then). For liveness
-    only: with no ``ticks`` any process holding the pid counts, so never signal on this alone."""
+    """Whether ``pid`` still runs (and, with ``ticks``, is the process that started then); an exited
+    process not yet collected by its parent (a zombie) does not. For liveness only: with no ``ticks``
+    any process holding the pid counts, so never signal on this alone."""
     now = start_ticks(pid)
-    return now is not None and (ticks is None or now == ticks)
+    return now is not None and (ticks is None or now == ticks) and not is_zombie(pid)
 
 
 def process_uids(pid: int) -> tuple[int, int] | None:

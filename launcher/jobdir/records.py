@@ -28,6 +28,19 @@ PHASES = (
     "cancelled",
 )
 FINAL_PHASES = frozenset({"finished", "failed", "cancelled"})
+LOST = "lost"
+"""What ``list`` and ``status`` show, instead of the phase its state still names, for a job whose driver
+is gone without recording a result (SIGKILLed, the OOM killer, its node or allocation lost): the state
+said ``training`` for good, and nothing of the job serves any more."""
+
+
+def lost_detail(name: str, why: str, last_phase: str) -> str:
+    """The one sentence ``list`` and ``status`` give a lost job (``why``: what says so)."""
+    return (
+        f"{why}: the job ended without a result (last phase {last_phase}); rl-launch cancel {name} ends "
+        f"what it left, rl-launch logs {name} shows how far it got"
+    )
+
 
 # Engine state written for every engine once the job is over: no finished job shows HEALTHY engines.
 STOPPED = "STOPPED"

@@ -40,7 +40,7 @@ import aiohttp
 
 from launcher.fleet.registered import SILENT as REGISTERED_SILENT
 from launcher.gateways.kinds import GATEWAY_KINDS
-from launcher.jobdir import FINAL_PHASES, FleetSnapshot, GatewaySnapshot, JobDir, read_json
+from launcher.jobdir import FINAL_PHASES, LOST, FleetSnapshot, GatewaySnapshot, JobDir, lost_detail, read_json
 from launcher.status.elastic import elastic_view
 from launcher.status.engine_rows import EXPECTED_SILENT, final_rows, fleet_engines, gateway_view
 from launcher.status.figures import (
@@ -193,17 +193,21 @@ class StatusCollector(JobSources):
         slurm, router_got, *engine_got = await asyncio.gather(self._slurm_state(), router_task, *engine_tasks)
 
         slurm_word = slurm.split()[0] if slurm else ""
+        lost: str | None = None  # the job's driver is gone without a result: shown as LOST, not its phase
         if not done and self.slurm_job_id is None and jd is not None and jd.driver_alive() is False:
             # A local driver killed before it could record its result: nothing of it serves any more.
+            lost = lost_detail(self.name, f"its driver (pid {state.get('driver_pid')}) is gone", phase)
             done, scrape = True, False
             router_got = await self._nothing()
             engine_got = [router_got] * len(engines)
         if not done and slurm_word and slurm_word in _final_slurm_states():
             # Slurm ended the job before the driver could say so; its processes went with it, and anything
             # still answering on those addresses belongs to someone else now.
+            lost = lost_detail(self.name, f"Slurm says {slurm}", phase)
             done, scrape = True, False
             router_got = await self._nothing()
             engine_got = [router_got] * len(engines)
+        phase = LOST if lost is not None else phase
         condition, message = self._condition(state, phase, result, slurm, done, router_url, router_got)
         if done:
             final_rows(engines)
@@ -260,7 +264,7 @@ class StatusCollector(JobSources):
             "slurm_job_id": self.slurm_job_id,
             "slurm_state": slurm if self.slurm_job_id is not None else "local",
             "phase": phase,
-            "detail": str(state.get("detail") or ""),
+            "detail": lost or str(state.get("detail") or ""),
             "nodes": state.get("nodes") or {},
             "started": started,
             "elapsed_s": rounded(elapsed, 1),
@@ -328,7 +332,8 @@ class StatusCollector(JobSources):
             if self.slurm_job_id is None:
                 return "finished", (
                     f"the driver is gone and wrote no result.json (killed before it could; "
-                    f"rl-launch logs {self.name} shows how far it got)"
+                    f"rl-launch logs {self.name} shows how far it got; rl-launch cancel {self.name} ends "
+                    "what it left)"
                 )
             return "finished", (
                 f"Slurm says {slurm}; the driver wrote no result.json (killed before it could; "
