@@ -11,13 +11,17 @@ derived from its files), changes the directory, kills one engine and brings a fr
 port, as the fleet controller does. What must hold: the restarted engine does not get v1 unless its
 files are the ones loaded (``GET /fleet/adapters`` reports it ``missing`` there, with the reason), every
 request for the adapter is answered from v1's own bytes by the engines that hold them, the dead URL has
-left the version's list, and the engine serves the base model all along.
+left the version's list, and the engine serves the base model all along. One case lands its rewrite
+between the restore's check and the restarted engine's own read of the files, by making the simulator's
+read do the rewrite first (the one moment no timing from outside hits reliably): the digest read again
+after the load catches it, and the engine is unloaded before any request is routed to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +32,7 @@ import orjson
 import pytest
 
 from launcher.engines.sim import SimServer
+from launcher.engines.sim import lora as sim_lora
 from router import GenerationRouter
 from tests.support.adapters import write_adapter
 from tests.support.http_backends import router_factory
@@ -103,7 +108,9 @@ def as_other_user(probe: OtherUser, where: Path, *names: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def change(how: str, tmp_path: Path, shared: Path) -> tuple[Path, dict[str, Any], Callable[[], None]]:
+def change(
+    how: str, tmp_path: Path, shared: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, dict[str, Any], Callable[[], None]]:
     """The adapter's directory, the load's extra fields, and the change made to it after the load."""
     if how == "another user swaps its team scratch":  # the finding's repro, loaded with the opt-in
         probe = other_user()
@@ -129,10 +136,36 @@ def change(how: str, tmp_path: Path, shared: Path) -> tuple[Path, dict[str, Any]
         raw = f.read_bytes()
         f.write_bytes(raw[: len(raw) // 2] + b"z" * (len(raw) - len(raw) // 2))
 
-    return d, {}, {"swapped": swap, "rewritten in place": rewrite, "unchanged": lambda: None}[how]
+    def during_the_load() -> None:  # after the restore's check, as the restarted engine reads the files
+        other = write_adapter(tmp_path / "next", fill=b"z") / "adapter_model.safetensors"
+        engine_read = sim_lora.read_adapter
+
+        def rewritten_first(path: str, max_rank: int) -> tuple[str, int, bool]:
+            if Path(path) == d and other.exists():  # a save lands between the check and this read
+                os.replace(other, d / "adapter_model.safetensors")
+            return engine_read(path, max_rank)
+
+        monkeypatch.setattr(sim_lora, "read_adapter", rewritten_first)
+
+    return (
+        d,
+        {},
+        {
+            "swapped": swap,
+            "rewritten in place": rewrite,
+            "rewritten while the engine loads it": during_the_load,
+            "unchanged": lambda: None,
+        }[how],
+    )
 
 
-CASES = ["swapped", "rewritten in place", "another user swaps its team scratch", "unchanged"]
+CASES = [
+    "swapped",
+    "rewritten in place",
+    "another user swaps its team scratch",
+    "rewritten while the engine loads it",
+    "unchanged",
+]
 
 
 @pytest.mark.parametrize("how", CASES)
@@ -142,11 +175,12 @@ async def test_a_restarted_engine_gets_an_adapter_back_only_as_it_was_loaded(
     routers: Callable[..., GenerationRouter],
     tmp_path: Path,
     shared_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     engines = await sims(2, **LORA)
     r = routers([e.url for e in engines], lora={"max_adapters": 2, "max_lora_rank": 8})
     url = r.base_url()
-    directory, extra, changed = change(how, tmp_path, shared_dir)
+    directory, extra, changed = change(how, tmp_path, shared_dir, monkeypatch)
     status, answer = await load(url, directory, **extra)
     assert status == 200 and answer["ok"], answer
     own = set(await texts(url, "policy-a", 4))
@@ -182,6 +216,8 @@ async def test_a_restarted_engine_gets_an_adapter_back_only_as_it_was_loaded(
         assert why.startswith("not restored after a restart: "), seen
         if how == "another user swaps its team scratch":
             assert f"{directory} is owned by uid {other_user().uid}" in why, why  # its, now
+        elif how == "rewritten while the engine loads it":  # it passed the check, then the engine read it
+            assert f"the files of {directory} changed while the engine loaded it" in why, why
         else:
             assert f"the files of {directory} changed since it was loaded" in why, why
     await texts(url, "tiny", 4)  # the base model is served on every engine all along (each 200)
