@@ -21,3 +21,5 @@ def test_every_package_is_listed() -> None:
     }
     found.add("launcher.templates")
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+    # and the other way: a package renamed or removed must leave the list, or the wheel build fails
+    assert listed <= found, f"remove from [tool.setuptools] packages: {sorted(listed - found)}"
