@@ -17,8 +17,8 @@ its ``root``) is merged into the table:
   the router that died died with it).
 * an engine that serves a known name from another directory is not counted as holding it.
 
-Versions the table knows already are not touched: a rejoining engine's are checked and restored by the
-adapter refit's ``restore``.
+Names the table accounts for already are not touched (a version it routes, one being loaded, one being
+unloaded): a rejoining engine's versions are checked and restored by the adapter refit's ``restore``.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ def adopt(table: AdapterTable, listings: Mapping[str, Mapping[str, str]]) -> lis
 
 
 def _known(table: AdapterTable, served: str) -> bool:
+    """A name the table accounts for already: a version it routes, one a refit is loading now, or one
+    whose unload is under way (``AdapterTable.names``). Adopting a name being loaded would make it a
+    stale version and unload it from under its refit."""
+    if served in table.names:
+        return True
     parts = split_served(served)
     adapter = table.adapters.get(parts[0]) if parts is not None else None
     return adapter is not None and parts is not None and adapter.version(parts[1]) is not None

@@ -249,3 +249,14 @@ def test_a_body_is_read_once_strictly() -> None:
     ):
         with pytest.raises(UnreadableBody):
             requested_model(body)
+
+
+def test_a_version_being_loaded_is_not_adopted_as_stale_from_a_rejoining_engine() -> None:
+    from router.adapters.adoption import adopt
+
+    t = table()
+    stamped(t, "pa", "tenant-a", "v1", {E1, E2})
+    t.pending["pa"] = "v2"
+    t.names["pa@v2"] = "tenant-a"  # the refit's canary has it already
+    assert adopt(t, {E2: {"tiny": "/m", "pa@v1": "/ckpt/pa/v1", "pa@v2": "/ckpt/pa/v2"}}) == []
+    assert [d.version for d in t.adapters["pa"].draining] == []
