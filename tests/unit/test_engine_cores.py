@@ -66,3 +66,19 @@ def test_started_on_moves_only_this_thread_and_puts_it_back() -> None:
     assert os.sched_getaffinity(0) == before
     with started_on(None):
         assert os.sched_getaffinity(0) == before
+
+
+def test_the_host_splits_the_cores_it_may_use_and_only_for_cpu_engines() -> None:
+    """On Slurm the engine host's affinity is the step's cpuset: the shares come from it, never from the
+    node's other cores; GPU engines and simulated ones are not pinned."""
+    from launcher.engines.host import core_groups
+    from launcher.engines.host_config import EngineHostConfig
+
+    mine = max(os.sched_getaffinity(0))
+    vllm = EngineHostConfig(kind="vllm", count=2, host="127.0.0.1", model="/m")
+    with started_on([mine]):  # a step given one core
+        shares, note = core_groups(vllm, [[], []])
+    assert shares == [[mine], [mine]] and note is not None and "2 CPU engines on 1 core(s)" in note
+    assert core_groups(vllm, [["0"], ["1"]]) == ([[], []], None)  # engines with GPUs: not pinned
+    sim = EngineHostConfig(kind="sim", count=2, host="127.0.0.1", model="m")
+    assert core_groups(sim, [[], []]) == ([[], []], None)
