@@ -13,6 +13,13 @@ at most 120 s.
     flock /tmp/rl-heavy.lock .venv/bin/python bench/cpu_engines.py --engines 2 --requests 6 --streams 4
 
 Prints the report and writes it as JSON (``--json``, default ``<job>/cpu_engines.json``).
+
+Measured on a 2-core machine, back to back (``bench/figures/cpu-engines.json``): before (vLLM's auto
+binding) both engines logged "core ids=[0] reserved_cpus=[1]" and both workers ran on core 0; all
+engines' requests together took 2.87 s, p90 0.58 s and 1.93 s per engine. After (one core each,
+"core ids=[0]" and "core ids=[1]"): 1.37 s, p90 0.28 s and 0.23 s. The price: one engine busy alone is
+no longer helped by the other core (its API server and scheduler share its core): median 0.144 s ->
+0.232 s for the engine whose server had core 1 to itself before, 0.189 s -> 0.199 s for the other.
 """
 
 from __future__ import annotations
