@@ -21,7 +21,7 @@ from typing import Any
 import click
 
 from launcher.cli.options import lookup_job, root_option
-from launcher.jobdir import LOST, JobDir, JobResult, NotTheDriver, StateWriter, driver_pid, lost_detail
+from launcher.jobdir import LOST, JobDir, NotTheDriver, driver_pid, lost_detail
 from launcher.jobdir.lookup import JobNotFound, created_at, job_dirs
 
 
@@ -222,15 +222,10 @@ def _clean_up_after(jd: JobDir, timeout_s: float) -> None:
 
 
 def _record_gone(jd: JobDir, why: str, ended: list[int]) -> None:
-    """Record a job that ended without its driver's word as cancelled (the state's phase, the event, the
-    result), so ``list``, ``status``, an attached job's fleet and a second ``cancel`` all see it ended,
-    and say what was done."""
-    state = jd.read_state()
-    last = str(state.get("phase") or "submitted")
-    what = f"ended {len(ended)} process(es) it left" if ended else "nothing of it was running any more"
-    reason = f"{why} without its teardown (last phase {last}); rl-launch cancel {what}"
-    StateWriter(jd).event("cancelled", reason, outcome="cancelled", torn_down=True, left_pids=ended)
-    jd.write_result(JobResult(1, reason, "cancelled", None, {}, time.time(), torn_down=True))
+    """Record the job cancelled (``leftovers.record_cancelled``) and say what was done."""
+    from launcher.jobdir import leftovers
+
+    reason = leftovers.record_cancelled(jd, why, ended)
     click.echo(f"{jd.path.name}: cancelled: {reason}")
     if ended:
         click.echo(f"ended: {' '.join(map(str, ended))}")

@@ -26,7 +26,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.jobdir.layout import JobDir, StateWriter
 from launcher.jobdir.process import process_argv, process_uids, start_ticks
+from launcher.jobdir.records import JobResult
 
 JOB_DIR_ENV = "RL_LAUNCH_JOB_DIR"
 """Set by the driver (``launcher.driver.driver``) for every process of its job; the simulator's engines
@@ -139,3 +141,16 @@ def end(job_dir: str | Path, grace_s: float = GRACE_S) -> tuple[list[Leftover], 
         for p in left:
             _signal(p, signal.SIGKILL)
         time.sleep(0.1)
+
+
+def record_cancelled(job: JobDir, why: str, ended: list[int], by: str = "rl-launch cancel") -> str:
+    """Record a job that ended without its driver's word as cancelled (the state's phase, the event, the
+    result), so ``list``, ``status``, a standing fleet's consumers and a second ``cancel`` all see it
+    ended; returns the reason recorded. Only for a driver known to be gone: the driver is the one
+    writer of the state while it lives."""
+    last = str(job.read_state().get("phase") or "submitted")
+    what = f"ended {len(ended)} process(es) it left" if ended else "nothing of it was running any more"
+    reason = f"{why} without its teardown (last phase {last}); {by} {what}"
+    StateWriter(job).event("cancelled", reason, outcome="cancelled", torn_down=True, left_pids=ended)
+    job.write_result(JobResult(1, reason, "cancelled", None, {}, time.time(), torn_down=True))
+    return reason

@@ -100,6 +100,8 @@ def fleet_down(
     state, why = standing.liveness(record)
     job = JobDir(record.job_dir)
     if state == "gone":
+        if record.cluster == "local" and job.read_result() is None and job.driver_alive() is False:
+            why = _clean_up_after(job)
         standing.remove_record(job_root, record)
         say(f"fleet {name!r} had already ended ({why}); its record is removed")
         return record
@@ -130,6 +132,20 @@ def fleet_down(
     result = job.read_result()
     say(f"fleet {name!r} is down" + (f": {result.reason}" if result is not None else ""))
     return record
+
+
+def _clean_up_after(job: JobDir) -> str:
+    """A local fleet whose driver is gone without its teardown (SIGKILLed with its reapers): end what of
+    it still runs here and record it ended, as ``rl-launch cancel`` does (``launcher.jobdir.leftovers``);
+    its engines and router would otherwise serve on, with no one to bring them down."""
+    from launcher.jobdir import leftovers
+
+    why = f"its driver (pid {job.read_state().get('driver_pid')}) was gone"
+    found, left = leftovers.end(job.path)
+    if left:
+        pids = ", ".join(str(p.pid) for p in left[:5])
+        raise FleetRefused(f"{why}; {len(left)} process(es) of the fleet outlived SIGKILL: {pids}")
+    return leftovers.record_cancelled(job, why, [p.pid for p in found], by="rl-launch fleet down")
 
 
 def _wait_ended(record: FleetRecord, timeout_s: float) -> bool:

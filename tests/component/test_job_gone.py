@@ -96,3 +96,26 @@ def test_cancel_ends_the_sessions_the_job_left_and_nothing_else(tmp_path: Path, 
     nothing = job_with_driver(root, "nothing", driver.pid)
     out = CliRunner().invoke(main, ["cancel", nothing.path.name, "--root", str(root)])
     assert out.exit_code == 0 and "nothing of it was running any more" in out.output, out.output
+
+
+def test_fleet_down_of_a_local_fleet_whose_driver_is_gone_ends_what_it_left(
+    tmp_path: Path, spawned: list
+) -> None:
+    """``fleet down NAME`` of a local standing fleet whose driver (and reapers) died: its engines would
+    serve on with nobody to end them; it ends them, records the fleet ended, removes the record."""
+    from launcher.fleet import standing
+
+    root = tmp_path / "jobs"
+    driver = subprocess.Popen(["true"])
+    driver.wait()
+    job = job_with_driver(root, "prod", driver.pid)
+    standing.write_record(root, standing.new_record("prod", job.path, "local", "sim-8b", None))
+    engine = subprocess.Popen(
+        ["sleep", "60"], env=dict(os.environ, **{JOB_DIR_ENV: str(job.path)}), start_new_session=True
+    )
+    spawned.append(engine)
+    out = CliRunner().invoke(main, ["fleet", "down", "prod", "--root", str(root)])
+    assert out.exit_code == 0, out.output
+    assert "rl-launch fleet down ended 1 process(es)" in out.output and "record is removed" in out.output
+    assert engine.wait(5) is not None and job.read_result().outcome == "cancelled"
+    assert standing.read_record(root, "prod") is None
