@@ -75,6 +75,9 @@ adapter of its own on the fleet's frozen base model, beside other tenants traini
 This file runs in the launcher's python (``FleetClient``, matplotlib); torch lives in the vLLM venv only,
 so the update runs in ``policy.py`` under that venv's python (``--torch-python``, default
 ``$RL_LAUNCH_VLLM_PYTHON``), over a pipe (``examples/local-grpo-vllm.yaml``).
+Beside it, in this directory: ``rollouts.py`` (the samples, rewards, advantages and version filter: no
+torch and no fleet, so unit-tested in the main venv), ``metrics.py`` (the per-step record and the files it
+is written to) and ``options.py`` (the command line); this file keeps the policies and the loop.
 
 **Without torch** (the README's first job: simulated engines, the main venv has no torch) the same loop
 runs in sim mode: rollouts, rewards, advantages, version checks, a checkpoint written as valid
@@ -87,8 +90,6 @@ ids (4 bytes each) never fall in the target set.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import math
 import os
@@ -96,140 +97,54 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 # Run as a script (``python examples/grpo/train.py``): the launcher is imported from the checkout this
-# file is in, whatever the current directory.
+# file is in, whatever the current directory; the trainer's own parts (``rollouts``, ``metrics``,
+# ``options``) from this file's directory, also when a test loads this file by its path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from metrics import StepRecord, write_outputs, write_plot
+from options import lora_config, parse_args
+from rollouts import (  # the pure parts' names too: tests/vllm/test_grpo_example.py reads them here
+    FIRST_TARGET,
+    TARGET_SIZE,
+    Router,
+    Sample,
+    greedy,
+    group_advantages,
+    parse_completion,
+    reward,
+    rollouts,
+    score,
+    split_by_version,
+)
 
 from launcher.fleet.client import FleetClient
 
-VERSION_HEADER = "x-rl-weight-version"
-FIRST_TARGET, TARGET_SIZE = 256, 64
-"""The target set: token ids 256..319, one eighth of the tiny model's 512 (so a random policy scores
-about 0.125 and there is room to climb); clear of the special tokens at the bottom of the vocabulary."""
-TARGET = frozenset(range(FIRST_TARGET, FIRST_TARGET + TARGET_SIZE))
+__all__ = [
+    "FIRST_TARGET",
+    "TARGET_SIZE",
+    "Router",
+    "Sample",
+    "group_advantages",
+    "main",
+    "parse_completion",
+    "reward",
+    "rollouts",
+    "score",
+    "split_by_version",
+]
+
 FLAT_WHY = (
     "the reward is flat by design here: simulated engines' text is a hash of the prompt and the loaded "
     "checkpoint's digest, not a function of the weights' values (and their 4-byte token ids never fall "
     "in the target set), and no gradient step ran (no torch: --torch-python). "
     "examples/local-grpo-vllm.yaml runs the same trainer on real vLLM engines, where the reward climbs."
 )
-
-
-# -- the pure parts (unit-tested in the main venv: tests/vllm/test_grpo_example.py) --------------------------
-@dataclass
-class Sample:
-    """One completion of one prompt, as the router returned it."""
-
-    group: int
-    prompt: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    version: str | None
-    reward: float = 0.0
-    advantage: float = 0.0
-    served: str | None = None
-    """The response body's ``model``: in LoRA mode the adapter version that sampled it, ``NAME@step-k``."""
-
-
-def reward(tokens: Sequence[int], target: frozenset[int] = TARGET) -> float:
-    """The fraction of ``tokens`` in ``target`` (0 for an empty completion: nothing to credit)."""
-    return sum(t in target for t in tokens) / len(tokens) if tokens else 0.0
-
-
-def group_advantages(rewards: Sequence[float], groups: Sequence[int], eps: float = 1e-6) -> list[float]:
-    """GRPO's advantage: reward minus its group's mean, over the group's (population) std + ``eps``.
-    A group whose samples all scored the same teaches nothing, and gets zeros rather than noise."""
-    by_group: dict[int, list[float]] = {}
-    for g, r in zip(groups, rewards, strict=True):
-        by_group.setdefault(g, []).append(r)
-    stats = {g: (statistics.fmean(rs), statistics.pstdev(rs)) for g, rs in by_group.items()}
-    return [(r - stats[g][0]) / (stats[g][1] + eps) for g, r in zip(groups, rewards, strict=True)]
-
-
-def split_by_version(
-    samples: Sequence[Sample], expected: str, served: str | None = None
-) -> tuple[list[Sample], list[Sample]]:
-    """(kept, dropped): a sample is trained on only if the engine that served it carried ``expected``
-    (and, given ``served``, the body named that model: in LoRA mode ``NAME@<expected>``). A missing
-    header counts as another version: nothing says which weights sampled it."""
-
-    def ok(s: Sample) -> bool:
-        return s.version == expected and (served is None or s.served == served)
-
-    return [s for s in samples if ok(s)], [s for s in samples if not ok(s)]
-
-
-def score(samples: list[Sample]) -> None:
-    """Set every sample's reward, then its advantage within its group (of the samples kept: a group
-    that lost samples to the version filter is compared among the ones left)."""
-    for s in samples:
-        s.reward = reward(s.tokens)
-    advantages = group_advantages([s.reward for s in samples], [s.group for s in samples])
-    for s, a in zip(samples, advantages, strict=True):
-        s.advantage = a
-
-
-def parse_completion(body: dict[str, Any]) -> tuple[list[int], list[float]]:
-    """Token ids and log-probabilities of a ``/v1/completions`` answer made with
-    ``return_tokens_as_token_ids`` (tokens spelled ``"token_id:N"``)."""
-    lp = body["choices"][0]["logprobs"]
-    ids = [int(str(t).rsplit(":", 1)[1]) for t in lp["tokens"]]
-    return ids, [float(x) for x in lp["token_logprobs"]]
-
-
-# -- rollouts ---------------------------------------------------------------------------------------------
-@dataclass
-class Router:
-    """The policy as the training command sees it: the router's OpenAI URL, the client key, the model."""
-
-    base_url: str
-    api_key: str
-    model: str
-
-    def complete(
-        self, prompt: list[int], max_tokens: int, temperature: float, seed: int
-    ) -> tuple[Any, str | None]:
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "ignore_eos": True,  # fixed lengths: the reward is a fraction, the batch a fixed size
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-            "seed": seed,
-        }
-        req = urllib.request.Request(
-            self.base_url.rstrip("/") + "/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"},
-        )
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            return json.loads(resp.read()), resp.headers.get(VERSION_HEADER)
-
-
-def rollouts(
-    router: Router, prompts: list[list[int]], group: int, max_tokens: int, seed: int, concurrency: int = 16
-) -> list[Sample]:
-    """``group`` samples of every prompt, sent concurrently (one request each: the router balances
-    requests, and the simulator serves n=1 only); the seed differs per sample so a group is not one
-    sample repeated."""
-
-    def one(i: int) -> Sample:
-        g = i // group
-        body, version = router.complete(prompts[g], max_tokens, 1.0, seed * 100_003 + i)
-        tokens, logprobs = parse_completion(body)
-        return Sample(g, prompts[g], tokens, logprobs, version, served=body.get("model"))
-
-    with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(one, range(len(prompts) * group)))
 
 
 # -- the policy: a torch worker, or none -----------------------------------------------------------------
@@ -325,76 +240,6 @@ class NoTorchPolicy:
 
 
 # -- the loop ---------------------------------------------------------------------------------------------
-@dataclass
-class StepRecord:
-    step: int
-    version: str
-    reward_mean: float
-    samples: int
-    dropped: int
-    seconds: dict[str, float] = field(default_factory=dict)
-    update: dict[str, float] = field(default_factory=dict)
-    versions_seen: dict[str, int] = field(default_factory=dict)
-    refit_phases: dict[str, float] = field(default_factory=dict)
-    served_seen: dict[str, int] = field(default_factory=dict)
-    """LoRA mode: the response bodies' ``model`` (``NAME@step-k``) of the step's samples, counted."""
-    quarantined: dict[str, str] = field(default_factory=dict)
-    target_mass: float | None = None
-    """After the step's update: the trainer's weights' probability of a target token as the next token of
-    fixed held-out prompts (``MASS_PROMPTS``), the expected reward without the sampling noise."""
-
-
-def greedy(router: Router, prompt: list[int], max_tokens: int) -> list[int]:
-    """The greedy completion of one fixed prompt: how the test sees that the weights changed."""
-    return parse_completion(router.complete(prompt, max_tokens, 0.0, 0)[0])[0]
-
-
-def write_outputs(out: Path, records: list[StepRecord], extra: dict[str, Any]) -> None:
-    """``metrics.json`` (everything) and ``metrics.csv`` (one row a step), rewritten every step so a job
-    stopped midway still has its curve."""
-    rows = [asdict(r) for r in records]
-    (out / "metrics.json").write_text(json.dumps({**extra, "steps": rows}, indent=1))
-    with (out / "metrics.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", "version", "reward_mean", "samples", "dropped", *sorted(records[0].seconds)])
-        for r in records:
-            w.writerow(
-                [
-                    r.step,
-                    r.version,
-                    f"{r.reward_mean:.4f}",
-                    r.samples,
-                    r.dropped,
-                    *(f"{r.seconds[k]:.3f}" for k in sorted(r.seconds)),
-                ]
-            )
-
-
-def write_plot(out: Path, records: list[StepRecord], title: str) -> Path | None:
-    """``reward.png`` with matplotlib, as the project's other plots are drawn (``launcher.record.plots``);
-    None without matplotlib (the JSON and CSV have the curve)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("grpo: no matplotlib here, no plot (metrics.json and metrics.csv have the curve)")
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    try:
-        ax.plot([r.step for r in records], [r.reward_mean for r in records], marker="o")
-        ax.set_xlabel("step")
-        ax.set_ylabel("mean reward (share of target tokens)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "reward.png")
-    finally:
-        plt.close(fig)
-    return out / "reward.png"
-
-
 def served_model_dir(job_dir: Path) -> Path | None:
     """The directory the engines serve (the job's ``generation.model``), relative paths from the cwd the
     job runs in, as the engines resolve them; None for a name that is not a directory (sim)."""
@@ -417,9 +262,6 @@ def lost_engines(txn: dict[str, Any]) -> dict[str, str]:
     )
 
 
-LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
-"""Every linear layer of a Llama, ``lm_head`` included (the module docstring says why, and when not to)."""
-LORA_LR, FULL_LR = 0.1, 3e-3
 SLOW_START = (
     "a seed whose reward is slow to climb has a mass that stays near 0.125 (a random policy's) for its "
     "first updates: 16 samples of a near-uniform policy moved the weights little, in no steady direction; "
@@ -431,72 +273,13 @@ step reads ``target_mass``."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument(
-        "--seed", type=int, default=0, help="the prompts' and samples' seed (two tenants: two different runs)"
-    )
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    ap.add_argument("--group", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help=f"Adam's learning rate (default {FULL_LR:g}, LoRA mode {LORA_LR:g})",
-    )
-    ap.add_argument("--clip", type=float, default=0.2)
-    ap.add_argument(
-        "--reload",
-        action="store_true",
-        help="load the served model's own weights as step-0 first (full weights only): a second run in the "
-        "same job then starts from the weights the first started from, not from where it ended",
-    )
-    ap.add_argument("--out", default="grpo", help="the metrics' directory under the job directory")
-    ap.add_argument(
-        "--torch-python",
-        default=os.environ.get("RL_LAUNCH_VLLM_PYTHON") or None,
-        help="a python with torch, transformers and safetensors for the update (default "
-        "$RL_LAUNCH_VLLM_PYTHON); "
-        "without one, or when the served model is not a directory (sim engines), no gradient step runs",
-    )
-    ap.add_argument(
-        "--model", type=Path, default=None, help="the served model's directory (default: the job's)"
-    )
-    ap.add_argument(
-        "--lora-adapter",
-        default=os.environ.get("RL_LORA_ADAPTER") or None,
-        metavar="NAME",
-        help="LoRA mode: train the adapter NAME (one the fleet reserved for this job: "
-        "fleet.consumers.<job>.adapters) instead of the full weights (default $RL_LORA_ADAPTER)",
-    )
-    ap.add_argument("--lora-rank", type=int, default=8, help="LoRA mode: the adapter's rank r")
-    ap.add_argument(
-        "--lora-alpha", type=float, default=None, help="LoRA mode: peft's lora_alpha (default 2 x rank)"
-    )
-    ap.add_argument(
-        "--lora-targets",
-        default=LORA_TARGETS,
-        help="LoRA mode: the modules the adapter changes, comma-separated (default: %(default)s)",
-    )
-    args = ap.parse_args(argv)
+    args = parse_args(argv, __doc__.split("\n")[0])
 
     job_dir = Path(os.environ["RL_JOB_DIR"])
     out = job_dir / args.out
     out.mkdir(parents=True, exist_ok=True)
     adapter: str | None = args.lora_adapter
-    if args.lr is None:
-        args.lr = LORA_LR if adapter else FULL_LR
-    lora = (
-        {
-            "rank": args.lora_rank,
-            "alpha": args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank,
-            "target_modules": [t.strip() for t in args.lora_targets.split(",") if t.strip()],
-        }
-        if adapter
-        else None
-    )
+    lora = lora_config(args)
     # LoRA mode asks for the adapter by its name; the router answers with its current version.
     router = Router(
         os.environ["RL_POLICY_BASE_URL"],
