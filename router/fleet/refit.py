@@ -39,8 +39,9 @@ engine that missed the update serving again after resume. So one transaction run
 * Steps run as tasks of the router's own, shielded from the HTTP handler: a trainer that disconnects
   mid-call does not cancel a load half-way.
 
-The transaction's JSON (``RefitTxn.to_json``) is what ``GET /fleet/refit`` answers and what
-``rl-launch status`` shows while it runs; this module owns that shape.
+This module runs the steps in their order and keeps the fleet's side (the gate, the lease, the stamp, the
+weights' source); the transaction's record (its JSON: ``GET /fleet/refit``), the step runner and the checks
+of what an engine loaded are ``router.fleet.txn``'s, the part every weight path needs.
 """
 
 from __future__ import annotations
@@ -50,31 +51,25 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from router.fleet.engine import EngineAnswer, EngineClient
-from router.fleet.fleet import EngineCall, Fleet
-from router.fleet.ops import FleetOpReport, checksum_digest, compare_checksums
+from router.fleet.fleet import Fleet
 from router.fleet.tensor_manifest import DirectoryRecord
+from router.fleet.txn import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_LEASE_S,
+    EngineRefit,
+    RefitTxn,
+    load_and_verify,
+    run_step,
+    verify,
+)
+from router.fleet.txn import SOURCES as SOURCES  # the routes import it from here
 from router.state.pause_gate import PauseGate
 
 log = logging.getLogger(__name__)
-
-SOURCES = ("directory", "stream", "external")
-"""Where the weights come from: a checkpoint directory the router loads; a stream from the trainer
-(vLLM's weight-transfer API, ``update_weights`` through the router); or the trainer's own means (the
-router cannot tell which engines were touched, so every engine counts as touched)."""
-DEFAULT_LEASE_S = 30.0
-DEFAULT_DEADLINE_S = 900.0
-RESERVE_FRACTION = 0.1
-RESERVE_MAX_S = 30.0
-"""The part of the deadline a load or receive step leaves to verify, reset, stamp and resume (a tenth, at
-most 30 s): an engine that is still loading when the deadline nears is cut off, and the engines that made
-it still move to the new version instead of missing the deadline together."""
-STEP_TIMEOUT_S = 120.0
-"""The most one engine may take over a step other than the load (pause, checksum, reset, stamp): one that
-hangs there must not eat the reserve the steps after it need."""
 
 
 class RefitRefused(ValueError):
@@ -101,118 +96,6 @@ class WeightSource:
     record: DirectoryRecord | None = None
     """Its weight files as the refit checked them and found them again after the load
     (``router.fleet.tensor_manifest``): a restore refuses files that changed since."""
-
-
-@dataclass
-class EngineRefit:
-    """One engine's part: ``state`` moves pending -> loaded -> verified, or to quarantined (``reason``)."""
-
-    url: str
-    state: str = "pending"
-    touched: bool = False
-    reason: str = ""
-    checksum: str | None = None
-
-
-@dataclass
-class RefitTxn:
-    id: str
-    version: str
-    source: str
-    mode: str
-    deadline_s: float
-    lease_s: float
-    path: str | None = None
-    expected_checksum: str | None = None
-    records: dict[str, DirectoryRecord] = field(default_factory=dict, repr=False)
-    """What the check before the pause read of each directory (``from`` and ``from_by_engine``'s)."""
-    paths: dict[str, str] = field(default_factory=dict, repr=False)
-    """Each engine's own directory (``from_by_engine``); the others read ``path``."""
-    uncovered: list[str] = field(default_factory=list)
-    """Parameters an engine's checksum could not see (vLLM's ``/weight_checker`` fallback on an engine
-    without the launcher's worker extension: ``router.fleet.weight_checksums``)."""
-    phase: str = "pausing"
-    started_at: float = field(default_factory=time.time)
-    ended_at: float | None = None
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    engines: dict[str, EngineRefit] = field(default_factory=dict)
-    canary: str | None = None
-    """The engine a directory was loaded into first (``None``: no directory load, or not yet)."""
-    previous_version: str | None = None
-    previous_checksum: str | None = None
-    checksum: str | None = None
-    error: str = ""
-    moved: bool = False
-    router_holding: bool = True
-    """False where the front holds no request during the pause (vllm-router: the engines hold them)."""
-    holder: str | None = None
-    """The consumer whose key began it (``router.http.auth.holder_of``); None: the fleet's owner. Revoking
-    that key ends the transaction (``abort_if_held_by``, from ``router.fleet.revocation``)."""
-    released: dict[str, Any] = field(default_factory=dict)
-    """What the router held during the pause: ``released`` requests and their ``longest_wait_s``."""
-    """True once the fleet's version is ``version`` (some engine verified and stamped)."""
-    _t0: float = field(default_factory=time.monotonic, repr=False)
-    _lease_until: float = 0.0
-
-    @property
-    def deadline(self) -> float:
-        return self._t0 + self.deadline_s
-
-    @property
-    def ended(self) -> bool:
-        return self.phase in ("done", "failed", "expired", "aborted")
-
-    def remaining(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
-
-    @property
-    def reserve(self) -> float:
-        return min(RESERVE_MAX_S, self.deadline_s * RESERVE_FRACTION)
-
-    def live(self) -> list[str]:
-        """Engines still in the transaction (not quarantined)."""
-        return [u for u, e in self.engines.items() if e.state != "quarantined"]
-
-    def quarantine(self, url: str, reason: str) -> None:
-        e = self.engines[url]
-        if e.state != "quarantined":
-            e.state, e.reason = "quarantined", reason
-
-    def to_json(self) -> dict[str, Any]:
-        quarantined = {u: e.reason for u, e in self.engines.items() if e.state == "quarantined"}
-        return {
-            "id": self.id,
-            "version": self.version,
-            "source": self.source,
-            "path": self.path,
-            "mode": self.mode,
-            "phase": self.phase,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "elapsed_s": round((self.ended_at or time.time()) - self.started_at, 4),
-            "deadline_s": self.deadline_s,
-            "lease_s": self.lease_s,
-            "lease_left_s": round(max(0.0, self._lease_until - time.monotonic()), 3) if not self.ended else 0,
-            "steps": list(self.steps),
-            "canary": self.canary,
-            "engines": {
-                u: {"state": e.state, "reason": e.reason, "checksum": e.checksum}
-                for u, e in self.engines.items()
-            },
-            "verified": [u for u, e in self.engines.items() if e.state == "verified"],
-            "quarantined": quarantined,
-            "previous_version": self.previous_version,
-            "checksum": self.checksum,
-            "previous_checksum": self.previous_checksum,
-            "expected_checksum": self.expected_checksum,
-            "uncovered_parameters": self.uncovered,
-            "error": self.error,
-            "moved": self.moved,
-            "held": self.released,
-            "router_holding": self.router_holding,
-            "holder": self.holder,
-            "ok": self.moved and not quarantined,
-        }
 
 
 class RefitCoordinator:
@@ -315,7 +198,9 @@ class RefitCoordinator:
             self._idle.clear()
             self.backends.versions.announce(version)
             self.gate.close(mode)
-            report = await self._step(txn, "pausing", "pause", txn.live(), lambda e, u: e.pause(u, mode))
+            report = await run_step(
+                self.fleet, txn, "pausing", "pause", txn.live(), lambda e, u: e.pause(u, mode)
+            )
             for a in report.failures():
                 txn.quarantine(a.url, f"did not pause: {a.detail}")
             txn.phase = "paused"
@@ -326,7 +211,7 @@ class RefitCoordinator:
 
     def renew(self, txn_id: str) -> RefitTxn:
         txn = self.find(txn_id)
-        self._renew_after(txn)
+        txn.renew_lease()
         return txn
 
     async def load(
@@ -350,7 +235,7 @@ class RefitCoordinator:
             txn.records, txn.paths = dict(records or {}), dict(paths)
             if expected_checksum is not None:
                 txn.expected_checksum = expected_checksum
-            self._hold_lease(txn)
+            txn.hold_lease()
             urls = txn.live()
             if txn.source == "directory" and urls:
                 canary = self._pick_canary(urls, path, paths)
@@ -369,7 +254,8 @@ class RefitCoordinator:
             for u in urls:
                 txn.engines[u].touched = True
             if urls:
-                report = await self._step(
+                report = await run_step(
+                    self.fleet,
                     txn,
                     "loading",
                     "reload_weights",
@@ -382,7 +268,7 @@ class RefitCoordinator:
                         txn.engines[a.url].state = "loaded"
                     else:
                         txn.quarantine(a.url, f"reload from {paths.get(a.url, path)} failed: {a.detail}")
-            self._renew_after(txn)
+            txn.renew_lease()
             return txn
 
     def _pick_canary(self, urls: list[str], path: str, paths: dict[str, str]) -> str:
@@ -401,29 +287,15 @@ class RefitCoordinator:
     async def _try_canary(self, txn: RefitTxn, url: str, path: str) -> str | None:
         """Load ``path`` into the canary and verify it; ``None`` when it passed, else why not."""
         txn.engines[url].touched = True
-        expected = txn.expected_checksum
-
-        async def one(e: EngineClient, u: str) -> EngineAnswer:
-            loaded = await e.reload_weights(u, path)
-            if not loaded.ok:
-                return EngineAnswer(u, False, loaded.status, f"reload from {path} failed: {loaded.detail}")
-            read = await e.checksum(u)
-            if not read.ok:
-                return EngineAnswer(
-                    u, False, read.status, f"checksum unreadable after the load: {read.detail}"
-                )
-            digest = checksum_digest(read.body.get("checksums") or {})
-            txn.engines[u].checksum = digest
-            if expected is not None and digest != expected:
-                return EngineAnswer(
-                    u, False, read.status, f"checksum {digest} differs from the expected {expected}"
-                )
-            health = await e.health(u)
-            if not health.ok:
-                return EngineAnswer(u, False, None, f"/health failed after the load: {health.detail}")
-            return EngineAnswer(u, True, read.status, "", {"checksum": digest})
-
-        report = await self._step(txn, "canary", "canary", [url], one, bound="load")
+        report = await run_step(
+            self.fleet,
+            txn,
+            "canary",
+            "canary",
+            [url],
+            lambda e, u: load_and_verify(txn, e, u, path),
+            bound="load",
+        )
         answer = report.engines[0] if report.engines else None
         if answer is None:
             return report.error or "the canary got no answer"
@@ -436,7 +308,7 @@ class RefitCoordinator:
         weight update without a transfer group fails in the worker and leaves the engine without weights."""
         async with self._lock:
             txn = self.find(txn_id)
-            self._hold_lease(txn)
+            txn.hold_lease()
             for u in txn.live():
                 if u not in group:
                     txn.quarantine(u, "not in the trainer's weight-transfer group (joined after it formed)")
@@ -455,13 +327,13 @@ class RefitCoordinator:
                         return a
                 return a
 
-            report = await self._step(txn, "receiving", "update_weights", urls, one, bound="load")
+            report = await run_step(self.fleet, txn, "receiving", "update_weights", urls, one, bound="load")
             for a in report.engines:
                 if a.ok:
                     txn.engines[a.url].state = "loaded"
                 else:
                     txn.quarantine(a.url, f"weight update failed: {a.detail}")
-            self._renew_after(txn)
+            txn.renew_lease()
             return txn
 
     async def commit(
@@ -472,9 +344,9 @@ class RefitCoordinator:
             txn = self.find(txn_id)
             if expected_checksum is not None:
                 txn.expected_checksum = expected_checksum
-            self._hold_lease(txn)
+            txn.hold_lease()
             try:
-                await self._verify(txn)
+                await verify(self.fleet, txn)
                 if reset_cache:
                     await self._reset(txn)
                 await self._stamp(txn)
@@ -503,114 +375,9 @@ class RefitCoordinator:
             return txn
 
     # -- the steps -----------------------------------------------------------------------------------
-    async def _step(
-        self,
-        txn: RefitTxn,
-        phase: str,
-        op: str,
-        urls: list[str],
-        call: EngineCall,
-        bound: str = "step",
-    ) -> FleetOpReport:
-        """``bound``: ``"load"``, a step that may take minutes, gets what the deadline leaves but the
-        reserve; ``"step"`` that too, at most ``STEP_TIMEOUT_S``; ``"end"`` (abort, resume) is never cut by
-        the deadline: a transaction that ran out of time must still resume every engine."""
-        txn.phase = phase
-        t0 = time.monotonic()
-        left: float | None
-        if bound == "end":
-            left = None
-        elif bound == "load":
-            left = txn.remaining() - txn.reserve
-        else:
-            left = min(txn.remaining(), STEP_TIMEOUT_S)
-        if left is not None and left <= 0:
-            report = FleetOpReport(
-                op, [EngineAnswer(u, False, None, "the refit's deadline passed") for u in urls]
-            )
-        elif not urls:
-            report = FleetOpReport(op, error="no engine left in the refit")
-        else:
-            report = await self.fleet.fan(op, urls, call, left)
-            for a in report.engines:
-                if not a.ok and a.status is None and "Timeout" in a.detail:
-                    a.detail = f"missed the refit's deadline ({txn.deadline_s:g} s): {a.detail}"
-        txn.steps.append(
-            {
-                "phase": phase,
-                "took_s": round(time.monotonic() - t0, 4),
-                "engines": len(urls),
-                "failed": {a.url: a.detail for a in report.failures()},
-            }
-        )
-        return report
-
-    async def _unchanged(self, txn: RefitTxn) -> None:
-        """Read each checked directory again: an engine that loaded from one whose files changed since
-        the check (written during the refit: what it loaded is not what was checked, and may differ from
-        what its neighbours loaded) is quarantined, naming the files."""
-        for where, record in txn.records.items():
-            try:
-                now = await asyncio.wait_for(asyncio.to_thread(record.again), STEP_TIMEOUT_S)
-                changes = record.changes(now)
-            except (ValueError, OSError, TimeoutError) as exc:
-                changes = [f"not readable again ({exc or type(exc).__name__})"]
-            if not changes:
-                continue
-            why = f"checkpoint {where} changed while the refit loaded it: {'; '.join(changes)}"
-            for u in txn.live():
-                if txn.paths.get(u, txn.path) == where:
-                    txn.quarantine(u, why)
-
-    async def _verify(self, txn: RefitTxn) -> None:
-        urls = [u for u in txn.live() if txn.engines[u].state == "loaded" or txn.source == "external"]
-        for u in txn.live():
-            if u not in urls:
-                txn.quarantine(u, "received no weights in this refit")
-        if txn.records:
-            await self._unchanged(txn)
-            urls = [u for u in urls if u in txn.live()]
-        report = await self._step(txn, "verifying", "checksum", urls, lambda e, u: e.checksum(u))
-        for a in report.failures():
-            txn.quarantine(a.url, f"checksum unreadable: {a.detail}")
-        txn.uncovered = sorted(
-            {n for a in report.engines if a.ok for n in (a.body or {}).get("uncovered") or []}
-        )
-        if txn.uncovered:
-            log.warning(
-                "refit %s: the engines' checksums cannot see %d parameters (hashed as zero bytes: an "
-                "engine without the launcher's worker extension, or weights held where it cannot read): %s",
-                txn.id,
-                len(txn.uncovered),
-                txn.uncovered[:8],
-            )
-        groups: dict[str, list[str]] = compare_checksums(report.engines)[0]["groups"]
-        for digest, members in groups.items():
-            for u in members:
-                txn.engines[u].checksum = digest
-        winner: str | None = None
-        if txn.expected_checksum is not None:
-            winner = txn.expected_checksum if txn.expected_checksum in groups else None
-            why = f"expected checksum {txn.expected_checksum}"
-        elif groups:
-            ranked = sorted(groups.values(), key=len, reverse=True)
-            if len(ranked) == 1 or len(ranked[0]) > len(ranked[1]):
-                winner = next(d for d, us in groups.items() if us is ranked[0])
-            why = "no checksum held by a majority of the engines; pass expected_checksum to decide"
-        for digest, members in groups.items():
-            if digest != winner:
-                for u in members:
-                    reason = why if winner is None else f"checksum {digest} differs from the fleet's {winner}"
-                    txn.quarantine(u, reason)
-        for u in txn.live():
-            txn.engines[u].state = "verified"
-        txn.checksum = winner
-        if winner is None and not txn.error:
-            txn.error = f"no engine verified: {why}" if groups else "no engine verified"
-
     async def _reset(self, txn: RefitTxn) -> None:
-        report = await self._step(
-            txn, "resetting", "reset_prefix_cache", txn.live(), lambda e, u: e.reset_cache(u)
+        report = await run_step(
+            self.fleet, txn, "resetting", "reset_prefix_cache", txn.live(), lambda e, u: e.reset_cache(u)
         )
         for a in report.failures():
             txn.quarantine(a.url, f"prefix cache not reset (it would serve the old weights' KV): {a.detail}")
@@ -618,8 +385,8 @@ class RefitCoordinator:
 
     async def _stamp(self, txn: RefitTxn) -> None:
         v = txn.version
-        report = await self._step(
-            txn, "stamping", "set_weight_version", txn.live(), lambda e, u: e.stamp(u, v)
+        report = await run_step(
+            self.fleet, txn, "stamping", "set_weight_version", txn.live(), lambda e, u: e.stamp(u, v)
         )
         for a in report.failures():
             txn.quarantine(a.url, f"version {v!r} not stamped: {a.detail}")
@@ -659,8 +426,12 @@ class RefitCoordinator:
         if out:
             # In keep mode their requests are frozen mid-generation on weights nobody verified: abort them
             # (vLLM answers them 200 with finish_reason "abort"), then resume so no engine stays paused.
-            await self._step(txn, "resuming", "abort", list(out), lambda e, u: e.abort(u, []), bound="end")
-        await self._step(txn, "resuming", "resume", list(txn.engines), lambda e, u: e.resume(u), bound="end")
+            await run_step(
+                self.fleet, txn, "resuming", "abort", list(out), lambda e, u: e.abort(u, []), bound="end"
+            )
+        await run_step(
+            self.fleet, txn, "resuming", "resume", list(txn.engines), lambda e, u: e.resume(u), bound="end"
+        )
         txn.phase = phase
         txn.ended_at = time.time()
         txn.released = self.gate.release()
@@ -685,13 +456,6 @@ class RefitCoordinator:
         )
 
     # -- the lease --------------------------------------------------------------------------------------
-    def _hold_lease(self, txn: RefitTxn) -> None:
-        """While the router itself works on a step the lease cannot run out (the deadline still bounds)."""
-        txn._lease_until = txn.deadline
-
-    def _renew_after(self, txn: RefitTxn) -> None:
-        txn._lease_until = min(txn.deadline, time.monotonic() + txn.lease_s)
-
     async def _watch(self, txn: RefitTxn) -> None:
         """End ``txn`` when its lease or deadline runs out (a trainer that died, hung or forgot)."""
         while True:
