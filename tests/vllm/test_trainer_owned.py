@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from launcher.engines.vllm.worker_ext import EXTENSION_CLS, WORKER_EXT_DIR
 from launcher.jobdir import JobDir
 from launcher.jobdir.paths import record_dir
 from router.ports import free_port
@@ -56,9 +57,13 @@ class Replica:
     def start(self) -> None:
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("VLLM_API_KEY", None)
+        # As docs/trainer-owned.md advises for CPU engines: rl-launch's worker extension, which also asks
+        # Linux for the AMX tile state (a stock vLLM 0.32 CPU worker on an AMX CPU dies with SIGILL on
+        # its first short prompt: launcher/engines/vllm/worker_ext/rl_launch_amx.py).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (WORKER_EXT_DIR, env.get("PYTHONPATH", "")) if p)
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
         argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port)]
-        argv += ["--max-model-len", "512", "--enforce-eager"]
+        argv += ["--max-model-len", "512", "--enforce-eager", "--worker-extension-cls", EXTENSION_CLS]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

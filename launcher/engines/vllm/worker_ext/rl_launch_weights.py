@@ -41,6 +41,14 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+try:  # the engine's interpreter: this directory is on its PYTHONPATH
+    from rl_launch_amx import request_amx_tiles
+except ImportError:  # the launcher's: imported as launcher.engines.vllm.worker_ext.rl_launch_weights
+    from .rl_launch_amx import request_amx_tiles
+
+# Before any layer computes: vLLM's CPU build may run AMX code that never asks for it (rl_launch_amx).
+AMX_TILES_GRANTED = request_amx_tiles()
+
 EXTENSION_CLS = "rl_launch_weights.WeightChecksums"
 METHOD = "rl_launch_weight_checksums"
 """The method ``collective_rpc`` calls (``router.fleet.weight_checksums.CHECKSUM_METHOD``)."""
