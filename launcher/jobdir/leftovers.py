@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.jobdir.layout import JobDir, StateWriter
-from launcher.jobdir.process import process_argv, process_uids, start_ticks
+from launcher.jobdir.process import process_argv, process_uids, start_ticks, stat_fields
 from launcher.jobdir.records import JobResult
 
 JOB_DIR_ENV = "RL_LAUNCH_JOB_DIR"
@@ -48,15 +48,6 @@ class Leftover:
     command: str
 
 
-def _stat(pid: int) -> list[str] | None:
-    """``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, session, ...); None if gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()
-
-
 def _names_job(pid: int, job: str) -> bool:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -75,7 +66,7 @@ def _ancestors() -> set[int]:
     seen, pid = set(), os.getpid()
     while pid > 1 and pid not in seen:
         seen.add(pid)
-        fields = _stat(pid)
+        fields = stat_fields(pid)
         pid = int(fields[1]) if fields else 0
     return seen
 
@@ -91,7 +82,7 @@ def find(job_dir: str | Path) -> list[Leftover]:
         if not name.isdigit() or int(name) in skip:
             continue
         pid = int(name)
-        fields = _stat(pid)
+        fields = stat_fields(pid)
         if fields is None or len(fields) < 4 or fields[0] == "Z" or process_uids(pid) != (me, me):
             continue
         sessions[pid] = int(fields[3])
@@ -108,7 +99,7 @@ def find(job_dir: str | Path) -> list[Leftover]:
 
 
 def _alive(p: Leftover) -> bool:
-    fields = _stat(p.pid)
+    fields = stat_fields(p.pid)
     return fields is not None and fields[0] != "Z" and start_ticks(p.pid) == p.ticks
 
 

@@ -30,26 +30,28 @@ class NotTheDriver(RuntimeError):
     message is one line naming the job, the pid and the reason."""
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, session, ...); None if gone (or no
+    procfs). Split after the last ``)``: a command name may hold spaces and parentheses of its own."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
 def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22); None if no
     such process (or no procfs)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[19]) if len(fields) > 19 else None
+    fields = stat_fields(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def is_zombie(pid: int) -> bool:
     """``pid`` has exited and waits for its parent to collect it (state ``Z``): it runs no more, though
     its pid and start time still read as before (a SIGKILLed ``rl-launch submit`` whose parent has not
     waited for it looked alive to ``list``, ``status`` and ``cancel``)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    fields = stat.rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
     return bool(fields) and fields[0] == "Z"
 
 

@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.jobdir import start_ticks
+from launcher.jobdir.process import start_ticks, stat_fields
 
 POLL_S = 0.25
 """How often the parent and the session are looked at: a driver's death is acted on within this."""
@@ -57,15 +57,6 @@ KILL_ROUNDS_S = 5.0
 """How long SIGKILL is repeated while members remain (a process forking as it is killed)."""
 
 
-def _stat(pid: int) -> list[str] | None:
-    """``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, session, ...); None if gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()
-
-
 def session_members(sid: int) -> list[int]:
     """The live (not zombie) processes of session ``sid``, leader included, never this process."""
     me = os.getpid()
@@ -73,7 +64,7 @@ def session_members(sid: int) -> list[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
             continue
-        fields = _stat(int(name))
+        fields = stat_fields(int(name))
         if fields is not None and len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
             members.append(int(name))
     return members
@@ -82,7 +73,7 @@ def session_members(sid: int) -> list[int]:
 def _leader_state(leader: int, ticks: int | None) -> str:
     """``alive``, ``exited`` (no process has its pid now, or only its zombie) or ``stranger`` (the pid
     went to another process: the session is not ours to touch)."""
-    fields = _stat(leader)
+    fields = stat_fields(leader)
     if fields is None:
         return "exited"
     if ticks is not None and start_ticks(leader) != ticks:
