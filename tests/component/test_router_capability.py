@@ -14,17 +14,13 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
-import aiohttp
-import orjson
 import pytest
 
 from router import GenerationRouter
 from router.config import RouterConfig
 from router.http.capability import registration_url
+from tests.support.capability_calls import ADMIN, KEY, call
 from tests.support.http_backends import WORKER_MODES, FakeEngine, engine_factory, mode_id, router_factory
-
-ADMIN = "admin-" + "a" * 24
-KEY = "client-" + "k" * 24
 
 
 @pytest.fixture
@@ -43,15 +39,6 @@ def routers() -> Iterator[Callable[..., GenerationRouter]]:
         admin_token=ADMIN,
     ) as make:
         yield make
-
-
-async def call(method: str, url: str, body: object = None, token: str | None = None) -> tuple[int, dict]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    data = orjson.dumps(body) if body is not None else None
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, url, data=data, headers=headers, allow_redirects=False) as r:
-            raw = await r.read()
-            return r.status, (orjson.loads(raw) if raw[:1] == b"{" else {"raw": raw.decode()})
 
 
 async def wait_healthy(base: str, url: str, want: bool, cap_url: str) -> None:

@@ -19,7 +19,6 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-import aiohttp
 import orjson
 import pytest
 from aiohttp import web
@@ -27,11 +26,10 @@ from aiohttp import web
 from router import GenerationRouter
 from router.fleet.engine_reads import MAX_METRICS_BYTES
 from router.http.capability import registration_url
+from tests.support.capability_calls import ADMIN, KEY, call
 from tests.support.http_backends import WORKER_MODES, mode_id, router_factory
 from tests.support.recording_server import RecordingServer
 
-ADMIN = "admin-" + "a" * 24
-KEY = "client-" + "k" * 24
 ENGINE_METRICS = "vllm:prompt_tokens_total 5\nvllm:generation_tokens_total 7\n"
 COMPLETION = orjson.dumps({"id": "c1", "choices": [{"text": "ok"}]}).decode()
 
@@ -66,17 +64,6 @@ def capture_answers() -> dict[str, tuple[int, str, dict[str, str]]]:
         "/v1/completions": (200, COMPLETION, json_type),
         "/reset_prefix_cache": (200, "{}", json_type),
     }
-
-
-async def call(
-    method: str, url: str, body: object = None, token: str | None = None
-) -> tuple[int, dict[str, object]]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    data = orjson.dumps(body) if body is not None else None
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, url, data=data, headers=headers, allow_redirects=False) as r:
-            raw = await r.read()
-            return r.status, (orjson.loads(raw) if raw[:1] == b"{" else {"raw": raw.decode()})
 
 
 def capability_router(make: Callable[..., GenerationRouter], workers: int) -> tuple[GenerationRouter, str]:
