@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +24,19 @@ from launcher.fleet.client import FleetClient, RefitError
 from router import GenerationRouter
 from tests.support.checkpoints import checkpoint, unloadable
 from tests.support.fleet_health import front_tick, make
-from tests.support.http_backends import router_factory
-from tests.support.refit_calls import TOKEN, admin, chat, checksums, in_thread, send
+from tests.support.refit_calls import (
+    TOKEN,
+    admin,
+    chat,
+    checksums,
+    in_thread,
+    router_over_fixture,  # noqa: F401 (the fixture router_over)
+    send,
+    until,
+)
 
 STREAM_REQUESTS = 40
 """Requests sent while a refit runs and after it (a bounded stream: one every 25 ms)."""
-
-
-@pytest.fixture
-def router_over() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN) as make_router:
-        yield make_router
-
-
-async def until(check: Any, timeout_s: float = 10.0) -> bool:
-    """Poll ``check()`` every 50 ms for at most ``timeout_s``; whether it held."""
-    for _ in range(int(timeout_s / 0.05)):
-        if check():
-            return True
-        await asyncio.sleep(0.05)
-    return bool(check())
 
 
 async def stream(url: str, n: int = STREAM_REQUESTS) -> list[tuple[int, Any]]:

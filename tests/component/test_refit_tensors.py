@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,28 +18,19 @@ from launcher.fleet.client import FleetClient, RefitError
 from router import GenerationRouter
 from router.fleet.tensor_manifest import read_record
 from tests.support.checkpoints import checkpoint, tensors_checkpoint
-from tests.support.http_backends import router_factory
-from tests.support.refit_calls import TOKEN, checksums, in_thread
+from tests.support.refit_calls import (
+    TOKEN,
+    checksums,
+    in_thread,
+    router_over_fixture,  # noqa: F401 (the fixture router_over)
+    until,
+)
 
 SHAPES = {
     "model.embed_tokens.weight": [8, 4],
     "model.layers.0.mlp.down_proj.weight": [4, 4],
     "lm_head.weight": [8, 4],
 }
-
-
-@pytest.fixture
-def router_over() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN) as make_router:
-        yield make_router
-
-
-async def until(check: Any, timeout_s: float = 10.0) -> bool:
-    for _ in range(int(timeout_s / 0.05)):
-        if check():
-            return True
-        await asyncio.sleep(0.05)
-    return bool(check())
 
 
 def rewrite(directory: Path) -> None:
