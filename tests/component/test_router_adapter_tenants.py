@@ -10,46 +10,34 @@ against real vLLM CPU engines: ``tests/vllm/test_lora_router_restart.py``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 
 from launcher.engines.sim import SimConfig, SimServer
 from router import GenerationRouter
-from router.consumers import add_admin_key, add_consumer
+from tests.support.adapter_tenants import (
+    ADMIN,
+    API,
+    KEYS,
+    consumers,
+    lora_engine,
+    routers_fixture,  # noqa: F401 (the fixture routers)
+    served_on,
+)
 from tests.support.adapters import write_adapter
-from tests.support.http_backends import router_factory
 from tests.support.refit_calls import TOKEN
 
-API = "client-key-of-the-owner-0123456789"
-KEYS = {"a": "tenant-a-client-key-0123456789", "b": "tenant-b-client-key-0123456789"}
-ADMIN = {"a": "tenant-a-admin-key-0123456789", "b": "tenant-b-admin-key-0123456789"}
-LORA = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 6}
-LORA.update(allow_runtime_lora_updating=True, model_name="tiny")
+LORA = lora_engine(max_cpu_loras=6)
 UNREADABLE = {
     # what vLLM 0.32 (FastAPI's json.loads) reads and orjson refuses (the simulator reads them as vLLM)
     "NaN": b'{"model": "%s", "prompt": "hello", "max_tokens": 4, "x": NaN}',
     "BOM": b'\xef\xbb\xbf{"model": "%s", "prompt": "hello", "max_tokens": 4}',
     "lone surrogate": b'{"model": "%s", "prompt": "hello", "max_tokens": 4, "user": "\\ud800"}',
 }
-
-
-@pytest.fixture
-def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(policy="cache_aware", probe_interval_s=0, admin_token=TOKEN, api_key=API) as make:
-        yield make
-
-
-def consumers(tmp_path: Path) -> Path:
-    path = tmp_path / "consumers.json"
-    for t in ("a", "b"):
-        add_consumer(path, f"tenant-{t}", KEYS[t], adapters=(f"policy-{t}",))
-        add_admin_key(path, f"tenant-{t}", ADMIN[t])
-    return path
 
 
 async def call(url: str, path: str, key: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
@@ -73,11 +61,6 @@ async def complete(url: str, key: str, model: str, max_tokens: int = 4) -> tuple
     if status == 200:
         return status, data["model"]
     return status, data["error"]["message"] if isinstance(data, dict) and "error" in data else str(data)
-
-
-async def served_on(engine: SimServer) -> set[str]:
-    async with aiohttp.ClientSession() as s, s.get(engine.url + "/v1/models") as r:
-        return {m["id"] for m in (await r.json())["data"]}
 
 
 async def until(check: Callable[[], Any], what: str, tries: int = 200) -> None:

@@ -9,40 +9,28 @@ loop (so every call to the router here is async), adapter directories under ``tm
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 
-from launcher.engines.sim import SimConfig, SimServer
+from launcher.engines.sim import SimConfig
 from router import GenerationRouter
-from router.consumers import add_admin_key, add_consumer
+from tests.support.adapter_tenants import (
+    ADMIN,
+    API,
+    KEYS,
+    consumers,
+    lora_engine,
+    routers_fixture,  # noqa: F401 (the fixture routers)
+    served_on,
+)
 from tests.support.adapters import write_adapter
-from tests.support.http_backends import router_factory
 from tests.support.refit_calls import TOKEN
 
-API = "client-key-of-the-owner-0123456789"
-KEYS = {"a": "tenant-a-client-key-0123456789", "b": "tenant-b-client-key-0123456789"}
-ADMIN = {"a": "tenant-a-admin-key-0123456789", "b": "tenant-b-admin-key-0123456789"}
-LORA = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4}
-LORA.update(allow_runtime_lora_updating=True, model_name="tiny")
-
-
-@pytest.fixture
-def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(policy="cache_aware", probe_interval_s=0, admin_token=TOKEN, api_key=API) as make:
-        yield make
-
-
-def consumers(tmp_path: Path) -> Path:
-    path = tmp_path / "consumers.json"
-    for t in ("a", "b"):
-        add_consumer(path, f"tenant-{t}", KEYS[t], adapters=(f"policy-{t}",))
-        add_admin_key(path, f"tenant-{t}", ADMIN[t])
-    return path
+LORA = lora_engine(max_cpu_loras=4)
 
 
 async def call(url: str, path: str, key: str, body: Any = None, **headers: str) -> tuple[int, Any, Any]:
@@ -63,11 +51,6 @@ async def complete(url: str, key: str, model: str, **headers: str) -> tuple[int,
     body = {"model": model, "prompt": "hello world", "max_tokens": 4, "temperature": 0}
     status, data, h = await call(url, "/v1/completions", key, body, **headers)
     return status, data, h.get("x-rl-weight-version")
-
-
-async def served_on(engine: SimServer) -> set[str]:
-    async with aiohttp.ClientSession() as s, s.get(engine.url + "/v1/models") as r:
-        return {m["id"] for m in (await r.json())["data"]}
 
 
 async def on_version(url: str, version: str, in_flight: int) -> None:
