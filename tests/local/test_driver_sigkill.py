@@ -40,6 +40,16 @@ def ray_session_processes(job: Path) -> list[str]:
     return found
 
 
+def kill_what_is_left(job: Path) -> None:
+    """SIGKILL whatever is left of this job after a check, by pid (never by name: other lanes run jobs
+    of their own)."""
+    for line in job_processes(job):
+        try:
+            os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_sigkilled_local_driver_leaves_no_process_of_its_job(tmp_path: Path) -> None:
     proc, job = start_job(tmp_path, "sigkill")
     try:
@@ -60,11 +70,7 @@ def test_a_sigkilled_local_driver_leaves_no_process_of_its_job(tmp_path: Path) -
         if proc.poll() is None:  # failed before the kill: its own teardown
             proc.terminate()
             proc.wait(60)
-        for line in job_processes(job):  # whatever is left of this job, by pid (never by name)
-            try:
-                os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_what_is_left(job)
     assert left == [] and ray_left == [], (left, ray_left)
     head_log = (job / "logs" / "ray-head.log").read_text()
     assert f"pid {proc.pid}, which started session" in head_log, head_log[-2000:]
@@ -119,11 +125,7 @@ def test_a_job_whose_driver_is_gone_shows_as_gone_and_cancel_cleans_up_after_it(
         if proc.poll() is None:
             proc.kill()
             proc.wait(60)
-        for line in job_processes(job):  # whatever is left of this job, by pid (never by name)
-            try:
-                os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_what_is_left(job)
     print(
         f"\nbefore cancel: {len(left)} processes of the job running; list: {row['phase']}: {row['detail']}"
         f"\nstatus: phase {snap['job']['phase']}, {snap['condition']}: {snap['message']}"
