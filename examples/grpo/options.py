@@ -16,7 +16,7 @@ from typing import Any
 
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
 """Every linear layer of a Llama, ``lm_head`` included (the module docstring says why, and when not to)."""
-LORA_LR, FULL_LR = 0.1, 3e-3
+LORA_LR, FULL_LR = 0.05, 3e-3
 
 
 def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:

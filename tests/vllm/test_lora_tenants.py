@@ -29,9 +29,11 @@ from tests.support.running_job import job_leftovers, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 TENANTS = {"a": "policy-a", "b": "policy-b"}
-THRESHOLD = 0.3
+THRESHOLD = 0.5
 """Last 3 steps' mean reward over the first 3's, per tenant (the full-weight example's bound). Measured
-alone on 2 engines: 0.109 -> 1.0 over 8 steps; two tenants at once learn the same curve."""
+with both tenants at once over their 12 steps (lr 0.05): a 0.115 -> 1.0, b 0.078 -> 1.0 (first 3 steps'
+means 0.106 and 0.099, last 3's 1.0 and 1.0); at lr 0.1 and 8 steps a collapsed to 0.0 on engines with
+cores of their own (the specs' history in train.py's LoRA notes)."""
 
 
 def example(tmp_path: Path, name: str, model: Path) -> Path:
