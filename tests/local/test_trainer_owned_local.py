@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,9 +27,8 @@ import pytest
 from launcher.fleet.client import FleetClient
 from launcher.jobdir import JobDir
 from router.ports import free_port
-from tests.support.cli import RL_LAUNCH
-from tests.support.running_job import job_leftovers, wait_for
-from tests.support.specs import local_spec, write_spec
+from tests.support.running_job import wait_for
+from tests.support.trainer_owned import TrainerProcess, call, trainer_owned_job
 
 pytestmark = pytest.mark.ray
 
@@ -58,38 +53,12 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 """
 
 
-class Process:
-    """One process of the trainer's (an engine or the capture listener) on a fixed port."""
+class Process(TrainerProcess):
+    """One process of the trainer's (an engine or the capture listener) on a fixed port, without the
+    job's key in its environment."""
 
-    def __init__(self, argv: list[str], log: Path, port: int) -> None:
-        self.argv, self.log, self.port = argv, log, port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Process:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RL_LAUNCH_API_KEY")}
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        return self
-
-    def ready(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"{self.argv[:3]} on {self.port} exited:\n{self.log.read_text()[-2000:]}")
-        try:
-            return urllib.request.urlopen(f"{self.url}/health", timeout=2).status == 200
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+    def environment(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if not k.startswith("RL_LAUNCH_API_KEY")}
 
 
 def sim_engine(tmp_path: Path, i: int) -> Process:
@@ -112,50 +81,13 @@ def trainer_processes(tmp_path: Path) -> Iterator[tuple[list[Process], Process, 
             p.kill()
 
 
-def call(method: str, url: str, body: Any = None, key: str | None = None) -> tuple[int, dict[str, Any]]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method)
-    request.add_header("Content-Type", "application/json")
-    if key is not None:
-        request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
 def test_status_judges_registered_engines_and_no_key_reaches_them(
     trainer_processes: tuple[list[Process], Process, Path], tmp_path: Path
 ) -> None:
     engines, capture, seen = trainer_processes
-    out = tmp_path / "trainer"
-    out.mkdir(mode=0o700)
-    root = tmp_path / "jobs"
-    spec = local_spec(
-        "trainer-owned",
-        root=root,
-        command=(
-            f'umask 077; printf %s "$RL_ROUTER_REGISTRATION_URL" > {out}/url.tmp && '
-            f"mv {out}/url.tmp {out}/url && sleep 900"
-        ),
-        generation={"owner": "trainer", "engine": "sim"},
-        router={"kind": "builtin", "policy": "round_robin"},
-    )
-    spec_path = write_spec(tmp_path / "spec.yaml", spec)
-    submit = subprocess.Popen(
-        [RL_LAUNCH, "submit", str(spec_path)],
-        stdout=(tmp_path / "submit.log").open("w"),
-        stderr=subprocess.STDOUT,
-    )
-    job: Path | None = None
-    try:
-        url_file = out / "url"
-        wait_for(lambda: url_file.exists() or submit.poll() is not None, 180, "the job's training command")
-        assert url_file.exists(), (tmp_path / "submit.log").read_text()[-3000:]
-        router_url = url_file.read_text()
-        (job,) = root.iterdir()
-        jd = JobDir(job)
+    with trainer_owned_job(tmp_path, "trainer-owned", "sim", within_s=180) as run:
+        router_url = run.router_url
+        jd = JobDir(run.job)
         base = jd.read_state()["router_url"]
         wait_for(lambda: all(p.ready() for p in (*engines, capture)), 60, "the trainer's engines")
         for p in (*engines, capture):
@@ -172,14 +104,7 @@ def test_status_judges_registered_engines_and_no_key_reaches_them(
         assert call("POST", f"{base}/fleet/reset_prefix_cache", key=jd.read_admin_token())[0] == 200
 
         def dashboard() -> dict[str, dict[str, Any]]:
-            proc = subprocess.run(
-                [RL_LAUNCH, "status", job.name, "--root", str(root), "--json"],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert proc.returncode == 0, proc.stderr
-            return {e["url"]: e for e in json.loads(proc.stdout)["engines"]}
+            return {e["url"]: e for e in run.status()["engines"]}
 
         urls = [engines[0].url, engines[1].url, capture.url]
 
@@ -218,14 +143,3 @@ def test_status_judges_registered_engines_and_no_key_reaches_them(
             (m, p) for m, p, _ in logged
         }
         assert [x for x in logged if x[2] is not None] == []
-    finally:
-        if job is not None and submit.poll() is None:
-            proc = subprocess.run(
-                [RL_LAUNCH, "cancel", job.name, "--root", str(root), "--timeout", "120"],
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        submit.wait(120)
-    wait_for(lambda: job_leftovers(job) == [], 60, "the job's processes to end")

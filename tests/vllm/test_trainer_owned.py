@@ -17,10 +17,7 @@ job is left (the engines are the trainer's: the test stops them itself).
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -33,69 +30,39 @@ from launcher.engines.vllm.worker_ext import EXTENSION_CLS, WORKER_EXT_DIR
 from launcher.jobdir import JobDir
 from launcher.jobdir.paths import record_dir
 from router.ports import free_port
-from tests.support.cli import RL_LAUNCH
-from tests.support.running_job import job_leftovers, wait_for
-from tests.support.specs import local_spec, write_spec
+from tests.support.running_job import wait_for
+from tests.support.trainer_owned import TrainerProcess, trainer_owned_job
+from tests.support.trainer_owned import call as trainer_call
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
 STARTUP_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 300
 
 
-class Replica:
+class Replica(TrainerProcess):
     """One vLLM server as NeMo-RL starts its own: ``vllm.entrypoints.openai.api_server``, no key."""
 
     def __init__(self, python: str, model: Path, log: Path) -> None:
-        self.python, self.model, self.log = python, model, log
-        self.port = free_port("127.0.0.1")
-        self.proc: subprocess.Popen[bytes] | None = None
+        port = free_port("127.0.0.1")
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+        argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--max-model-len", "512", "--enforce-eager", "--worker-extension-cls", EXTENSION_CLS]
+        super().__init__(argv, log, port, what="vLLM")
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
+    def environment(self) -> dict[str, str]:
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("VLLM_API_KEY", None)
         # As docs/trainer-owned.md advises for CPU engines: rl-launch's worker extension, which also asks
         # Linux for the AMX tile state (a stock vLLM 0.32 CPU worker on an AMX CPU dies with SIGILL on
         # its first short prompt: launcher/engines/vllm/worker_ext/rl_launch_amx.py).
         env["PYTHONPATH"] = os.pathsep.join(p for p in (WORKER_EXT_DIR, env.get("PYTHONPATH", "")) if p)
-        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
-        argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port)]
-        argv += ["--max-model-len", "512", "--enforce-eager", "--worker-extension-cls", EXTENSION_CLS]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def ready(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"vLLM on {self.port} exited:\n{self.log.read_text()[-3000:]}")
-        try:
-            return urllib.request.urlopen(f"{self.url}/health", timeout=2).status == 200
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+        return env
 
 
 def call(method: str, url: str, body: Any = None, key: str | None = None) -> tuple[int, dict[str, Any]]:
-    """One request as NeMo-RL's and Gym's code makes it: JSON, no header but the one they send."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method)
-    request.add_header("Content-Type", "application/json")
-    if key is not None:
-        request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=300) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    """``trainer_owned.call`` with the time a CPU engine may take to answer a rollout."""
+    return trainer_call(method, url, body, key, timeout=REQUEST_TIMEOUT_S)
 
 
 def workers(router_url: str) -> dict[str, bool]:
@@ -118,33 +85,9 @@ def replicas(vllm_python: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator
 def test_trainer_registers_its_engines_with_the_capability_url(
     replicas: list[Replica], tmp_path: Path
 ) -> None:
-    out = tmp_path / "trainer"
-    out.mkdir(mode=0o700)
-    root = tmp_path / "jobs"
-    spec = local_spec(
-        "nemo-rl-owned",
-        root=root,
-        # A stand-in for NeMo-RL's run script: it reads the URL it is handed (0600, under the test's tmp).
-        command=(
-            f'umask 077; printf %s "$RL_ROUTER_REGISTRATION_URL" > {out}/url.tmp && '
-            f"mv {out}/url.tmp {out}/url && sleep 900"
-        ),
-        generation={"owner": "trainer", "engine": "vllm"},
-        router={"kind": "builtin", "policy": "round_robin"},
-    )
-    spec_path = write_spec(tmp_path / "spec.yaml", spec)
-    submit = subprocess.Popen(
-        [RL_LAUNCH, "submit", str(spec_path)],
-        stdout=(tmp_path / "submit.log").open("w"),
-        stderr=subprocess.STDOUT,
-    )
-    job: Path | None = None
-    try:
-        url_file = out / "url"
-        wait_for(lambda: url_file.exists() or submit.poll() is not None, 120, "the job's training command")
-        assert url_file.exists(), (tmp_path / "submit.log").read_text()[-3000:]
-        router_url = url_file.read_text()
-        (job,) = root.iterdir()
+    # NeMo-RL's run script, played by the job's training command, is handed the registration URL.
+    with trainer_owned_job(tmp_path, "nemo-rl-owned", "vllm", within_s=120) as run:
+        job, router_url = run.job, run.router_url
         state = JobDir(job).read_state()
         assert (
             router_url.startswith(state["router_url"] + "/t/")
@@ -193,14 +136,7 @@ def test_trainer_registers_its_engines_with_the_capability_url(
         states: dict[str, str] = {}
 
         def dashboard() -> tuple[int, int, set[str]]:
-            proc = subprocess.run(
-                [RL_LAUNCH, "status", job.name, "--root", str(root), "--json"],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert proc.returncode == 0, proc.stderr
-            snap = json.loads(proc.stdout)
+            snap = run.status()
             gateway = snap.get("gateway") or {}
             states.update({e["url"]: e["state"] for e in snap["engines"]})
             rows = {e["url"] for e in snap["engines"] if e.get("in_gateway")}
@@ -234,19 +170,9 @@ def test_trainer_registers_its_engines_with_the_capability_url(
 
         records = wait_for(recorded, 30, "the request record")
         capability = router_url.rsplit("/", 1)[1]
-        for p in [*records, job / "driver.log", job / "events.jsonl", job / "state.json", spec_path]:
+        for p in [*records, job / "driver.log", job / "events.jsonl", job / "state.json", run.spec_path]:
             assert capability.encode() not in p.read_bytes(), p
-    finally:
-        if job is not None and submit.poll() is None:
-            proc = subprocess.run(
-                [RL_LAUNCH, "cancel", job.name, "--root", str(root), "--timeout", "120"],
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        submit.wait(120)
+    # Cancelled by the user's rl-launch cancel, and nothing of the job left (trainer_owned_job).
     assert JobDir(job).read_result().outcome == "cancelled"
-    wait_for(lambda: job_leftovers(job) == [], 60, "the job's processes to end")
     # The trainer's engines are the trainer's: the job's end leaves them to it, untouched.
     assert all(r.ready() for r in replicas)
