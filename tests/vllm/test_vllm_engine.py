@@ -120,15 +120,13 @@ def test_port_zero_is_resolved_only_at_start() -> None:
 
 # ------------------------------------------------------------------------------ lifecycle with fakes
 
-FAKE_SERVER = """#!{python}
-# Stand-in for `python -m vllm.entrypoints.openai.api_server`: records what it got, serves /health.
-import http.server, json, os, sys
+FAKE_PORT = """import http.server, json, os, sys
 argv = sys.argv[1:]
 port = int(argv[argv.index("--port") + 1])
-with open(os.environ["FAKE_RECORD"], "w") as f:
-    json.dump({{"argv": argv, "env": dict(os.environ)}}, f)
-print("fake vllm: listening on", port, flush=True)
-class H(http.server.BaseHTTPRequestHandler):
+"""
+"""The start of a fake vLLM server: the port it was given, as vLLM's ``--port``."""
+
+FAKE_HEALTH = """class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
@@ -136,6 +134,19 @@ class H(http.server.BaseHTTPRequestHandler):
         pass
 http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
+"""The end of a fake vLLM server: ``/health`` answers 200 on that port until it is stopped."""
+
+FAKE_SERVER = (
+    """#!{python}
+# Stand-in for `python -m vllm.entrypoints.openai.api_server`: records what it got, serves /health.
+"""
+    + FAKE_PORT
+    + """with open(os.environ["FAKE_RECORD"], "w") as f:
+    json.dump({{"argv": argv, "env": dict(os.environ)}}, f)
+print("fake vllm: listening on", port, flush=True)
+"""
+    + FAKE_HEALTH
+)
 
 
 def test_start_wait_stop_with_fake_server(tmp_path: Path) -> None:
@@ -224,22 +235,17 @@ def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------ real vLLM e2e
 
-CORE_RECORDER = """#!{python}
+CORE_RECORDER = (
+    """#!{python}
 # Stand-in for the vLLM server: records the cores it may run on and its OpenMP binding, serves /health.
-import http.server, json, os, sys
-argv = sys.argv[1:]
-port = int(argv[argv.index("--port") + 1])
-with open(os.environ["FAKE_RECORD"] + "." + str(port), "w") as f:
+"""
+    + FAKE_PORT
+    + """with open(os.environ["FAKE_RECORD"] + "." + str(port), "w") as f:
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     json.dump({{"cores": sorted(os.sched_getaffinity(0)), "bind": bind}}, f)
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
+    + FAKE_HEALTH
+)
 
 
 def test_host_starts_each_cpu_engine_on_its_own_cores_and_restarts_it_there(
