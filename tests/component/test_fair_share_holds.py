@@ -200,39 +200,45 @@ async def test_a_consumer_past_its_held_bound_is_refused_while_another_is_served
 async def test_a_consumer_past_its_share_of_connections_is_refused(sims, routers, keys, workers) -> None:
     path, p, q = keys
     es = await sims(2)
-    # 12 connections in all (6 per process with 2 workers): P's share is a third of each process's keyed
-    # pool (the cap less the keyless pool, issue 38).
+    # 24 connections in all (12 per process with 2 workers): P's share is a third of each process's keyed
+    # pool (the cap less the keyless pool, issue 38). The keyed pool (8 a process with 2 workers) stays
+    # larger than all of P's connections, however the kernel spreads them: a connection P's share refuses
+    # holds its keyed slot until its answer is sent, and with a pool of 3 the pool's own refusal
+    # (connection_cap) came first in CI; this test is about the consumer's share.
     r = routers(
         [e.url + "/v1" for e in es],
         consumers_file=path,
         fair_share_capacity=16,
         max_held_per_consumer=100,
-        http={"max_client_connections": 12},
+        http={"max_client_connections": 24},
     )
     base = r.base_url()
     await stamp(base, "v1")
     await on_loop(r, lambda: r.backends.versions.announce("v2"))
-    per_process = 12 // workers
-    share = (per_process - keyless_pool(per_process, HttpLimits().keyless_share)) // 3
-    # Six requests of P at once, each on a connection of its own, held for v2 (so their connections stay).
+    per_process = 24 // workers
+    keyed_pool = per_process - keyless_pool(per_process, HttpLimits().keyless_share)
+    share = keyed_pool // 3
+    n = share * workers + 2  # two past P's share in all
+    assert n <= keyed_pool, (n, keyed_pool)
+    # n requests of P at once, each on a connection of its own, held for v2 (so their connections stay).
     tasks = [
-        asyncio.create_task(call(base, p, completion(), {WANT_HEADER: "v2"}, timeout_s=20)) for _ in range(6)
+        asyncio.create_task(call(base, p, completion(), {WANT_HEADER: "v2"}, timeout_s=20)) for _ in range(n)
     ]
     done: list[tuple[int, Any]] = []
     deadline = time.monotonic() + 10
-    while len(done) < 6 - share * workers and time.monotonic() < deadline:
+    while len(done) < n - share * workers and time.monotonic() < deadline:
         finished, _ = await asyncio.wait(tasks, timeout=0.1)
         done = [t.result() for t in finished]
     refused = [body for status, body in done if status == NO_HEALTHY]
-    print(f"P: {len(refused)} of 6 connections refused (share {share} per process, {workers} process(es))")
-    assert len(refused) >= 6 - share * workers and len(refused) == len(done), done
+    print(f"P: {len(refused)} of {n} connections refused (share {share} per process, {workers} process(es))")
+    assert len(refused) >= n - share * workers and len(refused) == len(done), done
     assert refused[0]["error"]["type"] == "consumer_connections", refused[0]
     assert "client connections" in refused[0]["error"]["message"]
     status, _ = await call(base, q, completion())  # Q still gets a connection and an answer
     assert status == 200
     await stamp(base, "v2")
     rest = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-    assert sum(status == 200 for status, _ in rest) == 6 - len(refused), rest
+    assert sum(status == 200 for status, _ in rest) == n - len(refused), rest
 
 
 async def test_held_bodies_are_bounded_in_bytes_per_consumer(sims, routers, keys, workers) -> None:
