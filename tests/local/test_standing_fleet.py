@@ -401,6 +401,20 @@ def first_frame(argv: list[str], env: dict[str, str], until: str, timeout_s: flo
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
+        # Read on while it ends: its last frame and the cursor's restore are written on the way out, and a
+        # terminal nobody reads blocks that write once its buffer is full (in CI the command then never
+        # ended: 30 s past the Ctrl-C), as a user's shell never would.
+        end = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < end:
+            ready, _, _ = select.select([leader], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # its terminal is closed: nothing left to block on
+                    break
+                if not chunk:
+                    break
+                out += chunk
         code = proc.wait(30)
         os.close(leader)
     return out.decode(errors="replace"), code
