@@ -112,7 +112,10 @@ def group_processes(pgid: int) -> list[Proc]:
         if not threads:
             continue
         union = sorted({c for cs in threads.values() for c in cs})
-        title = argv[0] if argv and argv[0].startswith("VLLM::") else " ".join(argv[:3])
+        # the interpreter by its name alone: a path would name this machine's checkout in the figures
+        title = " ".join([Path(argv[0]).name, *argv[1:3]]) if argv else ""
+        if argv and argv[0].startswith("VLLM::"):
+            title = argv[0]
         out.append(Proc(pid, title, union, threads))
     return sorted(out, key=lambda p: p.pid)
 
