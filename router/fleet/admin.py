@@ -41,7 +41,7 @@ from router.fleet.cache_reset import CacheResetReport, reset_engines
 from router.fleet.engine import VLLM_RESET_PATH
 from router.http.app import health
 from router.http.auth import Access, RouteTable
-from router.http.capability import bounded_body, capability_path
+from router.http.capability import bounded_body, capability_path, refusing_bad_urls
 from router.state.backends import BackendSet, canonical_backend_url
 from router.state.metrics import RouterMetrics
 
@@ -94,7 +94,7 @@ class AdminApi:
         table.add("GET", "/readiness", self.readiness, Access.OPEN)
         table.add("GET", "/metrics", self.metrics_endpoint, Access.OPEN)
         table.add("GET", "/workers", self.list_workers, Access.OWNER)
-        table.add("POST", "/workers", self.add_worker, Access.OWNER)
+        table.add("POST", "/workers", refusing_bad_urls(self.add_worker), Access.OWNER)
         table.add("DELETE", "/workers/{url:.+}", self.delete_worker, Access.OWNER)
         if self.capability:
             # The trainer's registrations (router.http.capability): the same answers as the owner's.

@@ -158,17 +158,28 @@ async def registration_refusal(request: web.Request) -> str | None:
     return None
 
 
-def bounded_body(handler: Handler, timeout_s: float) -> Handler:
-    """``handler`` with the body read as an admin route's is (capped, in time), and the URL it registers
-    checked (``registration_refusal``: 400 ``ADD_WORKER_FAILED``, nothing probed), before it runs: the
-    registration routes take a small JSON body from a caller who holds no key."""
+def refusing_bad_urls(handler: Handler) -> Handler:
+    """``handler`` run only for a URL a registration may name (``registration_refusal``: else 400
+    ``ADD_WORKER_FAILED``, nothing probed). Every ``POST /workers`` goes through it, the owner's as well
+    as the capability's: the router as its own engine recurses whoever registered it."""
 
-    async def bounded(request: web.Request) -> web.StreamResponse:
-        request = await read_admin_body(request, timeout_s)
+    async def checked(request: web.Request) -> web.StreamResponse:
         why = await registration_refusal(request)
         if why is not None:
             body = orjson.dumps({"success": False, "code": "ADD_WORKER_FAILED", "message": why})
             return web.Response(status=400, body=body, content_type="application/json")
         return await handler(request)
+
+    return checked
+
+
+def bounded_body(handler: Handler, timeout_s: float) -> Handler:
+    """``handler`` with the body read as an admin route's is (capped, in time), and the URL it registers
+    checked (``refusing_bad_urls``), before it runs: the registration routes take a small JSON body from
+    a caller who holds no key."""
+    checked = refusing_bad_urls(handler)
+
+    async def bounded(request: web.Request) -> web.StreamResponse:
+        return await checked(await read_admin_body(request, timeout_s))
 
     return bounded

@@ -204,3 +204,25 @@ async def test_the_router_refuses_itself_and_a_path_prefixed_url(
     # An engine's own URL, bare or with /v1, still registers.
     status, body = await call("POST", f"{cap_url}/workers", {"url": f"{engine.url}/v1/"})
     assert status == 200, body
+
+
+@pytest.mark.parametrize("workers", WORKER_MODES, ids=mode_id)
+async def test_the_owners_registration_refuses_the_router_itself_too(
+    workers: int,
+    routers: Callable[..., GenerationRouter],
+    servers: Callable[..., Awaitable[RecordingServer]],
+) -> None:
+    """The owner's ``POST /workers`` (admin token, a router whose serving set is not a fleet
+    controller's) goes through the same refusal as the capability's: the router as its own engine
+    recurses whoever registered it."""
+    router = routers([], workers=workers)
+    base = router.base_url()
+    engine = await servers(capture_answers())
+    for own in (f"http://127.0.0.1:{router.port}", f"http://localhost:{router.port}/v1"):
+        status, body = await call("POST", f"{base}/workers", {"url": own}, token=ADMIN)
+        assert status == 400 and "this router" in str(body["message"]), (own, body)
+    status, body = await call("POST", f"{base}/workers", {"url": f"{engine.url}/t/x"}, token=ADMIN)
+    assert status == 400 and "path" in str(body["message"]), body
+    assert engine.seen == []
+    status, body = await call("POST", f"{base}/workers", {"url": engine.url}, token=ADMIN)
+    assert status == 200, body
