@@ -376,12 +376,33 @@ def documented(page: str, command: str) -> list[str]:
 def first_frame(argv: list[str], env: dict[str, str], until: str, timeout_s: float) -> tuple[str, int]:
     """Run ``argv`` on a terminal of its own (a pseudo-terminal: the live dashboard draws frames only on
     one, as in a user's shell) until its output shows ``until``, then Ctrl-C it; ``(output, exit code)``.
-    A command that ends by itself (an error) is read to its end."""
+    A command that ends by itself (an error) is read to its end.
+
+    The command starts as a shell starts a foreground job: in a session whose controlling terminal is
+    that pseudo-terminal, with SIGINT at its default, and Ctrl-C is the byte the terminal turns into
+    SIGINT. The default matters: CI runs pytest in the background of a script, where SIGINT is ignored and
+    that is inherited; Python then leaves it ignored and a signal sent straight to the command did nothing
+    (in CI the dashboard never ended)."""
+    import fcntl
     import pty
     import select
+    import termios
+
+    def foreground_job() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
     leader, follower = pty.openpty()
-    proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=env, close_fds=True)
+    proc = subprocess.Popen(
+        argv,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=env,
+        close_fds=True,
+        start_new_session=True,
+        preexec_fn=foreground_job,
+    )
     os.close(follower)
     out = b""
     deadline = time.monotonic() + timeout_s
@@ -400,7 +421,7 @@ def first_frame(argv: list[str], env: dict[str, str], until: str, timeout_s: flo
                 break
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            os.write(leader, b"\x03")  # Ctrl-C
         # Read on while it ends: its last frame and the cursor's restore are written on the way out, and a
         # terminal nobody reads blocks that write once its buffer is full (in CI the command then never
         # ended: 30 s past the Ctrl-C), as a user's shell never would.
