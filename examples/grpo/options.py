@@ -17,6 +17,9 @@ from typing import Any
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
 """Every linear layer of a Llama, ``lm_head`` included (the module docstring says why, and when not to)."""
 LORA_LR, FULL_LR = 0.05, 3e-3
+REFIT_VIA = ("fleet-client", "vllm-api")
+"""How a step's refit reaches the fleet: ``FleetClient`` (rl-launch's client), or vLLM's own control API
+as an outside trainer (NeMo-RL) sends it (``vllm_api.py``)."""
 
 
 def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
@@ -70,7 +73,25 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         default=LORA_TARGETS,
         help="LoRA mode: the modules the adapter changes, comma-separated (default: %(default)s)",
     )
+    ap.add_argument(
+        "--refit-via",
+        choices=REFIT_VIA,
+        default="fleet-client",
+        help="fleet-client: one FleetClient.load_weights call a step; vllm-api: vLLM's own control API "
+        "over plain HTTP in NeMo-RL's order (examples/grpo/vllm_api.py; $RL_CONTROL_BASE_URL, "
+        "$RL_CONTROL_API_KEY). Full weights only (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--inflight-policy",
+        choices=("keep", "wait", "abort"),
+        default="keep",
+        help="vllm-api mode: the /pause mode, NeMo-RL's refit.inflight_policy (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
+    if args.refit_via == "vllm-api" and args.lora_adapter:
+        ap.error(
+            "--refit-via vllm-api refits full weights; a LoRA adapter refits with --refit-via fleet-client"
+        )
     if args.lr is None:
         args.lr = LORA_LR if args.lora_adapter else FULL_LR
     return args

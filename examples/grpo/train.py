@@ -30,6 +30,10 @@ RL stack runs on top of rl-launch:
 6. **save** a Hugging Face checkpoint (``config.json`` + ``model.safetensors``) under the job directory,
    and **refit**: ``FleetClient.load_weights(dir, version=f"step-{n}")``, one call in which the router
    pauses every engine, reloads, verifies checksums, resets prefix caches, stamps the version, resumes.
+   Or, with ``--refit-via vllm-api``, as a trainer that knows only vLLM's API refits (NeMo-RL's
+   ``remote_vllm`` order, plain HTTP: ``vllm_api.py``): ``/pause``, ``/collective_rpc reload_weights``,
+   ``/reset_prefix_cache``, ``/resume`` on ``$RL_CONTROL_BASE_URL``, and the version is the one the
+   router derived and named in its answers.
 
 Per step it prints the time split (rollouts, update, save, refit and the pause inside it) and the
 ``target mass``: the probability the trainer's weights put on a target token as the next token of 16 fixed
@@ -127,6 +131,7 @@ from rollouts import (  # the pure parts' names too: tests/vllm/test_grpo_exampl
     score,
     split_by_version,
 )
+from vllm_api import VllmControl
 
 from launcher.fleet.client import FleetClient
 
@@ -291,7 +296,16 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["RL_POLICY_API_KEY"],
         adapter or os.environ["RL_POLICY_MODEL_NAME"],
     )
-    fleet = FleetClient.from_job_dir(job_dir)
+    # --refit-via vllm-api: every refit through vLLM's own control API, nothing of FleetClient (vllm_api.py).
+    try:
+        control = (
+            VllmControl.from_env(router.base_url, router.model, args.inflight_policy)
+            if args.refit_via == "vllm-api"
+            else None
+        )
+    except ValueError as exc:  # the variable it needs, named, in one line
+        raise SystemExit(f"grpo: {exc}") from None
+    fleet = FleetClient.from_job_dir(job_dir) if control is None else None
     model_dir = args.model or served_model_dir(job_dir)
     if model_dir is not None:
         model_dir = model_dir.expanduser().absolute()  # the adapter names its base by this path
@@ -316,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         f"grpo: {f'sim mode ({why}): no gradient step' if sim else 'torch update in ' + args.torch_python}, "
         f"model {model_dir or os.environ['RL_POLICY_MODEL_NAME']}, {trains}, "
         f"{args.steps} steps x {args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens"
+        + (f"; refits through vLLM's API at {control.control_base_url}" if control else "")
     )
 
     rng = random.Random(args.seed)
@@ -326,7 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     # Every sample of step 0 must carry a version too: stamp the weights the engines started on, or in
     # LoRA mode load the fresh adapter (B = 0: the base model's distribution) as step-0.
     version = "step-0"
-    if adapter:
+    if control is not None:
+        # NeMo-RL's preflight, once; the fleet names the version (the trainer sends none): the one it
+        # serves now, or the one the first reload of the served model's own weights moved it to.
+        info = control.preflight()
+        start = control.refit(str(model_dir)) if args.reload and model_dir is not None else None
+        version = str((start or {}).get("version") or info.get("_version") or version)
+        print(f"grpo: vLLM API preflight passed; the fleet serves {version}", flush=True)
+    elif adapter:
         first = job_dir / "adapters" / version
         policy.save(first)
         loaded = fleet.load_adapter(adapter, first, version=version)
@@ -357,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f", LoRA adapter {adapter} (r {lora['rank']})" if lora else ""),
         "greedy_first": greedy_first,
         "seed": args.seed,
+        "refit_via": args.refit_via,
         "target_mass_start": policy.target_mass(mass_prompts),
     }
     if lora:
@@ -382,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = ckpt_root / next_version
         policy.save(ckpt)
         t3 = time.perf_counter()
-        if adapter:
+        if control is not None:  # pause, reload_weights, reset_prefix_cache, resume: the router's version
+            txn = control.refit(str(ckpt))
+            next_version = str(txn.get("version") or next_version)
+        elif adapter:
             # No pause: the other tenants (and this adapter's requests still in flight) keep sampling.
             txn = fleet.load_adapter(adapter, ckpt, version=next_version)
         else:
