@@ -12,7 +12,7 @@ Phases, each bounded and each recorded in the job directory (``state.json``, ``e
    and held for the job's life (a restarted front rebinds the same URL).
 4. **Gym wiring** (``launcher.driver.gym_wiring``): the overlay (``policy_base_url`` = router + ``/v1``,
    ``policy_api_key``, ``policy_model_name``; mode 0600) and the same values as environment variables
-   for the training command.
+   for the training command; with a fleet URL, vLLM's control API for the fleet (``RL_CONTROL_*``).
 5. **Training** (``launcher.driver.training``): the command runs here (``bash -c``), its output teed to
    the job log; its exit code is the job's.
 
@@ -36,7 +36,7 @@ from typing import Any
 
 from launcher.driver.engine_hosts import EngineHostLauncher
 from launcher.driver.gateway_watcher import GatewayFleetWatcher
-from launcher.driver.gym_wiring import wire_gym
+from launcher.driver.gym_wiring import control_url_of, wire_gym
 from launcher.driver.standing import StandingAttachment, StandingFleet
 from launcher.driver.status_server import StatusServer
 from launcher.driver.stopping import TIME_LIMIT_EXIT, JobFailed, StopSignals, Terminated, TimeLimitReached
@@ -132,11 +132,7 @@ class Driver:
             else:
                 ray_client_env = self.ray.client_env() if self.ray is not None else {}
                 env = wire_gym(
-                    self.spec,
-                    self.job,
-                    self.state.snapshot()["router_url"],
-                    ray_client_env,
-                    self._model_name(),
+                    self.spec, self.job, self.state, ray_client_env, self._model_name(), say=self._say
                 )
                 code = self._run_training(env)
                 reason = "training finished" if code == 0 else f"training command exited with {code}"
@@ -357,6 +353,7 @@ class Driver:
             raise JobFailed(str(exc)) from None
         self._mark("router_start_s", t)
         fleet_url = self.gateway.fleet_url()
+        control_url = control_url_of(fleet_url)  # vLLM's control API for the whole fleet (docs/trainers.md)
         if fleet_url:
             self.state.update(fleet_url=fleet_url)
         label = self.front.label(r)
@@ -367,13 +364,15 @@ class Driver:
             policy=self.front.policy(r),
             gateway=r.kind,
             front=label,
+            control_url=control_url,
         )
         engines = f"{len(api_urls)} engines"
         if self.front.owns_engines:
             engines = "engines of its own"
         elif self.spec.generation.trainer_owned:
             engines = "engines the trainer registers"
-        self._say(f"router serving {url}/v1 ({label}, {engines})")
+        control = f"; vLLM control API {control_url} (admin token)" if control_url else ""
+        self._say(f"router serving {url}/v1 ({label}, {engines}){control}")
         return url
 
     def _start_status_endpoint(self) -> None:

@@ -36,12 +36,15 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.net.http_call import bearer, open_url
 from router.fleet.engine import PAUSE_MODES
 from router.fleet.ops import FleetOpReport
 from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S
+
+if TYPE_CHECKING:
+    from launcher.jobdir import JobDir
 
 
 class FleetOpError(RuntimeError):
@@ -123,6 +126,29 @@ class _LeaseRenewer:
                 return
 
 
+def why_no_fleet_url(jd: JobDir, state: dict[str, Any]) -> str:
+    """Why a job whose state has no ``fleet_url`` has no ``/fleet`` routes (nor the vLLM control API under
+    them): a plain consumer of a standing fleet, or a front without them. One wording for the client's
+    refusal and the driver's log."""
+    from launcher.gateways.kinds import GATEWAY_KINDS, front_kind
+
+    if state.get("attached_to"):
+        return (
+            f"job directory {jd.path}: attached to standing fleet "
+            f"{state['attached_to'].get('fleet')!r} as a plain consumer (no pause or refit; the "
+            "fleet's spec names admin consumers under fleet.consumers)"
+        )
+    from launcher.spec.snapshot import read_spec
+
+    kind = read_spec(jd).router.kind
+    having = ", ".join(name for name, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
+    why = front_kind(kind).no_fleet_routes_why
+    return (
+        f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (router.kind {having} "
+        "have them; rl-launch fleet reset-cache works for every front)" + (f": {why}" if why else "")
+    )
+
+
 class FleetClient:
     def __init__(self, url: str, admin_token: str | None, timeout_s: float = 300.0) -> None:
         self.url = url.rstrip("/")
@@ -144,23 +170,7 @@ class FleetClient:
             raise ValueError(f"job directory {jd.path}: no serving router (phase: {state.get('phase')})")
         url = state.get("fleet_url")
         if not url:
-            from launcher.gateways.kinds import GATEWAY_KINDS, front_kind
-
-            if state.get("attached_to"):
-                raise ValueError(
-                    f"job directory {jd.path}: attached to standing fleet "
-                    f"{state['attached_to'].get('fleet')!r} as a plain consumer (no pause or refit; the "
-                    "fleet's spec names admin consumers under fleet.consumers)"
-                )
-            from launcher.spec.snapshot import read_spec
-
-            kind = read_spec(jd).router.kind
-            having = ", ".join(name for name, front in GATEWAY_KINDS.items() if front.has_fleet_routes)
-            why = front_kind(kind).no_fleet_routes_why
-            raise ValueError(
-                f"job directory {jd.path}: router.kind {kind!r} has no /fleet routes (router.kind {having} "
-                "have them; rl-launch fleet reset-cache works for every front)" + (f": {why}" if why else "")
-            )
+            raise ValueError(why_no_fleet_url(jd, state))
         # A job on a standing fleet refits with its own admin token, which the fleet registered as its
         # admin key when its owner made it an admin consumer (fleet.consumers.<job>.admin); the driver
         # records fleet_url only then. Never the client key: that one is every rollout worker's.
