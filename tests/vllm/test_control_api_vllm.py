@@ -1,0 +1,305 @@
+"""Trainers' own control calls against the router's ``/control`` on 2 real vLLM CPU engines (issue 39).
+
+Each test replays one trainer's exact sequence (``tests/support/trainer_replays.py``: NeMo-RL's
+``remote_vllm`` preflight and refit under keep, wait and abort; prime-rl's directory ``update_weights``)
+against the fleet's control URL, with rollouts running through the router meanwhile, and checks what an
+RL engineer moving such a run onto rl-launch expects: the fleet moves as one (one checksum, the new
+version on every answer), a checkpoint cut in half in the middle of NeMo-RL's sequence is refused in
+vLLM's error shape while the fleet serves on with no failed rollout, and a trainer process killed between
+``/pause`` and ``/resume`` is ended by its lease.
+
+The fleet is ``tests/vllm/test_refit_vllm.py``'s (two engines, the router in front with the admin token),
+one per module: engines start once (~90 s each on 2 cores) and every test reuses them, in file order.
+Needs ``RL_LAUNCH_VLLM_PYTHON``::
+
+    flock /tmp/rl-heavy.lock .venv/bin/python -m pytest -n 0 -q tests/vllm/test_control_api_vllm.py -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher.fleet.client import FleetClient
+from tests.support.trainer_replays import (
+    VERSION_HEADER,
+    NemoRlRemoteVllm,
+    ReplayError,
+    control_paths,
+    nemo_rl_version_dir,
+    prime_rl_update_weights,
+)
+from tests.vllm import test_refit_vllm as refit_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+fleet = refit_vllm.fleet
+"""Two real engines behind the router (admin token ``refit_vllm.TOKEN``), one fleet for this module."""
+
+TOKEN = refit_vllm.TOKEN
+REPO = Path(__file__).resolve().parents[2]
+ROLLOUT_WAIT_S = 300.0
+SETTLE_S = 120.0
+"""Bound on the fleet settling after a trainer is gone: the lease (30 s by default) and a restore."""
+
+
+def _nemo(fleet: Any, mode: str = "keep", **kw: Any) -> NemoRlRemoteVllm:
+    """NeMo-RL's ``remote_vllm_cfg`` for this fleet as docs/trainers.md writes it: generation on the
+    router's ``/v1``, control on ``/control`` (through its ``*_path`` settings), the admin token as the
+    one key."""
+    url = fleet["router"].base_url()
+    return NemoRlRemoteVllm(
+        base_url=url + "/v1",
+        served_model_name="tiny",
+        api_key=TOKEN,
+        control_base_url=url + "/control",
+        paths=control_paths(),
+        inflight_policy=mode,
+        **kw,
+    )
+
+
+def _control_get(fleet: Any, path: str) -> tuple[int, Any, str | None]:
+    req = urllib.request.Request(
+        fleet["router"].base_url() + "/control" + path, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.status, json.loads(resp.read() or b"null"), resp.headers.get(VERSION_HEADER)
+
+
+def _one_checksum(client: FleetClient) -> str:
+    groups = client.checksum().result["groups"]
+    assert len(groups) == 1, f"the engines disagree: {groups}"
+    return next(iter(groups))
+
+
+def _versions_served(url: str, n: int = 4) -> set[str | None]:
+    """The version header on ``n`` rollouts through the router (each must answer 200)."""
+    seen = set()
+    for i in range(n):
+        status, headers, _ = refit_vllm._chat_with_headers(url, f"which weights {i}")
+        assert status == 200
+        seen.add(headers.get(VERSION_HEADER))
+    return seen
+
+
+def _joined(results: dict[int, Any], threads: list[Any], n: int) -> list[tuple[int, str | None]]:
+    """Every rollout's (status, finish_reason), after waiting for all of them (bounded)."""
+    for t in threads:
+        t.join(ROLLOUT_WAIT_S)
+    assert len(results) == n, f"{n - len(results)} rollouts did not come back in {ROLLOUT_WAIT_S} s"
+    out = []
+    for i in range(n):
+        status, body, *_ = results[i]
+        reason = body["choices"][0]["finish_reason"] if status == 200 and body else None
+        out.append((status, reason))
+    return out
+
+
+def _exports(fleet: Any, vllm_python: str, tiny_model_dir: Path) -> Path:
+    """NeMo-RL's ``refit.checkpoint_dir`` with three exports whose weights all differ: version 1 and 2
+    perturbed copies of the tiny model, version 3 the tiny model itself (what the engines started on,
+    so it differs from version 2). Made once per module."""
+    root = fleet["logdir"] / "nemo-rl-exports"
+    if not root.exists():
+        root.mkdir()
+        refit_vllm._perturbed_copy(vllm_python, tiny_model_dir, nemo_rl_version_dir(root, 1), 2.0)
+        refit_vllm._perturbed_copy(vllm_python, tiny_model_dir, nemo_rl_version_dir(root, 2), 3.0)
+        shutil.copytree(tiny_model_dir, nemo_rl_version_dir(root, 3))
+    return root
+
+
+def test_nemo_rl_preflight_passes_with_control_paths_and_fails_on_the_bare_control_url(fleet: Any) -> None:
+    """NeMo-RL's client keeps only the origin of ``control_base_url`` (``service_url``): set to
+    ``<fleet>/control`` with the default paths, its calls go to the router's root, which serves no
+    ``/server_info``, so its preflight raises before training; with the ``/control`` prefix in its path
+    settings the preflight passes: the control ``/health`` names both engines with
+    ``"control_fanout": true`` (NeMo-RL refuses several backends without it) and ``/server_info`` is an
+    object, each answer naming the fleet's version."""
+    bare = NemoRlRemoteVllm(
+        base_url=fleet["router"].base_url() + "/v1",
+        served_model_name="tiny",
+        api_key=TOKEN,
+        control_base_url=fleet["router"].base_url() + "/control",
+    )
+    with pytest.raises(RuntimeError) as refused:
+        bare.preflight()
+    sent = [c.brief() for c in bare.transport.calls]
+    assert not any("/control" in c for c in sent), sent  # the path of the control URL was dropped
+    nemo = _nemo(fleet)
+    info = nemo.preflight()
+    assert isinstance(info, dict) and info
+    calls = nemo.transport.calls
+    assert [c.status for c in calls] == [200, 200, 200, 200], [c.brief() for c in calls]
+    health = calls[1].answer
+    assert health["total_backends"] == 2 and health["control_fanout"] is True, health
+    assert all(c.version for c in calls if "/control/" in c.url), [(c.url, c.version) for c in calls]
+    print(
+        f"\n[control vllm] bare control URL: {str(refused.value)[:160]!r} after {sent}; "
+        f"with /control paths: {[c.brief()[:90] for c in calls]}"
+    )
+
+
+def test_prime_rl_directory_update_moves_the_fleet_as_one(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """prime-rl's ``/pause?mode=keep``, ``NCCL_READY`` written into the directory, ``/update_weights
+    {"weight_dir": DIR}``, ``/resume``, with its admin URL at ``<fleet>/control``: every engine on the
+    directory's weights (one checksum, a new one), the version on the answers and on rollouts."""
+    client: FleetClient = fleet["client"]
+    url = fleet["router"].base_url()
+    before = _one_checksum(client)
+    exports = _exports(fleet, vllm_python, tiny_model_dir)
+    target = nemo_rl_version_dir(exports, 1)
+    results, threads = refit_vllm._stream(url, 6, "prime-rl rollout")
+    calls = prime_rl_update_weights(url + "/control", target, TOKEN, attempts=1)
+    outcomes = _joined(results, threads, 6)
+    assert [c.status for c in calls] == [200, 200, 200], [c.brief() for c in calls]
+    assert (target / "NCCL_READY").exists()
+    after = _one_checksum(client)
+    assert after != before
+    version = calls[-1].version
+    assert version and all(c.version for c in calls[1:]), [(c.brief(), c.version) for c in calls]
+    assert set(client.weight_version().result["engines"].values()) == {version}
+    assert _versions_served(url) == {version}
+    assert [s for s, _ in outcomes] == [200] * 6, outcomes
+    print(f"\n[control vllm] prime-rl: {[c.brief()[:80] for c in calls]}; version {version}, {after}")
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+def test_nemo_rl_refit_moves_the_fleet_as_one(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path, mode: str
+) -> None:
+    """NeMo-RL's refit under each ``refit.inflight_policy``: ``/pause?mode=M&clear_cache=true``,
+    ``/collective_rpc reload_weights`` from its next export, ``/resume`` (then the async loop's
+    ``/reset_prefix_cache``, outside the window), with rollouts streaming through the router: one
+    checksum, new, on both engines; the version the router derived on the ``/resume`` answer, on every
+    engine and on every rollout after; no rollout failed (under abort a rollout in flight may end with
+    vLLM's ``finish_reason: "abort"``, which is what abort means)."""
+    client: FleetClient = fleet["client"]
+    url = fleet["router"].base_url()
+    exports = _exports(fleet, vllm_python, tiny_model_dir)
+    n = {"keep": 2, "wait": 3, "abort": 1}[mode]
+    before, version_before = _one_checksum(client), client.weight_version().result["current"]
+    nemo = _nemo(fleet, mode)
+    results, threads = refit_vllm._stream(url, 6, f"rollout under {mode}")
+    t0 = time.perf_counter()
+    calls = nemo.refit(nemo_rl_version_dir(exports, n))
+    took = time.perf_counter() - t0
+    reset = nemo.invalidate_kv_cache()
+    outcomes = _joined(results, threads, 6)
+    assert [c.status for c in calls] == [200, 200, 200], [c.brief() for c in calls]
+    assert reset.status == 200, reset.brief()  # after the resume: no transaction open, still answered
+    version = calls[-1].version
+    assert version and version != version_before, (version, version_before)
+    after = _one_checksum(client)
+    assert after != before, "the fleet's weights did not change"
+    assert set(client.weight_version().result["engines"].values()) == {version}
+    assert _versions_served(url) == {version}
+    assert all(s == 200 for s, _ in outcomes), outcomes
+    if mode != "abort":
+        assert all(r != "abort" for _, r in outcomes), outcomes
+    print(
+        f"\n[control vllm] NeMo-RL refit ({mode}) in {took:.2f} s: "
+        f"{[f'{c.brief()[:60]} {c.seconds:.2f}s' for c in calls]}; version {version}; rollouts {outcomes}"
+    )
+
+
+def test_a_cut_checkpoint_mid_sequence_is_refused_in_vllms_shape_and_the_fleet_serves_on(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """NeMo-RL's sequence with its next export cut to half its size: the pause is answered, the
+    ``/collective_rpc`` is refused with vLLM's error JSON naming the cut file (so NeMo-RL's client raises,
+    as against one vLLM, and sends nothing more: no ``/resume``), no rollout fails, and the fleet serves
+    on its previous weights and version, resumed without the trainer; a restarted trainer refits next."""
+    client: FleetClient = fleet["client"]
+    url = fleet["router"].base_url()
+    exports = _exports(fleet, vllm_python, tiny_model_dir)
+    on, version = _one_checksum(client), client.weight_version().result["current"]
+    cut = nemo_rl_version_dir(exports, 4)
+    shutil.copytree(nemo_rl_version_dir(exports, 1), cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    nemo = _nemo(fleet, "keep")
+    results, threads = refit_vllm._stream(url, 8, "rollout during the cut refit")
+    pause = nemo.pause()
+    with pytest.raises(ReplayError) as refused:
+        nemo.reload_weights(cut)
+    outcomes = _joined(results, threads, 8)
+    assert pause.status == 200, pause.brief()
+    call = refused.value.call
+    assert call.status is not None and 400 <= call.status <= 500, call.brief()
+    error = call.answer["error"] if isinstance(call.answer, dict) else None
+    if isinstance(error, dict):  # vLLM's OpenAI-style error
+        assert {"message", "type", "code"} <= set(error) and error["code"] == call.status, call.answer
+        message = error["message"]
+    else:  # vLLM's RL routes: {"error": "..."}
+        assert isinstance(error, str), call.answer
+        message = error
+    assert "shorter than" in message and "version_00000004" in message, message
+    assert [s for s, _ in outcomes] == [200] * 8, outcomes
+    assert refit_vllm._until(lambda: _control_get(fleet, "/is_paused")[1]["is_paused"] is False, SETTLE_S)
+    assert _one_checksum(client) == on
+    assert client.weight_version().result["current"] == version
+    assert _versions_served(url) == {version}
+    again = _nemo(fleet, "keep").refit(nemo_rl_version_dir(exports, 2))  # the restarted trainer's step
+    assert [c.status for c in again] == [200, 200, 200], [c.brief() for c in again]
+    assert _one_checksum(client) != on
+    print(f"\n[control vllm] cut checkpoint: {call.brief()}; rollouts {outcomes}")
+
+
+def test_a_trainer_killed_between_pause_and_resume_is_ended_by_its_lease(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """A trainer process (the replay, run as a program) pauses the fleet through NeMo-RL's calls and
+    reloads its next export, then is SIGKILLed before its ``/resume``: the router ends the transaction
+    when its lease runs out, the rollouts held meanwhile all complete, the fleet serves again on one
+    checksum with one version on every engine and every answer, and the next trainer can pause."""
+    client: FleetClient = fleet["client"]
+    url = fleet["router"].base_url()
+    exports = _exports(fleet, vllm_python, tiny_model_dir)
+    before = _one_checksum(client)
+    env = {**os.environ, "RL_REPLAY_CONTROL_KEY": TOKEN, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "tests.support.trainer_replays", "nemo-rl-hold", "--base-url", url]
+    command += ["--model", "tiny", "--key-env", "RL_REPLAY_CONTROL_KEY", "--mode", "keep"]
+    command += ["--reload", str(nemo_rl_version_dir(exports, 3))]
+    trainer = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = trainer.stdout.readline() if trainer.stdout else b""  # the replay prints once it holds
+        assert line, f"the trainer ended before holding: {trainer.stderr.read() if trainer.stderr else ''}"
+        held = json.loads(line)["held"]
+        results, threads = refit_vllm._stream(url, 6, "rollout while the trainer is dead")
+        t_kill = time.monotonic()
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(30)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(30)
+    assert refit_vllm._until(lambda: _control_get(fleet, "/is_paused")[1]["is_paused"] is False, SETTLE_S)
+    resumed_after = time.monotonic() - t_kill
+    outcomes = _joined(results, threads, 6)
+    assert [s for s, _ in outcomes] == [200] * 6, outcomes
+    assert refit_vllm._until(lambda: client.stale_engines() == {}, SETTLE_S), client.stale_engines()
+    settled = _one_checksum(client)
+    versions = set(client.weight_version().result["engines"].values())
+    assert len(versions) == 1, versions
+    assert _versions_served(url) == versions
+    nemo = _nemo(fleet, "keep")
+    assert nemo.pause().status == 200  # the next trainer is not locked out
+    assert nemo.resume().status == 200
+    kept = "kept its weights" if settled == before else "moved to the killed trainer's export"
+    print(
+        f"\n[control vllm] trainer killed after {held}: fleet resumed {resumed_after:.1f} s after the "
+        f"kill, {kept} ({settled}, version {versions}); rollouts {outcomes}"
+    )
