@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+from router.fleet.adapter_refit import AdapterRefits
+from router.fleet.control_session import ControlSession
 from router.fleet.engine import PAUSE_MODES, EngineClient
 from router.fleet.engine_counters import Snapshot, delta, step_dict
 from router.fleet.fleet import ENGINE_TIMEOUT_S, Fleet
@@ -51,6 +53,7 @@ from router.fleet.ops import FleetOpReport, compare_checksums, fan_out
 from router.fleet.refit import RefitCoordinator
 from router.fleet.refit_routes import RefitRoutes
 from router.fleet.restore import Restorer
+from router.fleet.vllm_control import ControlApi
 from router.http.auth import Access, RouteTable, account_of, holder_of
 from router.state.backends import BackendSet, canonical_backend_url
 from router.state.pause_gate import PauseGate
@@ -117,6 +120,12 @@ class FleetApi:
             guard=self.refit_routes.checks,
         )
         self.refit.on_held_out = self.restorer.request_all
+        self.adapter_refits: AdapterRefits | None = None
+        """The fleet's adapter transactions (set where the router serves LoRA adapters): the control
+        URL's ``/v1/load_lora_adapter`` runs them."""
+        self.control = ControlApi(
+            ControlSession(self.fleet, self.refit, self.refit_routes, gate), lambda: self.adapter_refits
+        )
 
     @property
     def current_version(self) -> str | None:
@@ -150,6 +159,7 @@ class FleetApi:
         ):
             table.add(method, path, handler, access)
         self.refit_routes.add_routes(table, base)
+        self.control.add_routes(table, base)  # vLLM's control API: /control/*
         table.app.on_cleanup.append(self._close)
 
     async def _close(self, app: web.Application) -> None:

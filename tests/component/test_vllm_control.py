@@ -1,0 +1,291 @@
+"""vLLM's control API on the router (``/control/*``, ``router.fleet.vllm_control``): a trainer written for one
+vLLM refits the whole fleet as one transaction, over HTTP, against simulated engines behind a real router.
+
+The calls are the ones NeMo-RL's ``remote_vllm`` backend sends to its ``control_base_url`` (preflight:
+``/health``, ``/v1/models``, ``/server_info``; each refit: ``/pause?mode=<inflight_policy>&clear_cache=``,
+``/collective_rpc`` ``reload_weights``, ``/reset_prefix_cache``, ``/resume``), with the job's admin token as
+the Bearer, as plain HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from launcher.engines.sim.server import SimServer
+from router import GenerationRouter
+from tests.support.checkpoints import checkpoint, unloadable
+from tests.support.refit_calls import (
+    TOKEN,
+    chat,
+    checksums,
+    router_over_fixture,  # noqa: F401 (the fixture router_over)
+    send,
+    until,
+)
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def control(
+    url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """One call to the router's control URL (``url`` + ``/control``), as a trainer's client sends it."""
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(
+            method, f"{url}/control{path}", json=body, headers=AUTH if headers is None else headers
+        ) as r,
+    ):
+        raw = await r.read()
+        try:
+            return r.status, orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return r.status, raw.decode()
+
+
+async def nemo_rl_refit(url: str, weights: Path, mode: str = "keep") -> list[tuple[str, int, Any]]:
+    """NeMo-RL's refit, in its order of calls; each call's path, status and answer."""
+    calls = [
+        ("POST", f"/pause?mode={mode}&clear_cache=false", None),
+        ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}),
+        ("POST", "/reset_prefix_cache", None),
+        ("POST", "/resume", None),
+    ]
+    out = []
+    for method, path, body in calls:
+        status, answer = await control(url, method, path, body)
+        out.append((path, status, answer))
+        if status != 200:
+            break
+    return out
+
+
+def engine_versions(engines: list[SimServer]) -> set[str]:
+    return {e.rl.weight_version for e in engines}
+
+
+def untouched(engines: list[SimServer], before: list[dict[str, str]]) -> bool:
+    """Every engine on its weights and version from before, serving, not paused."""
+    return (
+        checksums(engines) == before
+        and engine_versions(engines) == {"default"}
+        and not any(e.scheduler.gen_paused for e in engines)
+    )
+
+
+async def test_nemo_rl_preflight_sees_one_fleet_with_control_fanout(sims, router_over) -> None:
+    engines = await sims(2)
+    r: GenerationRouter = router_over([e.url for e in engines])
+    url = r.base_url()
+    async with aiohttp.ClientSession() as s, s.get(url + "/health") as got:
+        generation_health = (got.status, await got.read())
+    status, health = await control(url, "GET", "/health")
+    assert status == 200, health
+    # NeMo-RL's check: an integer total_backends other than 1 needs "control_fanout": true.
+    assert type(health["total_backends"]) is int and health["total_backends"] == 2, health
+    assert health["control_fanout"] is True and health["healthy_backends"] == 2
+    status, models = await control(url, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["sim"], models
+    assert all("root" not in m for m in models["data"])
+    status, info = await control(url, "GET", "/server_info")
+    assert status == 200 and isinstance(info, dict) and info["fleet"]["total_backends"] == 2, info
+    assert {e["url"] for e in info["fleet"]["engines"]} == {e.url for e in engines}
+    status, paused = await control(url, "GET", "/is_paused")
+    assert (status, paused["is_paused"]) == (200, False)
+    # The generation URL's /health is what probes and Gym expect: unchanged, and no control keys.
+    async with aiohttp.ClientSession() as s, s.get(url + "/health") as got:
+        assert (got.status, await got.read()) == generation_health
+    assert generation_health[0] == 200 and b"control_fanout" not in generation_health[1]
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+async def test_nemo_rl_refit_moves_the_fleet_as_one_transaction(
+    sims, router_over, tmp_path: Path, mode: str
+) -> None:
+    engines = await sims(3)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    weights = checkpoint(tmp_path, "step_7", b"7")
+    tokens = 3000 if mode == "abort" else 60  # long enough to be in flight at the pause
+    rollouts = [
+        asyncio.create_task(send(url, chat(max_tokens=tokens, content=f"rollout {i}"))) for i in range(6)
+    ]
+    await asyncio.sleep(0.1)
+    calls = await nemo_rl_refit(url, weights, mode)
+    assert [(p.split("?")[0], s) for p, s, _ in calls] == [
+        ("/pause", 200),
+        ("/collective_rpc", 200),
+        ("/reset_prefix_cache", 200),
+        ("/resume", 200),
+    ], calls
+    pause, rpc, reset, resume = (a for _, _, a in calls)
+    assert pause["status"] == "paused" and pause["weight_version"] == "control-c1"
+    assert rpc["results"] == [None, None, None] and rpc["refit"]["canary"] is not None
+    assert reset["success"] is True
+    assert resume["status"] == "resumed" and resume["refit"]["phase"] == "done"
+    # The version NeMo-RL never sent is derived (the directory's name and the transaction's number),
+    # shown on every answer from the load on, stamped on every engine and kept by the router.
+    assert rpc["weight_version"] == reset["weight_version"] == resume["weight_version"] == "step_7-c1"
+    assert engine_versions(engines) == {"step_7-c1"} and r.fleet.current_version == "step_7-c1"
+    assert all(e.worker.model_path == str(weights) for e in engines)
+    assert len({tuple(sorted(c.items())) for c in checksums(engines)}) == 1  # one checksum
+    assert not r.gate.paused and not any(e.scheduler.gen_paused for e in engines)
+    results = await asyncio.gather(*rollouts)
+    assert [s for s, _ in results] == [200] * 6, results
+    reasons = {b["choices"][0]["finish_reason"] for _, b in results}
+    assert ("abort" in reasons) == (mode == "abort"), reasons  # only abort ends rollouts in flight
+    status, answer = await control(url, "GET", "/weight_info")
+    assert (status, answer) == (200, {"weight_version": "step_7-c1"})
+    assert (await send(url, chat()))[0] == 200
+
+
+async def test_a_failed_canary_is_a_500_in_vllms_shape_and_the_fleet_serves_on(
+    sims, router_over, tmp_path: Path
+) -> None:
+    engines = await sims(3)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    good = checkpoint(tmp_path, "good", b"g")
+    assert [s for _, s, _ in await nemo_rl_refit(url, good)] == [200] * 4
+    on_good = checksums(engines)[0]
+    bad = unloadable(tmp_path, "bad")  # passes the router's check, fails in the engine's loader
+    calls = await nemo_rl_refit(url, bad)
+    assert [s for _, s, _ in calls] == [200, 500], calls
+    error = calls[1][2]["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == 500, error
+    assert error["type"] == "InternalServerError" and "canary" in error["message"], error
+    assert "stays on 'good-c1'" in error["message"], error
+    # The fleet serves on at once, on its version: the canary is held out and restored, the others were
+    # never touched, nothing waits for the trainer's /resume.
+    assert not r.gate.paused and r.fleet.current_version == "good-c1"
+    assert await until(lambda: len(r.backends.serving) == 3), r.backends.stale
+    assert all(c == on_good for c in checksums(engines)) and engine_versions(engines) == {"good-c1"}
+    assert [(await send(url, chat(content=f"after {i}")))[0] for i in range(6)] == [200] * 6
+    # The trainer's client raised; a /resume it sends anyway finds nothing paused (vLLM's answer).
+    status, resumed = await control(url, "POST", "/resume")
+    assert status == 200 and resumed["weight_version"] == "good-c1", resumed
+
+
+async def test_a_refused_checkpoint_is_a_400_before_any_engine_reads_it(
+    sims, router_over, tmp_path: Path
+) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    before = checksums(engines)
+    half = checkpoint(tmp_path, "half", b"h")
+    data = (half / "model.safetensors").read_bytes()
+    (half / "model.safetensors").write_bytes(data[: len(data) // 2])  # cut short
+    calls = await nemo_rl_refit(url, half)
+    assert [s for _, s, _ in calls] == [200, 400], calls
+    error = calls[1][2]["error"]
+    assert error["code"] == 400 and error["param"] == "kwargs.weights_path" and str(half) in error["message"]
+    assert untouched(engines, before) and not r.gate.paused and r.fleet.current_version is None
+
+
+async def test_a_trainer_gone_after_pause_is_ended_by_its_lease(sims, router_over, tmp_path: Path) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    r.fleet.control.session.lease_s = 1.0
+    before = checksums(engines)
+    status, _ = await control(url, "POST", "/pause?mode=keep")
+    assert status == 200 and r.gate.paused and all(e.scheduler.gen_paused for e in engines)
+    held = asyncio.create_task(send(url, chat(content="sent while the gone trainer's pause stood")))
+    assert await until(lambda: not r.gate.paused, 5.0)  # the lease ran out: the router resumed
+    assert (await asyncio.wait_for(held, 10))[0] == 200
+    assert untouched(engines, before) and r.backends.stale == {}
+    assert r.fleet.refit.last is not None and r.fleet.refit.last.phase == "expired"
+    # A trainer that was only slow is told at its next call, in vLLM's shape.
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint(tmp_path, "late"))}}
+    status, answer = await control(url, "POST", "/collective_rpc", rpc)
+    assert status == 409 and "lease ran out" in answer["error"]["message"], answer
+    assert untouched(engines, before)
+
+
+async def test_out_of_order_calls_are_refused_with_the_reason_and_reach_no_engine(
+    sims, router_over, tmp_path: Path
+) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    before = checksums(engines)
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint(tmp_path, "a"))}}
+    status, answer = await control(url, "POST", "/collective_rpc", rpc)
+    assert status == 409 and "call POST /pause first" in answer["error"]["message"], answer
+    status, answer = await control(url, "POST", "/update_weight_version", {"new_version": "v9"})
+    assert status == 409 and "between /pause and /resume" in answer["error"]["message"], answer
+    status, answer = await control(url, "POST", "/start_weight_update")
+    assert status == 409, answer
+    assert untouched(engines, before)
+    # A /resume with nothing paused is vLLM's no-op; it does not resume a pause someone else made.
+    assert (await control(url, "POST", "/resume"))[0] == 200
+    async with aiohttp.ClientSession() as s, s.post(url + "/fleet/pause?mode=keep", headers=AUTH) as got:
+        assert got.status == 200
+    status, answer = await control(url, "POST", "/resume")
+    assert status == 409 and "POST /fleet/resume" in answer["error"], answer
+    status, answer = await control(url, "POST", "/pause")
+    assert status == 409 and "POST /fleet/pause" in answer["error"], answer
+    async with aiohttp.ClientSession() as s, s.post(url + "/fleet/resume", headers=AUTH) as got:
+        assert got.status == 200
+    # A second /pause while the first one's transaction is open.
+    assert (await control(url, "POST", "/pause?mode=wait"))[0] == 200
+    status, answer = await control(url, "POST", "/pause?mode=wait")
+    assert status == 409 and "already paused by /pause" in answer["error"], answer
+    status, answer = await control(url, "POST", "/pause?mode=later")
+    assert status == 400 and answer["error"]["param"] == "query.mode", answer
+    status, answer = await control(url, "POST", "/resume")
+    assert status == 200 and "no weights were loaded" in answer["note"], answer
+    assert untouched(engines, before) and not r.gate.paused and r.fleet.current_version is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("POST", "/sleep?level=1", None, 404),
+        ("POST", "/wake_up", None, 404),
+        ("GET", "/is_sleeping", None, 404),
+        ("POST", "/collective_rpc", {"method": "reset_weights"}, 400),
+        ("POST", "/collective_rpc", {"method": "rl_launch_weight_checksums"}, 400),
+        ("GET", "/pause", None, 405),
+    ],
+)
+async def test_unsupported_calls_name_what_is_supported_and_reach_no_engine(
+    sims, router_over, method: str, path: str, body: Any, status: int
+) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    before = [e.stats_snapshot() for e in engines]
+    got, answer = await control(r.base_url(), method, path, body)
+    assert got == status, answer
+    message = answer["error"]["message"]
+    assert answer["error"]["code"] == status and "reload_weights" in message and "/pause" in message, message
+    assert "Nothing was sent to the engines" in message or "nothing was sent to the engines" in message
+    assert [e.stats_snapshot() for e in engines] == before
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/health"),
+        ("GET", "/server_info"),
+        ("POST", "/pause"),
+        ("POST", "/resume"),
+        ("POST", "/sleep"),
+    ],
+)
+async def test_the_control_url_refuses_callers_without_the_admin_token(
+    sims, router_over, method: str, path: str
+) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+        status, answer = await control(r.base_url(), method, path, headers=headers)
+        assert status == 401, (headers, answer)
+    assert not r.gate.paused and not any(e.scheduler.gen_paused for e in engines)
