@@ -10,7 +10,8 @@ decides who may (an admin consumer changes only its own adapters: 403 otherwise)
 answers are vLLM's: 200 with its text ("Success: LoRA adapter 'x' added successfully."), 400
 ``InvalidUserInput`` for a name already loaded without ``load_inplace`` (vLLM's own rule), 404
 ``NotFoundError`` for an unload of a name not loaded, 500 when the canary failed (the adapter stays on
-its version). The version loaded is in the ``X-Weight-Version`` header (the body is vLLM's text).
+its version). The served name loaded (``NAME@VERSION``) is in the ``x-rl-adapter-served-name`` header
+(the body is vLLM's text). prime-rl's own ``/load_lora_adapter`` is served too (always in place).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from router.fleet.control_answers import field_missing, not_json, read_json, val
 from router.fleet.refit import RefitRefused
 from router.http.auth import account_of
 
+ADAPTER_HEADER = "x-rl-adapter-served-name"
+"""The served name (``NAME@VERSION``) a load made current: the body is vLLM's text."""
 REBUILD_WAIT_S = 60.0
 """How long a load sent to a router that just started waits for its adapter table's rebuild."""
 
@@ -67,6 +70,13 @@ class ControlLora:
 
     async def load(self, request: web.Request) -> web.Response:
         """``{"lora_name", "lora_path", "load_inplace"?}``: a new version of ``lora_name`` (module doc)."""
+        return await self._load(request, inplace=False)
+
+    async def load_inplace(self, request: web.Request) -> web.Response:
+        """prime-rl's ``/load_lora_adapter`` (its server's route): vLLM's, always ``load_inplace``."""
+        return await self._load(request, inplace=True)
+
+    async def _load(self, request: web.Request, inplace: bool) -> web.Response:
         body = await self._body(request, ("lora_name", "lora_path"))
         if isinstance(body, web.Response):
             return body
@@ -77,7 +87,7 @@ class ControlLora:
         try:
             check_adapter_name(name)
             await refits.table.until_rebuilt(REBUILD_WAIT_S)
-            if name in refits.table.adapters and not body.get("load_inplace"):
+            if name in refits.table.adapters and not (inplace or body.get("load_inplace")):
                 return vllm_error(
                     400,
                     f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
@@ -99,7 +109,7 @@ class ControlLora:
         if not done.moved:
             return vllm_error(500, done.error or "the adapter did not load", "InternalServerError")
         text = f"Success: LoRA adapter '{name}' added successfully."
-        return web.Response(status=200, text=text, headers={"X-Weight-Version": done.served})
+        return web.Response(status=200, text=text, headers={ADAPTER_HEADER: done.served})
 
     async def unload(self, request: web.Request) -> web.Response:
         body = await self._body(request, ("lora_name",))

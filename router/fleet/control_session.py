@@ -123,6 +123,9 @@ class ControlSession:
         self.gate = gate
         self.lease_s = lease_s
         self.open: _Open | None = None
+        self.failed: RefitTxn | None = None
+        """The last transaction of this URL that ended without moving the fleet: named in the refusals
+        of calls that came after it (prime-rl retries a 500 ``/update_weights``: the retry learns why)."""
         self._number = 0
 
     # -- state ------------------------------------------------------------------------------------
@@ -145,9 +148,7 @@ class ControlSession:
     def _current(self, call: str) -> tuple[_Open, RefitTxn]:
         """The open transaction, its lease renewed; else 409 saying why there is none."""
         if self.open is None:
-            raise ControlError(
-                409, f"{call} needs a paused fleet: call POST /pause first (no refit is open on this URL)"
-            )
+            raise ControlError(409, f"{call} needs a paused fleet: call POST /pause first{self._since()}")
         state = self.open
         try:
             txn = self.refit.renew(state.txn_id)
@@ -155,9 +156,16 @@ class ControlSession:
             self.open = None
             last = self.refit.last
             if last is not None and last.id == state.txn_id:
+                self.failed = last
                 raise ControlError(409, f"{call}: {_ended(last, self.fleet.current_version)}") from None
             raise ControlError(409, f"{call}: the refit begun by /pause is no longer open") from None
         return state, txn
+
+    def _since(self) -> str:
+        """What the last failed transaction of this URL was (or that none is open)."""
+        if self.failed is None:
+            return " (no refit is open on this URL)"
+        return f" ({_ended(self.failed, self.fleet.current_version)})"
 
     def _retarget(self, txn: RefitTxn, version: str) -> None:
         """Point the open transaction at ``version`` (what it stamps at ``/resume``): gated requests for
@@ -169,6 +177,7 @@ class ControlSession:
     def _finished(self, txn: RefitTxn) -> None:
         """The open transaction ended in this call (answered here: not reported again)."""
         self.open = None
+        self.failed = None if txn.moved else txn
         log.info("control refit %s ended (%s): %s", txn.id, txn.phase, txn.error or txn.version)
 
     # -- the calls ----------------------------------------------------------------------------------
@@ -275,7 +284,7 @@ class ControlSession:
                 raise ControlError(
                     409, "the fleet is paused by POST /fleet/pause: resume it with POST /fleet/resume"
                 )
-            return None, "nothing was paused"
+            return None, "nothing was paused" + self._since()
         state, _ = self._current("resume")
         if state.started:
             raise ControlError(409, "resume: a weight update is open: call /finish_weight_update first")

@@ -40,6 +40,7 @@ from aiohttp import web
 from router.consumers import OWNER
 from router.fleet.adapter_refit import AdapterRefits
 from router.fleet.control_answers import (
+    field_missing,
     flag,
     json_answer,
     read_json,
@@ -52,7 +53,9 @@ from router.fleet.engine import PAUSE_MODES, EngineClient, has
 from router.fleet.ops import fan_out
 from router.fleet.refit import RefitRefused
 from router.fleet.refit_routes import INIT_TIMEOUT_S, PLAN_TIMEOUT_S
-from router.http.auth import Access, RouteTable, account_of, holder_of
+from router.http.auth import Access, Handler, RouteTable, account_of, holder_of
+from router.http.headers import header_safe
+from router.state.versions import VERSION_HEADER
 
 PREFIX = "/control"
 READS = ("/health", "/v1/models", "/server_info", "/is_paused", "/weight_info", "/get_world_size")
@@ -67,7 +70,7 @@ REFIT = (
     "/update_weights",
     "/finish_weight_update",
 )
-LORA = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+LORA = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_lora_adapter")
 RPC_METHODS = ("reload_weights",)
 SUPPORTED = (
     f"GET {', '.join(READS)}; POST {', '.join(REFIT + LORA)} (collective_rpc: {', '.join(RPC_METHODS)})"
@@ -98,7 +101,7 @@ class ControlApi:
             ("/weight_info", self.weight_info),
             ("/get_world_size", self.world_size),
         ):
-            table.add("GET", PREFIX + path, handler, Access.ADMIN)
+            table.add("GET", PREFIX + path, self._versioned(handler), Access.ADMIN)
         for path, handler in (
             ("/pause", self.pause),
             ("/resume", self.resume),
@@ -110,10 +113,27 @@ class ControlApi:
             ("/update_weights", self.update_weights),
             ("/finish_weight_update", self.finish_weight_update),
         ):
-            table.add("POST", PREFIX + path, handler, base)
-        table.add("POST", PREFIX + "/v1/load_lora_adapter", self.lora.load, Access.ADMIN)
-        table.add("POST", PREFIX + "/v1/unload_lora_adapter", self.lora.unload, Access.ADMIN)
-        table.add("*", PREFIX + "/{tail:.*}", self.unsupported, Access.ADMIN)
+            table.add("POST", PREFIX + path, self._versioned(handler), base)
+        for path, handler in (
+            ("/v1/load_lora_adapter", self.lora.load),
+            ("/v1/unload_lora_adapter", self.lora.unload),
+            ("/load_lora_adapter", self.lora.load_inplace),  # prime-rl's own route (its server's)
+        ):
+            table.add("POST", PREFIX + path, self._versioned(handler), Access.ADMIN)
+        table.add("*", PREFIX + "/{tail:.*}", self._versioned(self.unsupported), Access.ADMIN)
+
+    def _versioned(self, handler: Handler) -> Handler:
+        """Every answer names the weights it concerns (``x-rl-weight-version``, as every generation does):
+        the open transaction's target, else the fleet's version."""
+
+        async def versioned(request: web.Request) -> web.StreamResponse:
+            response = await handler(request)
+            version = self.session.version()
+            if version is not None:
+                response.headers[VERSION_HEADER] = header_safe(version)
+            return response
+
+        return versioned
 
     def _with_version(self, payload: dict[str, Any], status: int = 200) -> web.Response:
         return json_answer(status, {**payload, "weight_version": self.session.version()})
@@ -376,6 +396,8 @@ class ControlApi:
             body = await read_json(request)
         except ValueError as exc:
             return validation("body", "json_invalid", "JSON decode error", str(exc))
+        if isinstance(body, dict) and "weight_dir" in body and "update_info" not in body:
+            return await self._update_from_directory(request, body["weight_dir"])
         info = body.get("update_info") if isinstance(body, dict) else None
         if not isinstance(info, dict | list):
             kind, msg = (
@@ -389,6 +411,18 @@ class ControlApi:
         except ControlError as exc:
             return _refused(exc)
         return self._with_version({"message": "Weights updated", "refit": _summary(txn.to_json())})
+
+    async def _update_from_directory(self, request: web.Request, weight_dir: Any) -> web.Response:
+        """prime-rl's ``/update_weights {"weight_dir": DIR}`` (its server's route, beside vLLM's streamed
+        one of the same path): the directory reload, as ``reload_weights``; answered as prime-rl's server
+        answers, ``{"status": "ok"}``."""
+        if not isinstance(weight_dir, str) or not weight_dir:
+            return field_missing("body.weight_dir", weight_dir)
+        try:
+            await self.session.reload(weight_dir, holder_of(request))
+        except ControlError as exc:
+            return _refused(exc)
+        return self._with_version({"status": "ok"})
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         try:

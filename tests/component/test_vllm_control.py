@@ -30,6 +30,8 @@ from tests.support.refit_calls import (
 )
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+HEADERS: dict[str, str | None] = {}
+"""The ``x-rl-weight-version`` header of the last answer of each path (``control`` keeps them)."""
 
 
 async def control(
@@ -43,6 +45,7 @@ async def control(
         ) as r,
     ):
         raw = await r.read()
+        HEADERS[path.split("?")[0]] = r.headers.get("x-rl-weight-version")
         try:
             return r.status, orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -132,6 +135,9 @@ async def test_nemo_rl_refit_moves_the_fleet_as_one_transaction(
     # The version NeMo-RL never sent is derived (the directory's name and the transaction's number),
     # shown on every answer from the load on, stamped on every engine and kept by the router.
     assert rpc["weight_version"] == reset["weight_version"] == resume["weight_version"] == "step_7-c1"
+    assert (
+        HEADERS["/resume"] == HEADERS["/collective_rpc"] == "step_7-c1" and HEADERS["/pause"] == "control-c1"
+    )
     assert engine_versions(engines) == {"step_7-c1"} and r.fleet.current_version == "step_7-c1"
     assert all(e.worker.model_path == str(weights) for e in engines)
     assert len({tuple(sorted(c.items())) for c in checksums(engines)}) == 1  # one checksum
@@ -142,6 +148,9 @@ async def test_nemo_rl_refit_moves_the_fleet_as_one_transaction(
     assert ("abort" in reasons) == (mode == "abort"), reasons  # only abort ends rollouts in flight
     status, answer = await control(url, "GET", "/weight_info")
     assert (status, answer) == (200, {"weight_version": "step_7-c1"})
+    # NeMo-RL's async loop resets the cache after the resume, outside any refit: vLLM's answer.
+    reset_after = await control(url, "POST", "/reset_prefix_cache")
+    assert reset_after == (200, {"success": True, "weight_version": "step_7-c1"})
     assert (await send(url, chat()))[0] == 200
 
 
@@ -289,3 +298,42 @@ async def test_the_control_url_refuses_callers_without_the_admin_token(
         status, answer = await control(r.base_url(), method, path, headers=headers)
         assert status == 401, (headers, answer)
     assert not r.gate.paused and not any(e.scheduler.gen_paused for e in engines)
+
+
+async def prime_rl_update(url: str, weight_dir: Path, attempts: int = 3) -> list[tuple[str, int, Any]]:
+    """prime-rl's ``update_weights``: pause (keep), the ``NCCL_READY`` marker, its directory
+    ``/update_weights`` retried on a 5xx (never on a 4xx), ``/resume`` in a ``finally``."""
+    out = [("/pause", *await control(url, "POST", "/pause?mode=keep&clear_cache=false"))]
+    try:
+        (weight_dir / "NCCL_READY").touch()
+        for _ in range(attempts):
+            body = {"weight_dir": weight_dir.as_posix()}
+            status, answer = await control(url, "POST", "/update_weights", body)
+            out.append(("/update_weights", status, answer))
+            if status < 500:
+                break
+    finally:
+        out.append(("/resume", *await control(url, "POST", "/resume")))
+    return out
+
+
+async def test_prime_rl_directory_update_weights_is_the_same_transaction(
+    sims, router_over, tmp_path: Path
+) -> None:
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    calls = await prime_rl_update(url, checkpoint(tmp_path, "step_3", b"3"))
+    assert [(p, s) for p, s, _ in calls] == [("/pause", 200), ("/update_weights", 200), ("/resume", 200)]
+    assert calls[1][2]["status"] == "ok" and engine_versions(engines) == {"step_3-c1"}, calls
+    on_3 = checksums(engines)
+    # A checkpoint the canary fails on: 500, prime-rl retries, the retry is told why (409, not retried),
+    # its resume in finally finds the fleet already serving on step_3-c1.
+    calls = await prime_rl_update(url, unloadable(tmp_path, "step_4"))
+    assert [s for _, s, _ in calls] == [200, 500, 409, 200], calls
+    assert "canary" in calls[1][2]["error"]["message"]
+    retry = calls[2][2]["error"]["message"]
+    assert "call POST /pause first" in retry and "failed" in retry and "stays on 'step_3-c1'" in retry, retry
+    assert calls[3][2]["weight_version"] == "step_3-c1" and not r.gate.paused
+    assert await until(lambda: len(r.backends.serving) == 2)
+    assert checksums(engines) == on_3 and engine_versions(engines) == {"step_3-c1"}
