@@ -56,7 +56,6 @@ from router.fleet.checkpoint import CheckpointGuard
 from router.fleet.engine import EngineAnswer, EngineClient
 from router.fleet.fleet import Fleet
 from router.fleet.refit import RefitCoordinator, RefitRefused
-from router.fleet.refit_routes import device_of
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +132,19 @@ class AdapterRefits:
         fleet: Fleet,
         table: AdapterTable,
         coordinator: RefitCoordinator,
-        guard: CheckpointGuard,
-        served_root: Callable[[], Awaitable[str | None]],
+        guard: CheckpointGuard | None = None,
+        served_root: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
+        """``guard`` and ``served_root``: the fleet's (``Fleet.checks``, ``Fleet.served_root``) unless
+        given."""
         self.fleet = fleet
         self.table = table
         self.coordinator = coordinator
-        self.guard = guard
-        self.served_root = served_root
+        self.guard = guard or fleet.checks
+        self.served_root = served_root or fleet.served_root
         self.active: dict[str, AdapterTxn] = {}
         self.last: dict[str, AdapterTxn] = {}
         self.drain_timeout_s = DRAIN_TIMEOUT_S
-        self._device: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.joined = asyncio.Event()
         """Set when an engine enters the serving set (what a rebuild with none yet waits for)."""
@@ -213,18 +213,9 @@ class AdapterRefits:
         return checked
 
     async def _on_cpu(self) -> bool:
-        """Whether the fleet's engines run on CPUs (the first serving engine's ``/server_info``; read once:
-        a fleet does not change device). An engine that does not say counts as not on CPUs."""
-        if self._device is None:
-            urls = list(self.fleet.backends.serving)
-            if not urls:
-                return False
-            async with EngineClient.open(self.fleet.engine_key, 30.0) as engines:
-                info = await engines.server_info(urls[0])
-            if info.value is None:
-                return False
-            self._device = device_of(info.value)
-        return self._device == "cpu"
+        """Whether the fleet's engines run on CPUs (``Fleet.device``). An engine that does not say counts
+        as not on CPUs."""
+        return await self.fleet.device() == "cpu"
 
     async def run(self, txn: AdapterTxn, checked: AdapterDir) -> AdapterTxn:
         """Load, verify and stamp a checked adapter (module doc); ends the transaction whatever happens."""

@@ -113,12 +113,7 @@ class FleetApi:
         backends.admission = self._on_new_member
         self.refit = RefitCoordinator(self.fleet, gate, holds_requests=holds_requests)
         self.refit_routes = RefitRoutes(self.fleet, self.refit)
-        self.restorer = Restorer(
-            self.fleet,
-            self.refit,
-            served_root=self.refit_routes.served_root,
-            guard=self.refit_routes.checks,
-        )
+        self.restorer = Restorer(self.fleet, self.refit)
         self.refit.on_held_out = self.restorer.request_all
         self.adapter_refits: AdapterRefits | None = None
         """The fleet's adapter transactions (set where the router serves LoRA adapters): the control

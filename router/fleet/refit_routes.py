@@ -31,7 +31,7 @@ from aiohttp import web
 
 from router.fleet.checkpoint import ALLOW_FOREIGN, CheckpointGuard, CheckpointRefused
 from router.fleet.engine import PAUSE_MODES, EngineClient
-from router.fleet.fleet import Fleet
+from router.fleet.fleet import Fleet, device_of
 from router.fleet.ops import fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S, SOURCES, RefitCoordinator, RefitRefused
 from router.fleet.tensor_manifest import CheckedTensors, check_checkpoints
@@ -77,14 +77,6 @@ def _text(body: dict[str, Any], key: str, required: bool = True) -> str | None:
     return value
 
 
-def device_of(config: dict[str, Any]) -> str:
-    """The engine's device from its ``/server_info`` config (vLLM 0.32: ``device_config.device``, e.g.
-    ``cpu``, ``cuda``; ``?`` when it says none)."""
-    device = config.get("device_config")
-    value = device.get("device") if isinstance(device, dict) else None
-    return value if isinstance(value, str) and value else "?"
-
-
 def rank_plan(sizes: list[tuple[str, int]]) -> dict[str, Any]:
     """The trainer is rank 0; each engine's ranks follow the engines before it (``(url, TP x PP)`` in
     order); the group's world size is 1 + their sum."""
@@ -101,8 +93,6 @@ class RefitRoutes:
         self.refit = coordinator
         self.plan: dict[str, Any] | None = None
         """The weight-transfer group the engines joined (``init``), or None."""
-        self.checks = CheckpointGuard()
-        """Runs the check before a pause off the loop, under its deadline, one at a time."""
 
     def add_routes(self, table: RouteTable, access: Access = Access.ADMIN) -> None:
         """``access``: the transaction's routes' (``Access.OWNER`` on a fleet of LoRA tenants, where the
@@ -147,20 +137,19 @@ class RefitRoutes:
         last = self.refit.last
         last_path = last.path if last is not None and last.moved else None
         directories = [path, *per_engine.values()]
-        served = await self.served_root()
-        checked = await self.checks.run(check_checkpoints, directories, served, last_path, allow_foreign)
+        served, checks = await self.fleet.served_root(), self.fleet.checks
+        checked = await checks.run(check_checkpoints, directories, served, last_path, allow_foreign)
         log.info("refit from %s: %s", path, checked.summary())
         return path, per_engine, checked
 
+    @property
+    def checks(self) -> CheckpointGuard:
+        """The fleet's checkpoint checks (``Fleet.checks``; ``router.server`` still reads them here)."""
+        return self.fleet.checks
+
     async def served_root(self) -> str | None:
-        """Where the engines loaded the served model from (the first engine's ``/v1/models`` root: an
-        absolute directory, or a hub name, which the check does not read), or None."""
-        urls = list(self.fleet.backends.serving) or self.fleet.all_engines()
-        if not urls:
-            return None
-        async with EngineClient.open(self.fleet.engine_key, 15.0) as engines:
-            got = await engines.model_root(urls[0])
-        return got.value
+        """``Fleet.served_root`` (``router.server`` still reads it here)."""
+        return await self.fleet.served_root()
 
     def _answer(self, txn_json: dict[str, Any], moved_or_open: bool) -> web.Response:
         return _json(200 if moved_or_open else 500, txn_json)

@@ -41,10 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from router.fleet.checkpoint import CheckpointGuard, CheckpointRefused
+from router.fleet.checkpoint import CheckpointRefused
 from router.fleet.engine import EngineClient
 from router.fleet.fleet import Fleet
 from router.fleet.ops import checksum_digest, compare_checksums, fan_out
@@ -78,22 +77,17 @@ class NothingToRestore(Exception):
 class Restorer:
     """Restores engines one task per engine, at most one at a time per engine."""
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        coordinator: RefitCoordinator,
-        served_root: Callable[[], Awaitable[str | None]],
-        guard: CheckpointGuard,
-    ) -> None:
-        """``fleet``: its backends, engine key and version now (``current_version``); ``served_root()``:
-        the served model's directory as the engines report it; ``guard``: the checkpoint check's runner
-        (shared with the refit routes, so one stalled mount holds one thread, not one per caller)."""
+    def __init__(self, fleet: Fleet, coordinator: RefitCoordinator) -> None:
+        """``fleet``: its backends, engine key and version now (``current_version``), the served model's
+        directory as the engines report it (``served_root``) and the checkpoint check's runner
+        (``checks``, shared with the refit routes, so one stalled mount holds one thread, not one per
+        caller)."""
         self.fleet = fleet
         self.backends = fleet.backends
         self.coordinator = coordinator
         self.api_key = fleet.engine_key
-        self._served_root = served_root
-        self._guard = guard
+        self._served_root = fleet.served_root
+        self._guard = fleet.checks
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.restored_total = 0
         self._closed = False
