@@ -27,8 +27,9 @@ from typing import Any
 
 from router.adapters.plan import VLLM_LORA_RANKS
 
-WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc", "sparse_nccl", "sharded_rdt", "nccl_m2n")
-"""vLLM 0.32's ``WeightTransferConfig.backend`` choices."""
+WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc", "sparse_nccl", "sharded_rdt", "nccl_m2n", "rl_launch_gloo")
+"""vLLM 0.32's ``WeightTransferConfig.backend`` choices, and rl-launch's CPU one (registered by the
+launcher's worker extension: ``launcher/engines/vllm/worker_ext/rl_launch_gloo.py``)."""
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 """Read from the environment, as vLLM reads it (``allow_runtime_lora_updating``); never a flag."""
 

@@ -15,7 +15,12 @@ model. Measured on vLLM 0.32 CPU (the tiny test model), and mirrored here:
   a finished update) re-attaches it; but the first generation step on detached weights kills the engine
   core (``core``).
 * ``init_weight_transfer_engine`` cannot succeed on a CPU engine ("Cannot access accelerator device when
-  none is available."), so ``update_weights`` always fails ("NCCL weight transfer not initialized...").
+  none is available."), so ``update_weights`` always fails ("NCCL weight transfer not initialized..."),
+  except with rl-launch's CPU backend ``rl_launch_gloo`` (the same init and update fields as ``nccl``):
+  its init records the engine's place in the group (``transfer_group``: ``rank_offset``, ``world_size``
+  and the rest as given), and a round is taken as broadcast (the simulator has no wire): the weights
+  become a digest of the round's update info at ``finish_weight_update``, the same on every engine of
+  the round.
 * ``reload_weights`` does not change the weight version; ``finish_weight_update`` with a
   ``weight_version`` sets it (after the worker succeeded).
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +46,7 @@ NOT_CONFIGURED = (
     "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
 )
 NO_ACCELERATOR = "Cannot access accelerator device when none is available."
+GLOO = "rl_launch_gloo"
 NCCL_INIT_INFO = "NCCLWeightTransferInitInfo"
 NCCL_INIT_REQUIRED = ("rank_offset", "world_size")
 NCCL_INIT_OPTIONAL = (
@@ -79,6 +86,9 @@ class SimWorker:
         """What a ``reload_weights`` without ``weights_path`` reads: vLLM sets it to every path asked."""
         self.detached = False
         self.update_active = False
+        self.transfer_group: dict[str, Any] | None = None
+        """What ``init_weight_transfer_engine`` gave (``rl_launch_gloo``), None before."""
+        self._received: str | None = None
 
     # -- what the engine shows of its weights ------------------------------------------------------
     def checksums(self) -> dict[str, str]:
@@ -96,7 +106,12 @@ class SimWorker:
 
     @property
     def _nccl(self) -> bool:
-        return self.transfer is not None and self.transfer["backend"] == "nccl"
+        """The backend takes NCCL's init and update fields (``rl_launch_gloo`` takes the same)."""
+        return self.transfer is not None and self.transfer["backend"] in ("nccl", GLOO)
+
+    @property
+    def _gloo(self) -> bool:
+        return self.transfer is not None and self.transfer["backend"] == GLOO
 
     @property
     def _engine_class(self) -> str:
@@ -170,6 +185,9 @@ class SimWorker:
         self._check_transfer()
         if self._nccl and isinstance(init_info, dict):
             self._parse_nccl_init(init_info)
+        if self._gloo and isinstance(init_info, dict):
+            self.transfer_group = dict(init_info)
+            return
         raise WorkerError(NO_ACCELERATOR)
 
     def _parse_nccl_init(self, info: dict[str, Any]) -> None:
@@ -229,6 +247,11 @@ class SimWorker:
         if not self._nccl:
             raise WorkerError(NO_ACCELERATOR)
         self._parse_nccl_update(update_info)
+        if self._gloo and self.transfer_group is not None:
+            round_ = json.dumps(update_info, sort_keys=True).encode()
+            self._received = hashlib.sha256(b"streamed/" + round_).hexdigest()
+            self.update_active = True  # the round arrived: finish_weight_update ends the update
+            return
         raise WorkerError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
 
     def _parse_nccl_update(self, info: dict[str, Any]) -> None:
@@ -250,7 +273,10 @@ class SimWorker:
         self._check_transfer()
         if not self.update_active:
             raise WorkerError("finish_weight_update called without a matching start_weight_update.")
-        # finalize_layerwise_reload: no weights arrived (none can on a CPU engine), so every layer gets
-        # its old tensors back: the weights are unchanged.
+        # finalize_layerwise_reload: with no round received (none can arrive over NCCL on a CPU engine)
+        # every layer gets its old tensors back: the weights are unchanged; a round received
+        # (rl_launch_gloo) is the weights now.
         self.update_active = False
         self.detached = False
+        if self._received is not None:
+            self.digest, self._received = self._received, None
