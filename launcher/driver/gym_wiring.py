@@ -22,11 +22,8 @@ import yaml
 from launcher.fleet.client import why_no_fleet_url
 from launcher.jobdir import JobDir, StateWriter, write_text_atomic
 from launcher.spec import ResolvedSpec
+from router.fleet.vllm_control import PREFIX as CONTROL_PATH
 from router.http.capability import registration_url
-
-CONTROL_PATH = "/control"
-"""Where the router answers vLLM's control API for the whole fleet, under the job's fleet URL (the same
-URL and admin token as ``/fleet/*``; ``router.fleet.vllm_control``)."""
 
 CONTROL_ENV = ("RL_CONTROL_BASE_URL", "RL_CONTROL_API_KEY")
 """The training command's control URL and its Bearer token (the admin token ``FleetClient.from_job_dir``
@@ -35,7 +32,9 @@ there)."""
 
 
 def control_url_of(fleet_url: str | None) -> str | None:
-    """The control URL of a job whose fleet URL is ``fleet_url`` (``None`` without one)."""
+    """The control URL of a job whose fleet URL is ``fleet_url`` (``None`` without one): where the router
+    answers vLLM's control API for the whole fleet (``router.fleet.vllm_control``, under ``PREFIX``),
+    beside ``/fleet/*`` and with the same admin token."""
     return fleet_url.rstrip("/") + CONTROL_PATH if fleet_url else None
 
 
