@@ -39,7 +39,9 @@ engine that missed the update serving again after resume. So one transaction run
 * Steps run as tasks of the router's own, shielded from the HTTP handler: a trainer that disconnects
   mid-call does not cancel a load half-way.
 
-This module runs the steps in their order and keeps the fleet's side (the gate, the lease, the stamp, the
+Its steps, over the transaction core's runner: ``begin`` [pausing] -> ``load`` [canary, loading] or
+``receive`` [receiving] -> ``commit`` [verifying, resetting, stamping] -> the end [resuming]. This module
+runs the steps in their order and keeps the fleet's side (the gate, the lease, the stamp, the
 weights' source); the transaction's record (its JSON: ``GET /fleet/refit``), the step runner and the checks
 of what an engine loaded are ``router.fleet.txn``'s, the part every weight path needs.
 """
@@ -60,10 +62,13 @@ from router.fleet.tensor_manifest import DirectoryRecord
 from router.fleet.txn import (
     DEFAULT_DEADLINE_S,
     DEFAULT_LEASE_S,
-    EngineRefit,
+    LOADED,
     RefitTxn,
+    canary_step,
     load_and_verify,
+    load_step,
     run_step,
+    run_steps,
     verify,
 )
 from router.fleet.txn import SOURCES as SOURCES  # the routes import it from here
@@ -192,7 +197,7 @@ class RefitCoordinator:
                 router_holding=self.holds_requests,
                 holder=holder,
             )
-            txn.engines = {u: EngineRefit(u, touched=source == "external") for u in targets}
+            txn.enlist(targets, touched=source == "external")
             txn._lease_until = time.monotonic() + txn.lease_s
             self.active = txn
             self._idle.clear()
@@ -239,35 +244,32 @@ class RefitCoordinator:
             urls = txn.live()
             if txn.source == "directory" and urls:
                 canary = self._pick_canary(urls, path, paths)
-                txn.canary = canary
-                why = await self._try_canary(txn, canary, paths.get(canary, path))
+                at = paths.get(canary, path)
+                why = await canary_step(
+                    self.fleet,
+                    txn,
+                    canary,
+                    lambda e, u: load_and_verify(txn, e, u, at),
+                    why=lambda a: f"canary: {a.detail}",
+                )
                 if why is not None:
-                    txn.quarantine(canary, why)
                     txn.error = (
                         f"the canary {canary} failed, so no other engine was touched and the fleet stays on "
                         f"{txn.previous_version!r}: {why}"
                     )
                     await self._end(txn, "failed")
                     return txn
-                txn.engines[canary].state = "loaded"
                 urls = [u for u in urls if u != canary]
-            for u in urls:
-                txn.engines[u].touched = True
             if urls:
-                report = await run_step(
+                await load_step(
                     self.fleet,
                     txn,
                     "loading",
                     "reload_weights",
                     urls,
                     lambda e, u: e.reload_weights(u, paths.get(u, path)),
-                    bound="load",
+                    why=lambda a: f"reload from {paths.get(a.url, path)} failed: {a.detail}",
                 )
-                for a in report.engines:
-                    if a.ok:
-                        txn.engines[a.url].state = "loaded"
-                    else:
-                        txn.quarantine(a.url, f"reload from {paths.get(a.url, path)} failed: {a.detail}")
             txn.renew_lease()
             return txn
 
@@ -284,23 +286,6 @@ class RefitCoordinator:
 
         return min(urls, key=rank)
 
-    async def _try_canary(self, txn: RefitTxn, url: str, path: str) -> str | None:
-        """Load ``path`` into the canary and verify it; ``None`` when it passed, else why not."""
-        txn.engines[url].touched = True
-        report = await run_step(
-            self.fleet,
-            txn,
-            "canary",
-            "canary",
-            [url],
-            lambda e, u: load_and_verify(txn, e, u, path),
-            bound="load",
-        )
-        answer = report.engines[0] if report.engines else None
-        if answer is None:
-            return report.error or "the canary got no answer"
-        return None if answer.ok else f"canary: {answer.detail}"
-
     async def receive(self, txn_id: str, update_info: dict[str, Any], group: set[str]) -> RefitTxn:
         """One streamed round (vLLM's weight transfer): each engine of the trainer's ``group`` starts an
         update, receives the round the trainer broadcasts meanwhile, and finishes it. An engine outside
@@ -312,9 +297,6 @@ class RefitCoordinator:
             for u in txn.live():
                 if u not in group:
                     txn.quarantine(u, "not in the trainer's weight-transfer group (joined after it formed)")
-            urls = txn.live()
-            for u in urls:
-                txn.engines[u].touched = True
 
             async def one(e: EngineClient, u: str) -> EngineAnswer:
                 for call in (
@@ -327,12 +309,16 @@ class RefitCoordinator:
                         return a
                 return a
 
-            report = await run_step(self.fleet, txn, "receiving", "update_weights", urls, one, bound="load")
-            for a in report.engines:
-                if a.ok:
-                    txn.engines[a.url].state = "loaded"
-                else:
-                    txn.quarantine(a.url, f"weight update failed: {a.detail}")
+            await load_step(
+                self.fleet,
+                txn,
+                "receiving",
+                "update_weights",
+                txn.live(),
+                one,
+                LOADED,
+                lambda a: f"weight update failed: {a.detail}",
+            )
             txn.renew_lease()
             return txn
 
@@ -345,11 +331,9 @@ class RefitCoordinator:
             if expected_checksum is not None:
                 txn.expected_checksum = expected_checksum
             txn.hold_lease()
+            steps = [lambda: verify(self.fleet, txn), lambda: self._reset(txn), lambda: self._stamp(txn)]
             try:
-                await verify(self.fleet, txn)
-                if reset_cache:
-                    await self._reset(txn)
-                await self._stamp(txn)
+                await run_steps(txn, steps if reset_cache else [steps[0], steps[2]])
             finally:
                 await self._end(txn, "done" if txn.moved else "failed")
             return txn

@@ -1,21 +1,30 @@
-"""The refit transaction's record and the parts of it every weight path needs: per-engine state, the
-deadline's budget and the lease, the timed step runner, the load-and-verify of one engine (the canary's
-test), and the verify step with its checksum verdict.
+"""The one transaction core of the fleet's weight paths: a small step runner that the full refit, the
+adapter refit and the restore each run as a list of steps.
 
-Why this is apart from ``router.fleet.refit``: that module decides *which* steps a full refit runs and in
-what order (pause, canary, load or receive, verify, reset, stamp, end) and keeps the fleet's side of it
-(the pause gate, the lease's watchdog, the version stamp, where the current weights are on disk). This one
-holds what a transaction needs whatever its steps are: an engine's state (pending -> loaded -> verified, or
-quarantined with its reason), one deadline a load may spend but for the reserve the steps after it need,
-each step fanned out under that budget and timed into the report, and the checks that turn what engines
-loaded into verified and quarantined ones. Those are the parts the adapter refit
-(``router.fleet.adapter_refit``: ``AdapterTxn``, ``_timed``, ``_load_one``) and the restore
-(``router.fleet.restore``) still write again for themselves (architecture review 2026-12-05, section 2);
-today only the full refit runs on this module, and the shared transaction core is meant to grow here
-rather than beside it.
+Why one core: the fleet loads weights three ways (a full refit, ``router.fleet.refit``; an adapter's new
+version, ``router.fleet.adapter_refit``; an engine brought back to the fleet's verified weights,
+``router.fleet.restore``). Each was written by hand with its own record type, its own per-engine state,
+its own step timer and its own deadline arithmetic, and only the restore retried (architecture review
+2026-12-05, section 2): a fix to one (a deadline that cut the resume, a step that went untimed) did not
+reach the others, and their reports drifted apart. Here is what they share:
 
-This module owns the transaction's JSON (``RefitTxn.to_json``: what ``GET /fleet/refit`` answers and
-``rl-launch status`` shows while a refit runs).
+* **Per-engine state** (``EngineState``): ``pending -> loaded -> verified``, or ``quarantined`` with its
+  reason (out of this transaction; what that means for routing is the transaction's business: the full
+  refit holds the engine out of the fleet, an adapter refit only keeps the adapter off it).
+* **One deadline** (``Txn.deadline_s``) that every step spends, a load all of it but the ``reserve`` the
+  steps after it need, any other step at most ``STEP_TIMEOUT_S``, the end (resume) never cut by it.
+* **The step runner** (``run_step``: one engine call fanned out under that budget, timed into the
+  report; ``load_step``: the same for a load, settling each engine loaded or quarantined; ``Txn.timed``:
+  a step of the router's own; ``run_steps``: a list of steps in order, stopping once the transaction
+  ended).
+* **Canary first**: ``load_step`` run on one engine before the rest (both refits).
+* **A retry policy** (``RetryPolicy``: attempts and a growing pause; the restore's, the others try once).
+* **One report shape** (``Txn.report``: id, phase, times, deadline, steps with their timings and
+  failures, canary, per-engine states, verified, error, moved), which each transaction extends.
+
+Also here, the full refit's checks of what an engine loaded (``load_and_verify``, the canary's test;
+``verify`` with ``checksum_verdict``), and its record (``RefitTxn``, whose JSON ``GET /fleet/refit``
+answers and ``rl-launch status`` shows).
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from router.fleet.engine import EngineAnswer, EngineClient
 from router.fleet.fleet import EngineCall, Fleet
@@ -49,27 +60,151 @@ STEP_TIMEOUT_S = 120.0
 hangs there must not eat the reserve the steps after it need."""
 
 
+PENDING, LOADED, VERIFIED, QUARANTINED = "pending", "loaded", "verified", "quarantined"
+ENDED = ("done", "failed", "expired", "aborted")
+"""The phases a transaction ends in."""
+
+
 @dataclass
-class EngineRefit:
-    """One engine's part: ``state`` moves pending -> loaded -> verified, or to quarantined (``reason``)."""
+class EngineState:
+    """One engine's part: ``state`` moves pending -> loaded -> verified, or to quarantined (``reason``);
+    ``touched``: it was sent weights (an engine touched and not verified must not serve them)."""
 
     url: str
-    state: str = "pending"
+    state: str = PENDING
     touched: bool = False
     reason: str = ""
     checksum: str | None = None
 
+    def to_json(self) -> dict[str, Any]:
+        return {"state": self.state, "reason": self.reason, "checksum": self.checksum}
 
-@dataclass
-class RefitTxn:
-    """One transaction towards ``version``: its engines' parts, its deadline and lease, its steps as run."""
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often a transaction is tried (``attempts``), with a pause after each failed one that starts
+    at ``backoff_s`` and grows by ``factor``."""
+
+    attempts: int = 1
+    backoff_s: float = 0.0
+    factor: float = 2.0
+
+    async def run(self, attempt: Callable[[int], Awaitable[bool]]) -> bool:
+        """``attempt(n)`` for n = 1, 2, ... until one returns True (then True) or none is left (False)."""
+        pause = self.backoff_s
+        for n in range(1, self.attempts + 1):
+            if await attempt(n):
+                return True
+            if n < self.attempts:
+                await asyncio.sleep(pause)
+                pause *= self.factor
+        return False
+
+
+@dataclass(kw_only=True)
+class Txn:
+    """One transaction's record: its engines' parts, its one deadline, its steps as they ran."""
+
+    KIND: ClassVar[str] = "transaction"
+    """What the reports call it (``the refit's deadline passed``)."""
     id: str
+    deadline_s: float
+    phase: str = PENDING
+    started_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    engines: dict[str, EngineState] = field(default_factory=dict)
+    canary: str | None = None
+    """The engine loaded first (``None``: no canary, or not yet)."""
+    error: str = ""
+    moved: bool = False
+    """True once the transaction's new weights serve (some engine verified and stamped)."""
+    _t0: float = field(default_factory=time.monotonic, repr=False)
+
+    @property
+    def deadline(self) -> float:
+        return self._t0 + self.deadline_s
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    @property
+    def reserve(self) -> float:
+        """The part of the deadline a load leaves to the steps after it (none here)."""
+        return 0.0
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ENDED
+
+    def enlist(self, urls: list[str], touched: bool = False) -> None:
+        """The transaction's engines, each pending."""
+        self.engines = {u: EngineState(u, touched=touched) for u in urls}
+
+    def live(self) -> list[str]:
+        """Engines still in the transaction (not quarantined)."""
+        return [u for u, e in self.engines.items() if e.state != QUARANTINED]
+
+    def verified(self) -> list[str]:
+        return [u for u, e in self.engines.items() if e.state == VERIFIED]
+
+    def quarantine(self, url: str, reason: str) -> None:
+        e = self.engines[url]
+        if e.state != QUARANTINED:
+            e.state, e.reason = QUARANTINED, reason
+
+    def add_step(
+        self, phase: str, since: float, engines: int = 0, failed: dict[str, str] | None = None
+    ) -> None:
+        """Time a step into the report: it began at ``since`` (``time.monotonic``)."""
+        self.steps.append(
+            {
+                "phase": phase,
+                "took_s": round(time.monotonic() - since, 4),
+                "engines": engines,
+                "failed": dict(failed or {}),
+            }
+        )
+
+    @contextmanager
+    def timed(self, phase: str, engines: int = 0) -> Iterator[dict[str, str]]:
+        """``with txn.timed(phase) as failed:`` one step of the router's own, timed into the report
+        whatever happens; what the body puts in ``failed`` (``{url: why}``) is reported with it."""
+        self.phase = phase
+        t0, failed = time.monotonic(), dict[str, str]()
+        try:
+            yield failed
+        finally:
+            self.add_step(phase, t0, engines, failed)
+
+    def report(self) -> dict[str, Any]:
+        """The fields every transaction reports (each extends them)."""
+        return {
+            "id": self.id,
+            "phase": self.phase,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "elapsed_s": round((self.ended_at or time.time()) - self.started_at, 4),
+            "deadline_s": self.deadline_s,
+            "steps": list(self.steps),
+            "canary": self.canary,
+            "engines": {u: e.to_json() for u, e in self.engines.items()},
+            "verified": self.verified(),
+            "error": self.error,
+            "moved": self.moved,
+        }
+
+
+@dataclass(kw_only=True)
+class RefitTxn(Txn):
+    """One full refit towards ``version``: the core's record plus its source, lease and checksums."""
+
+    KIND: ClassVar[str] = "refit"
     version: str
     source: str
     mode: str
-    deadline_s: float
     lease_s: float
+    phase: str = "pausing"
     path: str | None = None
     expected_checksum: str | None = None
     records: dict[str, DirectoryRecord] = field(default_factory=dict, repr=False)
@@ -79,19 +214,9 @@ class RefitTxn:
     uncovered: list[str] = field(default_factory=list)
     """Parameters an engine's checksum could not see (vLLM's ``/weight_checker`` fallback on an engine
     without the launcher's worker extension: ``router.fleet.weight_checksums``)."""
-    phase: str = "pausing"
-    started_at: float = field(default_factory=time.time)
-    ended_at: float | None = None
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    engines: dict[str, EngineRefit] = field(default_factory=dict)
-    canary: str | None = None
-    """The engine a directory was loaded into first (``None``: no directory load, or not yet)."""
     previous_version: str | None = None
     previous_checksum: str | None = None
     checksum: str | None = None
-    error: str = ""
-    moved: bool = False
-    """True once the fleet's version is ``version`` (some engine verified and stamped)."""
     router_holding: bool = True
     """False where the front holds no request during the pause (vllm-router: the engines hold them)."""
     holder: str | None = None
@@ -99,19 +224,7 @@ class RefitTxn:
     that key ends the transaction (``abort_if_held_by``, from ``router.fleet.revocation``)."""
     released: dict[str, Any] = field(default_factory=dict)
     """What the router held during the pause: ``released`` requests and their ``longest_wait_s``."""
-    _t0: float = field(default_factory=time.monotonic, repr=False)
     _lease_until: float = 0.0
-
-    @property
-    def deadline(self) -> float:
-        return self._t0 + self.deadline_s
-
-    @property
-    def ended(self) -> bool:
-        return self.phase in ("done", "failed", "expired", "aborted")
-
-    def remaining(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
 
     @property
     def reserve(self) -> float:
@@ -125,45 +238,22 @@ class RefitTxn:
         """The lease runs ``lease_s`` from now (never past the deadline): the trainer is still there."""
         self._lease_until = min(self.deadline, time.monotonic() + self.lease_s)
 
-    def live(self) -> list[str]:
-        """Engines still in the transaction (not quarantined)."""
-        return [u for u, e in self.engines.items() if e.state != "quarantined"]
-
-    def quarantine(self, url: str, reason: str) -> None:
-        e = self.engines[url]
-        if e.state != "quarantined":
-            e.state, e.reason = "quarantined", reason
-
     def to_json(self) -> dict[str, Any]:
-        quarantined = {u: e.reason for u, e in self.engines.items() if e.state == "quarantined"}
+        quarantined = {u: e.reason for u, e in self.engines.items() if e.state == QUARANTINED}
         return {
-            "id": self.id,
+            **self.report(),
             "version": self.version,
             "source": self.source,
             "path": self.path,
             "mode": self.mode,
-            "phase": self.phase,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "elapsed_s": round((self.ended_at or time.time()) - self.started_at, 4),
-            "deadline_s": self.deadline_s,
             "lease_s": self.lease_s,
             "lease_left_s": round(max(0.0, self._lease_until - time.monotonic()), 3) if not self.ended else 0,
-            "steps": list(self.steps),
-            "canary": self.canary,
-            "engines": {
-                u: {"state": e.state, "reason": e.reason, "checksum": e.checksum}
-                for u, e in self.engines.items()
-            },
-            "verified": [u for u, e in self.engines.items() if e.state == "verified"],
             "quarantined": quarantined,
             "previous_version": self.previous_version,
             "checksum": self.checksum,
             "previous_checksum": self.previous_checksum,
             "expected_checksum": self.expected_checksum,
             "uncovered_parameters": self.uncovered,
-            "error": self.error,
-            "moved": self.moved,
             "held": self.released,
             "router_holding": self.router_holding,
             "holder": self.holder,
@@ -173,7 +263,7 @@ class RefitTxn:
 
 async def run_step(
     fleet: Fleet,
-    txn: RefitTxn,
+    txn: Txn,
     phase: str,
     op: str,
     urls: list[str],
@@ -184,35 +274,82 @@ async def run_step(
     ``bound``: ``"load"``, a step that may take minutes, gets what the deadline leaves but the
     reserve; ``"step"`` that too, at most ``STEP_TIMEOUT_S``; ``"end"`` (abort, resume) is never cut by
     the deadline: a transaction that ran out of time must still resume every engine."""
-    txn.phase = phase
-    t0 = time.monotonic()
-    left: float | None
-    if bound == "end":
-        left = None
-    elif bound == "load":
-        left = txn.remaining() - txn.reserve
-    else:
-        left = min(txn.remaining(), STEP_TIMEOUT_S)
-    if left is not None and left <= 0:
-        report = FleetOpReport(
-            op, [EngineAnswer(u, False, None, "the refit's deadline passed") for u in urls]
-        )
-    elif not urls:
-        report = FleetOpReport(op, error="no engine left in the refit")
-    else:
-        report = await fleet.fan(op, urls, call, left)
-        for a in report.engines:
-            if not a.ok and a.status is None and "Timeout" in a.detail:
-                a.detail = f"missed the refit's deadline ({txn.deadline_s:g} s): {a.detail}"
-    txn.steps.append(
-        {
-            "phase": phase,
-            "took_s": round(time.monotonic() - t0, 4),
-            "engines": len(urls),
-            "failed": {a.url: a.detail for a in report.failures()},
-        }
-    )
+    kind = txn.KIND
+    with txn.timed(phase, len(urls)) as failed:
+        left: float | None
+        if bound == "end":
+            left = None
+        elif bound == "load":
+            left = txn.remaining() - txn.reserve
+        else:
+            left = min(txn.remaining(), STEP_TIMEOUT_S)
+        if left is not None and left <= 0:
+            report = FleetOpReport(
+                op, [EngineAnswer(u, False, None, f"the {kind}'s deadline passed") for u in urls]
+            )
+        elif not urls:
+            report = FleetOpReport(op, error=f"no engine left in the {kind}")
+        else:
+            report = await fleet.fan(op, urls, call, left)
+            for a in report.engines:
+                if not a.ok and a.status is None and "Timeout" in a.detail:
+                    a.detail = f"missed the {kind}'s deadline ({txn.deadline_s:g} s): {a.detail}"
+        failed.update({a.url: a.detail for a in report.failures()})
     return report
+
+
+async def run_one(
+    fleet: Fleet, txn: Txn, phase: str, op: str, url: str, call: EngineCall, bound: str = "step"
+) -> EngineAnswer:
+    """``run_step`` on one engine: its answer."""
+    return (await run_step(fleet, txn, phase, op, [url], call, bound)).engines[0]
+
+
+async def load_step(
+    fleet: Fleet,
+    txn: Txn,
+    phase: str,
+    op: str,
+    urls: list[str],
+    call: EngineCall,
+    passed: str = LOADED,
+    why: Callable[[EngineAnswer], str] = lambda a: a.detail,
+) -> FleetOpReport:
+    """A load (``run_step`` bounded as one) on ``urls``, each touched: an engine that answered is
+    ``passed`` (loaded; verified where ``call`` verified it too), the others quarantined with ``why``."""
+    for u in urls:
+        txn.engines[u].touched = True
+    report = await run_step(fleet, txn, phase, op, urls, call, bound="load")
+    for a in report.engines:
+        if a.ok:
+            txn.engines[a.url].state = passed
+        else:
+            txn.quarantine(a.url, why(a))
+    return report
+
+
+async def canary_step(
+    fleet: Fleet,
+    txn: Txn,
+    url: str,
+    call: EngineCall,
+    passed: str = LOADED,
+    why: Callable[[EngineAnswer], str] = lambda a: a.detail,
+) -> str | None:
+    """Canary first: ``call`` (a load and its checks) on ``url`` alone, as the step ``canary``; ``None``
+    when it passed, else why not (it is then quarantined, and the caller touches no other engine)."""
+    txn.canary = url
+    await load_step(fleet, txn, "canary", "canary", [url], call, passed, why)
+    e = txn.engines[url]
+    return e.reason if e.state == QUARANTINED else None
+
+
+async def run_steps(txn: Txn, steps: Sequence[Callable[[], Awaitable[Any]]]) -> None:
+    """A transaction's steps in order, stopping once it ended (a step may end it: a failed canary)."""
+    for step in steps:
+        if txn.ended:
+            return
+        await step()
 
 
 def checksum_verdict(txn: RefitTxn, report: FleetOpReport) -> None:
