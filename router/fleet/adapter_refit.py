@@ -22,9 +22,10 @@ this tenant's in flight, go on while it loads. The steps, under one deadline:
   base model and the other adapters, and requests for this adapter go to the engines that verified it
   (named in the report, ``missing``). A restarted engine gets every adapter's current version back
   before any adapter request is sent to it (``restore``).
-* **The report** (``AdapterTxn.to_json``) has the shape of the full refit's: id, phase, steps with their
-  times, the canary, per-engine states and reasons, ``moved``, ``ok``, ``error``; ``GET /fleet/adapters``
-  shows the last one per adapter.
+* **The report** (``AdapterTxn.to_json``) has the shape of the full refit's, by construction: both are
+  the transaction core's (``router.fleet.txn``: id, phase, steps with their times, the canary,
+  per-engine states and reasons, ``moved``, ``error``), and the deadline, the canary step and the load
+  step are the core's too; ``GET /fleet/adapters`` shows the last one per adapter.
 * Steps run as tasks of their own (``RefitCoordinator.run``'s shield): a trainer that disconnects does
   not cancel a load half-way. At most one transaction per adapter at a time, and none while a full
   refit owns the fleet (that one pauses and reloads every engine under it).
@@ -45,7 +46,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from router.adapters.names import check_version, served_name
 from router.adapters.table import AdapterCapacity, AdapterTable, AdapterVersion
@@ -56,69 +57,63 @@ from router.fleet.checkpoint import CheckpointGuard
 from router.fleet.engine import EngineAnswer, EngineClient
 from router.fleet.fleet import Fleet
 from router.fleet.refit import RefitCoordinator, RefitRefused
+from router.fleet.txn import QUARANTINED, VERIFIED, Txn, canary_step, load_step
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE_S = 300.0
+MISSING = "missing"
+"""An engine's state in an adapter refit's report when the adapter failed there (the core's
+quarantined): the engine serves on, without this version."""
+UNTOUCHED = "untouched"
+"""An engine's state when the canary failed before it was asked."""
 DRAIN_TIMEOUT_S = 600.0
 """How long an old version waits for its requests in flight before it is unloaded anyway (a request
 longer than this is not a rollout; the engine aborts it as it would any request for an unknown name)."""
 
 
-@dataclass
-class AdapterTxn:
-    id: str
+@dataclass(kw_only=True)
+class AdapterTxn(Txn):
+    """One adapter refit: the core's record (``router.fleet.txn``) plus the adapter, its version and
+    directory. An engine the adapter failed on is quarantined in the transaction, reported ``missing``:
+    it keeps serving the base model and the other adapters."""
+
+    KIND: ClassVar[str] = "adapter refit"
     adapter: str
     version: str
     served: str
     path: str
     caller: str
-    deadline_s: float
     phase: str = "checking"
-    started_at: float = field(default_factory=time.time)
-    ended_at: float | None = None
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    engines: dict[str, dict[str, str]] = field(default_factory=dict)
-    canary: str | None = None
     previous_version: str | None = None
     check: str = ""
-    error: str = ""
-    moved: bool = False
     held_out: dict[str, str] = field(default_factory=dict)
     """Engines taken out of routing (a canary that stopped answering ``/health`` after the failure)."""
     unloaded: list[str] = field(default_factory=list)
     """The old versions' served names unloaded once drained (filled after the answer)."""
     kept_by: set[str] = field(default_factory=set)
     """Engines a failed load left the new served name on (their unload failed): its owner is kept."""
-    _t0: float = field(default_factory=time.monotonic, repr=False)
-
-    def remaining(self) -> float:
-        return max(0.0, self._t0 + self.deadline_s - time.monotonic())
 
     def to_json(self) -> dict[str, Any]:
-        missing = {u: e["reason"] for u, e in self.engines.items() if e["state"] != "verified"}
+        out = self.report()
+        engines = {
+            u: {"state": MISSING if e.state == QUARANTINED else e.state, "reason": e.reason}
+            for u, e in self.engines.items()
+        }
+        missing = {u: e.reason for u, e in self.engines.items() if e.state != VERIFIED}
         return {
-            "id": self.id,
+            **out,
             "adapter": self.adapter,
             "version": self.version,
             "served_name": self.served,
             "path": self.path,
             "by": self.caller,
-            "phase": self.phase,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "elapsed_s": round((self.ended_at or time.time()) - self.started_at, 4),
-            "deadline_s": self.deadline_s,
-            "steps": list(self.steps),
-            "canary": self.canary,
-            "engines": dict(self.engines),
-            "verified": sorted(u for u, e in self.engines.items() if e["state"] == "verified"),
+            "engines": engines,
+            "verified": sorted(out["verified"]),
             "missing": missing,
             "quarantined": dict(self.held_out),
             "previous_version": self.previous_version,
             "check": self.check,
-            "error": self.error,
-            "moved": self.moved,
             "unloaded": list(self.unloaded),
             "ok": self.moved and not missing,
         }
@@ -175,7 +170,13 @@ class AdapterRefits:
                 409,
             )
         txn = AdapterTxn(
-            secrets.token_hex(6), name, version, served_name(name, version), path, caller, deadline_s
+            id=secrets.token_hex(6),
+            deadline_s=deadline_s,
+            adapter=name,
+            version=version,
+            served=served_name(name, version),
+            path=path,
+            caller=caller,
         )
         txn.previous_version = adapter.current.version if adapter and adapter.current else None
         self.active[name] = txn
@@ -209,7 +210,7 @@ class AdapterRefits:
             self.end(txn)
             raise AdapterRefused(str(exc)) from None
         txn.check = checked.summary()
-        txn.steps.append({"phase": "checking", "took_s": round(time.monotonic() - t0, 4), "failed": {}})
+        txn.add_step("checking", t0)
         return checked
 
     async def _on_cpu(self) -> bool:
@@ -245,7 +246,7 @@ class AdapterRefits:
             txn.phase,
             txn.ended_at - txn.started_at,
             txn.caller,
-            txn.error or f"verified on {len(txn.to_json()['verified'])} engine(s)",
+            txn.error or f"verified on {len(txn.verified())} engine(s)",
         )
 
     def _draining(self, txn: AdapterTxn) -> list[AdapterVersion]:
@@ -268,72 +269,46 @@ class AdapterRefits:
             )
 
     async def _load_all(self, txn: AdapterTxn, checked: AdapterDir) -> None:
+        """The steps after the check: draining (the versions before), canary, loading, stamped."""
         if draining := self._draining(txn):
-            await self._timed(txn, "draining", self._drained(txn, draining))
+            with txn.timed("draining"):
+                await self._drained(txn, draining)
         urls = list(self.fleet.backends.serving)
         if not urls:
             txn.error = "no engine is serving: nothing to load the adapter into"
             return
-        in_flight = self.fleet.backends.load.in_flight
-        canary = min(urls, key=in_flight)
-        txn.canary = canary
-        txn.engines = {u: {"state": "pending", "reason": ""} for u in urls}
-        answer = await self._timed(txn, "canary", self._load_one(txn, canary))
-        if not answer.ok:
-            await self._canary_failed(txn, canary, answer.detail)
+        txn.enlist(urls)
+        canary = min(urls, key=self.fleet.backends.load.in_flight)
+
+        async def load(engines: EngineClient, url: str) -> EngineAnswer:  # adapter_restore's check
+            why = await adapter_restore.load_and_verify(engines, url, txn.served, txn.path)
+            return EngineAnswer(url, why is None, None, why or "")
+
+        why = await canary_step(self.fleet, txn, canary, load, VERIFIED)
+        if why is not None:
+            await self._canary_failed(txn, canary, why)
             return
-        rest = [u for u in urls if u != canary]
-        if rest:
-            answers = await self._timed(
-                txn, "loading", asyncio.gather(*(self._load_one(txn, u) for u in rest))
-            )
-            for a in answers:
-                if not a.ok and not _dropped(await self._unload(a.url, txn.served)):
+        if rest := [u for u in urls if u != canary]:
+            report = await load_step(self.fleet, txn, "loading", "load_adapter", rest, load, VERIFIED)
+            for a in report.failures():
+                if not _dropped(await self._unload(a.url, txn.served)):
                     txn.kept_by.add(a.url)
-        verified = {u for u, e in txn.engines.items() if e["state"] == "verified"}
+        verified = set(txn.verified())
         new = AdapterVersion(txn.version, txn.served, txn.path, checked.rank, verified, digest=checked.digest)
         owner = self.table.owner_of(txn.adapter) or txn.caller
         old = self.table.stamp(txn.adapter, owner, new)
         txn.moved = True
         txn.phase = "stamped"
-        txn.steps.append({"phase": "stamped", "took_s": 0.0, "engines": len(verified), "failed": {}})
+        txn.add_step("stamped", time.monotonic(), len(verified))
         if old is not None:
             self._spawn(self._drain(txn, old))
-
-    async def _load_one(self, txn: AdapterTxn, url: str) -> EngineAnswer:
-        """Load and verify ``txn``'s version on one engine, within what the deadline leaves."""
-        timeout = txn.remaining()
-        state = txn.engines[url]
-        if timeout <= 0:
-            state.update(state="missing", reason="the adapter refit's deadline passed")
-            return EngineAnswer(url, False, None, state["reason"])
-        async with EngineClient.open(self.fleet.engine_key, timeout) as engines:
-            loaded = await engines.load_adapter(url, txn.served, txn.path)
-            if not loaded.ok:
-                state.update(state="missing", reason=f"load failed: {loaded.detail}")
-                return EngineAnswer(url, False, loaded.status, state["reason"])
-            models = await engines.models(url)
-            root = (models.value or {}).get(txn.served)
-            if root is None:
-                why = models.error or f"/v1/models does not list {txn.served!r} after the load"
-                state.update(state="missing", reason=f"not verified: {why}")
-                return EngineAnswer(url, False, None, state["reason"])
-            if root != txn.path:  # vLLM lists the path as it was given
-                state.update(state="missing", reason=f"serves {txn.served!r} from {root}, not {txn.path}")
-                return EngineAnswer(url, False, None, state["reason"])
-            health = await engines.health(url)
-            if not health.ok:
-                state.update(state="missing", reason=f"/health failed after the load: {health.detail}")
-                return EngineAnswer(url, False, None, state["reason"])
-        state.update(state="verified", reason="")
-        return EngineAnswer(url, True, 200)
 
     async def _canary_failed(self, txn: AdapterTxn, canary: str, why: str) -> None:
         """The transaction ends at the canary: no other engine asked, its half-load undone, the canary
         held out only when it stopped answering."""
         for u, e in txn.engines.items():
             if u != canary:
-                e.update(state="untouched", reason="not asked: the canary failed")
+                e.state, e.reason = UNTOUCHED, "not asked: the canary failed"
         if not _dropped(await self._unload(canary, txn.served)):
             txn.kept_by.add(canary)
         async with EngineClient.open(self.fleet.engine_key, 15.0) as engines:
@@ -419,15 +394,6 @@ class AdapterRefits:
         await adapter_restore.restore(self, url)
 
     # -- plumbing ---------------------------------------------------------------------------------------
-    async def _timed(self, txn: AdapterTxn, phase: str, step: Awaitable[Any]) -> Any:
-        txn.phase = phase
-        t0 = time.monotonic()
-        try:
-            return await step
-        finally:
-            failed = {u: e["reason"] for u, e in txn.engines.items() if e["state"] == "missing"}
-            txn.steps.append({"phase": phase, "took_s": round(time.monotonic() - t0, 4), "failed": failed})
-
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)

@@ -49,6 +49,7 @@ from router.adapters.table import AdapterVersion
 from router.fleet.adapter_check import read_adapter
 from router.fleet.checkpoint import CheckpointRefused
 from router.fleet.engine import EngineClient
+from router.fleet.txn import QUARANTINED, VERIFIED, EngineState
 
 if TYPE_CHECKING:
     from router.fleet.adapter_refit import AdapterRefits
@@ -107,19 +108,8 @@ async def _reload(
         return f"{v.path} fails the check of a fresh load (run without allow_foreign_checkpoint): {exc}"
     if checked.digest != v.digest:
         return _changed(v, checked.digest, "since it was loaded")
-    loaded = await engines.load_adapter(url, v.served, v.path)
-    if not loaded.ok:
-        await engines.unload_adapter(url, v.served)
-        return f"load failed: {loaded.detail}"
-    listed = await engines.models(url)
-    served_from = (listed.value or {}).get(v.served)
-    health = await engines.health(url)
-    why = None
-    if served_from != v.path:
-        why = f"not verified: /v1/models lists {v.served!r} from {served_from!r}, not {v.path}"
-    elif not health.ok:
-        why = f"/health failed after the load: {health.detail}"
-    else:
+    why = await load_and_verify(engines, url, v.served, v.path)
+    if why is None:
         try:
             after = await refits.guard.run(read_adapter, v.path, refits.table.plan, root, False)
         except CheckpointRefused as exc:
@@ -130,6 +120,25 @@ async def _reload(
     if why is not None:
         await engines.unload_adapter(url, v.served)
     return why
+
+
+async def load_and_verify(engines: EngineClient, url: str, served: str, path: str) -> str | None:
+    """Load the adapter directory ``path`` on ``url`` as ``served`` and check it there: the engine lists
+    the name with ``path`` as its root (vLLM lists the path as it was given) and answers ``/health``.
+    ``None`` when it passed, else why not (the name may be left on the engine: the caller unloads it).
+    The one load-and-verify of an adapter: an adapter refit's canary and load steps run it, and so does
+    the restore here."""
+    loaded = await engines.load_adapter(url, served, path)
+    if not loaded.ok:
+        return f"load failed: {loaded.detail}"
+    models = await engines.models(url)
+    root = (models.value or {}).get(served)
+    if root is None:
+        return f"not verified: {models.error or f'/v1/models does not list {served!r} after the load'}"
+    if root != path:
+        return f"serves {served!r} from {root}, not {path}"
+    health = await engines.health(url)
+    return None if health.ok else f"/health failed after the load: {health.detail}"
 
 
 def _changed(v: AdapterVersion, now: str, when: str) -> str:
@@ -147,6 +156,6 @@ def _report(refits: AdapterRefits, name: str, v: AdapterVersion, url: str, why: 
     if txn is None or txn.version != v.version:
         return
     if why is None:
-        txn.engines[url] = {"state": "verified", "reason": ""}
+        txn.engines[url] = EngineState(url, VERIFIED)
     else:
-        txn.engines[url] = {"state": "missing", "reason": f"not restored after a restart: {why}"}
+        txn.engines[url] = EngineState(url, QUARANTINED, reason=f"not restored after a restart: {why}")
