@@ -323,7 +323,10 @@ class FleetApi:
         return _answer(report)
 
     async def stale(self, request: web.Request) -> web.Response:
-        return _json(200, {"current": self.current_version, "stale": self.backends.stale})
+        restores = self.restorer.reports()  # each member's last restore attempt: its steps, why it failed
+        return _json(
+            200, {"current": self.current_version, "stale": self.backends.stale, "restores": restores}
+        )
 
     def _on_new_member(self, url: str) -> bool:
         """An engine joining after the first stamp is held out until its version is checked."""

@@ -19,8 +19,11 @@ that begins meanwhile waits for it):
     ``router.fleet.weight_checksums``) must equal the fleet's -> reset its prefix cache -> stamp the
     fleet's version -> readmit it (``clear_stale``)
 
-A failed attempt is retried ``ATTEMPTS`` times with a growing pause, releasing the lock in between; one
-that still fails leaves the engine STALE with ``restore from DIR failed: ...`` (and a warning in the log).
+Each attempt is a transaction of the fleet's core (``router.fleet.txn``): those steps as a list, each
+timed, the load bounded by one deadline that keeps a reserve for the steps after it (``RestoreTxn``;
+``Restorer.last`` keeps each engine's last one). A failed attempt is retried under the core's retry policy
+(``ATTEMPTS`` tries with a growing pause), releasing the lock in between; one that still fails leaves the
+engine STALE with ``restore from DIR failed: ...`` (and a warning in the log).
 
 When nothing is restored, and why:
 
@@ -41,14 +44,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from router.fleet.checkpoint import CheckpointRefused
-from router.fleet.engine import EngineClient
+from router.fleet.engine import EngineAnswer
 from router.fleet.fleet import Fleet
 from router.fleet.ops import checksum_digest, compare_checksums, fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, RefitCoordinator, WeightSource
 from router.fleet.tensor_manifest import DirectoryRecord, check_checkpoints
+from router.fleet.txn import LOADED, PENDING, STEP_TIMEOUT_S, VERIFIED, RetryPolicy, Txn, run_one, run_steps
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +66,9 @@ BACKOFF_S = 2.0
 """The pause after a failed attempt, doubled after each."""
 LOAD_TIMEOUT_S = DEFAULT_DEADLINE_S
 """The most one reload may take (what a refit's whole deadline allows a load)."""
-STEP_TIMEOUT_S = 120.0
-"""The most a checksum, a cache reset or a stamp may take."""
+RESERVE_S = 3 * STEP_TIMEOUT_S
+"""What a restore's load leaves of its deadline to the checksum, the cache reset and the stamp (each at
+most ``STEP_TIMEOUT_S``, the core's bound of a step)."""
 LOST = "its weights are lost and a reload does not bring them back: restart it"
 """The end of the stale reason of an engine only a restart can bring back (``needs_restart``)."""
 
@@ -72,6 +80,36 @@ def needs_restart(reason: str) -> bool:
 
 class NothingToRestore(Exception):
     """No verified directory holds the fleet's current weights (the message says why)."""
+
+
+@dataclass(kw_only=True)
+class RestoreTxn(Txn):
+    """One attempt to restore one engine from ``source``: the core's record (``router.fleet.txn``) plus
+    what one step hands the next."""
+
+    KIND: ClassVar[str] = "restore"
+    source: WeightSource
+    phase: str = "checking"
+    record: DirectoryRecord | None = None
+    """The directory's files as this attempt's check read them."""
+    loaded: EngineAnswer | None = None
+    lost: bool = False
+    """The engine's checksum was unreadable after a failed load: its weights are detached."""
+
+    @property
+    def reserve(self) -> float:
+        return RESERVE_S
+
+    def fail(self, why: str, lost: bool = False) -> None:
+        """End this attempt: ``DIR failed: why`` (the engine's stale reason, after ``restore from``)."""
+        self.error = f"{self.source.path} failed: {why}"
+        self.lost = lost
+        for url in self.engines:
+            self.quarantine(url, self.error)
+        self.phase, self.ended_at = "failed", time.time()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.report(), "path": self.source.path, "version": self.source.version, "lost": self.lost}
 
 
 class Restorer:
@@ -92,6 +130,8 @@ class Restorer:
         self.restored_total = 0
         self._closed = False
         self.failed_total = 0
+        self.last: dict[str, RestoreTxn] = {}
+        """Each engine's last restore attempt (its steps, their timings, why it failed)."""
 
     # -- requests -------------------------------------------------------------------------------------
     def request(self, url: str) -> None:
@@ -111,6 +151,13 @@ class Restorer:
         for url in urls:
             self.request(url)
 
+    def reports(self) -> dict[str, dict[str, Any]]:
+        """Each member's last restore attempt (``GET /fleet/stale``'s ``restores``); departed engines'
+        are dropped here, so the record stays as small as the fleet."""
+        for url in [u for u in self.last if u not in self.backends.members]:
+            del self.last[url]
+        return {u: txn.to_json() for u, txn in self.last.items()}
+
     def pending(self) -> list[str]:
         return sorted(self._tasks)
 
@@ -124,19 +171,22 @@ class Restorer:
 
     # -- one engine -----------------------------------------------------------------------------------
     async def _restore(self, url: str) -> None:
-        pause = BACKOFF_S
-        for attempt in range(1, ATTEMPTS + 1):
+        """Restore ``url`` under the retry policy, each attempt under the coordinator's lock (the pause
+        between attempts releases it)."""
+        policy = RetryPolicy(ATTEMPTS, BACKOFF_S)
+
+        async def attempt(n: int) -> bool:
             try:
                 async with self.coordinator.between_refits():
                     if url not in self.backends.stale:
-                        return  # readmitted meanwhile (a refit or a stamp), or gone
-                    failed = await self._once(url)
-                    if failed is None:
+                        return True  # readmitted meanwhile (a refit or a stamp), or gone
+                    txn = await self._once(url)
+                    self.last[url] = txn
+                    if txn.moved:
                         self.restored_total += 1
-                        return
-                    detail, lost = failed
-                    reason = f"restore from {detail}"
-                    if attempt == ATTEMPTS and lost:
+                        return True
+                    reason = f"restore from {txn.error}"
+                    if n == policy.attempts and txn.lost:
                         reason = f"{reason}; {LOST}"
                     self.backends.hold_out_stale(url, reason)
             except NothingToRestore as exc:
@@ -144,65 +194,98 @@ class Restorer:
                 if why is not None and "not restored:" not in why:
                     self.backends.hold_out_stale(url, f"{why}; not restored: {exc}")
                 log.info("engine %s stays stale until a refit: %s", url, exc)
-                return
-            log.warning("engine %s: %s (attempt %d of %d)", url, reason, attempt, ATTEMPTS)
-            if attempt < ATTEMPTS:
-                await asyncio.sleep(pause)
-                pause *= 2
-        self.failed_total += 1
+                return True
+            log.warning("engine %s: %s (attempt %d of %d)", url, reason, n, policy.attempts)
+            return False
 
-    async def _once(self, url: str) -> tuple[str, bool] | None:
-        """One attempt, under the coordinator's lock: ``None`` when ``url`` was readmitted, else
-        (``DIR failed: why``, whether its weights were left unreadable)."""
-        source = await self._source(url)
-        path = source.path
-        try:
-            root = await self._served_root()
-            checked = await self._guard.run(check_checkpoints, [path], root, None, source.started_from)
-        except CheckpointRefused as exc:
-            return f"{path} failed: the directory no longer passes the check: {exc}", False
-        changed = self._changed(source, checked.records[path])
-        if changed:
-            return f"{path} failed: {changed}", False
-        async with EngineClient.open(self.api_key, LOAD_TIMEOUT_S) as engines:
-            loaded = await engines.reload_weights(url, path)
-            engines.timeout_s = STEP_TIMEOUT_S
-            read = await engines.checksum(url)
-            if not loaded.ok:
-                return f"{path} failed: {loaded.detail}", not read.ok
-            if not read.ok:
-                return f"{path} failed: checksum unreadable after the load: {read.detail}", True
-            digest = checksum_digest(read.body.get("checksums") or {})
-            wanted = source.checksum or await self._fleet_checksum(url)
-            if wanted is not None and digest != wanted:
-                return f"{path} failed: checksum {digest} differs from the fleet's {wanted}", False
-            try:  # written during this load: the engine holds what nobody verified
-                after = await self._guard.run(checked.records[path].again)
+        if not await policy.run(attempt):
+            self.failed_total += 1
+
+    async def _once(self, url: str) -> RestoreTxn:
+        """One attempt, under the coordinator's lock: the restore's steps (module doc) on ``url``; the
+        transaction ``moved`` when ``url`` was readmitted, else ``failed`` with ``DIR failed: why``."""
+        txn = RestoreTxn(
+            id=secrets.token_hex(6), deadline_s=LOAD_TIMEOUT_S + RESERVE_S, source=await self._source(url)
+        )
+        txn.enlist([url], touched=True)
+        steps = (self._check, self._load, self._verify, self._reset, self._stamp, self._readmit)
+        await run_steps(txn, [lambda step=step: step(txn, url) for step in steps])
+        return txn
+
+    async def _check(self, txn: RestoreTxn, url: str) -> None:
+        """The directory passes the check again, its files as its version was verified with."""
+        with txn.timed("checking", 1):
+            path = txn.source.path
+            try:
+                root = await self._served_root()
+                checked = await self._guard.run(
+                    check_checkpoints, [path], root, None, txn.source.started_from
+                )
             except CheckpointRefused as exc:
-                return f"{path} failed: the directory is not readable again after the load: {exc}", False
-            changed = self._changed(source, after)
-            if changed:
-                return f"{path} failed: {changed}", False
-            reset = await engines.reset_cache(url)
-            if not reset.ok:
-                return f"{path} failed: prefix cache not reset: {reset.detail}", False
-            if source.version is not None:
-                stamp = await engines.stamp(url, source.version)
-                if not stamp.ok:
-                    return f"{path} failed: version {source.version!r} not stamped: {stamp.detail}", False
+                return txn.fail(f"the directory no longer passes the check: {exc}")
+            txn.record = checked.records[path]
+            if changed := self._changed(txn.source, txn.record):
+                txn.fail(changed)
+
+    async def _load(self, txn: RestoreTxn, url: str) -> None:
+        path = txn.source.path
+        txn.loaded = await run_one(
+            self.fleet, txn, "loading", "reload_weights", url, lambda e, u: e.reload_weights(u, path), "load"
+        )
+        txn.engines[url].state = LOADED if txn.loaded.ok else PENDING
+
+    async def _verify(self, txn: RestoreTxn, url: str) -> None:
+        """Its checksum is the fleet's, and the directory's files did not change while it loaded (read
+        even after a failed load: an unreadable checksum then says its weights are lost)."""
+        read = await run_one(self.fleet, txn, "verifying", "checksum", url, lambda e, u: e.checksum(u))
+        loaded = txn.loaded
+        if loaded is None or not loaded.ok:
+            return txn.fail(loaded.detail if loaded else "not loaded", lost=not read.ok)
+        if not read.ok:
+            return txn.fail(f"checksum unreadable after the load: {read.detail}", lost=True)
+        digest = txn.engines[url].checksum = checksum_digest(read.body.get("checksums") or {})
+        wanted = txn.source.checksum or await self._fleet_checksum(url)
+        if wanted is not None and digest != wanted:
+            return txn.fail(f"checksum {digest} differs from the fleet's {wanted}")
+        assert txn.record is not None
+        try:  # written during this load: the engine holds what nobody verified
+            after = await self._guard.run(txn.record.again)
+        except CheckpointRefused as exc:
+            return txn.fail(f"the directory is not readable again after the load: {exc}")
+        if changed := self._changed(txn.source, after):
+            return txn.fail(changed)
+        txn.engines[url].state = VERIFIED
+
+    async def _reset(self, txn: RestoreTxn, url: str) -> None:
+        a = await run_one(
+            self.fleet, txn, "resetting", "reset_prefix_cache", url, lambda e, u: e.reset_cache(u)
+        )
+        if not a.ok:
+            txn.fail(f"prefix cache not reset: {a.detail}")
+
+    async def _stamp(self, txn: RestoreTxn, url: str) -> None:
+        if (v := txn.source.version) is not None:
+            a = await run_one(
+                self.fleet, txn, "stamping", "set_weight_version", url, lambda e, u: e.stamp(u, v)
+            )
+            if not a.ok:
+                txn.fail(f"version {v!r} not stamped: {a.detail}")
+
+    async def _readmit(self, txn: RestoreTxn, url: str) -> None:
+        source = txn.source
         if self.fleet.current_version != source.version or url not in self.backends.members:
-            return f"{path} failed: the fleet moved on while it loaded", False
+            return txn.fail("the fleet moved on while it loaded")
         if source.version is not None:
             self.backends.versions.stamped(url, source.version)
         self.backends.clear_stale(url)
+        txn.moved, txn.phase, txn.ended_at = True, "done", time.time()
         log.info(
             "engine %s restored from %s (version %r, checksum %s): readmitted",
             url,
-            path,
+            source.path,
             source.version,
-            digest,
+            txn.engines[url].checksum,
         )
-        return None
 
     @staticmethod
     def _changed(source: WeightSource, now: DirectoryRecord) -> str:
