@@ -219,8 +219,9 @@ class ControlApi:
         return json_answer(200, {"weight_version": self.session.version()})
 
     async def world_size(self, request: web.Request) -> web.Response:
-        """The serving engines' ranks summed (``include_dp`` as vLLM takes it; an engine's own DP replicas
-        count with it): a trainer makes its group ``1 +`` this, as it would for one vLLM."""
+        """The serving engines' TP x PP ranks summed: a trainer makes its group ``1 +`` this, as it would
+        for one vLLM, and that is the group the rank plan forms. ``include_dp`` is parsed as vLLM parses
+        it but changes nothing: an engine's DP replicas are not members of the fleet's transfer group."""
         include_dp = flag(request.query.get("include_dp"), True)
         if include_dp is None:
             return validation(

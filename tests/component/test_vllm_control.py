@@ -337,3 +337,27 @@ async def test_prime_rl_directory_update_weights_is_the_same_transaction(
     assert calls[3][2]["weight_version"] == "step_3-c1" and not r.gate.paused
     assert await until(lambda: len(r.backends.serving) == 2)
     assert checksums(engines) == on_3 and engine_versions(engines) == {"step_3-c1"}
+
+
+async def test_a_trainer_gone_after_its_reload_leaves_the_fleet_on_its_verified_weights(
+    sims, router_over, tmp_path: Path
+) -> None:
+    """Killed between the load and ``/resume``: the lease ends the transaction, the engines that loaded
+    unverified weights are held out and restored from the fleet's last verified directory."""
+    engines = await sims(2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    assert [s for _, s, _ in await nemo_rl_refit(url, checkpoint(tmp_path, "v1", b"1"))] == [200] * 4
+    on_v1 = checksums(engines)
+    r.fleet.control.session.lease_s = 1.0
+    assert (await control(url, "POST", "/pause?mode=keep"))[0] == 200
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint(tmp_path, "v2", b"2"))}}
+    assert (await control(url, "POST", "/collective_rpc", rpc))[0] == 200  # then the trainer is gone
+    assert checksums(engines) != on_v1
+    assert await until(lambda: not r.gate.paused, 5.0)
+    last = r.fleet.refit.last
+    assert last is not None and last.phase == "expired" and "lease ran out" in last.error
+    assert await until(lambda: len(r.backends.serving) == 2, 10.0), r.backends.stale
+    assert checksums(engines) == on_v1 and engine_versions(engines) == {"v1-c1"}
+    assert r.fleet.current_version == "v1-c1"
+    assert [(await send(url, chat(content=f"after {i}")))[0] for i in range(4)] == [200] * 4
