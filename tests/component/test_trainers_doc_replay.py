@@ -1,0 +1,108 @@
+"""docs/trainers.md's NeMo-RL block, replayed as NeMo-RL's client sends it, against a router keyed as a
+job's is (the client key on generation, the admin token on ``/fleet`` and ``/control``) over simulated
+engines: the page's config works by changing a URL and a key, nothing else.
+
+The values are the job's own: a job directory with the driver's secrets, the router started with them,
+and the training command's environment made by the driver's ``wire_gym``; the block is read from the
+page and its ``${oc.env:...}`` resolved from that environment, as OmegaConf would. NeMo-RL's calls are
+``tests.support.trainer_replays.NemoRlRemoteVllm`` (its client's URL rule, one Bearer, raise on >= 400).
+NeMo-RL itself cannot run here (Megatron, GPUs); ``tests/vllm/test_control_api_vllm.py`` replays the same
+calls on real vLLM engines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher.driver.gym_wiring import wire_gym
+from launcher.jobdir import JobDir, StateWriter
+from launcher.spec import load_resolved
+from launcher.spec.snapshot import write_spec
+from router import GenerationRouter
+from tests.support.checkpoints import checkpoint
+from tests.support.http_backends import router_factory
+from tests.support.refit_calls import chat, checksums, in_thread, send
+from tests.support.trainer_replays import NEMO_RL_PATHS, NemoRlRemoteVllm, ReplayError, nemo_rl_version_dir
+from tests.unit.test_trainers_doc import NEMO_RL_EXAMPLE, nemo_rl_block, resolved
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> JobDir:
+    """A job directory as the driver leaves it before the router starts: spec and secrets."""
+    job = JobDir(tmp_path / "job").create()
+    write_spec(job, load_resolved(NEMO_RL_EXAMPLE))
+    job.new_api_key()
+    job.new_admin_token()
+    return job
+
+
+def keyed_router(job: JobDir) -> Any:
+    """Routers keyed as the job's is: its client key on generation, its admin token on the rest."""
+    return router_factory(
+        policy="round_robin",
+        probe_interval_s=0,
+        api_key=job.read_api_key(),
+        admin_token=job.read_admin_token(),
+    )
+
+
+def nemo_rl(job: JobDir, router: GenerationRouter, model: str, **paths: str) -> NemoRlRemoteVllm:
+    """NeMo-RL configured with the page's block, in the job's environment (``wire_gym``)."""
+    state = StateWriter(job)
+    state.update(router_url=router.base_url(), fleet_url=router.base_url())
+    env = wire_gym(load_resolved(NEMO_RL_EXAMPLE), job, state, {}, model_name=model)
+    cfg = resolved(nemo_rl_block()["policy"]["generation"]["remote_vllm_cfg"], env)
+    return NemoRlRemoteVllm(
+        base_url=cfg["base_url"],
+        served_model_name=cfg["served_model_name"],
+        api_key=env[cfg["api_key_env_var"]],
+        control_base_url=cfg["control_base_url"],
+        paths={name: paths.get(name, cfg[name]) for name in NEMO_RL_PATHS},
+        inflight_policy=cfg["refit"]["inflight_policy"],
+    )
+
+
+async def test_the_pages_nemo_rl_block_preflights_and_refits_a_job_keyed_router(sims, job: JobDir) -> None:
+    engines = await sims(2)
+    with keyed_router(job) as make:
+        router = make([e.url for e in engines])
+        model = engines[0].config.model_name
+        nemo = nemo_rl(job, router, model)
+        refit_cfg = nemo_rl_block()["policy"]["generation"]["remote_vllm_cfg"]["refit"]
+        checkpoint_dir = Path(resolved(refit_cfg, {"RL_JOB_DIR": str(job.path)})["checkpoint_dir"])
+        before = checksums(engines)
+
+        await in_thread(nemo.preflight)
+        export = checkpoint(checkpoint_dir, nemo_rl_version_dir(checkpoint_dir, 1).name, b"n")
+        refit = await in_thread(nemo.refit, export)
+        reset = await in_thread(nemo.invalidate_kv_cache)  # its async loop's, after the resume
+        status, body = await send(
+            router.base_url(), chat(), {"Authorization": f"Bearer {job.read_api_key()}"}
+        )
+
+    calls = nemo.transport.calls
+    assert [c.status for c in calls] == [200] * len(calls), [c.brief() for c in calls]
+    assert all("/control/" in c.url for c in calls), [c.url for c in calls]
+    version = refit[-1].answer["weight_version"]
+    assert version == "version_00000001-c1", refit[-1].answer  # derived: NeMo-RL sends none
+    assert reset.answer["success"] is True
+    after = checksums(engines)
+    assert after[0] == after[1] != before[0]
+    assert {e.rl.weight_version for e in engines} == {version}
+    assert status == 200 and body["choices"], body  # Gym's rollouts: the client key, on the new weights
+    print(f"\n[trainers doc] NeMo-RL on a keyed router: {[c.brief()[:70] for c in calls]}")
+
+
+async def test_models_path_on_the_generation_url_is_refused_on_a_job_keyed_router(sims, job: JobDir) -> None:
+    """Why the page's ``models_path`` is ``/control/v1/models``: NeMo-RL sends its one key (the admin
+    token) to the generation URL's ``/v1/models`` as well, which takes the client key only."""
+    engines = await sims(2)
+    with keyed_router(job) as make:
+        router = make([e.url for e in engines])
+        nemo = nemo_rl(job, router, engines[0].config.model_name, models_path="/v1/models")
+        with pytest.raises(ReplayError) as refused:
+            await in_thread(nemo.preflight)
+    assert refused.value.call.status == 401 and refused.value.call.url.endswith("/v1/models")
