@@ -231,6 +231,8 @@ class ControlSession:
             raise ControlError(400, why, "BadRequestError", "kwargs.weights_path") from None
         if not state.named:
             self._retarget(txn, derived_version(path, state.number))
+        if txn.source != "directory":  # begun as a stream (a transfer group exists): a directory after all,
+            txn.source = "directory"  # and a directory is tried on a canary first
         try:
             txn = await self.refit.run(self.refit.load(state.txn_id, path, records=checked.records))
         except RefitRefused as exc:
