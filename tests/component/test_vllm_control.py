@@ -20,6 +20,7 @@ import pytest
 from launcher.engines.sim.server import SimServer
 from router import GenerationRouter
 from tests.support.checkpoints import checkpoint, unloadable
+from tests.support.http_backends import router_factory
 from tests.support.refit_calls import (
     TOKEN,
     chat,
@@ -361,3 +362,18 @@ async def test_a_trainer_gone_after_its_reload_leaves_the_fleet_on_its_verified_
     assert checksums(engines) == on_v1 and engine_versions(engines) == {"v1-c1"}
     assert r.fleet.current_version == "v1-c1"
     assert [(await send(url, chat(content=f"after {i}")))[0] for i in range(4)] == [200] * 4
+
+
+async def test_the_control_url_through_a_router_with_worker_processes(sims, tmp_path: Path) -> None:
+    """With ``workers``, the worker processes relay the control routes to the router process that holds
+    the transaction (their marks: ``router.multiprocess.workers.worker_routes``)."""
+    engines = await sims(2)
+    with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN, workers=2) as make:
+        url = make([e.url for e in engines]).base_url()
+        assert (await control(url, "GET", "/health"))[1]["total_backends"] == 2
+        calls = await nemo_rl_refit(url, checkpoint(tmp_path, "w", b"w"), "wait")
+        assert [s for _, s, _ in calls] == [200] * 4, calls
+        assert engine_versions(engines) == {"w-c1"}
+        status, answer = await control(url, "POST", "/sleep")
+        assert status == 404 and "reload_weights" in answer["error"]["message"], answer
+        assert (await control(url, "POST", "/pause", headers={}))[0] == 401
