@@ -5,8 +5,8 @@ Why one core: the fleet loads weights three ways (a full refit, ``router.fleet.r
 version, ``router.fleet.adapter_refit``; an engine brought back to the fleet's verified weights,
 ``router.fleet.restore``). Each was written by hand with its own record type, its own per-engine state,
 its own step timer and its own deadline arithmetic, and only the restore retried (architecture review
-2026-12-05, section 2): a fix to one (a deadline that cut the resume, a step that went untimed) did not
-reach the others, and their reports drifted apart. Here is what they share:
+2026-12-05, section 2): a fix to one had to be written again in the others, and their reports drifted
+apart (two ``to_json``s, per-engine state kept two ways, two step timers). Here is what they share:
 
 * **Per-engine state** (``EngineState``): ``pending -> loaded -> verified``, or ``quarantined`` with its
   reason (out of this transaction; what that means for routing is the transaction's business: the full
@@ -17,7 +17,7 @@ reach the others, and their reports drifted apart. Here is what they share:
   report; ``load_step``: the same for a load, settling each engine loaded or quarantined; ``Txn.timed``:
   a step of the router's own; ``run_steps``: a list of steps in order, stopping once the transaction
   ended).
-* **Canary first**: ``load_step`` run on one engine before the rest (both refits).
+* **Canary first** (``canary_step``: a load and its checks on one engine, before the rest; both refits).
 * **A retry policy** (``RetryPolicy``: attempts and a growing pause; the restore's, the others try once).
 * **One report shape** (``Txn.report``: id, phase, times, deadline, steps with their timings and
   failures, canary, per-engine states, verified, error, moved), which each transaction extends.
