@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 from launcher.engines.sim.server import SimServer
+from launcher.gateways.fleet_endpoint import FleetEndpoint
 from router import GenerationRouter
 from tests.support.checkpoints import checkpoint, unloadable
 from tests.support.http_backends import router_factory
@@ -377,3 +378,22 @@ async def test_the_control_url_through_a_router_with_worker_processes(sims, tmp_
         status, answer = await control(url, "POST", "/sleep")
         assert status == 404 and "reload_weights" in answer["error"]["message"], answer
         assert (await control(url, "POST", "/pause", headers={}))[0] == 401
+
+
+async def test_the_driver_fleet_endpoint_beside_vllm_router_serves_the_control_url(
+    sims, tmp_path: Path
+) -> None:
+    """A job whose front is vllm-router or Ray Serve: its ``fleet_url`` is the driver's fleet endpoint,
+    which registers the same ``FleetApi`` routes, ``/control`` included (the engines hold requests there)."""
+    engines = await sims(2)
+    endpoint = FleetEndpoint("127.0.0.1", 0, TOKEN, None)
+    await asyncio.to_thread(endpoint.start)
+    try:
+        await asyncio.to_thread(endpoint.serving, [e.url for e in engines])
+        assert (await control(endpoint.url, "GET", "/health"))[1]["total_backends"] == 2
+        calls = await nemo_rl_refit(endpoint.url, checkpoint(tmp_path, "e", b"e"))
+        assert [s for _, s, _ in calls] == [200] * 4, calls
+        assert engine_versions(engines) == {"e-c1"} and endpoint.weight_version == "e-c1"
+        assert (await control(endpoint.url, "GET", "/is_paused", headers={}))[0] == 401
+    finally:
+        await asyncio.to_thread(endpoint.stop)
