@@ -12,19 +12,22 @@ so its client works unchanged; the call sequence runs as the fleet's refit trans
   engine's list, without roots), ``/server_info`` (an engine's ``vllm_config`` and the fleet: engines,
   version), ``/is_paused``, ``/weight_info``, ``/get_world_size`` (the fleet's engines' ranks summed: what
   a streaming trainer sizes its group with).
-* The refit: ``/pause``, ``/collective_rpc`` (``reload_weights`` only), ``/reset_prefix_cache``,
-  ``/update_weight_version``, ``/resume``; streamed: ``/init_weight_transfer_engine`` (each engine joins
-  at its own rank offset in the fleet's world size: ``router.fleet.refit_routes.rank_plan``),
-  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``.
-* LoRA: ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter`` as the adapter transaction
-  (``router.fleet.adapter_refit``), under the tenant rules (an admin consumer loads its own adapters).
+* The refit: ``/pause``, ``/collective_rpc`` (``reload_weights`` only) or prime-rl's directory
+  ``/update_weights {"weight_dir": DIR}`` (its server's route, told from vLLM's streamed one by the
+  body), ``/reset_prefix_cache``, ``/update_weight_version``, ``/resume``; streamed:
+  ``/init_weight_transfer_engine`` (each engine joins at its own rank offset in the fleet's world size:
+  ``router.fleet.refit_routes.rank_plan``), ``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update``.
+* LoRA: ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter`` (and prime-rl's ``/load_lora_adapter``)
+  as the adapter transaction (``router.fleet.control_lora``), under the tenant rules.
 * Anything else under ``/control/`` (``/sleep``, ``/wake_up``, another ``collective_rpc`` method) is
   refused in vLLM's error shape naming what is supported, and never forwarded: a raw call to every
   engine is exactly the untransacted fan-out this URL replaces.
 
 Error JSON: the RL routes' ``{"error": "..."}`` where vLLM answers so (``/pause``, ``/resume``), else
-vLLM's ``ErrorResponse`` ``{"error": {"message", "type", "param", "code"}}``. Every JSON answer also
-carries ``weight_version``: the open transaction's target, else the fleet's version.
+vLLM's ``ErrorResponse`` ``{"error": {"message", "type", "param", "code"}}``. Every answer carries the
+``x-rl-weight-version`` header and every JSON answer but an ``ErrorResponse`` a ``weight_version`` field:
+the open transaction's target, else the fleet's version (a stock vLLM's client reads neither).
 
 Access: every route is the admin token's (``Access.ADMIN``; the refit routes ``Access.OWNER`` on a fleet
 of LoRA tenants, like ``/fleet/refit``); the LoRA routes stay ``ADMIN`` there, as ``/fleet/adapters/*``.
