@@ -28,10 +28,12 @@ control call                   transaction step
 
 * **Out of order** (a load with no ``/pause`` before it, a second ``/pause``, a ``/resume`` of a pause
   someone else made) is refused 409 with the reason, and nothing reaches the engines.
-* **A failure ends the transaction at once**: a checkpoint the check refuses (400), or one the canary
-  fails on (500, vLLM's error JSON), aborts it, so the fleet serves on its version without waiting for
-  a trainer whose client has just raised. A ``/resume`` after that finds nothing paused (200, as vLLM
-  answers a resume of a running engine); a ``/pause`` starts afresh.
+* **A failure ends the transaction at once**: a load with no directory or one the check refuses (400),
+  a canary that fails (500, vLLM's error JSON), a load or a streamed round no engine took (500) aborts
+  it, so the fleet serves on its version without waiting for a trainer whose client has just raised
+  (NeMo-RL sends no ``/resume`` after a failed reload). A ``/resume`` after that finds nothing paused
+  (200, as vLLM answers a resume of a running engine; prime-rl resumes in a ``finally``), a load names
+  the failure (409); a ``/pause`` starts afresh.
 * **A trainer that dies between ``/pause`` and ``/resume``** stops renewing: the coordinator's lease
   watchdog ends the transaction and the fleet serves on (engines that loaded unverified weights are
   held out and restored from the fleet's verified directory). A trainer that was only slow learns it
@@ -216,13 +218,12 @@ class ControlSession:
         state, txn = self._current("reload_weights")
         path = weights_path or await self.routes.served_root()
         if not path or not os.path.isabs(path):
-            raise ControlError(
-                400,
-                f"reload_weights needs kwargs.weights_path: an absolute checkpoint directory every engine "
-                f"reads (the served model's root is {path!r})",
-                "BadRequestError",
-                "kwargs.weights_path",
+            why = (
+                "reload_weights needs kwargs.weights_path: an absolute checkpoint directory every engine "
+                f"reads (got {weights_path!r}; the served model's root is {path!r})"
             )
+            await self._abort(state, why)
+            raise ControlError(400, why, "BadRequestError", "kwargs.weights_path")
         try:
             _, _, checked = await self.routes._directories({"from": path})
         except (CheckpointRefused, ValueError) as exc:
@@ -242,9 +243,9 @@ class ControlSession:
             self._finished(txn)
             raise ControlError(500, txn.error or "the canary failed", "InternalServerError")
         if not txn.live():
-            raise ControlError(
-                500, f"no engine loaded {path}: {txn.to_json()['quarantined']}", "InternalServerError"
-            )
+            why = f"no engine loaded {path}: {txn.to_json()['quarantined']}"
+            await self._abort(state, why)
+            raise ControlError(500, why, "InternalServerError")
         state.loaded = True
         return txn
 
@@ -327,10 +328,9 @@ class ControlSession:
             self.open = None
             raise ControlError(exc.status, f"update_weights: {exc}") from None
         if not txn.live():
-            state.started = False
-            raise ControlError(
-                500, f"no engine took the update: {txn.to_json()['quarantined']}", "InternalServerError"
-            )
+            why = f"no engine took the update: {txn.to_json()['quarantined']}"
+            await self._abort(state, why)
+            raise ControlError(500, why, "InternalServerError")
         state.loaded = True
         return txn
 
