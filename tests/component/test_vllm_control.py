@@ -198,6 +198,12 @@ async def test_a_refused_checkpoint_is_a_400_before_any_engine_reads_it(
     error = calls[1][2]["error"]
     assert error["code"] == 400 and error["param"] == "kwargs.weights_path" and str(half) in error["message"]
     assert untouched(engines, before) and not r.gate.paused and r.fleet.current_version is None
+    # A directory every engine cannot read (relative): refused, and the fleet serves on at once too.
+    assert (await control(url, "POST", "/pause?mode=keep"))[0] == 200
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": "relative/step_1"}}
+    status, answer = await control(url, "POST", "/collective_rpc", rpc)
+    assert status == 400 and "absolute checkpoint directory" in answer["error"]["message"], answer
+    assert untouched(engines, before) and not r.gate.paused
 
 
 async def test_a_trainer_gone_after_pause_is_ended_by_its_lease(sims, router_over, tmp_path: Path) -> None:
