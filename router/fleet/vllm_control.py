@@ -40,6 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.adapters.names import split_served
 from router.consumers import OWNER
 from router.fleet.adapter_refit import AdapterRefits
 from router.fleet.control_answers import (
@@ -177,7 +178,7 @@ class ControlApi:
         out = []
         for entry in listed:
             name = entry.get("id")
-            if refits is not None and isinstance(name, str) and "@" in name:
+            if refits is not None and isinstance(name, str) and split_served(name) is not None:
                 owner = refits.table.owner_of_served(name)
                 if owner is None or (caller != OWNER and owner != caller):
                     continue

@@ -39,6 +39,15 @@ async def post(url: str, path: str, key: str, body: Any) -> tuple[int, Any, dict
         return r.status, answer, dict(r.headers)
 
 
+async def models(url: str, key: str) -> list[dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(url + "/control/v1/models", headers={"Authorization": f"Bearer {key}"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        return list((await r.json())["data"])
+
+
 def wire(r: GenerationRouter) -> GenerationRouter:
     """Hand the router's adapter transactions to its control URL, as ``router.server`` must
     (``FleetApi.adapter_refits``); see ``test_the_router_hands_its_adapters_to_the_control_url``."""
@@ -75,6 +84,14 @@ async def test_lora_loads_are_the_adapter_transaction_under_the_tenant_rules(
     assert headers["x-rl-adapter-served-name"] == "policy-a@v1"
     for e in engines:
         assert await served_on(e) == {"tiny", "policy-a@v1"}
+    # The control URL's /v1/models: each tenant sees its own adapters, the owner every one, no roots.
+    for key, expected in (
+        (ADMIN["a"], {"tiny", "policy-a@v1"}),
+        (ADMIN["b"], {"tiny"}),
+        (TOKEN, {"tiny", "policy-a@v1"}),
+    ):
+        listed = await models(url, key)
+        assert {m["id"] for m in listed} == expected and all("root" not in m for m in listed), listed
     # Tenant b may not load over a's adapter, nor unload it: 403, nothing reaches the engines.
     b_over_a = {
         "lora_name": "policy-a",
