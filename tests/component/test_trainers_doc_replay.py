@@ -12,6 +12,7 @@ calls on real vLLM engines.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,14 @@ from router import GenerationRouter
 from tests.support.checkpoints import checkpoint
 from tests.support.http_backends import router_factory
 from tests.support.refit_calls import chat, checksums, in_thread, send
-from tests.support.trainer_replays import NEMO_RL_PATHS, NemoRlRemoteVllm, ReplayError, nemo_rl_version_dir
+from tests.support.trainer_replays import (
+    NEMO_RL_PATHS,
+    NemoRlRemoteVllm,
+    ReplayError,
+    TrlAsyncGrpo,
+    nemo_rl_version_dir,
+    prime_rl_update_weights,
+)
 from tests.unit.test_trainers_doc import NEMO_RL_EXAMPLE, nemo_rl_block, resolved
 
 
@@ -106,3 +114,45 @@ async def test_models_path_on_the_generation_url_is_refused_on_a_job_keyed_route
         with pytest.raises(ReplayError) as refused:
             await in_thread(nemo.preflight)
     assert refused.value.call.status == 401 and refused.value.call.url.endswith("/v1/models")
+
+
+async def test_what_the_page_says_blocks_prime_rl_and_trl_on_a_job_keyed_router(
+    sims, job: JobDir, tmp_path: Path
+) -> None:
+    """prime-rl sends one key to both planes: the admin token opens ``/control`` and is refused on
+    generation, the client key the other way round; a weight directory without ``config.json`` (what its
+    filesystem broadcast writes) is refused by the check. TRL sends no key: refused everywhere but the
+    router's open ``/health``."""
+    engines = await sims(2)
+    admin = {"Authorization": f"Bearer {job.read_admin_token()}"}
+    client = {"Authorization": f"Bearer {job.read_api_key()}"}
+    with keyed_router(job) as make:
+        router = make([e.url for e in engines])
+        url = router.base_url()
+        rollout_with_admin = (await send(url, chat(), admin))[0]
+        with pytest.raises(ReplayError) as control_with_client:
+            await in_thread(prime_rl_update_weights, url + "/control", tmp_path / "w", job.read_api_key(), 1)
+        shards = checkpoint(tmp_path, "step_1", b"p")
+        (shards / "config.json").unlink()
+        with pytest.raises(ReplayError) as no_config:
+            await in_thread(prime_rl_update_weights, url + "/control", shards, job.read_admin_token(), 1)
+        rollout_keyless = (await send(url, chat()))[0]
+        trl_at_router, trl_at_control = TrlAsyncGrpo(url), TrlAsyncGrpo(url + "/control")
+        refused = []
+        for trl in (trl_at_router, trl_at_control):
+            with pytest.raises(ReplayError) as err:
+                await in_thread(trl.init_weight_transfer, "127.0.0.1", 29500)
+            refused.append(err.value.call)
+        rollout_with_client = (await send(url, chat(), client))[0]
+
+    assert rollout_with_admin == 401 and rollout_with_client == 200
+    assert control_with_client.value.call.status == 401, control_with_client.value.call.brief()
+    assert no_config.value.call.status == 400 and "no config.json" in json.dumps(no_config.value.call.answer)
+    assert rollout_keyless == 401
+    assert [c.status for c in trl_at_router.transport.calls][:1] == [200]  # the open /health
+    assert [c.status for c in refused] == [401, 401], [c.brief() for c in refused]
+    print(
+        f"\n[trainers doc] prime-rl: rollout with the admin token {rollout_with_admin}, "
+        f"/control with the client key {control_with_client.value.call.brief()[:80]}, "
+        f"no config.json {no_config.value.call.brief()[:120]}; TRL: {[c.brief()[:60] for c in refused]}"
+    )
