@@ -33,6 +33,7 @@ from tests.support.trainer_replays import (
     TrlAsyncGrpo,
     nemo_rl_version_dir,
     prime_rl_update_weights,
+    service_url,
 )
 from tests.unit.test_trainers_doc import NEMO_RL_EXAMPLE, nemo_rl_block, resolved
 
@@ -87,6 +88,15 @@ async def test_the_pages_nemo_rl_block_preflights_and_refits_a_job_keyed_router(
         export = checkpoint(checkpoint_dir, nemo_rl_version_dir(checkpoint_dir, 1).name, b"n")
         refit = await in_thread(nemo.refit, export)
         reset = await in_thread(nemo.invalidate_kv_cache)  # its async loop's, after the resume
+        # NeMo-RL's token-capture plugin route: a fixed path on the control URL's origin, not a *_path
+        capture = await in_thread(
+            nemo.transport.send,
+            "POST",
+            service_url(nemo.control_base_url or "", "/v1/nemo-rl/token-capture/configure"),
+            body={"bridge_url": "http://127.0.0.1:1", "auth_token": "t"},
+            raise_on_error=False,
+        )
+        nemo.transport.calls.remove(capture)
         status, body = await send(
             router.base_url(), chat(), {"Authorization": f"Bearer {job.read_api_key()}"}
         )
@@ -101,6 +111,7 @@ async def test_the_pages_nemo_rl_block_preflights_and_refits_a_job_keyed_router(
     assert after[0] == after[1] != before[0]
     assert {e.rl.weight_version for e in engines} == {version}
     assert status == 200 and body["choices"], body  # Gym's rollouts: the client key, on the new weights
+    assert capture.status == 401, capture.brief()  # the page: refused, never forwarded
     print(f"\n[trainers doc] NeMo-RL on a keyed router: {[c.brief()[:70] for c in calls]}")
 
 
