@@ -57,7 +57,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from router.fleet.cache_reset import CacheResetReport, reset_engines
 from router.fleet.checkpoint import CheckpointRefused
+from router.fleet.engine import VLLM_RESET_PATH
 from router.fleet.fleet import Fleet
 from router.fleet.refit import RefitCoordinator, RefitRefused
 from router.fleet.refit_routes import RefitRoutes
@@ -250,17 +252,21 @@ class ControlSession:
         return txn
 
     async def reset_prefix_cache(self) -> bool:
-        """Within the transaction: recorded (the reset step runs at ``/resume``); outside: every engine's."""
+        """Within the transaction: recorded (the reset step runs at ``/resume``); outside: every serving
+        engine's and the router's prefix index, as ``POST /fleet/reset_prefix_cache`` does
+        (``router.fleet.cache_reset``)."""
         if self.open is not None:
             state, _ = self._current("reset_prefix_cache")
             state.reset_asked = True
             return True
         if (busy := self.refit.busy()) is not None:
             raise ControlError(409, busy)
-        urls = self.fleet.all_engines()
-        report = await self.fleet.fan("reset_prefix_cache", urls, lambda e, u: e.reset_cache(u))
+        urls = list(self.fleet.backends.serving)
+        report = CacheResetReport(await reset_engines(urls, VLLM_RESET_PATH, self.fleet.engine_key))
+        report.router_entries_dropped = self.fleet.backends.policy.reset_cache_state()
         if not report.ok:
-            raise ControlError(500, f"reset_prefix_cache failed: {report.to_json()}", "InternalServerError")
+            failed = {e.url: e.detail for e in report.failures()} or "no engine is serving"
+            raise ControlError(500, f"reset_prefix_cache failed: {failed}", "InternalServerError")
         return True
 
     def update_weight_version(self, version: str) -> str:
