@@ -54,6 +54,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,20 +237,8 @@ class ControlSession:
             self._retarget(txn, derived_version(path, state.number))
         if txn.source != "directory":  # begun as a stream (a transfer group exists): a directory after all,
             txn.source = "directory"  # and a directory is tried on a canary first
-        try:
-            txn = await self.refit.run(self.refit.load(state.txn_id, path, records=checked.records))
-        except RefitRefused as exc:
-            self.open = None
-            raise ControlError(exc.status, f"reload_weights: {exc}") from None
-        if txn.ended:  # its canary failed: nothing else was touched
-            self._finished(txn)
-            raise ControlError(500, txn.error or "the canary failed", "InternalServerError")
-        if not txn.live():
-            why = f"no engine loaded {path}: {txn.to_json()['quarantined']}"
-            await self._abort(state, why)
-            raise ControlError(500, why, "InternalServerError")
-        state.loaded = True
-        return txn
+        load = self.refit.load(state.txn_id, path, records=checked.records)
+        return await self._weights(state, "reload_weights", load, path)
 
     async def reset_prefix_cache(self) -> bool:
         """Within the transaction: recorded (the reset step runs at ``/resume``); outside: every serving
@@ -328,17 +317,8 @@ class ControlSession:
         if not state.named:
             self._retarget(txn, derived_version(None, state.number))
         group = {e["url"] for e in (self.routes.plan or {}).get("engines", [])}
-        try:
-            txn = await self.refit.run(self.refit.receive(state.txn_id, update_info, group))
-        except RefitRefused as exc:
-            self.open = None
-            raise ControlError(exc.status, f"update_weights: {exc}") from None
-        if not txn.live():
-            why = f"no engine took the update: {txn.to_json()['quarantined']}"
-            await self._abort(state, why)
-            raise ControlError(500, why, "InternalServerError")
-        state.loaded = True
-        return txn
+        receive = self.refit.receive(state.txn_id, update_info, group)
+        return await self._weights(state, "update_weights", receive, "the streamed round")
 
     def finish_weight_update(self, version: str | None) -> RefitTxn:
         state, txn = self._current("finish_weight_update")
@@ -348,6 +328,24 @@ class ControlSession:
         if version is not None:
             state.named = True
             self._retarget(txn, version)
+        return txn
+
+    async def _weights(self, state: _Open, call: str, step: Awaitable[RefitTxn], what: str) -> RefitTxn:
+        """Run a load or a streamed round of the open transaction; it ends here (the fleet serves on)
+        when a canary failed or no engine took ``what``."""
+        try:
+            txn: RefitTxn = await self.refit.run(step)
+        except RefitRefused as exc:  # it ended meanwhile (the lease, a revoked key)
+            self.open = None
+            raise ControlError(exc.status, f"{call}: {exc}") from None
+        if txn.ended:  # its canary failed: nothing else was touched
+            self._finished(txn)
+            raise ControlError(500, txn.error or f"{call}: the canary failed", "InternalServerError")
+        if not txn.live():
+            why = f"no engine took {what}: {txn.to_json()['quarantined']}"
+            await self._abort(state, why)
+            raise ControlError(500, why, "InternalServerError")
+        state.loaded = True
         return txn
 
     async def _abort(self, state: _Open, why: str) -> None:
