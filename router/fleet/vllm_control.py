@@ -47,6 +47,7 @@ from router.fleet.control_answers import (
     field_missing,
     flag,
     json_answer,
+    not_json,
     read_json,
     validation,
     vllm_error,
@@ -326,15 +327,14 @@ class ControlApi:
         try:
             body = await read_json(request)
         except ValueError as exc:
-            return validation("body", "json_invalid", "JSON decode error", str(exc))
+            return not_json(exc)
         version = body.get("new_version") if isinstance(body, dict) else None
-        if not isinstance(version, str) or not version:
-            kind, msg = (
-                ("missing", "Field required")
-                if version is None
-                else ("string_type", "Input should be a valid string")
+        if not isinstance(version, str):
+            return field_missing("body.new_version", version, "string")
+        if not version:  # vLLM takes "", a version nobody could ask for by name
+            return validation(
+                "body.new_version", "string_too_short", "String should have at least 1 character", ""
             )
-            return validation("body.new_version", kind, msg, version)
         try:
             self.session.update_weight_version(version)
         except ControlError as exc:
@@ -350,15 +350,10 @@ class ControlApi:
         try:
             body = await read_json(request)
         except ValueError as exc:
-            return validation("body", "json_invalid", "JSON decode error", str(exc))
+            return not_json(exc)
         info = body.get("init_info") if isinstance(body, dict) else None
         if not isinstance(info, dict):
-            kind, msg = (
-                ("missing", "Field required")
-                if info is None
-                else ("dict_type", "Input should be a valid dictionary")
-            )
-            return validation("body.init_info", kind, msg, info)
+            return field_missing("body.init_info", info, "dictionary")
         routes, refit = self.session.routes, self.session.refit
         if (busy := refit.busy()) is not None and self.session.open is None:
             return vllm_error(409, busy, "Conflict")
@@ -400,17 +395,12 @@ class ControlApi:
         try:
             body = await read_json(request)
         except ValueError as exc:
-            return validation("body", "json_invalid", "JSON decode error", str(exc))
+            return not_json(exc)
         if isinstance(body, dict) and "weight_dir" in body and "update_info" not in body:
             return await self._update_from_directory(request, body["weight_dir"])
         info = body.get("update_info") if isinstance(body, dict) else None
         if not isinstance(info, dict | list):
-            kind, msg = (
-                ("missing", "Field required")
-                if info is None
-                else ("dict_type", "Input should be a valid dictionary")
-            )
-            return validation("body.update_info", kind, msg, info)
+            return field_missing("body.update_info", info, "dictionary")
         try:
             txn = await self.session.update_weights(info)
         except ControlError as exc:
@@ -433,7 +423,7 @@ class ControlApi:
         try:
             body = await read_json(request)
         except ValueError as exc:
-            return validation("body", "json_invalid", "JSON decode error", str(exc))
+            return not_json(exc)
         version = body.get("weight_version") if isinstance(body, dict) else None
         if version is not None and not isinstance(version, str):
             return validation("body.weight_version", "string_type", "Input should be a valid string", version)
