@@ -40,9 +40,8 @@ from typing import Any
 
 from aiohttp import web
 
-from router.adapters.names import split_served
-from router.consumers import OWNER
 from router.fleet.adapter_refit import AdapterRefits
+from router.fleet.adapter_routes import AdapterRoutes
 from router.fleet.control_answers import (
     field_missing,
     flag,
@@ -175,16 +174,12 @@ class ControlApi:
         return vllm_error(500, f"the engines did not list their models: {why}", "InternalServerError")
 
     def _visible(self, listed: list[dict[str, Any]], caller: str) -> list[dict[str, Any]]:
+        """The entries ``caller`` may see, without ``root``: on a fleet of LoRA tenants the adapter
+        routes' rule (``AdapterRoutes.visible``: the base model and the caller's own served names)."""
         refits = self.adapters()
-        out = []
-        for entry in listed:
-            name = entry.get("id")
-            if refits is not None and isinstance(name, str) and split_served(name) is not None:
-                owner = refits.table.owner_of_served(name)
-                if owner is None or (caller != OWNER and owner != caller):
-                    continue
-            out.append({k: v for k, v in entry.items() if k != "root"})
-        return out
+        if refits is not None:
+            return AdapterRoutes(refits).visible(listed, caller)
+        return [{k: v for k, v in entry.items() if k != "root"} for entry in listed]
 
     async def server_info(self, request: web.Request) -> web.Response:
         """A JSON object: a serving engine's ``vllm_config`` (``config_format`` as vLLM takes it) and the
