@@ -35,7 +35,7 @@ from tests.support.trainer_replays import (
     prime_rl_update_weights,
     service_url,
 )
-from tests.unit.test_trainers_doc import NEMO_RL_EXAMPLE, nemo_rl_block, resolved
+from tests.support.trainers_doc import NEMO_RL_EXAMPLE, nemo_rl_block, resolved
 
 
 @pytest.fixture

@@ -28,7 +28,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 from click.testing import CliRunner
 
 from launcher.cli.main import main
@@ -38,16 +37,13 @@ from launcher.spec import load_resolved
 from launcher.spec.snapshot import write_spec
 from router.fleet.vllm_control import PREFIX, READS, REFIT
 from tests.support.trainer_replays import NEMO_RL_PATHS, service_url
+from tests.support.trainers_doc import NEMO_RL_EXAMPLE, PAGE, ROOT, fences, nemo_rl_block, resolved
 
-ROOT = Path(__file__).resolve().parents[2]
-PAGE = ROOT / "docs" / "trainers.md"
 EXAMPLES = sorted((ROOT / "examples" / "trainers").glob("*.yaml"))
-NEMO_RL_EXAMPLE = ROOT / "examples" / "trainers" / "nemo-rl-remote-vllm.yaml"
 PRIME_RL_EXAMPLE = ROOT / "examples" / "trainers" / "prime-rl.yaml"
 ROUTER = "http://10.0.0.7:20123"
 """The router URL the wiring is given (nothing listens: only the environment is read)."""
 
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 ENV_REF = re.compile(
     r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)\}|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)"
 )
@@ -65,10 +61,6 @@ REMOTE_VLLM_OPTIONAL = {
 REFIT_REQUIRED = {"checkpoint_dir"}
 REFIT_OPTIONAL = {"inflight_policy", "timeout_s", "keep_versions"}
 INFLIGHT_POLICIES = ("abort", "wait", "keep")
-
-
-def fences(lang: str) -> list[str]:
-    return [m.group(2) for m in FENCE.finditer(PAGE.read_text()) if m.group(1).strip() == lang]
 
 
 @pytest.fixture(scope="module")
@@ -123,22 +115,6 @@ def test_commands_and_blocks_read_only_what_the_driver_hands_over_and_never_expa
         assert "Bearer" not in text and not any(v in text for v in secrets), where
         read |= refs
     assert {"RL_CONTROL_BASE_URL", "RL_POLICY_BASE_URL", "RL_JOB_DIR"} <= read  # the rule matched things
-
-
-def nemo_rl_block() -> dict[str, Any]:
-    blocks = [yaml.safe_load(b) for b in fences("yaml")]
-    found = [b for b in blocks if "remote_vllm_cfg" in str(b)]
-    assert len(found) == 1, "docs/trainers.md must have exactly one remote_vllm_cfg block"
-    return found[0]
-
-
-def resolved(value: Any, env: dict[str, str]) -> Any:
-    """OmegaConf's ``${oc.env:NAME}`` with the job's values (an unset one fails, as OmegaConf does)."""
-    if isinstance(value, dict):
-        return {k: resolved(v, env) for k, v in value.items()}
-    if isinstance(value, str):
-        return re.sub(r"\$\{oc\.env:(\w+)\}", lambda m: env[m.group(1)], value)
-    return value
 
 
 def check_remote_vllm_cfg(cfg: dict[str, Any]) -> None:
