@@ -15,10 +15,11 @@ its check read and compared (``checkpoint_check``).
 
 The weight-transfer set-up checks every engine before anything is sent to it, because on vLLM 0.32 a
 failed weight-transfer call can leave an engine without weights (``start_weight_update`` without a group
-detaches them; the next generation step kills the engine core): an engine on the CPU (NCCL needs
-GPUs) or one started without ``--weight-transfer-config`` is refused with the reason, and nothing is sent
-to any engine. The rank plan gives the trainer rank 0 and each engine ``rank_offset`` = 1 + the TP x PP
-sizes of the engines before it, in the serving set's order; the group's ``world_size`` is 1 + their sum.
+detaches them; the next generation step kills the engine core): an engine on the CPU with a backend that
+needs GPUs (every backend vLLM ships; ``router.fleet.transfer_backends``) or one started without
+``--weight-transfer-config`` is refused with the reason, and nothing is sent to any engine. The rank plan
+gives the trainer rank 0 and each engine ``rank_offset`` = 1 + the TP x PP sizes of the engines before
+it, in the serving set's order; the group's ``world_size`` is 1 + their sum.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from router.fleet.fleet import Fleet, device_of
 from router.fleet.ops import fan_out
 from router.fleet.refit import DEFAULT_DEADLINE_S, DEFAULT_LEASE_S, SOURCES, RefitCoordinator, RefitRefused
 from router.fleet.tensor_manifest import CheckedTensors, check_checkpoints
+from router.fleet.transfer_backends import CPU_BACKENDS, runs_on_cpu
 from router.http.auth import Access, RouteTable, holder_of
 from router.state.backends import canonical_backend_url
 
@@ -321,10 +323,10 @@ class RefitRoutes:
                 problems.append(f"{info.url}: /server_info unreadable ({info.error})")
                 continue
             device = device_of(info.value)
-            if device == "cpu":
+            if device == "cpu" and not runs_on_cpu(info.value):
                 problems.append(
                     f"{info.url} runs on the CPU: NCCL weight transfer needs GPU engines "
-                    '(load a checkpoint directory instead: POST /fleet/refit with "from")'
+                    f'(on CPUs use {CPU_BACKENDS[0]}, or POST /fleet/refit with "from")'
                 )
             if not info.value.get("weight_transfer_config"):
                 problems.append(

@@ -43,11 +43,16 @@ from typing import Any
 
 try:  # the engine's interpreter: this directory is on its PYTHONPATH
     from rl_launch_amx import request_amx_tiles
+    from rl_launch_gloo import register as register_gloo_transfer
 except ImportError:  # the launcher's: imported as launcher.engines.vllm.worker_ext.rl_launch_weights
     from .rl_launch_amx import request_amx_tiles
+    from .rl_launch_gloo import register as register_gloo_transfer
 
 # Before any layer computes: vLLM's CPU build may run AMX code that never asks for it (rl_launch_amx).
 AMX_TILES_GRANTED = request_amx_tiles()
+# Before the worker loads its model (where vLLM's factory makes the transfer engine): streamed weights on
+# CPU engines, --weight-transfer-config '{"backend": "rl_launch_gloo"}' (rl_launch_gloo).
+GLOO_TRANSFER_REGISTERED = register_gloo_transfer()
 
 EXTENSION_CLS = "rl_launch_weights.WeightChecksums"
 METHOD = "rl_launch_weight_checksums"
