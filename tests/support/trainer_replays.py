@@ -61,6 +61,15 @@ class Call:
     version: str | None
     seconds: float
 
+    @property
+    def fleet_version(self) -> str | None:
+        """The weight version the answer names: rl-launch's version header, else a ``weight_version``
+        field of its JSON (a stock vLLM names neither on these routes)."""
+        if self.version:
+            return self.version
+        named = self.answer.get("weight_version") if isinstance(self.answer, dict) else None
+        return named if isinstance(named, str) and named else None
+
     def brief(self) -> str:
         path = urlsplit(self.url).path + (f"?{urlsplit(self.url).query}" if urlsplit(self.url).query else "")
         return f"{self.method} {path} -> {self.status} {json.dumps(self.answer)[:200]}"
