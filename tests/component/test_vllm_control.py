@@ -347,6 +347,66 @@ async def test_prime_rl_directory_update_weights_is_the_same_transaction(
     assert checksums(engines) == on_3 and engine_versions(engines) == {"step_3-c1"}
 
 
+STREAM_ROUND = {"names": ["model.layers.0.weight"], "dtype_names": ["bfloat16"], "shapes": [[64, 64]]}
+
+
+async def test_trl_streamed_sequence_joins_each_engine_at_its_rank_offset(
+    sims, router_over, tmp_path: Path
+) -> None:
+    """TRL 1.16's calls over HTTP: each engine (TP 2 here) joins the trainer's group at its own rank offset
+    in the fleet's world size, and each sync is one transaction. ``rl_launch_gloo`` is the backend that
+    runs on CPU engines (the simulator takes a round as broadcast: it has no wire)."""
+    engines = await sims(2, weight_transfer_config={"backend": "rl_launch_gloo"}, world_size=2)
+    r = router_over([e.url for e in engines])
+    url = r.base_url()
+    before = checksums(engines)
+    assert (await control(url, "GET", "/health"))[0] == 200
+    status, info = await control(url, "GET", "/server_info?config_format=json")
+    assert status == 200 and info["vllm_config"]["model_config"]["dtype"] == "torch.bfloat16", info
+    status, size = await control(url, "GET", "/get_world_size")
+    assert (status, size["world_size"]) == (200, 4), size  # two engines of 2 ranks
+    # A trainer that sized its group for one engine is refused before anything is sent.
+    init = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "packed": True}
+    status, answer = await control(
+        url, "POST", "/init_weight_transfer_engine", {"init_info": {**init, "world_size": 3}}
+    )
+    assert status == 400 and "the fleet's group is 5" in answer["error"]["message"], answer
+    assert all(e.worker.transfer_group is None for e in engines)
+    status, answer = await control(
+        url, "POST", "/init_weight_transfer_engine", {"init_info": {**init, "world_size": 5}}
+    )
+    assert status == 200 and answer["message"] == "Weight transfer initialized", answer
+    groups = {e.url: e.worker.transfer_group for e in engines}
+    order = [e["url"] for e in answer["plan"]["engines"]]
+    assert [groups[u]["rank_offset"] for u in order] == [1, 3], groups
+    assert {g["world_size"] for g in groups.values()} == {5} and all(g["packed"] for g in groups.values())
+    for path, body in (
+        ("/pause?mode=keep", None),
+        ("/start_weight_update", {"is_checkpoint_format": True}),
+        ("/update_weights", {"update_info": STREAM_ROUND}),
+        ("/finish_weight_update", None),
+        ("/resume", None),
+    ):
+        status, answer = await control(url, "POST", path, body)
+        assert status == 200, (path, answer)
+    assert answer["refit"]["phase"] == "done" and answer["weight_version"] == "stream-c1", answer
+    after = checksums(engines)
+    assert after[0] == after[1] and after[0] != before[0]  # one checksum, the round's
+    assert engine_versions(engines) == {"stream-c1"} and not r.gate.paused
+    # Out of order: an update with no start, a finish with no start, a start with no pause.
+    assert (await control(url, "POST", "/start_weight_update"))[0] == 409
+    assert (await control(url, "POST", "/pause?mode=keep"))[0] == 200
+    status, answer = await control(url, "POST", "/update_weights", {"update_info": STREAM_ROUND})
+    assert status == 409 and "start_weight_update must be called" in answer["error"]["message"], answer
+    status, answer = await control(url, "POST", "/finish_weight_update", {"weight_version": "v2"})
+    assert status == 409, answer
+    assert (await control(url, "POST", "/resume"))[0] == 200 and engine_versions(engines) == {"stream-c1"}
+    # A directory reload on the same fleet later is tried on a canary first, transfer group or not.
+    calls = await nemo_rl_refit(url, checkpoint(tmp_path, "step_9", b"9"))
+    assert [s for _, s, _ in calls] == [200] * 4 and calls[1][2]["refit"]["canary"] is not None, calls
+    assert engine_versions(engines) == {"step_9-c3"}
+
+
 async def test_a_trainer_gone_after_its_reload_leaves_the_fleet_on_its_verified_weights(
     sims, router_over, tmp_path: Path
 ) -> None:
