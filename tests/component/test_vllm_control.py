@@ -193,8 +193,12 @@ async def test_a_refused_checkpoint_is_a_400_before_any_engine_reads_it(
     half = checkpoint(tmp_path, "half", b"h")
     data = (half / "model.safetensors").read_bytes()
     (half / "model.safetensors").write_bytes(data[: len(data) // 2])  # cut short
+    rollouts = [asyncio.create_task(send(url, chat(max_tokens=40, content=f"r {i}"))) for i in range(8)]
+    await asyncio.sleep(0.05)
     calls = await nemo_rl_refit(url, half)
     assert [s for _, s, _ in calls] == [200, 400], calls
+    results = await asyncio.wait_for(asyncio.gather(*rollouts), 30)
+    assert [s for s, _ in results] == [200] * 8, results  # 0 failed rollouts: held, then served
     error = calls[1][2]["error"]
     assert error["code"] == 400 and error["param"] == "kwargs.weights_path" and str(half) in error["message"]
     assert untouched(engines, before) and not r.gate.paused and r.fleet.current_version is None
