@@ -13,7 +13,9 @@ trainer that dies after ``/pause`` leaves every engine paused. Here the calls ar
 control call                   transaction step
 =============================  =======================================================================
 ``/pause?mode=``               ``begin`` (the mode's vLLM meaning) under a lease of ``lease_s``; every
-                               later control call renews it (``renew``)
+                               later call below renews it (``renew``); the reads (``/health``,
+                               ``/is_paused``...) do not: a monitor polling them must not keep a dead
+                               trainer's pause alive
 ``/collective_rpc``            the checkpoint check before any engine reads it (the ``/fleet/refit``
 ``reload_weights``             route's ``CheckpointGuard``), then ``load``: canary, every engine
 ``/reset_prefix_cache``        recorded; the reset runs at ``/resume``, after the verify (a reset before
