@@ -219,7 +219,15 @@ async def test_a_trainer_gone_after_pause_is_ended_by_its_lease(sims, router_ove
     status, _ = await control(url, "POST", "/pause?mode=keep")
     assert status == 200 and r.gate.paused and all(e.scheduler.gen_paused for e in engines)
     held = asyncio.create_task(send(url, chat(content="sent while the gone trainer's pause stood")))
+
+    async def monitor() -> None:  # a dashboard polling the reads does not keep the pause alive
+        while True:
+            assert (await control(url, "GET", "/is_paused"))[0] == 200
+            await asyncio.sleep(0.1)
+
+    polling = asyncio.create_task(monitor())
     assert await until(lambda: not r.gate.paused, 5.0)  # the lease ran out: the router resumed
+    polling.cancel()
     assert (await asyncio.wait_for(held, 10))[0] == 200
     assert untouched(engines, before) and r.backends.stale == {}
     assert r.fleet.refit.last is not None and r.fleet.refit.last.phase == "expired"
