@@ -215,6 +215,7 @@ class GenerationRouter:
             fleet.refit_routes.served_root,
         )
         self.backends.serving_listeners.append(refits.on_serving)
+        fleet.adapter_refits = refits  # the control URL's /v1/load_lora_adapter is this adapter transaction
         self.forwarder.adapters = AdapterRequests(table, lambda: self.backends.serving, max_wait_s)
         return AdapterRoutes(refits, self.config.no_healthy_backend_status)
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 
 from launcher.engines.sim import SimConfig
 from router import GenerationRouter
@@ -48,19 +47,6 @@ async def models(url: str, key: str) -> list[dict[str, Any]]:
         return list((await r.json())["data"])
 
 
-def wire(r: GenerationRouter) -> GenerationRouter:
-    """Hand the router's adapter transactions to its control URL, as ``router.server`` must
-    (``FleetApi.adapter_refits``); see ``test_the_router_hands_its_adapters_to_the_control_url``."""
-    assert r.adapters is not None
-    r.fleet.adapter_refits = r.adapters.refits
-    return r
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="router/server.py's _serve_adapters does not set fleet.adapter_refits yet (one line; "
-    "router/server.py is not this task's file: reported to the lead)",
-)
 async def test_the_router_hands_its_adapters_to_the_control_url(
     make_server: Callable[..., Any], routers: Callable[..., GenerationRouter], tmp_path: Path
 ) -> None:
@@ -73,9 +59,7 @@ async def test_lora_loads_are_the_adapter_transaction_under_the_tenant_rules(
     make_server: Callable[..., Any], routers: Callable[..., GenerationRouter], tmp_path: Path
 ) -> None:
     engines = [await make_server(SimConfig(speed=20.0, **LORA), index=i) for i in range(2)]
-    r = wire(
-        routers([e.url for e in engines], consumers_file=str(consumers(tmp_path)), lora={"max_adapters": 2})
-    )
+    r = routers([e.url for e in engines], consumers_file=str(consumers(tmp_path)), lora={"max_adapters": 2})
     url = r.base_url()
     a1 = write_adapter(tmp_path / "a1")
     body = {"lora_name": "policy-a", "lora_path": str(a1)}
