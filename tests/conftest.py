@@ -35,14 +35,25 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 
     Built in a session temp directory (tests write nothing outside pytest's temporary directories; on
     the local Slurm cluster /tmp is shared with the nodes); building takes ~10 s and needs torch, so it
-    runs in the vLLM venv (see ``tests/support/tiny_model.py``).
+    runs in the vLLM venv (see ``tests/support/tiny_model.py``). Once per run, not once per lane: xdist's
+    workers share their run's temp directory (the parent of each worker's own), and the first lane to
+    need the model builds it under a file lock while the other waits for it (before, the Slurm or Dynamo
+    lane built a second copy while the vLLM lane built its own). No test may change it in place: a test
+    that edits weights edits a copy (one lane's engines read it while the other's do).
     """
+    import fcntl
+
     try:  # tests/ is a package when tests/__init__.py exists, a rootdir on sys.path otherwise
         from tests.support.tiny_model import ensure_tiny_model
     except ImportError:
         from support.tiny_model import ensure_tiny_model  # type: ignore[no-redef]
 
-    return ensure_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-model") / "tiny-llama")
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_dir = run_dir.parent  # .../pytest-N/popen-gwK -> .../pytest-N, this run's and only this run's
+    with (run_dir / "tiny-model.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_tiny_model(vllm_python, run_dir / "tiny-model" / "tiny-llama")
 
 
 # ============================================================================================

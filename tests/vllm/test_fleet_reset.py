@@ -34,7 +34,7 @@ async def sims() -> AsyncIterator[list[SimServer]]:
         await s.stop()
 
 
-def router_for(urls: list[str]) -> GenerationRouter:
+def router_for(urls: list[str], backend_api_key: str = "engine-key") -> GenerationRouter:
     config = RouterConfig(
         host="127.0.0.1",
         port=0,
@@ -42,7 +42,7 @@ def router_for(urls: list[str]) -> GenerationRouter:
         probe_interval_s=0,
         api_key="client-key",
         admin_token="admin-token",
-        backend_api_key="engine-key",
+        backend_api_key=backend_api_key,
     )
     router = GenerationRouter(config, urls)
     router.serve_in_background()
@@ -93,24 +93,13 @@ async def test_an_engine_without_the_route_fails_the_reset_loudly(sims: list[Sim
 
 
 @pytest.mark.vllm
-async def test_real_vllm_prefix_cache_is_reset_through_the_router(
-    vllm_python: str, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    from launcher.engines.base import EngineSpec
-    from launcher.engines.vllm.engine import VllmEngine
+async def test_real_vllm_prefix_cache_is_reset_through_the_router(shared_lora_engines: list[Any]) -> None:
+    """On a real engine (``tests/vllm/conftest.py``'s shared engines: keyed, dev routes on; this test loads
+    no adapter on them and what it flushes is a cache nobody else's check reads)."""
+    from tests.support.shared_vllm import ENGINE_KEY
 
-    spec = EngineSpec(
-        model=str(tiny_model_dir),
-        served_name="tiny",
-        api_key="engine-key",
-        extra_args=["--max-model-len", "512", "--enforce-eager"],
-        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
-        log_path=str(tmp_path / "vllm.log"),
-        startup_timeout_s=300,
-    )
-    engine = VllmEngine(spec, python=vllm_python)
-    engine.start_and_wait()
-    router = router_for([engine.url])
+    engine = shared_lora_engines[0]
+    router = router_for([engine.url], backend_api_key=ENGINE_KEY)
     try:
         async with aiohttp.ClientSession() as http:
             body = {"model": "tiny", "prompt": [1, 2, 3, 4] * 40, "max_tokens": 2}
@@ -121,7 +110,6 @@ async def test_real_vllm_prefix_cache_is_reset_through_the_router(
         assert "Reset prefix cache" in engine.log_tail(200) or report["engines"][0]["status"] == 200
     finally:
         router.stop()
-        engine.stop()
 
 
 @pytest.mark.ray

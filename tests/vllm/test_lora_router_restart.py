@@ -7,35 +7,31 @@ adapter: each tenant gets its own adapter at once, the other tenant's is refused
 the engines hold. The bodies vLLM reads and orjson does not (``NaN``, a UTF-8 BOM, a lone surrogate) are
 sent to an engine directly first, to show what the router must not let through.
 
-Two real engines (the vLLM venv, the tiny model made by the tests), the router in this process.
+Two real engines (the vLLM venv, the tiny model made by the tests; shared with the fleet-reset test:
+``tests/vllm/conftest.py``), the router in this process.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.vllm.engine import VllmEngine
 from router import GenerationRouter, RouterConfig
-from router.adapters.plan import RUNTIME_LORA_ENV, LoraPlan
 from router.consumers import add_admin_key, add_consumer
+from tests.support.shared_vllm import ENGINE_KEY as KEY
+from tests.support.shared_vllm import PLAN
 
-KEY = "engine-key-of-the-lora-restart-test"
 TOKEN = "owner-admin-token-of-the-lora-restart-test"
 API = "owner-client-key-of-the-lora-restart-test"
 KEYS = {"a": "tenant-a-client-key-0123456789", "b": "tenant-b-client-key-0123456789"}
 ADMIN = {"a": "tenant-a-admin-key-0123456789", "b": "tenant-b-admin-key-0123456789"}
-PLAN = LoraPlan(max_adapters=2, max_lora_rank=8)
-STARTUP_TIMEOUT_S = 600.0
 WIDTH = 128
 """The tiny model's hidden size and its q/v projections' outputs (``tests/support/tiny_model``)."""
 UNREADABLE = {
@@ -91,41 +87,11 @@ def complete(base: str, key: str, model: str) -> tuple[int, str]:
     return status, str(message or body)[:120]
 
 
-@pytest.fixture(scope="module")
-def engines(
-    vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Any]:
-    logdir = tmp_path_factory.mktemp("lora-restart")
-    made = [
-        VllmEngine(
-            EngineSpec(
-                model=str(tiny_model_dir),
-                served_name="tiny",
-                port=0,
-                api_key=KEY,
-                extra_args=["--max-model-len", "512", "--enforce-eager", *PLAN.engine_flags()],
-                env={"VLLM_CPU_KVCACHE_SPACE": "1", **RUNTIME_LORA_ENV},
-                log_path=str(logdir / f"engine{i}.log"),
-                startup_timeout_s=STARTUP_TIMEOUT_S,
-            ),
-            python=vllm_python,
-        )
-        for i in range(2)
-    ]
-    try:
-        t0 = time.monotonic()
-        for e in made:
-            e.start()
-        for e in made:
-            try:
-                e.wait_ready(t0 + STARTUP_TIMEOUT_S)
-            except EngineStartError as exc:
-                pytest.fail(f"vLLM engine failed to start:\n{exc}", pytrace=False)
-        print(f"\n[lora restart] 2 engines ready after {time.monotonic() - t0:.0f} s")
-        yield made
-    finally:
-        for e in made:
-            e.stop()
+@pytest.fixture
+def engines(shared_lora_engines: list[VllmEngine]) -> list[VllmEngine]:
+    """2 real engines, keyed, LoRA per ``PLAN`` (``tests/vllm/conftest.py``: started once and shared with
+    the fleet-reset test, which leaves no adapter on them)."""
+    return shared_lora_engines
 
 
 def router(consumers: Path, port: int = 0, urls: list[str] | None = None) -> GenerationRouter:
