@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         default="keep",
         help="vllm-api mode: the /pause mode, NeMo-RL's refit.inflight_policy (default: %(default)s)",
     )
+    ap.add_argument(
+        "--reset-after-resume",
+        action="store_true",
+        help="vllm-api mode: POST /reset_prefix_cache after each /resume, as NeMo-RL does with "
+        "recompute_kv_cache_after_weight_updates: true (the router resets inside the refit regardless)",
+    )
     args = ap.parse_args(argv)
     if args.refit_via == "vllm-api" and args.lora_adapter:
         ap.error(

@@ -32,8 +32,8 @@ RL stack runs on top of rl-launch:
    pauses every engine, reloads, verifies checksums, resets prefix caches, stamps the version, resumes.
    Or, with ``--refit-via vllm-api``, as a trainer that knows only vLLM's API refits (NeMo-RL's
    ``remote_vllm`` order, plain HTTP: ``vllm_api.py``): ``/pause``, ``/collective_rpc reload_weights``,
-   ``/reset_prefix_cache``, ``/resume`` on ``$RL_CONTROL_BASE_URL``, and the version is the one the
-   router derived and named in its answers.
+   ``/resume`` (and ``/reset_prefix_cache`` after it with ``--reset-after-resume``) on
+   ``$RL_CONTROL_BASE_URL``, and the version is the one the router derived and named in its answers.
 
 Per step it prints the time split (rollouts, update, save, refit and the pause inside it) and the
 ``target mass``: the probability the trainer's weights put on a target token as the next token of 16 fixed
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     # --refit-via vllm-api: every refit through vLLM's own control API, nothing of FleetClient (vllm_api.py).
     try:
         control = (
-            VllmControl.from_env(router.base_url, router.model, args.inflight_policy)
+            VllmControl.from_env(router.base_url, router.model, args.inflight_policy, args.reset_after_resume)
             if args.refit_via == "vllm-api"
             else None
         )
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = ckpt_root / next_version
         policy.save(ckpt)
         t3 = time.perf_counter()
-        if control is not None:  # pause, reload_weights, reset_prefix_cache, resume: the router's version
+        if control is not None:  # pause, reload_weights, resume (vllm_api.py): the router names the version
             txn = control.refit(str(ckpt))
             next_version = str(txn.get("version") or next_version)
         elif adapter:

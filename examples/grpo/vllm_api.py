@@ -3,8 +3,10 @@ NeMo-RL's ``remote_vllm`` generation backend calls it (``--refit-via vllm-api``)
 
 Why this exists: a trainer that drives a vLLM server it does not own speaks vLLM's API, not
 ``FleetClient``. NeMo-RL's ``remote_vllm`` backend (``nemo_rl/models/generation/remote_vllm/``: client.py,
-preflight.py, remote_vllm_generation.py) preflights once and then, each refit, pauses, reloads the weights
-from a checkpoint directory through ``/collective_rpc``, resets the prefix cache and resumes. rl-launch's
+preflight.py, remote_vllm_generation.py; the refit in ``nemo_rl/weight_sync/
+remote_vllm_checkpoint_weight_synchronizer.py``; as /work/team/trainer-sequences.md §1 records them)
+preflights once and then, each refit, pauses, reloads the weights from a checkpoint directory through
+``/collective_rpc`` and resumes. rl-launch's
 router answers that API for the whole fleet under its control URL (``<fleet url>/control``) and runs each
 ``/pause`` ... ``/resume`` as its refit transaction (check, canary, every engine, verify, reset, stamp).
 This module is what such a trainer writes: the standard library only (urllib), nothing of rl-launch, so
@@ -17,13 +19,16 @@ The calls, one client (one Bearer key, as NeMo-RL's ``api_key_env_var``):
   whose ``total_backends`` is an integer other than 1 without ``"control_fanout": true`` is refused, as
   NeMo-RL refuses it: a plain proxy would reload one replica of several); ``GET /v1/models`` must list the
   served model; ``GET /server_info`` must be a JSON object;
-* each refit: ``POST /pause?mode=<inflight policy>&clear_cache=<bool>``, ``POST /collective_rpc``
-  ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}``, ``POST /reset_prefix_cache``,
-  ``POST /resume``. Any answer that is not 2xx, or no answer, raises ``ControlError`` at once, and
-  nothing after it is sent (NeMo-RL's rule: a failed reload may have moved only some workers of one
-  vLLM, so it never resumes after one). On rl-launch the fleet serves on regardless: a refused or failed
-  reload ends the transaction on the fleet's previous version, and a trainer that died mid-sequence is
-  ended by the transaction's lease.
+* each refit: ``POST /pause?mode=<inflight policy>&clear_cache=true`` (NeMo-RL's synchronizer passes
+  ``clear_cache=True``), ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs":
+  {"weights_path": DIR}}``, ``POST /resume``; then, only with ``reset_after_resume`` (NeMo-RL's
+  ``recompute_kv_cache_after_weight_updates: true``, false by default there), ``POST /reset_prefix_cache``
+  after the resume, where NeMo-RL's loop sends it (``invalidate_kv_cache``). NeMo-RL sends no reset inside
+  the pause; the router resets every engine's cache inside the transaction anyway. Any answer that is not
+  2xx, or no answer, raises ``ControlError`` at once, and nothing after it is sent (NeMo-RL's rule: a
+  failed reload may have moved only some workers of one vLLM, so it never resumes after one). On
+  rl-launch the fleet serves on regardless: a refused or failed reload ends the transaction on the
+  fleet's previous version, and a trainer that died mid-sequence is ended by the transaction's lease.
 
 Where the paths go: each is appended to its URL (``$RL_CONTROL_BASE_URL`` + ``/pause``). NeMo-RL's own
 client instead resolves every path against the *origin* of its URLs (``service_url``: the URL's path is
@@ -103,7 +108,8 @@ class VllmControl:
         api_key: str | None,
         served_model_name: str,
         inflight_policy: str = "keep",
-        clear_cache: bool = False,
+        clear_cache: bool = True,
+        reset_after_resume: bool = False,
         request_timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,
         refit_timeout_s: float = 1800.0,
@@ -122,6 +128,7 @@ class VllmControl:
         self.served_model_name = served_model_name
         self.inflight_policy = inflight_policy
         self.clear_cache = clear_cache
+        self.reset_after_resume = reset_after_resume
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.refit_timeout_s = refit_timeout_s
@@ -132,6 +139,7 @@ class VllmControl:
         base_url: str,
         served_model_name: str,
         inflight_policy: str = "keep",
+        reset_after_resume: bool = False,
         env: Mapping[str, str] = os.environ,
     ) -> VllmControl:
         """The control URL and key from ``$RL_CONTROL_BASE_URL`` and ``$RL_CONTROL_API_KEY``; a clear
@@ -148,7 +156,9 @@ class VllmControl:
                 f"${CONTROL_KEY_ENV} is not set: the control URL takes the job's admin token as its "
                 "Bearer (the driver exports it beside the control URL)"
             )
-        return cls(url, base_url, key, served_model_name, inflight_policy)
+        return cls(
+            url, base_url, key, served_model_name, inflight_policy, reset_after_resume=reset_after_resume
+        )
 
     # -- transport ----------------------------------------------------------------------------------
     def _request(
@@ -219,8 +229,9 @@ class VllmControl:
 
     # -- NeMo-RL's refit ----------------------------------------------------------------------------
     def refit(self, weights_path: str) -> dict[str, Any]:
-        """Pause, reload from ``weights_path`` (an HF checkpoint directory every engine reads), reset the
-        prefix cache, resume; the first failure raises ``ControlError`` and nothing after it is sent.
+        """Pause, reload from ``weights_path`` (an HF checkpoint directory every engine reads), resume (and
+        reset the prefix cache after, with ``reset_after_resume``); the first failure raises
+        ``ControlError`` and nothing after it is sent.
         Returns a report shaped as the trainer logs a ``FleetClient`` refit: ``version`` (the fleet's,
         from the ``/resume`` answer), ``elapsed_s`` (from the pause's call to the resume's answer, on the
         trainer's clock), ``steps`` (each call's ``phase`` and ``took_s``), ``answers`` (each call's
@@ -232,16 +243,19 @@ class VllmControl:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}}
         reload = self._request("POST", "/collective_rpc", body=rpc, timeout_s=self.refit_timeout_s)
         calls.append(("reload_weights", reload))
-        calls.append(("reset_prefix_cache", self._request("POST", "/reset_prefix_cache")))
         resume = self._request("POST", "/resume")
         calls.append(("resume", resume))
+        paused_s = time.perf_counter() - t0
+        if self.reset_after_resume:
+            calls.append(("reset_prefix_cache", self._request("POST", "/reset_prefix_cache")))
         quarantined: dict[str, Any] = {}
-        for _, answer in calls:
-            if isinstance(answer.data, dict) and isinstance(answer.data.get("quarantined"), dict):
-                quarantined.update(answer.data["quarantined"])
+        for _, answer in calls:  # rl-launch's answers summarise the transaction under "refit"
+            refit = answer.data.get("refit") if isinstance(answer.data, dict) else None
+            if isinstance(refit, dict) and isinstance(refit.get("quarantined"), dict):
+                quarantined.update(refit["quarantined"])
         return {
             "version": version_of(resume),
-            "elapsed_s": time.perf_counter() - t0,
+            "elapsed_s": paused_s,
             "steps": [{"phase": name, "took_s": a.seconds} for name, a in calls],
             "answers": {name: a.data for name, a in calls},
             "quarantined": quarantined,
