@@ -19,7 +19,9 @@ Over the first 8 steps (the example's old length) the climb was +0.20 (seed 7) t
 tokens (``target_mass``, no sampling noise) stays at 0.12-0.13 for seed 7's first three updates
 (0.129 0.117 0.128) and for seed 0 leaves it after two (0.144 0.253): an early batch of 16 samples from
 a near-uniform policy moves the weights little, in no steady direction, until one does. The test runs
-the slowest seed and seed 0 (~100 s for the job).
+the slowest seed and seed 0 (~100 s for the job), then seed 0 again in the same job with
+``--refit-via vllm-api`` (every refit through the control URL in NeMo-RL's calls, ``vllm_api.py``), held
+to the same rule.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def _train() -> ModuleType:
 
 
 train = _train()
+vllm_api = sys.modules["vllm_api"]  # examples/grpo/vllm_api.py, imported by train.py from its directory
 
 
 def test_reward_is_the_fraction_of_tokens_in_the_target_set() -> None:
@@ -138,9 +141,105 @@ def test_rollouts_read_each_samples_version_from_its_response() -> None:
     assert len(kept) == 4 and {s.version for s in dropped} == {"step-0"} and len(dropped) == 2
 
 
+def _stand_in_vllm(answers: dict[str, tuple[int, object]]) -> tuple[http.server.ThreadingHTTPServer, list]:
+    """A stand-in for the control URL and the generation URL on one port (``/control/...`` and the rest),
+    answering ``answers[path]`` (status, JSON) with ``x-rl-weight-version: v7``, recording each call as
+    ``(method, path with query, JSON body, Authorization)``."""
+    calls: list[tuple[str, str, object, str | None]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n)) if n else None
+            calls.append((self.command, self.path, body, self.headers.get("Authorization")))
+            status, data = answers.get(self.path.split("?")[0], (200, {}))
+            reply = json.dumps(data).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("x-rl-weight-version", "v7")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, calls
+
+
+def test_vllm_api_mode_sends_nemo_rls_calls_in_its_order() -> None:
+    """``--refit-via vllm-api`` (``examples/grpo/vllm_api.py``) over HTTP: NeMo-RL's preflight (both
+    ``/health``, the served model in ``/v1/models``, ``/server_info`` an object) and its refit (``/pause``
+    with the in-flight policy and ``clear_cache=true``, ``/collective_rpc reload_weights``, ``/resume``,
+    then ``/reset_prefix_cache`` with ``--reset-after-resume``), every call with the control key; the
+    version is the one the answers name. A reload answered 500 raises with vLLM's error text and nothing
+    after it is sent (NeMo-RL never resumes after a failed reload); a control ``/health`` of 2 backends
+    without ``control_fanout`` is refused, as NeMo-RL refuses it."""
+    CKPT = "/ckpt/step-1"
+    RELOAD = {"method": "reload_weights", "kwargs": {"weights_path": CKPT}}
+    server, calls = _stand_in_vllm(
+        {
+            "/control/health": (200, {"total_backends": 2, "control_fanout": True}),
+            "/control/v1/models": (200, {"data": [{"id": "tiny"}]}),
+            "/control/server_info": (200, {"model": "tiny"}),
+        }
+    )
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        control = vllm_api.VllmControl(
+            f"{url}/control", f"{url}/v1", "admin-key", "tiny", "wait", reset_after_resume=True
+        )
+        assert control.preflight()["_version"] == "v7"
+        report = control.refit(CKPT)
+        assert report["version"] == "v7" and [s["phase"] for s in report["steps"]] == [
+            "pause", "reload_weights", "resume", "reset_prefix_cache"
+        ]  # fmt: skip
+        assert [(m, p, b) for m, p, b, _ in calls] == [
+            ("GET", "/health", None),
+            ("GET", "/control/health", None),
+            ("GET", "/control/v1/models", None),
+            ("GET", "/control/server_info", None),
+            ("POST", "/control/pause?mode=wait&clear_cache=true", None),
+            ("POST", "/control/collective_rpc", RELOAD),
+            ("POST", "/control/resume", None),
+            ("POST", "/control/reset_prefix_cache", None),
+        ]  # fmt: skip
+        assert {a for *_, a in calls} == {"Bearer admin-key"}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    error = {"error": "canary http://e0 failed: reload_weights: bad header"}
+    server, calls = _stand_in_vllm(
+        {"/control/collective_rpc": (500, error), "/control/health": (200, {"total_backends": 2})}
+    )
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        control = vllm_api.VllmControl(f"{url}/control", url, "admin-key", "tiny")
+        with pytest.raises(vllm_api.ControlError, match=r"HTTP 500.*bad header") as failed:
+            control.refit("/ckpt/step-2")
+        assert failed.value.status == 500
+        sent = [p for _, p, *_ in calls]
+        assert sent == ["/control/pause?mode=keep&clear_cache=true", "/control/collective_rpc"]
+        with pytest.raises(vllm_api.ControlError, match="2 backends"):
+            control.preflight()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 SEEDS = (0, 7)
 """The seeds the real run trains, one after the other in one job (each ``--reload``s the model's own
 weights first, so each starts where a fresh job would): 0, and 7, the slowest of the seeds measured."""
+VLLM_API_SEED = 0
+"""The seed the ``--refit-via vllm-api`` run trains after them, in the same job (the engines' start is
+most of the test's time): seed 0, so its curve reads beside the FleetClient run of the same seed. It runs
+with ``--reset-after-resume`` (NeMo-RL's ``recompute_kv_cache_after_weight_updates``), so each of NeMo-RL's
+refit calls reaches the real engines."""
 
 
 @pytest.mark.vllm
@@ -150,15 +249,19 @@ def test_grpo_on_real_vllm_engines_learns_the_reward_for_every_seed(
     tmp_path: Path, vllm_python: str, tiny_model_dir: Path
 ) -> None:
     """``examples/local-grpo-vllm.yaml`` as a user submits it (only the model path and the job root
-    changed, and its training command run once per seed in ``SEEDS``): for every seed the reward climbs,
-    every trained sample carried its step's version, greedy output moved, and the job leaves nothing
-    running."""
+    changed, and its training command run once per seed in ``SEEDS``, then once with its documented
+    ``--refit-via vllm-api``: every refit through the job's control URL as NeMo-RL sends it): for every
+    run the reward climbs by the same rule, every trained sample carried its step's version (in vLLM-API
+    mode the one the router derived and named), greedy output moved, and the job leaves nothing running."""
     spec = yaml.safe_load((ROOT / "examples" / "local-grpo-vllm.yaml").read_text())
     spec["generation"]["model"] = str(tiny_model_dir)
     spec["job_root"] = str(tmp_path / "jobs")
     command = spec["training"]["command"]
+    runs = {f"grpo-seed{seed}": (seed, "fleet-client") for seed in SEEDS}
+    runs["grpo-vllm-api"] = (VLLM_API_SEED, "vllm-api")
+    flags = {"fleet-client": "", "vllm-api": " --refit-via vllm-api --reset-after-resume"}
     spec["training"]["command"] = " && ".join(
-        f"{command} --seed {seed} --reload --out grpo-seed{seed}" for seed in SEEDS
+        f"{command}{flags[via]} --seed {seed} --reload --out {name}" for name, (seed, via) in runs.items()
     )
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -171,25 +274,32 @@ def test_grpo_on_real_vllm_engines_learns_the_reward_for_every_seed(
     out = proc.stdout + proc.stderr
     (job,) = list((tmp_path / "jobs").iterdir())
     assert proc.returncode == 0, out[-4000:]
-    print(f"\n[grpo vllm] job {took:.0f} s for seeds {SEEDS}")
-    for seed in SEEDS:
-        metrics = json.loads((job / f"grpo-seed{seed}" / "metrics.json").read_text())
+    print(f"\n[grpo vllm] job {took:.0f} s for {runs}")
+    for name, (seed, via) in runs.items():
+        metrics = json.loads((job / name / "metrics.json").read_text())
         steps = metrics["steps"]
         rewards = [s["reward_mean"] for s in steps]
         masses = [s["target_mass"] for s in steps]
-        print(f"[grpo vllm] seed {seed}: rewards {[round(r, 3) for r in rewards]}")
+        print(f"[grpo vllm] {name}: rewards {[round(r, 3) for r in rewards]}")
         start = metrics["target_mass_start"]
-        print(f"[grpo vllm] seed {seed}: target mass {start:.3f} -> {[round(m, 3) for m in masses]}")
-        print(f"[grpo vllm] seed {seed}: step seconds {[round(s['seconds']['total'], 2) for s in steps]}")
-        assert metrics["mode"] == "torch" and metrics["seed"] == seed
+        print(f"[grpo vllm] {name}: target mass {start:.3f} -> {[round(m, 3) for m in masses]}")
+        print(f"[grpo vllm] {name}: step seconds {[round(s['seconds']['total'], 2) for s in steps]}")
+        print(f"[grpo vllm] {name}: versions {[s['version'] for s in steps]} -> {metrics['final_version']}")
+        assert metrics["mode"] == "torch" and metrics["seed"] == seed and metrics["refit_via"] == via
         first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
-        assert last >= first + THRESHOLD, (seed, first, last, rewards, masses)
+        assert last >= first + THRESHOLD, (name, first, last, rewards, masses)
         for s in steps:  # every sample trained on came from the weights of the step that used it
             assert s["versions_seen"] == {s["version"]: s["samples"]} and s["dropped"] == 0, s
-            assert s["version"] == f"step-{s['step']}"
-        assert metrics["final_version"] == f"step-{len(steps)}"
+            if via == "fleet-client":
+                assert s["version"] == f"step-{s['step']}"
+            else:  # NeMo-RL's calls, each answered 2xx; every refit moved the fleet to a new version
+                assert list(s["refit_phases"]) == ["pause", "reload_weights", "resume", "reset_prefix_cache"]
+        versions = [s["version"] for s in steps] + [metrics["final_version"]]
+        assert len(set(versions)) == len(versions), versions
+        if via == "fleet-client":
+            assert metrics["final_version"] == f"step-{len(steps)}"
         assert metrics["greedy_first"] != metrics["greedy_last"]
-        assert (job / f"grpo-seed{seed}" / "reward.png").stat().st_size > 0
+        assert (job / name / "reward.png").stat().st_size > 0
     assert "finished: training finished (exit 0)" in out
     assert wait_for(lambda: job_leftovers(job) == [], 30, "the job's processes to end")
 
