@@ -120,6 +120,30 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
     group.addoption("--dist", dest="dist", default="no", help="ignored without xdist")
 
 
+_LANE_SECONDS: dict[tuple[str, str], float] = {}
+"""(lane, group) -> seconds of setup, call and teardown run there ("-": no group)."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    gateway = getattr(getattr(report, "node", None), "gateway", None)  # set on the controller under xdist
+    lane = str(getattr(gateway, "id", "main"))
+    tail = report.nodeid.rsplit("]", 1)[-1]  # a parameter's value may hold an "@"
+    group = tail.rsplit("@", 1)[1] if "@" in tail else "-"
+    _LANE_SECONDS[(lane, group)] = _LANE_SECONDS.get((lane, group), 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Seconds per lane and per group in it: CI's log shows only the slowest tests, and whether a lane's
+    group or the rest decides the wall time (what a speed-up must cut) is read here."""
+    if not _LANE_SECONDS:
+        return
+    terminalreporter.write_sep("-", "seconds per lane (setup + call + teardown)")
+    for lane in sorted({lane for lane, _ in _LANE_SECONDS}):
+        parts = {g: s for (ln, g), s in _LANE_SECONDS.items() if ln == lane}
+        groups = ", ".join(f"{g if g != '-' else 'ungrouped'} {s:.0f} s" for g, s in sorted(parts.items()))
+        terminalreporter.write_line(f"{lane}: {sum(parts.values()):.0f} s ({groups})")
+
+
 # END lanes
 
 
