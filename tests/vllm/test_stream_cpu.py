@@ -36,6 +36,7 @@ from launcher.engines.vllm.worker_ext import WORKER_EXT_DIR
 from launcher.fleet.client import FleetClient
 from router import GenerationRouter, RouterConfig
 from tests.support.checkpoints import llama_weight_table
+from tests.support.trainer_replays import TrlAsyncGrpo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 KEY = "stream-engine-key-1234"
@@ -48,9 +49,9 @@ SENDER = str(Path(WORKER_EXT_DIR) / "rl_launch_gloo.py")
 SHIFT_ALL = """
 import sys, torch
 from safetensors.torch import load_file, save_file
-path = sys.argv[1]
+path, seed = sys.argv[1], int(sys.argv[2])
 tensors = load_file(path)
-generator = torch.Generator().manual_seed(7)
+generator = torch.Generator().manual_seed(seed)
 out = {}
 for name in sorted(tensors):
     t = tensors[name]
@@ -139,12 +140,12 @@ def _weight_table(engine_url: str) -> dict[str, str]:
     return {name.rsplit(":", 1)[-1]: d for name, d in answer["results"][0]["checksums"].items()}
 
 
-def _shifted_copy(vllm_python: str, source: Path, target: Path) -> Path:
+def _shifted_copy(vllm_python: str, source: Path, target: Path, seed: int) -> Path:
+    """A copy of ``source`` whose every tensor is moved by noise drawn with ``seed``."""
     shutil.copytree(source, target)
     weights = next(target.glob("*.safetensors"))
-    out = subprocess.run(
-        [vllm_python, "-c", SHIFT_ALL, str(weights)], capture_output=True, text=True, timeout=120
-    )
+    argv = [vllm_python, "-c", SHIFT_ALL, str(weights), str(seed)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return target
 
@@ -152,9 +153,11 @@ def _shifted_copy(vllm_python: str, source: Path, target: Path) -> Path:
 class Sender:
     """The trainer's data plane: ``rl_launch_gloo.py send`` in the vLLM venv (a plain torch process)."""
 
-    def __init__(self, vllm_python: str, weights: Path, world_size: int) -> None:
+    def __init__(
+        self, vllm_python: str, weights: Path, world_size: int, round_bytes: int = ROUND_BYTES
+    ) -> None:
         argv = [vllm_python, SENDER, "send", "--world-size", str(world_size), "--weights", str(weights)]
-        argv += ["--round-bytes", str(ROUND_BYTES), "--timeout-s", "120"]
+        argv += ["--round-bytes", str(round_bytes), "--timeout-s", "120"]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         first = self.proc.stdout.readline()
@@ -184,7 +187,7 @@ def test_a_trainer_streams_new_weights_into_two_cpu_engines_through_the_fleet_ro
     before = client.checksum().result["groups"]
     greedy_before = [_greedy(u) for u in urls]
     assert len(before) == 1 and greedy_before[0] == greedy_before[1]
-    new = _shifted_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-streamed")
+    new = _shifted_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-streamed", 7)
 
     plan = client.weight_transfer_plan()
     assert plan["world_size"] == 3 and [e["rank_offset"] for e in plan["engines"]] == [1, 2], plan
@@ -229,4 +232,49 @@ def test_a_trainer_streams_new_weights_into_two_cpu_engines_through_the_fleet_ro
         f"init (group of 3) {t_init * 1000:.0f} ms; refit begin -> {len(sender.rounds)} x update -> commit "
         f"{t_refit * 1000:.0f} ms (trainer's broadcasts {sent['rounds_s']} s; steps ms {steps}); "
         f"load of the same weights from disk {sum(s['took_s'] for s in from_disk['steps']) * 1000:.0f} ms"
+    )
+
+
+def test_trl_streams_through_the_control_url_as_it_would_into_one_vllm(
+    fleet: Any, vllm_python: str, tiny_model_dir: Path
+) -> None:
+    """TRL 1.16's ``AsyncGRPOTrainer`` calls (``tests/support/trainer_replays.TrlAsyncGrpo``: ``/health``,
+    ``/server_info``, ``/get_world_size``, ``/init_weight_transfer_engine`` with ``"packed": true``, then
+    ``/pause?mode=keep`` -> ``/start_weight_update`` -> one ``/update_weights`` with every tensor ->
+    ``/finish_weight_update`` -> ``/resume``) against the fleet's control URL, with the trainer's broadcast
+    over gloo instead of NCCL: the fleet moves as one, to the streamed weights."""
+    client: FleetClient = fleet["client"]
+    urls = [e.url for e in fleet["engines"]]
+    version_before = client.weight_version().result["current"]
+    greedy_before = _greedy(urls[0])
+    new = _shifted_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-trl", 11)
+    trl = TrlAsyncGrpo(fleet["router"].base_url() + "/control", api_key=TOKEN)
+    sender = Sender(vllm_python, next(new.glob("*.safetensors")), 3, round_bytes=1 << 30)
+    try:
+        assert len(sender.rounds) == 1  # TRL sends every tensor in one /update_weights
+        t0 = time.perf_counter()
+        init_info = trl.init_weight_transfer("127.0.0.1", sender.port)
+        t_init = time.perf_counter() - t0
+        assert init_info["world_size"] == 3, init_info
+        t1 = time.perf_counter()
+        calls = trl.sync(sender.rounds[0])
+        t_sync = time.perf_counter() - t1
+        sent = sender.finish()
+    finally:
+        sender.kill()
+    assert [c.status for c in calls] == [200] * 5, [c.brief() for c in calls]
+    versions = client.weight_version().result
+    assert len(set(versions["engines"].values())) == 1 and versions["current"] != version_before, versions
+    groups = client.checksum().result["groups"]
+    assert len(groups) == 1, groups
+    want = llama_weight_table(new)
+    for u in urls:
+        assert _weight_table(u) == want
+    greedy = [_greedy(u) for u in urls]
+    assert greedy[0] == greedy[1] and greedy[0] != greedy_before
+    print(
+        f"\n[stream cpu] TRL's calls on /control: init (preflight + group of 3) {t_init * 1000:.0f} ms; "
+        f"pause -> start -> update ({sent['bytes']} bytes, 1 round) -> finish -> resume "
+        f"{t_sync * 1000:.0f} ms; "
+        f"the fleet on {versions['current']!r}"
     )

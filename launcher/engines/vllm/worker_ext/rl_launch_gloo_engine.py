@@ -48,6 +48,11 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
+    packed: bool = True
+    """``nccl``'s wire parameters, taken so a trainer written for ``nccl`` inits unchanged (TRL 1.16 sends
+    ``"packed": true``); gloo always sends a round as one packed buffer, so they change nothing."""
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.master_port < 65536:
