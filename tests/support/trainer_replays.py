@@ -9,12 +9,13 @@ replay departs from the trainer it says so below.
 
 * ``NemoRlRemoteVllm``: NeMo-RL's ``remote_vllm`` backend (``client.py``, ``preflight.py``, the checkpoint
   weight synchronizer). Its client resolves every path against the *origin* of its URL (``service_url``:
-  the URL's own path is dropped), so on rl-launch its ``*_path`` settings carry the ``/control`` prefix
-  (``control_paths``); one Bearer (``api_key_env_var``) goes to the generation and the control URL
-  alike. Refit: ``/pause?mode=<inflight_policy>&clear_cache=true``, ``/collective_rpc reload_weights``,
-  ``/resume``; any status >= 400 raises and nothing after it is sent (a failed reload is never followed
-  by a resume). ``/reset_prefix_cache`` is its own call, sent after the resume and only by the async
-  GRPO loop (``invalidate_kv_cache``).
+  the URL's own path is dropped): on rl-launch its calls land on the router's root unless its ``*_path``
+  settings carry the ``/control`` prefix (``control_paths``, as docs/trainers.md writes them); one
+  Bearer (``api_key_env_var``) goes to the generation and the control URL alike. Refit:
+  ``/pause?mode=<inflight_policy>&clear_cache=true``, ``/collective_rpc reload_weights``, ``/resume``;
+  any status >= 400 raises and nothing after it is sent (a failed reload is never followed by a
+  resume). ``/reset_prefix_cache`` is its own call, sent after the resume and only by the async GRPO
+  loop (``invalidate_kv_cache``).
 * ``prime_rl_update_weights``: prime-rl's orchestrator client: ``/pause?mode=keep&clear_cache=false``, an
   empty ``NCCL_READY`` file written into the checkpoint directory, ``/update_weights {"weight_dir": DIR}``
   (prime-rl's own server route), and ``/resume`` in a ``finally``; every call is retried on 5xx and on
@@ -147,9 +148,10 @@ NEMO_RL_PATHS = {
 
 
 def control_paths(prefix: str = "/control") -> dict[str, str]:
-    """The path settings a NeMo-RL config needs on rl-launch: every control path under ``prefix``
-    (``health_path`` is shared by both URLs; ``models_path`` is asked of the generation URL only)."""
-    return {k: (v if k == "models_path" else prefix + v) for k, v in NEMO_RL_PATHS.items()}
+    """The path settings of docs/trainers.md's NeMo-RL block: every path under ``prefix`` (``/v1/models``
+    too: NeMo-RL sends its one key, the admin token, to it, and the control URL is where that key opens
+    it; ``health_path`` is shared by the generation and the control URL)."""
+    return {k: prefix + v for k, v in NEMO_RL_PATHS.items()}
 
 
 def service_url(base_url: str, absolute_path: str) -> str:

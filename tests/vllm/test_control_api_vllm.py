@@ -32,6 +32,7 @@ import pytest
 
 from launcher.fleet.client import FleetClient
 from tests.support.trainer_replays import (
+    NEMO_RL_PATHS,
     VERSION_HEADER,
     NemoRlRemoteVllm,
     ReplayError,
@@ -57,19 +58,18 @@ SETTLE_S = 150.0
 """Bound on the fleet settling after a trainer is gone or refused: the lease and a restore."""
 
 
-def _nemo(fleet: Any, mode: str = "keep", **kw: Any) -> NemoRlRemoteVllm:
-    """NeMo-RL's ``remote_vllm_cfg`` for this fleet as docs/trainers.md writes it: generation on the
-    router's ``/v1``, control on ``/control`` (through its ``*_path`` settings), the admin token as the
-    one key."""
+def _nemo(fleet: Any, mode: str = "keep", url_alone: bool = False) -> NemoRlRemoteVllm:
+    """NeMo-RL's ``remote_vllm_cfg`` for this fleet: generation on the router's ``/v1``, control on
+    ``/control``, the admin token as its one key; the paths as docs/trainers.md writes them (under
+    ``/control``), or, ``url_alone``, NeMo-RL's defaults (its calls then land on the router's root)."""
     url = fleet["router"].base_url()
     return NemoRlRemoteVllm(
         base_url=url + "/v1",
         served_model_name="tiny",
         api_key=TOKEN,
         control_base_url=url + "/control",
-        paths=control_paths(),
+        paths=dict(NEMO_RL_PATHS) if url_alone else control_paths(),
         inflight_policy=mode,
-        **kw,
     )
 
 
@@ -123,38 +123,28 @@ def _exports(fleet: Any, vllm_python: str, tiny_model_dir: Path) -> Path:
     return root
 
 
-def test_nemo_rl_preflight_passes_with_control_paths_and_fails_on_the_bare_control_url(fleet: Any) -> None:
-    """NeMo-RL's client keeps only the origin of ``control_base_url`` (``service_url``): set to
-    ``<fleet>/control`` with the default paths, its calls go to the router's root, which serves no
-    ``/server_info``, so its preflight raises before training; with the ``/control`` prefix in its path
-    settings the preflight passes: the control ``/health`` names both engines with
-    ``"control_fanout": true`` (NeMo-RL refuses several backends without it) and ``/server_info`` is an
-    object, each answer naming the fleet's version."""
-    bare = NemoRlRemoteVllm(
-        base_url=fleet["router"].base_url() + "/v1",
-        served_model_name="tiny",
-        api_key=TOKEN,
-        control_base_url=fleet["router"].base_url() + "/control",
-    )
-    with pytest.raises(RuntimeError) as refused:
-        bare.preflight()
-    sent = [c.brief() for c in bare.transport.calls]
-    assert not any("/control" in c for c in sent), sent  # the path of the control URL was dropped
-    nemo = _nemo(fleet)
-    info = nemo.preflight()
-    assert isinstance(info, dict) and info
-    calls = nemo.transport.calls
-    assert [c.status for c in calls] == [200, 200, 200, 200], [c.brief() for c in calls]
-    health = calls[1].answer
-    assert health["total_backends"] == 2 and health["control_fanout"] is True, health
-    # The fleet's version on every control answer (none yet on a fleet no refit has stamped).
+def test_nemo_rl_preflight_passes_with_the_docs_paths_and_with_the_url_alone(fleet: Any) -> None:
+    """NeMo-RL's preflight, configured as docs/trainers.md writes it (paths under ``/control``) and with
+    ``control_base_url`` alone (its client keeps only the URL's origin, so its default paths land on the
+    router's root): both pass. The control ``/health`` names both engines with ``"control_fanout":
+    true`` (NeMo-RL refuses several backends without it), ``/v1/models`` lists the served model,
+    ``/server_info`` is an object, and every control answer names the fleet's version (none yet on a
+    fleet no refit has stamped)."""
     current = fleet["client"].weight_version(check=False).result["current"]
-    named = {c.fleet_version for c in calls if "/control/" in c.url}
-    assert named == {current}, ([c.brief() for c in calls], current)
-    print(
-        f"\n[control vllm] bare control URL: {str(refused.value)[:160]!r} after {sent}; "
-        f"with /control paths: {[c.brief()[:90] for c in calls]}"
-    )
+    seen = {}
+    for url_alone in (False, True):
+        nemo = _nemo(fleet, url_alone=url_alone)
+        info = nemo.preflight()
+        calls = nemo.transport.calls
+        assert isinstance(info, dict) and info, info
+        assert [c.status for c in calls] == [200, 200, 200, 200], [c.brief() for c in calls]
+        assert all(("/control/" in c.url) != url_alone for c in calls), [c.brief() for c in calls]
+        health = calls[1].answer
+        assert health["control_fanout"] is True, health
+        assert health.get("total_backends", 2) == 2, health
+        assert {c.fleet_version for c in calls[1:]} == {current}, ([c.brief() for c in calls], current)
+        seen["url alone" if url_alone else "docs' paths"] = [c.brief()[:90] for c in calls]
+    print(f"\n[control vllm] NeMo-RL preflight: {seen}")
 
 
 def test_prime_rl_directory_update_moves_the_fleet_as_one(
@@ -187,7 +177,8 @@ def test_prime_rl_directory_update_moves_the_fleet_as_one(
 def test_nemo_rl_refit_moves_the_fleet_as_one(
     fleet: Any, vllm_python: str, tiny_model_dir: Path, mode: str
 ) -> None:
-    """NeMo-RL's refit under each ``refit.inflight_policy``: ``/pause?mode=M&clear_cache=true``,
+    """NeMo-RL's refit under each ``refit.inflight_policy`` (keep with its default paths, on the
+    router's root; wait and abort with docs/trainers.md's): ``/pause?mode=M&clear_cache=true``,
     ``/collective_rpc reload_weights`` from its next export, ``/resume`` (then the async loop's
     ``/reset_prefix_cache``, outside the window), with rollouts streaming through the router: one
     checksum, new, on both engines; the version the router derived on the ``/resume`` answer, on every
@@ -198,7 +189,7 @@ def test_nemo_rl_refit_moves_the_fleet_as_one(
     exports = _exports(fleet, vllm_python, tiny_model_dir)
     n = {"keep": 2, "wait": 3, "abort": 1}[mode]
     before, version_before = _one_checksum(client), client.weight_version().result["current"]
-    nemo = _nemo(fleet, mode)
+    nemo = _nemo(fleet, mode, url_alone=mode == "keep")  # keep: NeMo-RL's default paths, the URL alone
     results, threads = refit_vllm._stream(url, 6, f"rollout under {mode}")
     t0 = time.perf_counter()
     calls = nemo.refit(nemo_rl_version_dir(exports, n))
@@ -265,13 +256,15 @@ def test_a_cut_checkpoint_mid_sequence_is_refused_in_vllms_shape_and_the_fleet_s
     print(f"\n[control vllm] cut checkpoint: {call.brief()}; rollouts {outcomes}")
 
 
+@pytest.mark.parametrize("after", ["pause", "reload"])
 def test_a_trainer_killed_between_pause_and_resume_is_ended_by_its_lease(
-    fleet: Any, vllm_python: str, tiny_model_dir: Path
+    fleet: Any, vllm_python: str, tiny_model_dir: Path, after: str
 ) -> None:
-    """A trainer process (the replay, run as a program) pauses the fleet through NeMo-RL's calls and
-    reloads its next export, then is SIGKILLed before its ``/resume``: the router ends the transaction
-    when its lease runs out, the rollouts held meanwhile all complete, the fleet serves again on one
-    checksum with one version on every engine and every answer, and the next trainer can pause."""
+    """A trainer process (the replay, run as a program) pauses the fleet through NeMo-RL's calls (and,
+    ``after="reload"``, reloads its next export), then is SIGKILLed before its ``/resume``: the router
+    ends the transaction when its lease runs out, the rollouts held meanwhile all complete, the fleet
+    serves again on one checksum with one version on every engine and every answer, and the next
+    trainer can pause."""
     client: FleetClient = fleet["client"]
     url = fleet["router"].base_url()
     exports = _exports(fleet, vllm_python, tiny_model_dir)
@@ -279,7 +272,8 @@ def test_a_trainer_killed_between_pause_and_resume_is_ended_by_its_lease(
     env = {**os.environ, "RL_REPLAY_CONTROL_KEY": TOKEN, "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "tests.support.trainer_replays", "nemo-rl-hold", "--base-url", url]
     command += ["--model", "tiny", "--key-env", "RL_REPLAY_CONTROL_KEY", "--mode", "keep"]
-    command += ["--reload", str(nemo_rl_version_dir(exports, 3))]
+    if after == "reload":
+        command += ["--reload", str(nemo_rl_version_dir(exports, 3))]
     session = fleet["router"].fleet.control.session
     lease_was, session.lease_s = session.lease_s, LEASE_S
     trainer = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
