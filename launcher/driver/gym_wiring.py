@@ -1,8 +1,8 @@
 """The Gym wiring phase: the overlay (``policy_base_url`` = router + ``/v1``, ``policy_api_key``,
 ``policy_model_name``; mode 0600) and the same values as environment variables for the training command;
 for engines the trainer owns, the registration URL as well (``RL_ROUTER_REGISTRATION_URL``); where the
-job has a fleet URL, vLLM's control API for the whole fleet (``RL_CONTROL_BASE_URL`` = fleet URL +
-``/control``, ``RL_CONTROL_API_KEY`` = the job's admin token), what a trainer written for one vLLM sets as
+job has a fleet URL, vLLM's control API for the whole fleet (``RL_CONTROL_BASE_URL`` = the fleet URL's
+origin, ``RL_CONTROL_API_KEY`` = the job's admin token), what a trainer written for one vLLM sets as
 its control URL and API-key variable (docs/trainers.md).
 
 Secrets reach the training command only through its environment (and the 0600 overlay): never its argv,
@@ -16,13 +16,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
 from launcher.fleet.client import why_no_fleet_url
 from launcher.jobdir import JobDir, StateWriter, write_text_atomic
 from launcher.spec import ResolvedSpec
-from router.fleet.vllm_control import PREFIX as CONTROL_PATH
 from router.http.capability import registration_url
 
 CONTROL_ENV = ("RL_CONTROL_BASE_URL", "RL_CONTROL_API_KEY")
@@ -32,10 +32,15 @@ there)."""
 
 
 def control_url_of(fleet_url: str | None) -> str | None:
-    """The control URL of a job whose fleet URL is ``fleet_url`` (``None`` without one): where the router
-    answers vLLM's control API for the whole fleet (``router.fleet.vllm_control``, under ``PREFIX``),
-    beside ``/fleet/*`` and with the same admin token."""
-    return fleet_url.rstrip("/") + CONTROL_PATH if fleet_url else None
+    """The control URL of a job whose fleet URL is ``fleet_url`` (``None`` without one): the fleet URL's
+    origin, at whose root the router answers vLLM's control API for the whole fleet
+    (``router.fleet.vllm_control``), beside ``/fleet/*`` and with the same admin token. The origin, not
+    ``<fleet_url>/control`` (also served): NeMo-RL's ``remote_vllm`` keeps only the origin of its
+    ``control_base_url``, and a client that keeps the path (prime-rl, TRL) then lands on the same routes."""
+    if not fleet_url:
+        return None
+    parts = urlsplit(fleet_url)
+    return urlunsplit((parts.scheme, parts.netloc, "", "", ""))
 
 
 def control_line(control_url: str | None, job: JobDir, state: dict[str, Any]) -> str:

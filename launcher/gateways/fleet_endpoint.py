@@ -107,6 +107,8 @@ class FleetEndpoint:
         # registration; an unmarked route keeps the app from starting.
         routes = RouteTable(app, Credentials(None, self._admin_token, self.listener.limits.body_timeout_s))
         self.api.add_routes(routes)
+        # Nothing else serves this origin's /health and /v1/models: the control URL's, at the root too.
+        self.api.control.add_root_reads(routes)
         routes.add("POST", "/fleet/reset_prefix_cache", self._reset_prefix_cache, Access.ADMIN)
         return app
 

@@ -1,7 +1,7 @@
-"""vLLM 0.32's control API for the whole fleet, under ``/control`` on the fleet's URL.
+"""vLLM 0.32's control API for the whole fleet, on the fleet URL's origin and under ``/control`` there.
 
-What a trainer written for one vLLM sends (``control_base_url: <fleet_url>/control`` and the job's admin
-token as its Bearer): the same paths, query parameters, bodies, status codes and error JSON as vLLM 0.32's
+What a trainer written for one vLLM sends (``control_base_url: <fleet_url>`` and the job's admin token as
+its Bearer): the same paths, query parameters, bodies, status codes and error JSON as vLLM 0.32's
 own handlers (``vllm/entrypoints/rl/online/api_router.py``, ``serve/dev/*``, ``serve/lora/api_router.py``),
 so its client works unchanged; the call sequence runs as the fleet's refit transaction
 (``router.fleet.control_session``), which no single vLLM has: canary, verify, quarantine, version.
@@ -23,6 +23,13 @@ so its client works unchanged; the call sequence runs as the fleet's refit trans
 * Anything else under ``/control/`` (``/sleep``, ``/wake_up``, another ``collective_rpc`` method) is
   refused in vLLM's error shape naming what is supported, and never forwarded: a raw call to every
   engine is exactly the untransacted fan-out this URL replaces.
+
+Two mounts of one route list (``add_routes``): at the root, because NeMo-RL's ``remote_vllm`` client keeps
+only the origin of its ``control_base_url`` (its default paths land there), and under ``/control`` (the
+first mount; docs and clients use it). At the root of the builtin router ``/health`` and ``/v1/models``
+stay the generation URL's (``router.http.app``: its ``/health`` says ``"control_fanout": true``, its
+``/v1/models`` takes the admin token too); vLLM's other control paths are refused there, unknown paths
+get the router's 404.
 
 Error JSON: the RL routes' ``{"error": "..."}`` where vLLM answers so (``/pause``, ``/resume``), else
 vLLM's ``ErrorResponse`` ``{"error": {"message", "type", "param", "code"}}``. Every answer carries the
@@ -79,6 +86,16 @@ RPC_METHODS = ("reload_weights",)
 SUPPORTED = (
     f"GET {', '.join(READS)}; POST {', '.join(REFIT + LORA)} (collective_rpc: {', '.join(RPC_METHODS)})"
 )
+ROOT_SHARED = ("/health", "/v1/models")
+"""Paths the generation URL serves at the root of the builtin router's origin (probes, Gym): kept there."""
+UNSUPPORTED = tuple(
+    "/abort_requests /inference/v1/abort_requests /shutdown_weight_transfer_engine /weight_checker "
+    "/start_draft_weight_update /sleep /wake_up /is_sleeping /release_kv_cache_memory /reset_mm_cache "
+    "/reset_encoder_cache /start_profile /stop_profile /scale_elastic_ep /is_scaling_elastic_ep "
+    "/fault_tolerance/apply /fault_tolerance/status".split()
+)
+"""vLLM 0.32's other control routes (``rl/online``, ``serve/dev``, ``serve/profile``, ``serve/elastic_ep``,
+``serve/fault_tolerance``, the abort of ``scale_out``): refused at the root as under ``PREFIX``."""
 READ_TIMEOUT_S = 30.0
 
 
@@ -96,17 +113,18 @@ class ControlApi:
         self.adapters = adapters
         self.lora = ControlLora(adapters)
 
-    def add_routes(self, table: RouteTable, base: Access = Access.ADMIN) -> None:
-        for path, handler in (
+    def routes(self, base: Access = Access.ADMIN) -> list[tuple[str, str, Handler, Access]]:
+        """Every control route, unprefixed: ``(method, path, handler, access)``; ``base``: the refit
+        routes' mark (``Access.OWNER`` on a fleet of LoRA tenants)."""
+        reads = (
             ("/health", self.health),
             ("/v1/models", self.models),
             ("/server_info", self.server_info),
             ("/is_paused", self.is_paused),
             ("/weight_info", self.weight_info),
             ("/get_world_size", self.world_size),
-        ):
-            table.add("GET", PREFIX + path, self._versioned(handler), Access.ADMIN)
-        for path, handler in (
+        )
+        refit = (
             ("/pause", self.pause),
             ("/resume", self.resume),
             ("/collective_rpc", self.collective_rpc),
@@ -116,15 +134,39 @@ class ControlApi:
             ("/start_weight_update", self.start_weight_update),
             ("/update_weights", self.update_weights),
             ("/finish_weight_update", self.finish_weight_update),
-        ):
-            table.add("POST", PREFIX + path, self._versioned(handler), base)
-        for path, handler in (
+        )
+        lora = (
             ("/v1/load_lora_adapter", self.lora.load),
             ("/v1/unload_lora_adapter", self.lora.unload),
             ("/load_lora_adapter", self.lora.load_inplace),  # prime-rl's own route (its server's)
-        ):
-            table.add("POST", PREFIX + path, self._versioned(handler), Access.ADMIN)
+        )
+        return [
+            *(("GET", p, h, Access.ADMIN) for p, h in reads),
+            *(("POST", p, h, base) for p, h in refit),
+            *(("POST", p, h, Access.ADMIN) for p, h in lora),
+        ]
+
+    def add_routes(self, table: RouteTable, base: Access = Access.ADMIN) -> None:
+        """The control routes twice: under ``PREFIX`` (with a catch-all refusal) and at the root of the
+        URL's origin (``ROOT_SHARED`` excepted: ``add_root_reads``), which is where NeMo-RL's client sends
+        them whatever path its ``control_base_url`` has. At the root, vLLM's other control paths
+        (``UNSUPPORTED``) and the control paths' other methods get the same refusal; any other path
+        stays the router's 404."""
+        for method, path, handler, access in self.routes(base):
+            table.add(method, PREFIX + path, self._versioned(handler), access)
+            if path not in ROOT_SHARED:
+                table.add(method, path, self._versioned(handler), access)
+                table.add("*", path, self._versioned(self.unsupported), Access.ADMIN)
         table.add("*", PREFIX + "/{tail:.*}", self._versioned(self.unsupported), Access.ADMIN)
+        for path in UNSUPPORTED:
+            table.add("*", path, self._versioned(self.unsupported), Access.ADMIN)
+
+    def add_root_reads(self, table: RouteTable) -> None:
+        """``ROOT_SHARED`` at the root too, where nothing else serves them (the driver's fleet endpoint
+        beside vllm-router / Ray Serve; on the builtin router they are the generation URL's own)."""
+        for method, path, handler, access in self.routes():
+            if path in ROOT_SHARED:
+                table.add(method, path, self._versioned(handler), access)
 
     def _versioned(self, handler: Handler) -> Handler:
         """Every answer names the weights it concerns (``x-rl-weight-version``, as every generation does):
@@ -430,8 +472,11 @@ class ControlApi:
 
     # -- the rest -------------------------------------------------------------------------------------
     async def unsupported(self, request: web.Request) -> web.Response:
-        """Every other path or method under ``/control/``: refused here, never forwarded."""
-        path = request.path[len(PREFIX) :] or "/"
+        """Every other path or method under ``/control/``, and the root's (``add_routes``): refused here,
+        never forwarded."""
+        path = request.path
+        if path == PREFIX or path.startswith(PREFIX + "/"):
+            path = path[len(PREFIX) :] or "/"
         known = path in READS or path in REFIT or path in LORA
         message = (
             f"{request.method} {path} is not served by this fleet's control URL"

@@ -188,7 +188,9 @@ def build_app(
         proxied = tuple(r for r in PROXIED_ROUTES if r[0] != "/v1/models")
     for path, methods in proxied:
         for method in methods:
-            table.add(method, path, forwarder.handle, Access.CLIENT)
+            # The model list takes the admin keys too (``Access.LISTING``); generation, the client's.
+            access = Access.LISTING if path == "/v1/models" else Access.CLIENT
+            table.add(method, path, forwarder.handle, access)
     if capability is not None:
         # The same routes under the job's capability, for a trainer that sends no key of ours
         # (router.http.capability); the forwarder sees the path after the prefix.
@@ -209,7 +211,16 @@ async def not_found(request: web.Request) -> web.Response:
     )
 
 
+HEALTH_BODY = orjson.dumps({"status": "ok", "control_fanout": True})
+
+
 async def health(request: web.Request) -> web.Response:
     """Liveness: 200 whenever the process serves, whatever the backends do (``router.fleet.admin``). Each
-    worker process answers it itself."""
-    return web.Response(status=200, body=orjson.dumps({"status": "ok"}), content_type="application/json")
+    worker process answers it itself.
+
+    ``"control_fanout": true``: this origin is also the fleet's control URL (``router.fleet.vllm_control``
+    at its root), which sends each control call to every engine as one transaction; NeMo-RL's
+    ``remote_vllm`` preflight reads this ``/health`` as its control URL's and refuses one counting several
+    backends without the flag. No ``total_backends``: a worker process does not hold the serving set (only
+    the router process does, a relay away), so the count is ``/control/health``'s (admin)."""
+    return web.Response(status=200, body=HEALTH_BODY, content_type="application/json")

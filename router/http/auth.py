@@ -5,6 +5,11 @@ Five kinds of access (``Access``):
 * ``OPEN``: no credential. ``/health``, ``/readiness`` and ``/metrics``, as vLLM's, so probes and
   scrapers need no secret.
 * ``CLIENT``: the client API key when one is set (the proxied routes and the router's 404).
+* ``LISTING``: as ``CLIENT``, and the admin token or an admin consumer's key too: ``GET /v1/models``
+  alone. A trainer written for one vLLM (NeMo-RL's ``remote_vllm``) sends its one key, the admin token
+  of the control URL, to the generation URL's model list in its preflight; a read of served names, which
+  the admin holder may see anyway (``/control/v1/models``). Generation stays ``CLIENT``: an admin key
+  there is still 401/403 (one use each, below).
 * ``ADMIN``: the admin token, else the client key (``RouterConfig.admin_secret``): ``/fleet/*``, which
   pause and refit engines. Separate from the client key because that one travels to every rollout worker
   (it is in Gym's config).
@@ -78,6 +83,7 @@ _KEYS = web.RequestKey("consumer_keys", ConsumerKeys)
 class Access(enum.Enum):
     OPEN = "open"
     CLIENT = "client"
+    LISTING = "listing"
     ADMIN = "admin"
     OWNER = "owner"
     CAPABILITY = "capability"
@@ -179,6 +185,8 @@ class RouteTable:
             return handler
         if access is Access.CAPABILITY:
             return _capability_checked(handler, c.capability)
+        if access is Access.LISTING:
+            return _listing_checked(handler, c.api_key, c.admin_token, c.consumers)
         if access is Access.CLIENT:
             if c.consumers is not None:
                 return _client_or_consumer_checked(handler, c.api_key, c.consumers)
@@ -267,6 +275,34 @@ def _client_or_consumer_checked(handler: Handler, api_key: str | None, consumers
             request[CONSUMER] = consumer
             request[_KEYS] = consumers
         return await handler(request)
+
+    return checked
+
+
+def _listing_checked(
+    handler: Handler, api_key: str | None, admin_token: str | None, consumers: ConsumerKeys | None
+) -> Handler:
+    """``Access.LISTING`` (module doc): what the client route takes, or the admin token, or an admin
+    consumer's key. Open only where the client routes are (no client key, no consumers file)."""
+    client = (
+        _client_or_consumer_checked(handler, api_key, consumers)
+        if consumers is not None
+        else (handler if api_key is None else _client_checked(handler, api_key))
+    )
+
+    async def checked(request: web.Request) -> web.StreamResponse:
+        given = _bearer(request)
+        if admin_token is not None and _matches(given, admin_token):
+            if consumers is not None:
+                request[CONSUMER] = OWNER_CONSUMER
+            return await handler(request)
+        if consumers is not None:
+            consumer = consumers.lookup(given)
+            if consumer is not None and consumer.is_admin_key and consumer.admin:
+                request[CONSUMER] = consumer
+                request[_KEYS] = consumers
+                return await handler(request)
+        return await client(request)
 
     return checked
 

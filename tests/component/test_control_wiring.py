@@ -1,7 +1,8 @@
-"""The training command's control URL (issue 39, docs/trainers.md): ``RL_CONTROL_BASE_URL`` (the job's
-fleet URL + ``/control``) and ``RL_CONTROL_API_KEY`` (the job's admin token, what ``FleetClient.from_job_dir``
-uses) in its environment, ``control_url`` in the job state, and never the key in argv, a log or the saved
-spec; a job without ``/fleet`` routes gets neither, and the driver's log says why.
+"""The training command's control URL (issue 39, docs/trainers.md): ``RL_CONTROL_BASE_URL`` (the origin of
+the job's fleet URL, at whose root the router serves the control API) and ``RL_CONTROL_API_KEY`` (the job's
+admin token, what ``FleetClient.from_job_dir`` uses) in its environment, ``control_url`` in the job state,
+and never the key in argv, a log or the saved spec; a job without ``/fleet`` routes gets neither, and the
+driver's log says why.
 
 Real parts: job directories under pytest's tmp dir with the secrets the driver makes, the driver's
 ``wire_gym`` on the job state, the training command run by the driver's ``TrainingCommand`` (``bash -c``),
@@ -91,15 +92,24 @@ def test_a_job_with_fleet_routes_hands_its_trainer_the_control_url_and_admin_tok
     base, key = run_training(job, env, tmp_path / "seen")
 
     admin = job.read_admin_token()
-    assert base == f"{fleet_url}/control" == control_url_of(fleet_url)
+    assert base == fleet_url == control_url_of(fleet_url)  # the origin: NeMo-RL keeps no more of it
     assert key == admin and key != job.read_api_key() and key != "inherited-from-another-job"
     assert env["RL_POLICY_BASE_URL"] == f"{ROUTER}/v1"
-    assert job.read_state()["control_url"] == f"{fleet_url}/control"
-    assert any(f"vLLM control API for the whole fleet: {fleet_url}/control" in line for line in said), said
+    assert job.read_state()["control_url"] == fleet_url
+    assert any(f"vLLM control API for the whole fleet: {fleet_url} (" in line for line in said), said
     # the same token the client uses at the same URL
     client = FleetClient.from_job_dir(job.path)
-    assert f"{client.url}/control" == base and client._token == key
+    assert client.url == base and client._token == key
     assert admin not in everything_written(job, said, spec.training.command)
+
+
+def test_the_control_url_is_the_fleet_urls_origin() -> None:
+    """NeMo-RL's ``service_url`` keeps only the origin of ``control_base_url``; a path-keeping client
+    (prime-rl, TRL) must land on the same routes, so the URL handed over has no path at all."""
+    assert control_url_of("http://127.0.0.1:45123") == "http://127.0.0.1:45123"
+    assert control_url_of("http://127.0.0.1:45123/") == "http://127.0.0.1:45123"
+    assert control_url_of("http://[::1]:8/fleet/x?q=1") == "http://[::1]:8"
+    assert control_url_of(None) is None and control_url_of("") is None
 
 
 def test_a_front_without_fleet_routes_gets_neither_and_the_log_says_why(
@@ -181,9 +191,9 @@ def test_a_job_on_a_standing_fleet_gets_the_control_url_only_as_an_admin_consume
         assert holder is None
         assert "as a plain consumer" in line, line
         return
-    assert base == f"{ROUTER}/control" == job.read_state()["control_url"]
+    assert base == ROUTER == job.read_state()["control_url"]
     assert key == job.read_admin_token() != fleet.read_admin_token()
-    assert f"{ROUTER}/control" in line
+    assert f"{ROUTER} (" in line
     assert holder is not None and holder.admin and holder.is_admin_key, holder
     assert key not in everything_written(job, said, spec.training.command)
     assert key not in json.dumps(fleet.read_state())

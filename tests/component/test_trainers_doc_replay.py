@@ -115,16 +115,23 @@ async def test_the_pages_nemo_rl_block_preflights_and_refits_a_job_keyed_router(
     print(f"\n[trainers doc] NeMo-RL on a keyed router: {[c.brief()[:70] for c in calls]}")
 
 
-async def test_models_path_on_the_generation_url_is_refused_on_a_job_keyed_router(sims, job: JobDir) -> None:
-    """Why the page's ``models_path`` is ``/control/v1/models``: NeMo-RL sends its one key (the admin
-    token) to the generation URL's ``/v1/models`` as well, which takes the client key only."""
+async def test_models_path_on_the_generation_url_takes_the_admin_token_on_a_job_keyed_router(
+    sims, job: JobDir
+) -> None:
+    """NeMo-RL sends its one key (the admin token) to the generation URL's ``/v1/models`` as well: that
+    listing takes the admin token too (``router.http.auth.Access.LISTING``), so NeMo-RL's default
+    ``models_path`` passes its preflight; generation still refuses the admin token."""
     engines = await sims(2)
     with keyed_router(job) as make:
         router = make([e.url for e in engines])
         nemo = nemo_rl(job, router, engines[0].config.model_name, models_path="/v1/models")
-        with pytest.raises(ReplayError) as refused:
-            await in_thread(nemo.preflight)
-    assert refused.value.call.status == 401 and refused.value.call.url.endswith("/v1/models")
+        await in_thread(nemo.preflight)
+        status, _ = await send(
+            router.base_url(), chat(), {"Authorization": f"Bearer {job.read_admin_token()}"}
+        )
+    listing = next(c for c in nemo.transport.calls if c.url.endswith("/v1/models"))
+    assert listing.status == 200 and "/control/" not in listing.url, listing.brief()
+    assert status == 401
 
 
 async def test_what_the_page_says_blocks_prime_rl_and_trl_on_a_job_keyed_router(

@@ -103,10 +103,11 @@ async def test_nemo_rl_preflight_sees_one_fleet_with_control_fanout(sims, router
     assert {e["url"] for e in info["fleet"]["engines"]} == {e.url for e in engines}
     status, paused = await control(url, "GET", "/is_paused")
     assert (status, paused["is_paused"]) == (200, False)
-    # The generation URL's /health is what probes and Gym expect: unchanged, and no control keys.
+    # The generation URL's /health is what probes and Gym expect: open, 200, its status; it says the
+    # origin fans control calls out (its root is the control URL too) but counts no backends.
     async with aiohttp.ClientSession() as s, s.get(url + "/health") as got:
         assert (got.status, await got.read()) == generation_health
-    assert generation_health[0] == 200 and b"control_fanout" not in generation_health[1]
+    assert generation_health == (200, b'{"status":"ok","control_fanout":true}')
 
 
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
