@@ -207,13 +207,7 @@ class GenerationRouter:
         hold every tenant's adapters."""
         fleet = self.fleet
         table = AdapterTable(plan, self._reserved_adapters)
-        refits = AdapterRefits(
-            fleet.fleet,
-            table,
-            fleet.refit,
-            fleet.refit_routes.checks,
-            fleet.refit_routes.served_root,
-        )
+        refits = AdapterRefits(fleet.fleet, table, fleet.refit)  # the fleet's own guard and served root
         self.backends.serving_listeners.append(refits.on_serving)
         fleet.adapter_refits = refits  # the control URL's /v1/load_lora_adapter is this adapter transaction
         self.forwarder.adapters = AdapterRequests(table, lambda: self.backends.serving, max_wait_s)
