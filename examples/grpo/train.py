@@ -343,9 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     version = "step-0"
     if control is not None:
         # NeMo-RL's preflight, once; the fleet names the version (the trainer sends none): the one it
-        # serves now, or the one the first reload of the served model's own weights moved it to.
+        # serves now, or the one a first reload of the served model's own weights moved it to (--reload,
+        # or a fleet no refit has named yet: vLLM's API stamps a version only with new weights).
         info = control.preflight()
-        start = control.refit(str(model_dir)) if args.reload and model_dir is not None else None
+        first_reload = args.reload or not info.get("_version")
+        start = control.refit(str(model_dir)) if first_reload and model_dir is not None else None
         version = str((start or {}).get("version") or info.get("_version") or version)
         print(f"grpo: vLLM API preflight passed; the fleet serves {version}", flush=True)
     elif adapter:
