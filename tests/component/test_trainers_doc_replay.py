@@ -69,7 +69,7 @@ def nemo_rl(job: JobDir, router: GenerationRouter, model: str, **paths: str) -> 
         served_model_name=cfg["served_model_name"],
         api_key=env[cfg["api_key_env_var"]],
         control_base_url=cfg["control_base_url"],
-        paths={name: paths.get(name, cfg[name]) for name in NEMO_RL_PATHS},
+        paths={name: paths.get(name, cfg.get(name, default)) for name, default in NEMO_RL_PATHS.items()},
         inflight_policy=cfg["refit"]["inflight_policy"],
     )
 
@@ -103,7 +103,10 @@ async def test_the_pages_nemo_rl_block_preflights_and_refits_a_job_keyed_router(
 
     calls = nemo.transport.calls
     assert [c.status for c in calls] == [200] * len(calls), [c.brief() for c in calls]
-    assert all("/control/" in c.url for c in calls), [c.url for c in calls]
+    # NeMo-RL's default paths on the control URL, the fleet URL's origin (the router's own, here)
+    assert all(c.url.startswith(router.base_url() + "/") and "/control" not in c.url for c in calls), [
+        c.url for c in calls
+    ]
     version = refit[-1].answer["weight_version"]
     assert version == "version_00000001-c1", refit[-1].answer  # derived: NeMo-RL sends none
     assert reset.answer["success"] is True
@@ -149,11 +152,11 @@ async def test_what_the_page_says_blocks_prime_rl_and_trl_on_a_job_keyed_router(
         url = router.base_url()
         rollout_with_admin = (await send(url, chat(), admin))[0]
         with pytest.raises(ReplayError) as control_with_client:
-            await in_thread(prime_rl_update_weights, url + "/control", tmp_path / "w", job.read_api_key(), 1)
+            await in_thread(prime_rl_update_weights, url, tmp_path / "w", job.read_api_key(), 1)
         shards = checkpoint(tmp_path, "step_1", b"p")
         (shards / "config.json").unlink()
         with pytest.raises(ReplayError) as no_config:
-            await in_thread(prime_rl_update_weights, url + "/control", shards, job.read_admin_token(), 1)
+            await in_thread(prime_rl_update_weights, url, shards, job.read_admin_token(), 1)
         rollout_keyless = (await send(url, chat()))[0]
         trl_at_router, trl_at_control = TrlAsyncGrpo(url), TrlAsyncGrpo(url + "/control")
         refused = []
@@ -171,6 +174,6 @@ async def test_what_the_page_says_blocks_prime_rl_and_trl_on_a_job_keyed_router(
     assert [c.status for c in refused] == [401, 401], [c.brief() for c in refused]
     print(
         f"\n[trainers doc] prime-rl: rollout with the admin token {rollout_with_admin}, "
-        f"/control with the client key {control_with_client.value.call.brief()[:80]}, "
+        f"the control URL with the client key {control_with_client.value.call.brief()[:80]}, "
         f"no config.json {no_config.value.call.brief()[:120]}; TRL: {[c.brief()[:60] for c in refused]}"
     )

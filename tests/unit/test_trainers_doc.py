@@ -35,7 +35,7 @@ from launcher.driver.gym_wiring import wire_gym
 from launcher.jobdir import JobDir, StateWriter
 from launcher.spec import load_resolved
 from launcher.spec.snapshot import write_spec
-from router.fleet.vllm_control import PREFIX, READS, REFIT
+from router.fleet.vllm_control import PREFIX, READS, REFIT, ROOT_SHARED
 from tests.support.trainer_replays import NEMO_RL_PATHS, service_url
 from tests.support.trainers_doc import NEMO_RL_EXAMPLE, PAGE, ROOT, fences, nemo_rl_block, resolved
 
@@ -147,21 +147,28 @@ def test_the_nemo_rl_block_is_a_remote_vllm_cfg_whose_calls_land_on_the_control_
     cfg = resolved(generation["remote_vllm_cfg"], handed)
     check_remote_vllm_cfg(cfg)
     assert cfg["api_key_env_var"] == "RL_CONTROL_API_KEY"  # NeMo-RL's one Bearer, for every call
+    assert cfg["control_base_url"] == handed["RL_CONTROL_BASE_URL"]
     assert cfg["served_model_name"] == handed["RL_POLICY_MODEL_NAME"]
     assert cfg["base_url"] == handed["RL_POLICY_BASE_URL"]
-    # Every call NeMo-RL makes (preflight on both URLs, the refit, the cache reset) on the control URL.
+    # Every call NeMo-RL makes (preflight on both URLs, the refit, the cache reset), with its one key (the
+    # admin token), lands on a route the builtin router serves that key at: the control routes, mounted at
+    # the root of the fleet URL's origin (and under PREFIX), and the generation URL's /health (open) and
+    # /v1/models (ROOT_SHARED: Access.LISTING takes the admin token too).
     control = cfg.get("control_base_url") or cfg["base_url"]
+    paths = {name: cfg.get(name, default) for name, default in NEMO_RL_PATHS.items()}
     calls = {
-        "health (generation URL)": service_url(cfg["base_url"], cfg["health_path"]),
-        "health (control URL)": service_url(control, cfg["health_path"]),
-        "models (generation URL)": service_url(cfg["base_url"], cfg["models_path"]),
-        **{name: service_url(control, cfg[name]) for name in NEMO_RL_PATHS if name != "models_path"},
+        "health (generation URL)": service_url(cfg["base_url"], paths["health_path"]),
+        "health (control URL)": service_url(control, paths["health_path"]),
+        "models (generation URL)": service_url(cfg["base_url"], paths["models_path"]),
+        **{name: service_url(control, paths[name]) for name in NEMO_RL_PATHS if name != "models_path"},
     }
-    served = {PREFIX + p for p in (*READS, *REFIT)}
-    origin = handed["RL_CONTROL_BASE_URL"].removesuffix(PREFIX)
+    served = {p for p in (*READS, *REFIT)} | {PREFIX + p for p in (*READS, *REFIT)}
+    origin = handed["RL_CONTROL_BASE_URL"]
+    assert urlsplit(origin).path == "", f"the control URL {origin} is an origin (NeMo-RL keeps no more)"
     for what, url in calls.items():
-        assert url.startswith(origin + PREFIX + "/"), f"{what}: {url} is not on {origin}{PREFIX}"
+        assert url.startswith(origin + "/"), f"{what}: {url} is not on {origin}"
         assert urlsplit(url).path in served, f"{what}: {url} is not a route of the control URL"
+    assert {urlsplit(calls[k]).path for k in calls if k.startswith(("health", "models"))} <= set(ROOT_SHARED)
 
 
 def test_the_nemo_rl_example_passes_the_pages_block() -> None:
