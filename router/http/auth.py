@@ -1,6 +1,6 @@
 """Who may call which route: every route declares its access where it is registered, and one check reads it.
 
-Five kinds of access (``Access``):
+Six kinds of access (``Access``):
 
 * ``OPEN``: no credential. ``/health``, ``/readiness`` and ``/metrics``, as vLLM's, so probes and
   scrapers need no secret.
@@ -9,7 +9,8 @@ Five kinds of access (``Access``):
   alone. A trainer written for one vLLM (NeMo-RL's ``remote_vllm``) sends its one key, the admin token
   of the control URL, to the generation URL's model list in its preflight; a read of served names, which
   the admin holder may see anyway (``/control/v1/models``). Generation stays ``CLIENT``: an admin key
-  there is still 401/403 (one use each, below).
+  there is still 401/403 (one use each, below). (On a fleet of LoRA tenants the router answers the list
+  itself, ``router.fleet.adapter_routes``, still as ``CLIENT``.)
 * ``ADMIN``: the admin token, else the client key (``RouterConfig.admin_secret``): ``/fleet/*``, which
   pause and refit engines. Separate from the client key because that one travels to every rollout worker
   (it is in Gym's config).
