@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launcher.engines.sim.checkpoint import write_checkpoint
 from launcher.engines.sim.config import SimConfig
 from launcher.engines.sim.server import SimServer
+from launcher.fleet.client import FleetClient
 from router import GenerationRouter
 from router.config import RouterConfig
 from tests.support.trainer_replays import NemoRlRemoteVllm, control_paths
@@ -97,11 +98,14 @@ async def main() -> None:
         await asyncio.to_thread(straight.preflight)
         # Interleaved (one refit each way, then the next round) so both see the same machine load; the
         # engines start on a, so round 0 moves to b, round 1 back to a, and so on.
-        via, direct = [], []
+        via, direct, steps = [], [], []
+        fleet_client = FleetClient(url, TOKEN)
         for i in range(args.rounds):
             target = dirs[(i + 1) % 2]
             via.append(await asyncio.to_thread(one_refit, through, target))
             direct.append(await asyncio.to_thread(one_refit, straight, target))
+            last = (await asyncio.to_thread(fleet_client.refit_state))["last"]
+            steps.append({s["phase"]: s["took_s"] for s in last["steps"]})
     finally:
         if router is not None:
             router.stop()
@@ -118,6 +122,9 @@ async def main() -> None:
     for k in (*PHASES, "refit"):
         ratio = m_via[k] / m_direct[k] if m_direct[k] > 0 else float("inf")
         print(f"  {k:16} {m_via[k] * 1000:21.1f} ms {m_direct[k] * 1000:9.1f} ms {ratio:6.2f}x")
+    phases = {k: statistics.median(r.get(k, 0.0) for r in steps) for k in steps[0]}
+    print("  the router's transaction, median per step (GET /fleet/refit):")
+    print("    " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in phases.items()))
     worst = max(r["refit"] for r in via), max(r["refit"] for r in direct)
     print(f"  slowest refit: /control {worst[0] * 1000:.1f} ms, one engine {worst[1] * 1000:.1f} ms")
 
