@@ -24,12 +24,20 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from launcher.driver.gym_wiring import control_url_of
 from launcher.gateways.fleet_endpoint import FleetEndpoint
 from router import GenerationRouter
 from router.consumers import add_admin_key, add_consumer, new_key
+from router.fleet.api import FleetApi
 from router.fleet.vllm_control import UNSUPPORTED
+from router.http.app import PROXIED_ROUTES
+from router.http.auth import RouteTable
+from router.policies import make_policy
+from router.policies.base import LoadTracker
+from router.state.backends import BackendSet
+from router.state.pause_gate import PauseGate
 from tests.support.checkpoints import checkpoint
 from tests.support.http_backends import router_factory
 from tests.support.recording_server import RecordingServer
@@ -49,6 +57,16 @@ NEMO_RL_ORDER = [
     "/resume",
     "/reset_prefix_cache",  # its async loop's invalidate_kv_cache, after the resume
 ]
+
+
+async def test_no_root_control_path_is_a_generation_route() -> None:
+    """The root mount shares the generation URL's origin: no route the fleet's API registers there may
+    be a proxied route's path (``/health`` and ``/v1/models`` stay the generation URL's)."""
+    table = RouteTable(web.Application())
+    FleetApi(BackendSet(make_policy("round_robin"), LoadTracker()), PauseGate()).add_routes(table)
+    root = {r.path for r in table.marked() if not r.path.startswith(("/control/", "/fleet/"))}
+    assert {"/pause", "/collective_rpc", "/server_info", "/sleep"} <= root
+    assert not root & {path for path, _ in PROXIED_ROUTES} and "/health" not in root, root
 
 
 @pytest.fixture(params=[1, 2], ids=["one-process", "2-workers"])
