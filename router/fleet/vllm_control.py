@@ -28,8 +28,9 @@ Two mounts of one route list (``add_routes``): at the root, because NeMo-RL's ``
 only the origin of its ``control_base_url`` (its default paths land there), and under ``/control`` (the
 first mount; docs and clients use it). At the root of the builtin router ``/health`` and ``/v1/models``
 stay the generation URL's (``router.http.app``: its ``/health`` says ``"control_fanout": true``, its
-``/v1/models`` takes the admin token too); vLLM's other control paths are refused there, unknown paths
-get the router's 404.
+``/v1/models`` takes the admin token too; the driver's fleet endpoint, where nothing else serves them,
+mounts the control ones there: ``add_root_reads``); vLLM's other control paths are refused at the root,
+unknown paths get the router's 404.
 
 Error JSON: the RL routes' ``{"error": "..."}`` where vLLM answers so (``/pause``, ``/resume``), else
 vLLM's ``ErrorResponse`` ``{"error": {"message", "type", "param", "code"}}``. Every answer carries the
