@@ -75,7 +75,9 @@ class AdapterRoutes:
         self.no_healthy_status = no_healthy_status
 
     def add_routes(self, table: RouteTable) -> None:
-        table.add("GET", "/v1/models", self.models, Access.CLIENT)
+        table.add(
+            "GET", "/v1/models", self.models, Access.LISTING
+        )  # a read: admin keys too (router.http.auth)
         table.add("GET", "/fleet/adapters", self.view, Access.ADMIN)
         table.add("POST", "/fleet/adapters/load", self.load, Access.ADMIN)
         table.add("POST", "/fleet/adapters/unload", self.unload, Access.ADMIN)

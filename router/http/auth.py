@@ -10,7 +10,7 @@ Six kinds of access (``Access``):
   of the control URL, to the generation URL's model list in its preflight; a read of served names, which
   the admin holder may see anyway (``/control/v1/models``). Generation stays ``CLIENT``: an admin key
   there is still 401/403 (one use each, below). (On a fleet of LoRA tenants the router answers the list
-  itself, ``router.fleet.adapter_routes``, still as ``CLIENT``.)
+  itself, ``router.fleet.adapter_routes``, with the same mark: each caller sees its own adapters.)
 * ``ADMIN``: the admin token, else the client key (``RouterConfig.admin_secret``): ``/fleet/*``, which
   pause and refit engines. Separate from the client key because that one travels to every rollout worker
   (it is in Gym's config).

@@ -38,10 +38,10 @@ async def post(url: str, path: str, key: str, body: Any) -> tuple[int, Any, dict
         return r.status, answer, dict(r.headers)
 
 
-async def models(url: str, key: str) -> list[dict[str, Any]]:
+async def models(url: str, key: str, path: str = "/control/v1/models") -> list[dict[str, Any]]:
     async with (
         aiohttp.ClientSession() as s,
-        s.get(url + "/control/v1/models", headers={"Authorization": f"Bearer {key}"}) as r,
+        s.get(url + path, headers={"Authorization": f"Bearer {key}"}) as r,
     ):
         assert r.status == 200, await r.text()
         return list((await r.json())["data"])
@@ -68,14 +68,22 @@ async def test_lora_loads_are_the_adapter_transaction_under_the_tenant_rules(
     assert headers["x-rl-adapter-served-name"] == "policy-a@v1"
     for e in engines:
         assert await served_on(e) == {"tiny", "policy-a@v1"}
-    # The control URL's /v1/models: each tenant sees its own adapters, the owner every one, no roots.
+    # The control URL's /v1/models: each tenant sees its own adapters, the owner every one, no roots. The
+    # generation URL's own list takes the same admin keys (NeMo-RL's preflight sends its one key there)
+    # and each tenant's client key, and answers the same per caller.
     for key, expected in (
         (ADMIN["a"], {"tiny", "policy-a@v1"}),
         (ADMIN["b"], {"tiny"}),
         (TOKEN, {"tiny", "policy-a@v1"}),
+        (KEYS["a"], {"tiny", "policy-a@v1"}),
     ):
-        listed = await models(url, key)
-        assert {m["id"] for m in listed} == expected and all("root" not in m for m in listed), listed
+        paths = ("/v1/models",) if key in KEYS.values() else ("/control/v1/models", "/v1/models")
+        for path in paths:
+            listed = await models(url, key, path)
+            assert {m["id"] for m in listed} == expected and all("root" not in m for m in listed), (
+                path,
+                listed,
+            )
     # Tenant b may not load over a's adapter, nor unload it: 403, nothing reaches the engines.
     b_over_a = {
         "lora_name": "policy-a",
