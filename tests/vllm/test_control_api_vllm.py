@@ -8,8 +8,10 @@ version on every answer), a checkpoint cut in half in the middle of NeMo-RL's se
 vLLM's error shape while the fleet serves on with no failed rollout, and a trainer process killed between
 ``/pause`` and ``/resume`` is ended by its lease.
 
-The fleet is ``tests/vllm/test_refit_vllm.py``'s (two engines, the router in front with the admin token),
-one per module: engines start once (~90 s each on 2 cores) and every test reuses them, in file order.
+The engines are the session's shared pair (``tests/vllm/conftest.py``'s ``shared_lora_engines``: keyed,
+dev routes on; no engine starts for this module), with a router of this module in front (admin token,
+the engines' key), shared by its tests in file order. What the module changes on the engines (their
+weights, their version) it puts back at the end: the tiny model's weights again, stamped ``default``.
 Needs ``RL_LAUNCH_VLLM_PYTHON``::
 
     flock /tmp/rl-heavy.lock .venv/bin/python -m pytest -n 0 -q tests/vllm/test_control_api_vllm.py -s
@@ -25,12 +27,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from launcher.fleet.client import FleetClient
+from router import GenerationRouter, RouterConfig
+from tests.support.shared_vllm import ENGINE_KEY
 from tests.support.trainer_replays import (
     NEMO_RL_PATHS,
     VERSION_HEADER,
@@ -44,10 +49,7 @@ from tests.vllm import test_refit_vllm as refit_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-fleet = refit_vllm.fleet
-"""Two real engines behind the router (admin token ``refit_vllm.TOKEN``), one fleet for this module."""
-
-TOKEN = refit_vllm.TOKEN
+TOKEN = "control-admin-token-2468"
 REPO = Path(__file__).resolve().parents[2]
 ROLLOUT_WAIT_S = 300.0
 LEASE_S = 10.0
@@ -56,6 +58,37 @@ LEASE_S = 10.0
 shortens it on the running router's control session, as a setting would, to keep CI's wait short."""
 SETTLE_S = 150.0
 """Bound on the fleet settling after a trainer is gone or refused: the lease and a restore."""
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    shared_lora_engines: list[Any], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """The shared engines behind a router of this module, and the fleet's client; at the end the engines
+    get the tiny model's weights back under the version they started with (``default``)."""
+    router = GenerationRouter(
+        RouterConfig(
+            host="127.0.0.1",
+            port=0,
+            policy="round_robin",
+            admin_token=TOKEN,
+            backend_api_key=ENGINE_KEY,
+            backend_timeout_s=300,
+        ),
+        [e.api_url for e in shared_lora_engines],
+    )
+    router.serve_in_background()
+    client = FleetClient(router.base_url(), TOKEN)
+    logdir = tmp_path_factory.mktemp("control-api-vllm")
+    try:
+        yield {"engines": shared_lora_engines, "router": router, "client": client, "logdir": logdir}
+        # Put back unless this module was the engines' last user (the conftest stopped them already).
+        if all(e.is_alive() for e in shared_lora_engines):
+            refit_vllm._until(lambda: not client.refit_state().get("active"), SETTLE_S)
+            restored = client.load_weights(tiny_model_dir, "default")
+            assert restored["ok"], restored
+    finally:
+        router.stop()
 
 
 def _nemo(fleet: Any, mode: str = "keep", url_alone: bool = False) -> NemoRlRemoteVllm:
