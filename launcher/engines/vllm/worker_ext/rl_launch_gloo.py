@@ -117,8 +117,10 @@ def unpack(buffer: Any, update_info: dict[str, Any]) -> Iterator[tuple[str, Any]
     for name, dtype_name, shape, size in zip(
         update_info["names"], update_info["dtype_names"], update_info["shapes"], sizes, strict=True
     ):
-        chunk = buffer[offset : offset + size]
-        yield name, chunk.view(_dtype(dtype_name)).reshape([int(d) for d in shape])
+        chunk, dtype = buffer[offset : offset + size], _dtype(dtype_name)
+        if offset % chunk.new_empty((), dtype=dtype).element_size():
+            chunk = chunk.clone()  # a view must start on its element size (an fp32 after an odd bf16 count)
+        yield name, chunk.view(dtype).reshape([int(d) for d in shape])
         offset += size
 
 
@@ -192,22 +194,36 @@ class GlooSender:
 
     @classmethod
     def open(cls, address: str, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> GlooSender:
-        """Bind the rendezvous store on ``address`` (an OS-chosen port) so the engines can be sent it."""
+        """Bind the rendezvous store on ``address`` (an OS-chosen port) so the engines can be sent it.
+
+        The socket is bound here and handed to the store: a ``TCPStore`` given only a port listens on
+        every interface (``*:PORT``, seen with ``ss -ltn``), where anyone on any node could reach the
+        rendezvous; bound to ``address`` it is ``127.0.0.1:PORT`` in the tests. The store owns the socket
+        from then on (``detach``): closing it under the store's listening thread aborts the process."""
+        import socket
+
         import torch.distributed as dist
 
         if world_size < 2:
             raise ValueError(
                 f"world_size must count the trainer and at least one engine rank, got {world_size}"
             )
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.bind((address, 0))
+        listener.listen()
+        port = int(listener.getsockname()[1])
         store = dist.TCPStore(
             address,
-            0,
+            port,
             world_size,
             is_master=True,
             timeout=timedelta(seconds=timeout_s),
             wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+            use_libuv=False,  # the libuv store does not take a listening socket
         )
-        sender = cls(address, int(store.port), world_size, timeout_s)
+        sender = cls(address, port, world_size, timeout_s)
         sender._store = store
         return sender
 
