@@ -154,10 +154,17 @@ class Sender:
     """The trainer's data plane: ``rl_launch_gloo.py send`` in the vLLM venv (a plain torch process)."""
 
     def __init__(
-        self, vllm_python: str, weights: Path, world_size: int, round_bytes: int = ROUND_BYTES
+        self,
+        vllm_python: str,
+        weights: Path,
+        world_size: int,
+        round_bytes: int = ROUND_BYTES,
+        keyed: bool = True,
     ) -> None:
         argv = [vllm_python, SENDER, "send", "--world-size", str(world_size), "--weights", str(weights)]
-        argv += ["--round-bytes", str(round_bytes), "--timeout-s", "120"]
+        argv += ["--round-bytes", str(round_bytes), "--timeout-s", "120"] + (
+            [] if keyed else ["--no-group-key"]
+        )
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         first = self.proc.stdout.readline()
@@ -166,6 +173,7 @@ class Sender:
         opened = json.loads(first)
         self.port: int = opened["port"]
         self.rounds: list[dict[str, Any]] = opened["rounds"]
+        self.init_info: dict[str, Any] = opened["init_info"]
 
     def finish(self) -> dict[str, Any]:
         out, err = self.proc.communicate(timeout=120)
@@ -195,7 +203,8 @@ def test_a_trainer_streams_new_weights_into_two_cpu_engines_through_the_fleet_ro
     try:
         assert len(sender.rounds) >= 2, sender.rounds  # several rounds, each its own broadcast
         t0 = time.perf_counter()
-        joined = client.init_weight_transfer("127.0.0.1", sender.port)
+        assert len(sender.init_info["group_key"]) == 32  # the rendezvous keys are the trainer's secret
+        joined = client.init_weight_transfer("127.0.0.1", sender.port, sender.init_info)
         t_init = time.perf_counter() - t0
         assert joined.ok, joined.result
         t1 = time.perf_counter()
@@ -249,7 +258,8 @@ def test_trl_streams_through_the_control_url_as_it_would_into_one_vllm(
     greedy_before = _greedy(urls[0])
     new = _shifted_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-trl", 11)
     trl = TrlAsyncGrpo(fleet["router"].base_url() + "/control", api_key=TOKEN)
-    sender = Sender(vllm_python, next(new.glob("*.safetensors")), 3, round_bytes=1 << 30)
+    # TRL's client sends nccl's init fields only: no group key
+    sender = Sender(vllm_python, next(new.glob("*.safetensors")), 3, round_bytes=1 << 30, keyed=False)
     try:
         assert len(sender.rounds) == 1  # TRL sends every tensor in one /update_weights
         t0 = time.perf_counter()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -65,27 +66,29 @@ def register() -> bool:
     return True
 
 
-def _gloo(store: Any, address: str, rank: int, world_size: int, timeout_s: float) -> Any:
+def _gloo(store: Any, address: str, rank: int, world_size: int, timeout_s: float, key: str) -> Any:
     """The gloo group over ``store``, its connections bound to ``address`` (never to an interface the
     host name happens to resolve to), without touching ``torch.distributed``'s default group (a vLLM
-    worker has its own). Blocks until every member joined or ``timeout_s`` passed."""
+    worker has its own). Its rendezvous keys live under ``key`` (see ``GlooSender.open``). Blocks until
+    every member joined or ``timeout_s`` passed."""
     import torch.distributed as dist
 
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, opts)
+    prefix = f"{STORE_PREFIX}/{key}" if key else STORE_PREFIX
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, opts)
 
 
 def join_group(
-    address: str, port: int, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
+    address: str, port: int, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, key: str = ""
 ) -> Any:
-    """An engine rank joins the trainer's group (rank 0 hosts the store on ``address:port``): the
-    ``(group, store)`` pair, kept together (the group needs its store)."""
+    """An engine rank joins the trainer's group (rank 0 hosts the store on ``address:port``; ``key``: the
+    trainer's ``group_key``): the ``(group, store)`` pair, kept together (the group needs its store)."""
     import torch.distributed as dist
 
     store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-    return _gloo(store, address, rank, world_size, timeout_s), store
+    return _gloo(store, address, rank, world_size, timeout_s, key), store
 
 
 def _dtype(name: str) -> Any:
@@ -187,14 +190,29 @@ class GlooSender:
     while that call is in flight (both block until every member is in), then per round ``send(tensors)``
     while ``POST /fleet/refit/update`` with ``update_info_of(tensors)`` is in flight."""
 
-    def __init__(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, address: str, port: int, world_size: int, timeout_s: float, key: str) -> None:
         self.address, self.port, self.world_size, self.timeout_s = address, port, world_size, timeout_s
+        self.group_key = key
         self.group: Any = None
         self._store: Any = None
 
+    @property
+    def init_info(self) -> dict[str, Any]:
+        """What the engines' ``init_info`` must carry beside the rendezvous (``"init_info"`` of
+        ``POST /fleet/weight_transfer/init``): the group key, when there is one."""
+        return {"group_key": self.group_key} if self.group_key else {}
+
     @classmethod
-    def open(cls, address: str, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> GlooSender:
+    def open(
+        cls, address: str, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, keyed: bool = True
+    ) -> GlooSender:
         """Bind the rendezvous store on ``address`` (an OS-chosen port) so the engines can be sent it.
+
+        ``keyed``: the group's rendezvous keys live under a random ``group_key`` that reaches the engines
+        only in ``init_info`` (through the router's admin route and the engines' key-guarded route). The
+        store has no authentication: anyone who reaches its port may read and write keys, and with the
+        well-known prefix alone could register as an engine's rank and be sent the weights. Off for a
+        trainer whose client sends no extra init fields (TRL's sends nccl's own).
 
         The socket is bound here and handed to the store: a ``TCPStore`` given only a port listens on
         every interface (``*:PORT``, seen with ``ss -ltn``), where anyone on any node could reach the
@@ -223,14 +241,14 @@ class GlooSender:
             master_listen_fd=listener.detach(),
             use_libuv=False,  # the libuv store does not take a listening socket
         )
-        sender = cls(address, port, world_size, timeout_s)
+        sender = cls(address, port, world_size, timeout_s, secrets.token_hex(16) if keyed else "")
         sender._store = store
         return sender
 
     def join(self) -> None:
         """Form the group with the engines (blocks until each engine's ``init_weight_transfer_engine``
         joined)."""
-        self.group = _gloo(self._store, self.address, 0, self.world_size, self.timeout_s)
+        self.group = _gloo(self._store, self.address, 0, self.world_size, self.timeout_s, self.group_key)
 
     def send(self, named: list[tuple[str, Any]]) -> int:
         """Broadcast one round (the engines receive it in ``update_weights``); its size in bytes."""
@@ -255,8 +273,9 @@ def _load(path: str) -> list[tuple[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     """``send --address A --world-size W --weights FILE.safetensors [--round-bytes N]``: the trainer's
-    data plane as a process. Prints one JSON line ``{"port", "rounds": [update_info, ...]}`` once the
-    store listens (the caller sends the engines ``port`` and each round's ``update_info``), joins, sends
+    data plane as a process. Prints one JSON line ``{"port", "init_info", "rounds": [update_info, ...]}`` once
+    the store listens (the caller sends the engines ``port`` with ``init_info``, and each round's
+    ``update_info``), joins, sends
     every round, then prints ``{"bytes", "join_s", "rounds_s": [...]}`` and exits 0."""
     parser = argparse.ArgumentParser(prog="rl_launch_gloo")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -266,10 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     send.add_argument("--weights", required=True, help="a .safetensors file of the model's weights")
     send.add_argument("--round-bytes", type=int, default=DEFAULT_ROUND_BYTES)
     send.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    send.add_argument("--no-group-key", action="store_true", help="for a client that cannot send it")
     args = parser.parse_args(argv)
     cut = rounds(_load(args.weights), args.round_bytes)
-    sender = GlooSender.open(args.address, args.world_size, args.timeout_s)
-    print(json.dumps({"port": sender.port, "rounds": [update_info_of(r) for r in cut]}), flush=True)
+    sender = GlooSender.open(args.address, args.world_size, args.timeout_s, keyed=not args.no_group_key)
+    opened = {"port": sender.port, "init_info": sender.init_info, "rounds": [update_info_of(r) for r in cut]}
+    print(json.dumps(opened), flush=True)
     t0 = time.monotonic()
     sender.join()
     joined, times, total = time.monotonic(), [], 0

@@ -22,7 +22,7 @@ Imported only inside an engine, by vLLM's factory, by name (``rl_launch_gloo.reg
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,8 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
+    group_key: str = field(default="", repr=False)
+    """The trainer's ``GlooSender.group_key``: the rendezvous keys live under it (empty: none)."""
     packed: bool = True
     """``nccl``'s wire parameters, taken so a trainer written for ``nccl`` inits unchanged (TRL 1.16 sends
     ``"packed": true``); gloo always sends a round as one packed buffer, so they change nothing."""
@@ -100,7 +102,12 @@ class GlooWeightTransferEngine(
             )
         self.shutdown()
         self.group, self._store = join_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            init_info.timeout_s,
+            init_info.group_key,
         )
 
     def start_weight_update(self) -> None:
