@@ -115,6 +115,7 @@ class FleetApi:
         self.refit_routes = RefitRoutes(self.fleet, self.refit)
         self.restorer = Restorer(self.fleet, self.refit)
         self.refit.on_held_out = self.restorer.request_all
+        self.refit.restores_pending = lambda: bool(self.restorer.pending())
         self.adapter_refits: AdapterRefits | None = None
         """The fleet's adapter transactions (set where the router serves LoRA adapters): the control
         URL's ``/v1/load_lora_adapter`` runs them."""

@@ -34,7 +34,8 @@ engine that missed the update serving again after resume. So one transaction run
 * **The pause is a lease** the router holds. A trainer-driven transaction (``begin`` ... ``commit``)
   renews it; if the trainer dies or stops renewing, the router ends the transaction itself when the lease
   runs out: the engines the transaction touched (sent weights to) and did not verify stay out, the
-  untouched ones resume on the old version, and held requests are released. A directory load run by
+  untouched ones resume on the old version, and held requests are released (when no engine is left
+  serving, once the restore has brought one back on the old version). A directory load run by
   the router alone holds the lease itself and is bounded by the deadline only.
 * Steps run as tasks of the router's own, shielded from the HTTP handler: a trainer that disconnects
   mid-call does not cancel a load half-way.
@@ -49,6 +50,7 @@ of what an engine loaded are ``router.fleet.txn``'s, the part every weight path 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -75,6 +77,10 @@ from router.fleet.txn import SOURCES as SOURCES  # the routes import it from her
 from router.state.pause_gate import PauseGate
 
 log = logging.getLogger(__name__)
+
+RESTORE_HOLD_S = 120.0
+"""How long the requests a pause held wait for a restored engine when the transaction ended with none
+serving (``_end``); past it they are released and answered as a fleet with no healthy backend is."""
 
 
 class RefitRefused(ValueError):
@@ -122,10 +128,14 @@ class RefitCoordinator:
         the weights came by stream or by the trainer's means), and the start directory no longer is."""
         self.on_held_out: Callable[[list[str]], None] | None = None
         """Called with the engines a transaction held out, once it ended (``router.fleet.restore``)."""
+        self.restores_pending: Callable[[], bool] = lambda: False
+        """Whether a restore ``on_held_out`` started still runs (``router.fleet.restore``)."""
         self._lock = asyncio.Lock()
         self._idle = asyncio.Event()
         self._idle.set()
         self._watchdog: asyncio.Task[None] | None = None
+        self._restoring: asyncio.Task[None] | None = None
+        """The gate's deferred release after a transaction that left no engine serving (``_end``)."""
         self._running: set[asyncio.Task[Any]] = set()
 
     # -- the public steps (each shielded from its caller's cancellation) -------------------------------
@@ -156,6 +166,11 @@ class RefitCoordinator:
     def busy(self) -> str | None:
         """Why a plain pause/resume/stamp must wait (a transaction owns the fleet), or None."""
         txn = self.active
+        if (txn is None or txn.ended) and self._restoring is not None and self.last is not None:
+            return (
+                f"refit {self.last.id} ended ({self.last.phase}) with every engine holding unverified "
+                "weights: they are being restored, and the requests held since its pause wait for them"
+            )
         if txn is None or txn.ended:
             return None
         return (
@@ -418,7 +433,14 @@ class RefitCoordinator:
         )
         txn.phase = phase
         txn.ended_at = time.time()
-        txn.released = self.gate.release()
+        if out and self.on_held_out is not None and not self.backends.serving:
+            # Every engine took weights nobody verified (a trainer gone between its load and its commit):
+            # released now, the held requests would find no engine and all fail (no healthy backend).
+            # They wait for the restore to bring an engine back on the fleet's version instead.
+            txn.released = {"released": 0, "waiting_for_restore": len(out)}
+            self._restoring = asyncio.get_running_loop().create_task(self._release_when_serving(txn))
+        else:
+            txn.released = self.gate.release()
         if self.backends.versions.pending == txn.version:
             self.backends.versions.announce(None)
         self.last, self.active = txn, None
@@ -438,6 +460,33 @@ class RefitCoordinator:
             len(out),
             {u: txn.engines[u].reason for u in out},
         )
+
+    async def _release_when_serving(self, txn: RefitTxn) -> None:
+        """Open the gate once an engine serves again (the restore readmitted it) or ``RESTORE_HOLD_S``
+        passed, whichever is first; a transaction begun meanwhile owns the gate then."""
+        back = asyncio.Event()
+
+        def entered(_url: str) -> None:
+            back.set()
+
+        until = time.monotonic() + RESTORE_HOLD_S
+        self.backends.serving_listeners.append(entered)
+        try:
+            # A restore that gives up (nothing on disk to restore from) ends the wait too: held on, the
+            # requests would only wait out the bound for the same 'no healthy backend'.
+            while not self.backends.serving and self.restores_pending() and time.monotonic() < until:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(back.wait(), 0.1)
+        finally:
+            self.backends.serving_listeners.remove(entered)
+        if self.active is None:
+            got = self.gate.release()
+            txn.released = {
+                **got,
+                "waited_for_restore_s": round(time.time() - (txn.ended_at or time.time()), 3),
+            }
+            log.info("refit %s: the held requests go to the restored engines (%s)", txn.id, txn.released)
+        self._restoring = None
 
     # -- the lease --------------------------------------------------------------------------------------
     async def _watch(self, txn: RefitTxn) -> None:

@@ -435,10 +435,16 @@ async def test_a_trainer_gone_after_its_reload_leaves_the_fleet_on_its_verified_
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint(tmp_path, "v2", b"2"))}}
     assert (await control(url, "POST", "/collective_rpc", rpc))[0] == 200  # then the trainer is gone
     assert checksums(engines) != on_v1
-    assert await until(lambda: not r.gate.paused, 5.0)
+    # Rollouts sent meanwhile are held by the pause. Every engine took weights nobody verified, so when
+    # the lease ends them all, the held rollouts wait for the restore instead of finding no engine (they
+    # were answered 409 'no healthy backend' before).
+    held = [asyncio.create_task(send(url, chat(content=f"held {i}"))) for i in range(4)]
+    assert await until(lambda: r.fleet.refit.last is not None and r.fleet.refit.last.phase == "expired", 5.0)
     last = r.fleet.refit.last
-    assert last is not None and last.phase == "expired" and "lease ran out" in last.error
+    assert last is not None and "lease ran out" in last.error
     assert await until(lambda: len(r.backends.serving) == 2, 10.0), r.backends.stale
+    assert [(await asyncio.wait_for(h, 15))[0] for h in held] == [200] * 4
+    assert await until(lambda: not r.gate.paused, 5.0)
     assert checksums(engines) == on_v1 and engine_versions(engines) == {"v1-c1"}
     assert r.fleet.current_version == "v1-c1"
     assert [(await send(url, chat(content=f"after {i}")))[0] for i in range(4)] == [200] * 4
