@@ -1,4 +1,4 @@
-"""What a refit through the router's ``/control`` costs against the same calls sent straight to one engine.
+"""What a refit through the router's control URL costs against the same calls sent straight to one engine.
 
 A trainer written for one vLLM (NeMo-RL's ``remote_vllm``) refits with ``/pause``, ``/collective_rpc
 reload_weights``, ``/resume``. Pointed at rl-launch's control URL, the same three calls become the
@@ -38,7 +38,7 @@ from launcher.engines.sim.server import SimServer
 from launcher.fleet.client import FleetClient
 from router import GenerationRouter
 from router.config import RouterConfig
-from tests.support.trainer_replays import NemoRlRemoteVllm, control_paths
+from tests.support.trainer_replays import NemoRlRemoteVllm
 
 TOKEN = "bench-control-token"
 MODEL = "sim"
@@ -90,9 +90,8 @@ async def main() -> None:
         )
         router.serve_in_background()
         url = router.base_url()
-        through = NemoRlRemoteVllm(
-            url + "/v1", MODEL, TOKEN, control_base_url=url + "/control", paths=control_paths()
-        )
+        # As a NeMo-RL user configures it: the control URL is the router's origin, default paths.
+        through = NemoRlRemoteVllm(url + "/v1", MODEL, TOKEN, control_base_url=url)
         straight = NemoRlRemoteVllm(alone.url + "/v1", MODEL, None)
         await asyncio.to_thread(through.preflight)
         await asyncio.to_thread(straight.preflight)
@@ -116,9 +115,8 @@ async def main() -> None:
         f"NeMo-RL refit (pause, collective_rpc reload_weights, resume), {args.rounds} rounds each way, "
         f"simulated engines, checkpoints of {args.checkpoint_mb:g} MB, reload +{args.reload_ms:g} ms:"
     )
-    print(
-        f"  {'call':16} {'/control (' + str(args.engines) + ' engines)':>24} {'one engine':>12} {'ratio':>7}"
-    )
+    via_label = f"control URL ({args.engines} engines)"
+    print(f"  {'call':16} {via_label:>24} {'one engine':>12} {'ratio':>7}")
     for k in (*PHASES, "refit"):
         ratio = m_via[k] / m_direct[k] if m_direct[k] > 0 else float("inf")
         print(f"  {k:16} {m_via[k] * 1000:21.1f} ms {m_direct[k] * 1000:9.1f} ms {ratio:6.2f}x")
@@ -126,7 +124,7 @@ async def main() -> None:
     print("  the router's transaction, median per step (GET /fleet/refit):")
     print("    " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in phases.items()))
     worst = max(r["refit"] for r in via), max(r["refit"] for r in direct)
-    print(f"  slowest refit: /control {worst[0] * 1000:.1f} ms, one engine {worst[1] * 1000:.1f} ms")
+    print(f"  slowest refit: control URL {worst[0] * 1000:.1f} ms, one engine {worst[1] * 1000:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ NeMo-RL's ``remote_vllm`` generation backend calls it (``--refit-via vllm-api``)
 Why this exists: a trainer that drives a vLLM server it does not own speaks vLLM's API, not
 ``FleetClient``. NeMo-RL's ``remote_vllm`` backend (``nemo_rl/models/generation/remote_vllm/``: client.py,
 preflight.py, remote_vllm_generation.py; the refit in ``nemo_rl/weight_sync/
-remote_vllm_checkpoint_weight_synchronizer.py``; as /work/team/trainer-sequences.md §1 records them)
+remote_vllm_checkpoint_weight_synchronizer.py``; as docs/trainer-calls.md section 1 records them)
 preflights once and then, each refit, pauses, reloads the weights from a checkpoint directory through
 ``/collective_rpc`` and resumes. rl-launch's
-router answers that API for the whole fleet under its control URL (``<fleet url>/control``) and runs each
+router answers that API for the whole fleet at its control URL (the fleet URL's origin; the same API is
+also under ``/control``) and runs each
 ``/pause`` ... ``/resume`` as its refit transaction (check, canary, every engine, verify, reset, stamp).
 This module is what such a trainer writes: the standard library only (urllib), nothing of rl-launch, so
 that the example trains through exactly the calls an outside trainer sends, and a run that learns here
@@ -32,9 +33,9 @@ The calls, one client (one Bearer key, as NeMo-RL's ``api_key_env_var``):
 
 Where the paths go: each is appended to its URL (``$RL_CONTROL_BASE_URL`` + ``/pause``). NeMo-RL's own
 client instead resolves every path against the *origin* of its URLs (``service_url``: the URL's path is
-dropped), so a NeMo-RL config pointed at rl-launch names the ``/control`` prefix in its ``*_path`` settings
-(docs/trainers.md). ``/v1/models`` is asked of the control URL: the control key is the job's admin token,
-which the generation URL's client routes do not take (NeMo-RL sends its one key to both URLs).
+dropped); both land on the same routes, the control URL being the fleet URL's origin, so NeMo-RL's
+default paths work unchanged (docs/trainers.md). ``/v1/models`` is asked of the control URL; the
+generation URL's model list takes the admin token too (NeMo-RL sends its one key to both URLs).
 
 The weight version: NeMo-RL keeps its own and never sends one; the router derives one for each refit and
 names it on every answer (the ``x-rl-weight-version`` header, and in the JSON). The example trainer reads
@@ -42,7 +43,7 @@ it there (``/server_info`` before the first refit, ``/resume`` after each), beca
 keeps only samples of the weights it trained: in this mode the fleet names the version, not the trainer.
 
 The URL and key come from the environment the driver gives the training command:
-``$RL_CONTROL_BASE_URL`` (the fleet URL + ``/control``) and ``$RL_CONTROL_API_KEY`` (the job's admin
+``$RL_CONTROL_BASE_URL`` (the fleet URL's origin) and ``$RL_CONTROL_API_KEY`` (the job's admin
 token; never in argv or the spec).
 """
 
@@ -148,8 +149,8 @@ class VllmControl:
         if not url:
             raise ValueError(
                 f"${CONTROL_URL_ENV} is not set: --refit-via vllm-api needs the fleet's control URL "
-                "(the driver exports it to a job whose router serves /control; or set it to "
-                "<fleet url>/control)"
+                "(the driver exports it to a job whose front serves the control API; or set it to the "
+                "fleet URL)"
             )
         if not key:
             raise ValueError(

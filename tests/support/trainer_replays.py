@@ -4,14 +4,15 @@ Why a replay and not the trainers: NeMo-RL, prime-rl and TRL cannot run here (Me
 what reaches a vLLM server they do not own is a short, fixed sequence of HTTP calls. A test that sends
 exactly those calls (method, path, query string, JSON body, headers, what status makes the client raise)
 shows what that trainer meets on rl-launch's control URL, unmodified. Each replay follows the trainer's
-source as read in ``/work/team/trainer-sequences.md`` (repo, path and commit for each call); where the
+source as docs/trainer-calls.md records it (repo, path and commit for each call); where the
 replay departs from the trainer it says so below.
 
 * ``NemoRlRemoteVllm``: NeMo-RL's ``remote_vllm`` backend (``client.py``, ``preflight.py``, the checkpoint
   weight synchronizer). Its client resolves every path against the *origin* of its URL (``service_url``:
-  the URL's own path is dropped): on rl-launch its calls land on the router's root unless its ``*_path``
-  settings carry the ``/control`` prefix (``control_paths``, as docs/trainers.md writes them); one
-  Bearer (``api_key_env_var``) goes to the generation and the control URL alike. Refit:
+  the URL's own path is dropped): on rl-launch its default paths land on the control routes at the
+  router's root (the control URL is the fleet URL's origin); ``control_paths`` gives the ``/control``
+  ones the router also serves. One Bearer (``api_key_env_var``) goes to the generation and the control
+  URL alike. Refit:
   ``/pause?mode=<inflight_policy>&clear_cache=true``, ``/collective_rpc reload_weights``, ``/resume``;
   any status >= 400 raises and nothing after it is sent (a failed reload is never followed by a
   resume). ``/reset_prefix_cache`` is its own call, sent after the resume and only by the async GRPO
@@ -148,9 +149,9 @@ NEMO_RL_PATHS = {
 
 
 def control_paths(prefix: str = "/control") -> dict[str, str]:
-    """The path settings of docs/trainers.md's NeMo-RL block: every path under ``prefix`` (``/v1/models``
-    too: NeMo-RL sends its one key, the admin token, to it, and the control URL is where that key opens
-    it; ``health_path`` is shared by the generation and the control URL)."""
+    """NeMo-RL's path settings with every path under ``prefix``: the router's ``/control`` mount of the
+    same API (``health_path`` is shared by the generation and the control URL, so both checks then read
+    the control ``/health``); its defaults (``prefix`` empty) are what docs/trainers.md sets."""
     return {k: prefix + v for k, v in NEMO_RL_PATHS.items()}
 
 
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--key-env", required=True, help="the environment variable holding the Bearer key")
-    p.add_argument("--prefix", default="/control", help="the control paths' prefix (NeMo-RL *_path)")
+    p.add_argument("--prefix", default="", help="a prefix for NeMo-RL's *_path settings (default: none)")
     p.add_argument("--mode", default="keep", choices=["keep", "wait", "abort"])
     p.add_argument("--reload", default=None, help="also reload this directory before holding")
     p.add_argument("--hold-s", type=float, default=600.0)

@@ -35,6 +35,7 @@ import pytest
 
 from launcher.fleet.client import FleetClient
 from router import GenerationRouter, RouterConfig
+from tests.support import vllm_calls
 from tests.support.shared_vllm import ENGINE_KEY
 from tests.support.trainer_replays import (
     NEMO_RL_PATHS,
@@ -45,7 +46,6 @@ from tests.support.trainer_replays import (
     nemo_rl_version_dir,
     prime_rl_update_weights,
 )
-from tests.vllm import test_refit_vllm as refit_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -84,7 +84,7 @@ def fleet(
         yield {"engines": shared_lora_engines, "router": router, "client": client, "logdir": logdir}
         # Put back unless this module was the engines' last user (the conftest stopped them already).
         if all(e.is_alive() for e in shared_lora_engines):
-            refit_vllm._until(lambda: not client.refit_state().get("active"), SETTLE_S)
+            vllm_calls._until(lambda: not client.refit_state().get("active"), SETTLE_S)
             restored = client.load_weights(tiny_model_dir, "default")
             assert restored["ok"], restored
     finally:
@@ -124,7 +124,7 @@ def _versions_served(url: str, n: int = 4) -> set[str | None]:
     """The version header on ``n`` rollouts through the router (each must answer 200)."""
     seen = set()
     for i in range(n):
-        status, headers, _ = refit_vllm._chat_with_headers(url, f"which weights {i}")
+        status, headers, _ = vllm_calls._chat_with_headers(url, f"which weights {i}")
         assert status == 200
         seen.add(headers.get(VERSION_HEADER))
     return seen
@@ -150,8 +150,8 @@ def _exports(fleet: Any, vllm_python: str, tiny_model_dir: Path) -> Path:
     root = fleet["logdir"] / "nemo-rl-exports"
     if not root.exists():
         root.mkdir()
-        refit_vllm._perturbed_copy(vllm_python, tiny_model_dir, nemo_rl_version_dir(root, 1), 2.0)
-        refit_vllm._perturbed_copy(vllm_python, tiny_model_dir, nemo_rl_version_dir(root, 2), 3.0)
+        vllm_calls._perturbed_copy(vllm_python, tiny_model_dir, nemo_rl_version_dir(root, 1), 2.0)
+        vllm_calls._perturbed_copy(vllm_python, tiny_model_dir, nemo_rl_version_dir(root, 2), 3.0)
         shutil.copytree(tiny_model_dir, nemo_rl_version_dir(root, 3))
     return root
 
@@ -191,7 +191,7 @@ def test_prime_rl_directory_update_moves_the_fleet_as_one(
     before = _one_checksum(client)
     exports = _exports(fleet, vllm_python, tiny_model_dir)
     target = nemo_rl_version_dir(exports, 1)
-    results, threads = refit_vllm._stream(url, 6, "prime-rl rollout")
+    results, threads = vllm_calls._stream(url, 6, "prime-rl rollout")
     calls = prime_rl_update_weights(url + "/control", target, TOKEN, attempts=1)
     outcomes = _joined(results, threads, 6)
     assert [c.status for c in calls] == [200, 200, 200], [c.brief() for c in calls]
@@ -223,7 +223,7 @@ def test_nemo_rl_refit_moves_the_fleet_as_one(
     n = {"keep": 2, "wait": 3, "abort": 1}[mode]
     before, version_before = _one_checksum(client), client.weight_version().result["current"]
     nemo = _nemo(fleet, mode, url_alone=mode == "keep")  # keep: NeMo-RL's default paths, the URL alone
-    results, threads = refit_vllm._stream(url, 6, f"rollout under {mode}")
+    results, threads = vllm_calls._stream(url, 6, f"rollout under {mode}")
     t0 = time.perf_counter()
     calls = nemo.refit(nemo_rl_version_dir(exports, n))
     took = time.perf_counter() - t0
@@ -262,7 +262,7 @@ def test_a_cut_checkpoint_mid_sequence_is_refused_in_vllms_shape_and_the_fleet_s
     weights = cut / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     nemo = _nemo(fleet, "keep")
-    results, threads = refit_vllm._stream(url, 8, "rollout during the cut refit")
+    results, threads = vllm_calls._stream(url, 8, "rollout during the cut refit")
     pause = nemo.pause()
     with pytest.raises(ReplayError) as refused:
         nemo.reload_weights(cut)
@@ -279,7 +279,7 @@ def test_a_cut_checkpoint_mid_sequence_is_refused_in_vllms_shape_and_the_fleet_s
         message = error
     assert "shorter than" in message and "version_00000004" in message, message
     assert [s for s, _ in outcomes] == [200] * 8, outcomes
-    assert refit_vllm._until(lambda: _control_get(fleet, "/is_paused")[1]["is_paused"] is False, SETTLE_S)
+    assert vllm_calls._until(lambda: _control_get(fleet, "/is_paused")[1]["is_paused"] is False, SETTLE_S)
     assert _one_checksum(client) == on
     assert client.weight_version().result["current"] == version
     assert _versions_served(url) == {version}
@@ -314,7 +314,7 @@ def test_a_trainer_killed_between_pause_and_resume_is_ended_by_its_lease(
         line = trainer.stdout.readline() if trainer.stdout else b""  # the replay prints once it holds
         assert line, f"the trainer ended before holding: {trainer.stderr.read() if trainer.stderr else ''}"
         held = json.loads(line)["held"]
-        results, threads = refit_vllm._stream(url, 6, "rollout while the trainer is dead")
+        results, threads = vllm_calls._stream(url, 6, "rollout while the trainer is dead")
         t_kill = time.monotonic()
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(30)
@@ -323,10 +323,10 @@ def test_a_trainer_killed_between_pause_and_resume_is_ended_by_its_lease(
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait(30)
-    resumed = refit_vllm._until(lambda: _control_get(fleet, "/is_paused")[1]["is_paused"] is False, SETTLE_S)
+    resumed = vllm_calls._until(lambda: _control_get(fleet, "/is_paused")[1]["is_paused"] is False, SETTLE_S)
     resumed_after = time.monotonic() - t_kill
     outcomes = _joined(results, threads, 6)
-    restored = refit_vllm._until(lambda: client.stale_engines() == {}, SETTLE_S)
+    restored = vllm_calls._until(lambda: client.stale_engines() == {}, SETTLE_S)
     groups = client.checksum(check=False).result["groups"]
     versions = set(client.weight_version(check=False).result["engines"].values())
     seen = {

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -38,24 +37,19 @@ from router.fleet.engine_counters import parse_counters
 from tests.support.checkpoints import llama_weight_table
 from tests.support.engine_key_probes import KEY, PROBES, _call, expected, refused_without_key
 from tests.support.prometheus_readers import ours, reference
+from tests.support.vllm_calls import (
+    PERTURB,
+    _chat,
+    _chat_with_headers,
+    _in_thread,
+    _perturbed_copy,
+    _stream,
+    _until,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 TOKEN = "refit-admin-token-5678"
 STARTUP_TIMEOUT_S = 600.0
-
-PERTURB = """
-import sys, torch
-from safetensors.torch import load_file, save_file
-path = sys.argv[1]
-shift = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
-tensors = load_file(path)
-name = next(k for k in sorted(tensors) if k.startswith("lm_head"))
-generator = torch.Generator().manual_seed(int(shift * 1000))
-noise = torch.randn(tensors[name].shape, generator=generator) * shift
-tensors[name] = (tensors[name].float() + noise).to(tensors[name].dtype)
-save_file(tensors, path, metadata={"format": "pt"})
-print(name)
-"""
 
 
 def _engine(python: str, model: Path, log: Path, cpu: int | None, key_guard: bool = True) -> VllmEngine:
@@ -124,36 +118,6 @@ def fleet(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
             router.stop()
         for e in state["engines"]:
             e.stop()
-
-
-def _chat(url: str, max_tokens: int, content: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-    }
-    req = urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null")
-
-
-def _in_thread(results: dict[int, Any], key: int, *args: Any, **kw: Any) -> threading.Thread:
-    def run() -> None:
-        t0 = time.monotonic()
-        results[key] = (*_chat(*args, **kw), time.monotonic() - t0, time.monotonic())
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
 
 
 def _engine_gauge(engine_url: str, name: str) -> float:
@@ -384,17 +348,6 @@ def test_restarted_engine_with_old_version_not_served_until_stamped(
     print(f"\n[refit vllm] checksum groups after the odd restart: {groups}")
 
 
-def _perturbed_copy(vllm_python: str, source: Path, target: Path, shift: float) -> Path:
-    """A copy of the tiny model whose ``lm_head`` differs (another step's checkpoint)."""
-    shutil.copytree(source, target)
-    weights = next(target.glob("*.safetensors"))
-    out = subprocess.run(
-        [vllm_python, "-c", PERTURB, str(weights), str(shift)], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return target
-
-
 def _greedy(engine_url: str) -> list[str]:
     """Each engine's own greedy answer to the same prompts (straight to the engine, with the key)."""
     texts = []
@@ -403,27 +356,6 @@ def _greedy(engine_url: str) -> list[str]:
         assert status == 200, body
         texts.append(body["choices"][0]["message"]["content"])
     return texts
-
-
-def _until(check: Any, timeout_s: float) -> bool:
-    """Poll ``check()`` every 0.1 s for at most ``timeout_s``; whether it held."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _chat_with_headers(url: str, content: str) -> tuple[int, dict[str, str], Any]:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
-    req = urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, json.loads(resp.read())
 
 
 def test_refit_from_a_directory_moves_every_engine_to_the_same_new_weights(
@@ -508,16 +440,6 @@ tensors = load_file(sys.argv[1])
 tensors["model.layers.0.mlp.bogus.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
 save_file(tensors, sys.argv[1], metadata={"format": "pt"})
 """
-
-
-def _stream(url: str, n: int, tag: str) -> tuple[dict[int, Any], list[threading.Thread]]:
-    """``n`` rollouts sent 0.1 s apart, each in a thread (a bounded stream during a refit)."""
-    results: dict[int, Any] = {}
-    threads = []
-    for i in range(n):
-        threads.append(_in_thread(results, i, url, 32, f"{tag} {i}"))
-        time.sleep(0.1)
-    return results, threads
 
 
 def test_a_cut_checkpoint_is_refused_and_a_failing_canary_costs_one_engine(

@@ -1,0 +1,102 @@
+"""Plain-HTTP calls the real-vLLM refit tests make of a router and its engines (chats with and without
+their headers, a bounded stream of rollouts in threads, polling, a perturbed copy of the tiny model as
+another step's checkpoint): shared by tests/vllm/test_refit_vllm.py and test_control_api_vllm.py, which
+drive the same fleet two ways (``FleetClient`` and vLLM's control API)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+PERTURB = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+path = sys.argv[1]
+shift = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
+tensors = load_file(path)
+name = next(k for k in sorted(tensors) if k.startswith("lm_head"))
+generator = torch.Generator().manual_seed(int(shift * 1000))
+noise = torch.randn(tensors[name].shape, generator=generator) * shift
+tensors[name] = (tensors[name].float() + noise).to(tensors[name].dtype)
+save_file(tensors, path, metadata={"format": "pt"})
+print(name)
+"""
+
+
+def _chat(url: str, max_tokens: int, content: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def _in_thread(results: dict[int, Any], key: int, *args: Any, **kw: Any) -> threading.Thread:
+    def run() -> None:
+        t0 = time.monotonic()
+        results[key] = (*_chat(*args, **kw), time.monotonic() - t0, time.monotonic())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _perturbed_copy(vllm_python: str, source: Path, target: Path, shift: float) -> Path:
+    """A copy of the tiny model whose ``lm_head`` differs (another step's checkpoint)."""
+    shutil.copytree(source, target)
+    weights = next(target.glob("*.safetensors"))
+    out = subprocess.run(
+        [vllm_python, "-c", PERTURB, str(weights), str(shift)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return target
+
+
+def _until(check: Any, timeout_s: float) -> bool:
+    """Poll ``check()`` every 0.1 s for at most ``timeout_s``; whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _chat_with_headers(url: str, content: str) -> tuple[int, dict[str, str], Any]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, json.loads(resp.read())
+
+
+def _stream(url: str, n: int, tag: str) -> tuple[dict[int, Any], list[threading.Thread]]:
+    """``n`` rollouts sent 0.1 s apart, each in a thread (a bounded stream during a refit)."""
+    results: dict[int, Any] = {}
+    threads = []
+    for i in range(n):
+        threads.append(_in_thread(results, i, url, 32, f"{tag} {i}"))
+        time.sleep(0.1)
+    return results, threads
