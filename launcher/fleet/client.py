@@ -390,8 +390,9 @@ class FleetClient:
 
     def weight_transfer_plan(self) -> dict[str, Any]:
         """The NCCL rank plan over the serving engines: ``{"trainer_rank": 0, "world_size", "engines":
-        [{"url", "world_size", "rank_offset"}]}``. Refused (``RuntimeError``) when an engine runs on the
-        CPU or without ``--weight-transfer-config``, before anything is sent to any engine."""
+        [{"url", "world_size", "rank_offset"}]}``. Refused (``RuntimeError``) when an engine's backend
+        cannot run where it is (on a CPU engine only ``rl_launch_gloo`` can) or it has no
+        ``--weight-transfer-config``, before anything is sent to any engine."""
         return dict(self._call("GET", "/fleet/weight_transfer/plan"))
 
     def init_weight_transfer(
