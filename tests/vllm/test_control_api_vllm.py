@@ -91,17 +91,17 @@ def fleet(
         router.stop()
 
 
-def _nemo(fleet: Any, mode: str = "keep", url_alone: bool = False) -> NemoRlRemoteVllm:
-    """NeMo-RL's ``remote_vllm_cfg`` for this fleet: generation on the router's ``/v1``, control on
-    ``/control``, the admin token as its one key; the paths as docs/trainers.md writes them (under
-    ``/control``), or, ``url_alone``, NeMo-RL's defaults (its calls then land on the router's root)."""
+def _nemo(fleet: Any, mode: str = "keep", prefixed: bool = False) -> NemoRlRemoteVllm:
+    """NeMo-RL's ``remote_vllm_cfg`` for this fleet as docs/trainers.md writes it: generation on the
+    router's ``/v1``, control on the router's origin with NeMo-RL's default paths, the admin token as its
+    one key; ``prefixed``: every path under ``/control`` instead (the router's second mount of the API)."""
     url = fleet["router"].base_url()
     return NemoRlRemoteVllm(
         base_url=url + "/v1",
         served_model_name="tiny",
         api_key=TOKEN,
-        control_base_url=url + "/control",
-        paths=dict(NEMO_RL_PATHS) if url_alone else control_paths(),
+        control_base_url=url + "/control" if prefixed else url,
+        paths=control_paths() if prefixed else dict(NEMO_RL_PATHS),
         inflight_policy=mode,
     )
 
@@ -156,27 +156,27 @@ def _exports(fleet: Any, vllm_python: str, tiny_model_dir: Path) -> Path:
     return root
 
 
-def test_nemo_rl_preflight_passes_with_the_docs_paths_and_with_the_url_alone(fleet: Any) -> None:
-    """NeMo-RL's preflight, configured as docs/trainers.md writes it (paths under ``/control``) and with
-    ``control_base_url`` alone (its client keeps only the URL's origin, so its default paths land on the
-    router's root): both pass. The control ``/health`` names both engines with ``"control_fanout":
+def test_nemo_rl_preflight_passes_with_its_default_paths_and_under_control(fleet: Any) -> None:
+    """NeMo-RL's preflight, configured as docs/trainers.md writes it (a URL and a key: its default paths
+    land on the router's root, its client keeping only the URL's origin) and with every path under
+    ``/control``: both pass. The control ``/health`` names both engines with ``"control_fanout":
     true`` (NeMo-RL refuses several backends without it), ``/v1/models`` lists the served model,
     ``/server_info`` is an object, and every control answer names the fleet's version (none yet on a
     fleet no refit has stamped)."""
     current = fleet["client"].weight_version(check=False).result["current"]
     seen = {}
-    for url_alone in (False, True):
-        nemo = _nemo(fleet, url_alone=url_alone)
+    for prefixed in (True, False):
+        nemo = _nemo(fleet, prefixed=prefixed)
         info = nemo.preflight()
         calls = nemo.transport.calls
         assert isinstance(info, dict) and info, info
         assert [c.status for c in calls] == [200, 200, 200, 200], [c.brief() for c in calls]
-        assert all(("/control/" in c.url) != url_alone for c in calls), [c.brief() for c in calls]
+        assert all(("/control/" in c.url) == prefixed for c in calls), [c.brief() for c in calls]
         health = calls[1].answer
         assert health["control_fanout"] is True, health
         assert health.get("total_backends", 2) == 2, health
         assert {c.fleet_version for c in calls[1:]} == {current}, ([c.brief() for c in calls], current)
-        seen["url alone" if url_alone else "docs' paths"] = [c.brief()[:90] for c in calls]
+        seen["under /control" if prefixed else "default paths"] = [c.brief()[:90] for c in calls]
     print(f"\n[control vllm] NeMo-RL preflight: {seen}")
 
 
@@ -222,7 +222,7 @@ def test_nemo_rl_refit_moves_the_fleet_as_one(
     exports = _exports(fleet, vllm_python, tiny_model_dir)
     n = {"keep": 2, "wait": 3, "abort": 1}[mode]
     before, version_before = _one_checksum(client), client.weight_version().result["current"]
-    nemo = _nemo(fleet, mode, url_alone=mode == "keep")  # keep: NeMo-RL's default paths, the URL alone
+    nemo = _nemo(fleet, mode, prefixed=mode == "wait")  # wait: the /control mount; the others: the docs
     results, threads = vllm_calls._stream(url, 6, f"rollout under {mode}")
     t0 = time.perf_counter()
     calls = nemo.refit(nemo_rl_version_dir(exports, n))
