@@ -1,7 +1,8 @@
 """Plain-HTTP calls the real-vLLM refit tests make of a router and its engines (chats with and without
 their headers, a bounded stream of rollouts in threads, polling, a perturbed copy of the tiny model as
 another step's checkpoint): shared by tests/vllm/test_refit_vllm.py and test_control_api_vllm.py, which
-drive the same fleet two ways (``FleetClient`` and vLLM's control API)."""
+drive the same fleet two ways (``FleetClient`` and vLLM's control API), and the engines the refit and
+stream tests start (``dev_engine``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from launcher.engines.base import EngineSpec
+from launcher.engines.vllm.engine import VllmEngine
+
+STARTUP_TIMEOUT_S = 600.0
 
 PERTURB = """
 import sys, torch
@@ -100,3 +107,31 @@ def _stream(url: str, n: int, tag: str) -> tuple[dict[int, Any], list[threading.
         threads.append(_in_thread(results, i, url, 32, f"{tag} {i}"))
         time.sleep(0.1)
     return results, threads
+
+
+def dev_engine(
+    python: str,
+    model: Path,
+    log: Path,
+    cpu: int | None,
+    key: str,
+    key_guard: bool = True,
+    extra_args: Sequence[str] = (),
+) -> VllmEngine:
+    """A real vLLM CPU engine serving the tiny model as ``tiny`` with vLLM's dev routes on (the refit's
+    reload and reset need them), taking ``key``, on core ``cpu`` when given."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    spec = EngineSpec(
+        model=str(model),
+        served_name="tiny",
+        port=0,
+        api_key=key,
+        key_guard=key_guard,
+        extra_args=["--max-model-len", "4096", *extra_args],
+        env=env,
+        log_path=str(log),
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+    )
+    return VllmEngine(spec, python=python)

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from launcher.engines.base import EngineSpec, EngineStartError
+from launcher.engines.base import EngineStartError
 from launcher.engines.vllm.engine import VllmEngine
 from launcher.fleet.client import FleetClient, FleetOpError, RefitError
 from router import GenerationRouter, RouterConfig
@@ -45,6 +45,7 @@ from tests.support.vllm_calls import (
     _perturbed_copy,
     _stream,
     _until,
+    dev_engine,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -53,21 +54,7 @@ STARTUP_TIMEOUT_S = 600.0
 
 
 def _engine(python: str, model: Path, log: Path, cpu: int | None, key_guard: bool = True) -> VllmEngine:
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    if cpu is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
-    spec = EngineSpec(
-        model=str(model),
-        served_name="tiny",
-        port=0,
-        api_key=KEY,
-        key_guard=key_guard,
-        extra_args=["--max-model-len", "4096"],
-        env=env,
-        log_path=str(log),
-        startup_timeout_s=STARTUP_TIMEOUT_S,
-    )
-    return VllmEngine(spec, python=python)
+    return dev_engine(python, model, log, cpu, KEY, key_guard)
 
 
 def _start(engines: list[VllmEngine]) -> None:

@@ -30,13 +30,14 @@ from typing import Any
 
 import pytest
 
-from launcher.engines.base import EngineSpec, EngineStartError
+from launcher.engines.base import EngineStartError
 from launcher.engines.vllm.engine import VllmEngine
 from launcher.engines.vllm.worker_ext import WORKER_EXT_DIR
 from launcher.fleet.client import FleetClient
 from router import GenerationRouter, RouterConfig
 from tests.support.checkpoints import llama_weight_table
 from tests.support.trainer_replays import TrlAsyncGrpo
+from tests.support.vllm_calls import dev_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 KEY = "stream-engine-key-1234"
@@ -62,20 +63,7 @@ save_file(out, path, metadata={"format": "pt"})
 
 
 def _engine(python: str, model: Path, log: Path, cpu: int | None) -> VllmEngine:
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    if cpu is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
-    spec = EngineSpec(
-        model=str(model),
-        served_name="tiny",
-        port=0,
-        api_key=KEY,
-        extra_args=["--max-model-len", "4096", "--weight-transfer-config", TRANSFER],
-        env=env,
-        log_path=str(log),
-        startup_timeout_s=STARTUP_TIMEOUT_S,
-    )
-    return VllmEngine(spec, python=python)
+    return dev_engine(python, model, log, cpu, KEY, extra_args=["--weight-transfer-config", TRANSFER])
 
 
 @pytest.fixture(scope="module")
