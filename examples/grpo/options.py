@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         default="fleet-client",
         help="fleet-client: one FleetClient.load_weights call a step; vllm-api: vLLM's own control API "
         "over plain HTTP in NeMo-RL's order (examples/grpo/vllm_api.py; $RL_CONTROL_BASE_URL, "
-        "$RL_CONTROL_API_KEY). Full weights only (default: %(default)s)",
+        "$RL_CONTROL_API_KEY_FILE). Full weights only (default: %(default)s)",
     )
     ap.add_argument(
         "--inflight-policy",

@@ -43,8 +43,8 @@ it there (``/server_info`` before the first refit, ``/resume`` after each), beca
 keeps only samples of the weights it trained: in this mode the fleet names the version, not the trainer.
 
 The URL and key come from the environment the driver gives the training command:
-``$RL_CONTROL_BASE_URL`` (the fleet URL's origin) and ``$RL_CONTROL_API_KEY`` (the job's admin
-token; never in argv or the spec).
+``$RL_CONTROL_BASE_URL`` (the fleet URL's origin) and ``$RL_CONTROL_API_KEY_FILE`` (the 0600 file of the
+job's admin token, read here; ``$RL_CONTROL_API_KEY``, when set, wins). Never in argv or the spec.
 """
 
 from __future__ import annotations
@@ -57,10 +57,12 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 CONTROL_URL_ENV = "RL_CONTROL_BASE_URL"
 CONTROL_KEY_ENV = "RL_CONTROL_API_KEY"
+CONTROL_KEY_FILE_ENV = "RL_CONTROL_API_KEY_FILE"
 VERSION_HEADER = "x-rl-weight-version"
 INFLIGHT_POLICIES = ("keep", "wait", "abort")
 """vLLM's pause modes; NeMo-RL's ``refit.inflight_policy`` defaults to ``keep`` (vLLM's ``/pause`` to
@@ -143,9 +145,18 @@ class VllmControl:
         reset_after_resume: bool = False,
         env: Mapping[str, str] = os.environ,
     ) -> VllmControl:
-        """The control URL and key from ``$RL_CONTROL_BASE_URL`` and ``$RL_CONTROL_API_KEY``; a clear
-        error naming the variable when either is missing."""
+        """The control URL from ``$RL_CONTROL_BASE_URL``, the key from ``$RL_CONTROL_API_KEY`` or else the
+        file ``$RL_CONTROL_API_KEY_FILE`` names (the driver exports the file, never the token: every
+        process of the training command inherits its environment); a clear error naming the variable
+        when either is missing."""
         url, key = env.get(CONTROL_URL_ENV), env.get(CONTROL_KEY_ENV)
+        if not key and env.get(CONTROL_KEY_FILE_ENV):
+            try:
+                key = Path(env[CONTROL_KEY_FILE_ENV]).read_text().strip()
+            except OSError as exc:
+                raise ValueError(
+                    f"${CONTROL_KEY_FILE_ENV}: cannot read {env[CONTROL_KEY_FILE_ENV]}: {exc}"
+                ) from None
         if not url:
             raise ValueError(
                 f"${CONTROL_URL_ENV} is not set: --refit-via vllm-api needs the fleet's control URL "
@@ -154,8 +165,8 @@ class VllmControl:
             )
         if not key:
             raise ValueError(
-                f"${CONTROL_KEY_ENV} is not set: the control URL takes the job's admin token as its "
-                "Bearer (the driver exports it beside the control URL)"
+                f"neither ${CONTROL_KEY_ENV} nor ${CONTROL_KEY_FILE_ENV} is set: the control URL takes the "
+                "job's admin token as its Bearer (the driver exports its file beside the control URL)"
             )
         return cls(
             url, base_url, key, served_model_name, inflight_policy, reset_after_resume=reset_after_resume

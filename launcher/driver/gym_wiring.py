@@ -2,8 +2,13 @@
 ``policy_model_name``; mode 0600) and the same values as environment variables for the training command;
 for engines the trainer owns, the registration URL as well (``RL_ROUTER_REGISTRATION_URL``); where the
 job has a fleet URL, vLLM's control API for the whole fleet (``RL_CONTROL_BASE_URL`` = the fleet URL's
-origin, ``RL_CONTROL_API_KEY`` = the job's admin token), what a trainer written for one vLLM sets as
-its control URL and API-key variable (docs/trainers.md).
+origin; ``RL_CONTROL_API_KEY_FILE`` = the 0600 file of the job's admin token), what a trainer written
+for one vLLM sets as its control URL, and the file its API-key variable is filled from (docs/trainers.md).
+The file, not the token: the admin token pauses and refits the fleet, and every process the training
+command starts (Gym servers, agent sandboxes running model-written code) inherits its environment, where
+the job's credentials keep one use each (the client key only, tests/local/test_credentials.py). A trainer
+that needs the token in a variable (NeMo-RL's ``api_key_env_var``) is given it by the training command's
+own line, ``RL_CONTROL_API_KEY="$(cat "$RL_CONTROL_API_KEY_FILE")"``, for that process alone.
 
 Secrets reach the training command only through its environment (and the 0600 overlay): never its argv,
 the driver's log or the saved spec, which other users of the cluster can read.
@@ -25,10 +30,10 @@ from launcher.jobdir import JobDir, StateWriter, write_text_atomic
 from launcher.spec import ResolvedSpec
 from router.http.capability import registration_url
 
-CONTROL_ENV = ("RL_CONTROL_BASE_URL", "RL_CONTROL_API_KEY")
-"""The training command's control URL and its Bearer token (the admin token ``FleetClient.from_job_dir``
-uses: a job attached to a standing fleet as an admin consumer holds its own, registered as its admin key
-there)."""
+CONTROL_ENV = ("RL_CONTROL_BASE_URL", "RL_CONTROL_API_KEY_FILE", "RL_CONTROL_API_KEY")
+"""The training command's control URL and the file of its Bearer token (the admin token
+``FleetClient.from_job_dir`` uses: a job attached to a standing fleet as an admin consumer holds its own,
+registered as its admin key there); ``RL_CONTROL_API_KEY`` is never set, only dropped when inherited."""
 
 
 def control_url_of(fleet_url: str | None) -> str | None:
@@ -48,8 +53,8 @@ def control_line(control_url: str | None, job: JobDir, state: dict[str, Any]) ->
     why the job has none, where a user looks for the job's URLs."""
     if control_url:
         return (
-            f"vLLM control API for the whole fleet: {control_url} (Bearer: the job's admin token, "
-            "$RL_CONTROL_BASE_URL and $RL_CONTROL_API_KEY in the training command's environment)"
+            f"vLLM control API for the whole fleet: {control_url} (Bearer: the job's admin token; "
+            "$RL_CONTROL_BASE_URL and $RL_CONTROL_API_KEY_FILE in the training command's environment)"
         )
     return f"no vLLM control API for this job (no RL_CONTROL_BASE_URL): {why_no_fleet_url(job, state)}"
 
@@ -117,7 +122,8 @@ def wire_gym(
         env["RL_ROUTER_REGISTRATION_URL"] = registration_url(router_url, capability)
     if control_url:
         env["RL_CONTROL_BASE_URL"] = control_url
-        env["RL_CONTROL_API_KEY"] = job.read_admin_token()
+        job.read_admin_token()  # the file exists and is readable: the trainer fills its variable from it
+        env["RL_CONTROL_API_KEY_FILE"] = str(job.admin_token_file)
         if snapshot.get("control_url") != control_url:
             state.update(control_url=control_url)
     if say is not None:

@@ -1,8 +1,8 @@
-"""The training command's control URL (issue 39, docs/trainers.md): ``RL_CONTROL_BASE_URL`` (the origin of
-the job's fleet URL, at whose root the router serves the control API) and ``RL_CONTROL_API_KEY`` (the job's
-admin token, what ``FleetClient.from_job_dir`` uses) in its environment, ``control_url`` in the job state,
-and never the key in argv, a log or the saved spec; a job without ``/fleet`` routes gets neither, and the
-driver's log says why.
+"""The training command's control URL (issue 39, docs/trainers.md): ``RL_CONTROL_BASE_URL`` (the origin
+of the job's fleet URL, at whose root the router serves the control API) and ``RL_CONTROL_API_KEY_FILE``
+(the 0600 file of the job's admin token, what ``FleetClient.from_job_dir`` uses) in its environment,
+``control_url`` in the job state, and never the key itself in its environment, argv, a log or the saved
+spec; a job without ``/fleet`` routes gets neither, and the driver's log says why.
 
 Real parts: job directories under pytest's tmp dir with the secrets the driver makes, the driver's
 ``wire_gym`` on the job state, the training command run by the driver's ``TrainingCommand`` (``bash -c``),
@@ -37,10 +37,13 @@ ENDPOINT = "http://127.0.0.1:45124"
 """The driver's fleet endpoint beside vllm-router / ray-serve: another port than the front's."""
 
 DUMP = (
-    'umask 077; printf "%s\\n%s\\n" "${RL_CONTROL_BASE_URL-unset}" "${RL_CONTROL_API_KEY-unset}" '
+    'umask 077; key=unset; [ -n "${RL_CONTROL_API_KEY_FILE-}" ] && key="$(cat "$RL_CONTROL_API_KEY_FILE")"; '
+    'printf "%s\\n%s\\n%s\\n" "${RL_CONTROL_BASE_URL-unset}" "$key" "${RL_CONTROL_API_KEY-unset}" '
     '> "$OUT_FILE"; echo training ran'
 )
-"""The training command: writes the two variables to a 0600 file the test reads (never to its log)."""
+"""The training command: reads its key from the file as docs/trainers.md's commands do, and writes the
+control URL, that key and whatever ``RL_CONTROL_API_KEY`` it inherited to a 0600 file the test reads
+(never to its log)."""
 
 
 def job_with_secrets(root: Path, spec: ResolvedSpec, name: str) -> JobDir:
@@ -57,7 +60,10 @@ def run_training(job: JobDir, env: dict[str, str], out: Path) -> tuple[str, str]
     code = command.run({**env, "OUT_FILE": str(out)}, check=lambda: None)
     command.stop()
     assert code == 0, job.training_log.read_text()
-    base, key = out.read_text().splitlines()
+    base, key, inherited = out.read_text().splitlines()
+    # The admin token is never in the environment every process of the training command inherits
+    # (Gym servers, agent sandboxes): only its file's path is (tests/local/test_credentials.py).
+    assert inherited == "unset", "RL_CONTROL_API_KEY reached the training command's environment"
     return base, key
 
 
@@ -94,6 +100,7 @@ def test_a_job_with_fleet_routes_hands_its_trainer_the_control_url_and_admin_tok
     admin = job.read_admin_token()
     assert base == fleet_url == control_url_of(fleet_url)  # the origin: NeMo-RL keeps no more of it
     assert key == admin and key != job.read_api_key() and key != "inherited-from-another-job"
+    assert env["RL_CONTROL_API_KEY_FILE"] == str(job.admin_token_file) and "RL_CONTROL_API_KEY" not in env
     assert env["RL_POLICY_BASE_URL"] == f"{ROUTER}/v1"
     assert job.read_state()["control_url"] == fleet_url
     assert any(f"vLLM control API for the whole fleet: {fleet_url} (" in line for line in said), said
@@ -165,8 +172,8 @@ def test_a_job_on_a_standing_fleet_gets_the_control_url_only_as_an_admin_consume
     name: str, admin: bool, tmp_path: Path
 ) -> None:
     """An admin consumer's key on the fleet is its own admin token (``standing.attach``): that is what its
-    trainer gets as ``RL_CONTROL_API_KEY``, at the fleet's control URL; a plain consumer gets neither, and
-    the log says it is one."""
+    trainer reads from ``RL_CONTROL_API_KEY_FILE``, at the fleet's control URL; a plain consumer gets
+    neither, and the log says it is one."""
     root = tmp_path / "jobs"
     record, fleet = fleet_serving(root)
     spec = load_resolved(

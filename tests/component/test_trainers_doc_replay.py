@@ -13,6 +13,7 @@ calls on real vLLM engines.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,19 @@ def keyed_router(job: JobDir) -> Any:
     )
 
 
+def set_by_the_command(env: dict[str, str], name: str) -> str:
+    """``name`` as the example's training command sets it for NeMo-RL's process (the driver hands only
+    the admin token's file): the assignments before ``uv run``, run by bash in the job's environment."""
+    command = load_resolved(NEMO_RL_EXAMPLE).training.command
+    assignments = command.split(" uv run ", 1)[0]
+    assert name in assignments, f"the example's command does not set ${name}: {assignments[:200]}"
+    out = subprocess.run(
+        ["bash", "-c", f'{assignments}; printf "%s" "${name}"'], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout, out.stderr
+    return out.stdout
+
+
 def nemo_rl(job: JobDir, router: GenerationRouter, model: str, **paths: str) -> NemoRlRemoteVllm:
     """NeMo-RL configured with the page's block, in the job's environment (``wire_gym``)."""
     state = StateWriter(job)
@@ -67,7 +81,7 @@ def nemo_rl(job: JobDir, router: GenerationRouter, model: str, **paths: str) -> 
     return NemoRlRemoteVllm(
         base_url=cfg["base_url"],
         served_model_name=cfg["served_model_name"],
-        api_key=env[cfg["api_key_env_var"]],
+        api_key=set_by_the_command(env, cfg["api_key_env_var"]),
         control_base_url=cfg["control_base_url"],
         paths={name: paths.get(name, cfg.get(name, default)) for name, default in NEMO_RL_PATHS.items()},
         inflight_policy=cfg["refit"]["inflight_policy"],

@@ -103,7 +103,8 @@ def test_every_example_the_page_names_exists() -> None:
 def test_commands_and_blocks_read_only_what_the_driver_hands_over_and_never_expand_a_key(
     handed: dict[str, str],
 ) -> None:
-    assert {"RL_CONTROL_BASE_URL", "RL_CONTROL_API_KEY", "RL_POLICY_BASE_URL"} <= set(handed)
+    assert {"RL_CONTROL_BASE_URL", "RL_CONTROL_API_KEY_FILE", "RL_POLICY_BASE_URL"} <= set(handed)
+    assert "RL_CONTROL_API_KEY" not in handed  # the admin token itself: only its file's path is handed
     texts = {p.name: load_resolved(p).training.command for p in EXAMPLES}
     texts |= {f"docs/trainers.md block {i}": b for i, b in enumerate(fences("yaml") + fences("bash"))}
     read: set[str] = set()
@@ -111,7 +112,8 @@ def test_commands_and_blocks_read_only_what_the_driver_hands_over_and_never_expa
         refs = {r for r in env_refs(text) if r.startswith("RL_")}
         assert refs <= set(handed), f"{where}: {sorted(refs - set(handed))} is not handed to the command"
         assert not refs & set(KEY_VARS), f"{where}: a key expanded into argv or a printed config"
-        secrets = [handed[k] for k in (*KEY_VARS, "RL_ROUTER_REGISTRATION_URL")]
+        admin = Path(handed["RL_CONTROL_API_KEY_FILE"]).read_text().strip()
+        secrets = [admin, handed["RL_POLICY_API_KEY"], handed["RL_ROUTER_REGISTRATION_URL"]]
         assert "Bearer" not in text and not any(v in text for v in secrets), where
         read |= refs
     assert {"RL_CONTROL_BASE_URL", "RL_POLICY_BASE_URL", "RL_JOB_DIR"} <= read  # the rule matched things
@@ -198,7 +200,7 @@ def test_the_nemo_rl_example_passes_the_pages_block() -> None:
 
 
 def test_the_prime_rl_command_of_the_page_is_the_examples() -> None:
-    lines = [line for block in fences("bash") for line in block.splitlines() if line.startswith("uv run rl ")]
+    lines = [line for block in fences("bash") for line in block.splitlines() if " uv run rl " in line]
     assert len(lines) == 1, lines
     example = shlex.split(load_resolved(PRIME_RL_EXAMPLE).training.command)
     assert shlex.split(lines[0]) == example[: len(shlex.split(lines[0]))]
