@@ -93,13 +93,6 @@ def _fleet_columns(job: JobDir, state: dict[str, Any], ended: bool) -> dict[str,
     return {"fleet": None, "consumers": [], "attached_to": to.get("fleet")}
 
 
-def _fleet_cell(row: dict[str, Any]) -> str:
-    if row.get("fleet"):
-        n = len(row.get("consumers") or [])
-        return f"fleet {row['fleet']} ({n} attached)"
-    return f"-> {row['attached_to']}" if row.get("attached_to") else "-"
-
-
 @click.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as a JSON list (for scripts).")
 @root_option
@@ -119,25 +112,12 @@ def list_command(as_json: bool, root: Path) -> None:
         click.echo(json.dumps(rows, indent=2, default=str))
         return
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table()
-    for column in ("job", "slurm", "phase", "detail", "fleet", "front", "engines", "router", "updated"):
-        table.add_column(column, no_wrap=column != "detail")
-    for row in rows:
-        updated = row["updated"] or row["submitted"]
-        table.add_row(
-            row["job"],
-            row["slurm"],
-            row["phase"],
-            row["detail"][:60],
-            _fleet_cell(row),
-            str(row["front"] or "-"),
-            str(row["engines"] or "-"),
-            str(row["router_url"] or ""),
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(updated)) if updated else "-",
-        )
-    Console(width=None if os.isatty(1) else 200).print(table)
+    from launcher.cli.list_table import render_jobs, terminal_width
+
+    width = terminal_width()
+    # soft_wrap: the block is laid out for ``width`` already; rich must neither wrap nor crop an id
+    Console(width=width or 10_000).print(render_jobs(rows, width), soft_wrap=True)
 
 
 def _driver_process(job: JobDir) -> int:
