@@ -137,7 +137,14 @@ def _driver_process(job: JobDir) -> int:
     show_default=True,
     help="Wait (up to --timeout) until the job has recorded its result.",
 )
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=60.0, show_default=True)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for the job's result (with --wait), and for a gone driver's leftovers to end.",
+)
 @root_option
 def cancel_command(job: str, wait: bool, timeout_s: float, root: Path) -> None:
     """Cancel a job, queued or running: scancel (the driver tears everything down on SIGTERM), or SIGTERM
@@ -148,8 +155,9 @@ def cancel_command(job: str, wait: bool, timeout_s: float, root: Path) -> None:
     jd = JobDir(d)
     job_id = slurm_job_id(d)
     ended = jd.read_result()
-    if ended is not None:
-        raise click.ClickException(f"{d.name} has already ended ({ended.outcome}: {ended.reason})")
+    if ended is not None:  # what the user asked for holds: the job is not running (exit 0, as scancel's)
+        click.echo(f"{d.name} has already ended ({ended.outcome}: {ended.reason}, exit {ended.exit_code})")
+        return
     if job_id is not None:
         state = job_state(job_id)
         if is_final(state):  # Slurm ended it before its driver could record how: nothing is left to scancel
