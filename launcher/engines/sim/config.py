@@ -86,8 +86,9 @@ class SimConfig:
     """Output length when a request gives neither ``max_tokens`` nor ``max_completion_tokens``."""
 
     eos_min_tokens: int = 0
-    """With ``eos_max_tokens > 0`` and no ``ignore_eos``, a request stops ("stop") after a length
-    drawn deterministically from [eos_min_tokens, eos_max_tokens] when that is under its max_tokens."""
+    """With ``eos_max_tokens > 0`` and no ``ignore_eos``, the model ends a sequence ("stop") with
+    probability 1/mean per token, mean = (eos_min_tokens + eos_max_tokens) / 2, decided by the context
+    alone (``decoding.greedy``) so a continued request stops where the uninterrupted one would."""
 
     eos_max_tokens: int = 0
     """0 = never stop early: every request produces its full max_tokens ("length"), which keeps

@@ -8,7 +8,6 @@ stays about transport and faults. Field names follow vLLM's OpenAI server (``usa
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 from collections.abc import Collection, Mapping
@@ -18,17 +17,10 @@ from typing import Any, Literal
 import orjson
 
 from .config import SimConfig
+from .decoding import greedy, model_key
 from .tokens import TOKEN_BYTES, decode_token, encode, render_chat
 
 Kind = Literal["chat", "completion"]
-
-# Filler vocabulary: every word is at least 3 letters, so N words plus spaces always give >= 4N bytes.
-_WORDS = (
-    "the and for with that this from into over under about after before while which there their "
-    "model token cache block batch route engine agent tool call result value state step plan check "
-    "retry queue fleet prefix decode prefill stream reply query order close open start stop train "
-    "reward policy sample score trace apply merge split write read parse build test debug patch"
-).split()
 
 
 class ApiError(Exception):
@@ -174,38 +166,33 @@ def parse_generation(kind: Kind, body: Any, config: SimConfig, adapters: Collect
 
 @dataclass(slots=True)
 class PlannedOutput:
-    """The output a request will produce: ``text`` is exactly ``TOKEN_BYTES`` ASCII bytes per token."""
+    """The output a request will produce: ``text`` is exactly ``TOKEN_BYTES`` ASCII bytes per token,
+    ``logprobs`` one per token."""
 
     tokens: list[int]
     text: str
     finish_reason: str
+    logprobs: list[float]
 
 
 def plan_output(params: GenParams, config: SimConfig, weights_salt: int | None = None) -> PlannedOutput:
-    """Deterministic output from (engine seed, request seed, prompt): the same request gets the same
-    text on every engine and every run, so routing never changes what a rollout generates, and a
-    shorter ``max_tokens`` yields a prefix of a longer one (as greedy decoding would).
+    """Greedy output of the simulated model (``decoding.greedy``): a function of (engine seed, request
+    seed, weights, context), so the same request gets the same text on every engine and every run,
+    routing never changes what a rollout generates, a shorter ``max_tokens`` yields a prefix of a longer
+    one, and a completions request whose ``prompt`` is this one's token ids plus the first k output ids
+    yields exactly the rest (with ``max_tokens`` and ``min_tokens`` reduced by k), chat or completion.
 
     ``weights_salt`` (the loaded checkpoint's, see ``worker.SimWorker.output_salt``) changes the text
-    as new weights change a real model's output; ``None`` (built-in weights) keeps the default text."""
-    key = (config.seed, params.seed or 0, hash(tuple(params.prompt)))
-    rng = random.Random(hash(key if weights_salt is None else (*key, weights_salt)))
-    n = params.max_tokens
-    finish = "length"
+    as new weights change a real model's output; ``None`` (built-in weights) keeps the default text.
+    With ``eos_max_tokens`` > 0 (and no ``ignore_eos``) the model ends a sequence with probability
+    1/mean per token, mean = (eos_min_tokens + eos_max_tokens) / 2: an end decided by the context
+    alone, as a continuation needs, so lengths are geometric rather than bounded by the pair."""
+    eos_mean = 0
     if config.eos_max_tokens > 0 and not params.ignore_eos:
-        natural = max(rng.randint(config.eos_min_tokens, config.eos_max_tokens), params.min_tokens, 1)
-        if natural < n:
-            n, finish = natural, "stop"
-    need = n * TOKEN_BYTES
-    parts: list[str] = []
-    have = 0
-    while have < need:
-        words = rng.choices(_WORDS, k=max((need - have) // 4, 8))
-        chunk = " " + " ".join(words)
-        parts.append(chunk)
-        have += len(chunk)
-    text = "".join(parts)[:need]
-    return PlannedOutput(tokens=encode(text), text=text, finish_reason=finish)
+        eos_mean = max((config.eos_min_tokens + config.eos_max_tokens) // 2, 1)
+    key = model_key(config.seed, params.seed, weights_salt)
+    out = greedy(params.prompt, params.max_tokens, key, eos_mean, params.min_tokens)
+    return PlannedOutput(out.tokens, out.text, "stop" if out.stopped else "length", out.logprobs)
 
 
 def new_id(kind: Kind) -> str:
@@ -221,22 +208,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def _logprob(token_id: int) -> float:
-    """A fixed pseudo log-probability per token id (deterministic, in (-1, 0])."""
-    return -((token_id * 2654435761) % 1000) / 1000.0
-
-
 def _piece(token_id: int) -> str:
     return decode_token(token_id).decode("utf-8", errors="replace")
 
 
-def chat_logprobs(ids: list[int], params: GenParams) -> dict[str, Any]:
+def chat_logprobs(ids: list[int], lps: list[float], params: GenParams) -> dict[str, Any]:
     content = []
-    for t in ids:
+    for t, lp in zip(ids, lps, strict=True):
         piece = _piece(t)
         entry: dict[str, Any] = {
             "token": f"token_id:{t}" if params.tokens_as_ids else piece,
-            "logprob": _logprob(t),
+            "logprob": lp,
             "bytes": list(piece.encode()),
         }
         entry["top_logprobs"] = [dict(entry)] if params.top_logprobs > 0 else []
@@ -244,9 +226,8 @@ def chat_logprobs(ids: list[int], params: GenParams) -> dict[str, Any]:
     return {"content": content}
 
 
-def completion_logprobs(ids: list[int], params: GenParams, offset: int) -> dict[str, Any]:
+def completion_logprobs(ids: list[int], lps: list[float], params: GenParams, offset: int) -> dict[str, Any]:
     tokens = [f"token_id:{t}" if params.tokens_as_ids else _piece(t) for t in ids]
-    lps = [_logprob(t) for t in ids]
     return {
         "text_offset": [offset + i * TOKEN_BYTES for i in range(len(ids))],
         "token_logprobs": lps,
@@ -260,15 +241,18 @@ def completion_logprobs(ids: list[int], params: GenParams, offset: int) -> dict[
 def full_response(
     params: GenParams, rid: str, created: int, model: str, out: PlannedOutput, n_out: int, cached_tokens: int
 ) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` or ``text_completion`` body."""
+    """A non-streaming ``chat.completion`` or ``text_completion`` body. With ``return_token_ids`` the
+    choice has ``token_ids``, and ``prompt_token_ids`` is where vLLM 0.32 puts it: top level for chat,
+    in the choice for completions."""
     ids = out.tokens[:n_out]
+    lps = out.logprobs[:n_out]
     text = out.text[: n_out * TOKEN_BYTES]
     choice: dict[str, Any]
     if params.kind == "chat":
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []},
-            "logprobs": chat_logprobs(ids, params) if params.logprobs else None,
+            "logprobs": chat_logprobs(ids, lps, params) if params.logprobs else None,
             "finish_reason": out.finish_reason,
             "stop_reason": None,
         }
@@ -277,12 +261,14 @@ def full_response(
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": completion_logprobs(ids, params, 0) if params.logprobs else None,
+            "logprobs": completion_logprobs(ids, lps, params, 0) if params.logprobs else None,
             "finish_reason": out.finish_reason,
             "stop_reason": None,
         }
         obj = "text_completion"
     if params.return_token_ids:
+        if params.kind == "completion":
+            choice["prompt_token_ids"] = params.prompt
         choice["token_ids"] = ids
     body: dict[str, Any] = {
         "id": rid,
@@ -292,7 +278,7 @@ def full_response(
         "choices": [choice],
         "usage": usage(len(params.prompt), n_out, cached_tokens),
     }
-    if params.return_token_ids:
+    if params.return_token_ids and params.kind == "chat":
         body["prompt_token_ids"] = params.prompt
     return body
 
@@ -307,8 +293,11 @@ def stream_chunk(
     end: int,
     finished: bool,
 ) -> bytes:
-    """One SSE event carrying output tokens ``[start, end)``; ``finish_reason`` on the last one."""
+    """One SSE event carrying output tokens ``[start, end)``; ``finish_reason`` on the last one. With
+    ``return_token_ids`` the choice has ``token_ids``; a completion's first chunk (``start`` 0) carries
+    ``prompt_token_ids`` in its choice, later ones null (vLLM 0.32; chat's are on ``role_chunk``)."""
     ids = out.tokens[start:end]
+    lps = out.logprobs[start:end]
     text = out.text[start * TOKEN_BYTES : end * TOKEN_BYTES]
     finish = out.finish_reason if finished else None
     choice: dict[str, Any]
@@ -316,7 +305,7 @@ def stream_chunk(
         choice = {
             "index": 0,
             "delta": {"content": text},
-            "logprobs": chat_logprobs(ids, params) if params.logprobs else None,
+            "logprobs": chat_logprobs(ids, lps, params) if params.logprobs else None,
             "finish_reason": finish,
             "stop_reason": None,
         }
@@ -325,34 +314,40 @@ def stream_chunk(
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": completion_logprobs(ids, params, start * TOKEN_BYTES) if params.logprobs else None,
+            "logprobs": completion_logprobs(ids, lps, params, start * TOKEN_BYTES)
+            if params.logprobs
+            else None,
             "finish_reason": finish,
             "stop_reason": None,
         }
         obj = "text_completion"
     if params.return_token_ids:
+        if params.kind == "completion":
+            choice["prompt_token_ids"] = params.prompt if start == 0 else None
         choice["token_ids"] = ids
     return sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
 
 
-def role_chunk(rid: str, created: int, model: str) -> bytes:
-    """The first chat chunk, announcing the assistant role with empty content (as vLLM sends)."""
-    return sse(
-        {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ],
-        }
-    )
+def role_chunk(rid: str, created: int, model: str, prompt_token_ids: list[int] | None = None) -> bytes:
+    """The first chat chunk, announcing the assistant role with empty content (as vLLM sends); with
+    ``return_token_ids`` it carries the rendered prompt's ``prompt_token_ids`` at top level."""
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+    if prompt_token_ids is not None:
+        chunk["prompt_token_ids"] = prompt_token_ids
+    return sse(chunk)
 
 
 def usage_chunk(params: GenParams, rid: str, created: int, model: str, n_out: int, cached: int) -> bytes:

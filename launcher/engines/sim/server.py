@@ -441,7 +441,7 @@ class SimServer:
                 )
             # vLLM answers a request aborted by /abort_requests or a pause(abort) like a finished one,
             # with finish_reason "abort" and what it had generated.
-            output = PlannedOutput(out.tokens, out.text, ABORT_REASON) if aborted else out
+            output = PlannedOutput(out.tokens, out.text, ABORT_REASON, out.logprobs) if aborted else out
             created = int(time.time())
             model = params.model  # the served model's name, or a LoRA adapter's
             return _json(full_response(params, req.rid, created, model, output, req.n_gen, req.cached_tokens))
@@ -461,7 +461,8 @@ class SimServer:
         sent = 0
         try:
             if params.kind == "chat":
-                await resp.write(role_chunk(req.rid, created, model))
+                ids = params.prompt if params.return_token_ids else None
+                await resp.write(role_chunk(req.rid, created, model, ids))
             while True:
                 req.progress.clear()
                 n = req.n_gen
@@ -473,7 +474,7 @@ class SimServer:
                 if req.state == ReqState.FINISHED:
                     break
                 if req.state == ReqState.ABORTED and req.finish_reason == ABORT_REASON:
-                    aborted = PlannedOutput(out.tokens, out.text, ABORT_REASON)
+                    aborted = PlannedOutput(out.tokens, out.text, ABORT_REASON, out.logprobs)
                     await resp.write(stream_chunk(params, req.rid, created, model, aborted, sent, sent, True))
                     break  # aborted through the RL routes: ends like vLLM's, finish_reason "abort"
                 if req.state == ReqState.ABORTED and self.core.state == CoreState.DEAD:
