@@ -14,22 +14,19 @@ import time
 from pathlib import Path
 
 import click
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.live import Live
 
 from launcher.cli.options import lookup_target, root_option
 from launcher.status.collect import StatusCollector, acollect_snapshot
+from launcher.status.fit import fitted_frame
 from launcher.status.render import render_snapshot
 
-# Lines the frame needs besides the engine rows (header, banner, router, sparkline, summary, table
-# header and caption), so the live view can keep the whole frame on one screen.
-_FIXED_LINES = 12
 
-
-def rows_that_fit(console: Console, snap: dict) -> int:
-    """Engine rows that leave the rest of the frame visible; troubled engines are kept first."""
-    extra = _FIXED_LINES + len(snap.get("problems") or []) + len(snap.get("events") or [])
-    return max(4, console.size.height - extra)
+def live_frame(snap: dict, console: Console) -> RenderableType:
+    """The live view's frame for the console's size: the engine table and the events keep their room
+    (``launcher.status.fit``)."""
+    return fitted_frame(snap, console.size.width, console.size.height)
 
 
 async def _live(collector: StatusCollector, interval: float, console: Console) -> None:
@@ -38,8 +35,7 @@ async def _live(collector: StatusCollector, interval: float, console: Console) -
             while True:
                 started = time.monotonic()
                 snap = await collector.collect()
-                frame = render_snapshot(snap, max_rows=rows_that_fit(console, snap), width=console.size.width)
-                live.update(frame, refresh=True)
+                live.update(live_frame(snap, console), refresh=True)
                 if snap["condition"] == "finished":
                     return  # the final frame stays on screen: result, last events
                 await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))

@@ -116,7 +116,7 @@ def _job_header(snap: dict[str, Any]) -> Text:
     return t
 
 
-def _router_line(snap: dict[str, Any]) -> Text:
+def _router_line(snap: dict[str, Any], width: int | None = None) -> Text:
     r = snap["router"]
     t = Text()
     if r.get("reachable") is False:
@@ -142,11 +142,17 @@ def _router_line(snap: dict[str, Any]) -> Text:
     t.append("serving ", style="dim")
     t.append(fmt_count(r.get("serving_backends")), style="bold")
     history = snap.get("history") or []
-    line = sparkline(history)
+    n = (
+        60
+        if width is None
+        else max(10, min(60, width - len("throughput   max 0000.0 req/s over the last 60 samples")))
+    )
+    shown = history[-n:]  # as many samples as fit one line: a wrapped chart costs a line of the frame
+    line = sparkline(shown, n)
     if line:
         t.append("\nthroughput ", style="dim")
         t.append(line, style="green")
-        t.append(f"  max {max(history):.1f} req/s over the last {len(history)} samples", style="dim")
+        t.append(f"  max {max(shown):.1f} req/s over the last {len(shown)} samples", style="dim")
     return t
 
 
@@ -401,7 +407,7 @@ def render_snapshot(
     for problem in snap.get("problems") or []:
         parts.append(Text(f"! {problem}", style="yellow"))
     if condition in ("running", "unreachable") or (snap.get("router") or {}).get("reachable") is not None:
-        parts.append(_router_line(snap))
+        parts.append(_router_line(snap, width))
     if snap.get("gateway"):
         parts.append(_gateway_line(snap))
     if snap.get("cache_reset"):

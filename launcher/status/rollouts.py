@@ -22,7 +22,10 @@ def rollouts_text(view: dict[str, Any] | None) -> Text | None:
     )
     t.append(f"  in flight  {sparkline(tl['in_flight'])}  (peak {max(tl['in_flight'])})\n")
     t.append(f"  finished   {sparkline(tl['sessions_finished'])}\n")
-    t.append("  slowest sessions (span: held / first byte / decode / between turns; engines)\n", style="dim")
+    if view["slowest"]:  # a short terminal shows none of them (launcher.status.fit): no header either
+        t.append(
+            "  slowest sessions (span: held / first byte / decode / between turns; engines)\n", style="dim"
+        )
     for s in view["slowest"]:
         p = s["phases_s"]
         engines = " > ".join(e.split("//")[-1].removesuffix("/v1") for e in s["engines"]) or "-"
