@@ -17,7 +17,8 @@ from typing import Any
 
 from rich.console import Console, RenderableType
 
-from launcher.status.render import render_snapshot
+from launcher.status.render import _events, render_snapshot
+from launcher.status.rollouts import rollouts_text
 
 MIN_ROWS = 4
 MIN_EVENTS = 3
@@ -44,38 +45,56 @@ def _trimmed(snap: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
 
 def plan_frame(snap: dict[str, Any], width: int, height: int) -> Plan:
-    """The most of each part, in order of need, that keeps the frame within ``height`` lines."""
+    """The most of each part, in order of need, that keeps the frame within ``height`` lines.
+
+    The frame is drawn once, with the fewest rows; the parts' heights are then added up (a ``Group``'s
+    lines are its parts' lines): the engine table is one line a row, and the events and the rollouts are
+    drawn alone (they wrap). Drawing the whole frame for every candidate cost 0.7 s at 256 engines on a
+    tall terminal, every redraw."""
     console = Console(width=width, height=height, file=io.StringIO(), color_system=None)
     n_rows = len(snap.get("engines") or [])
     n_events = len(snap.get("events") or [])
     view = snap.get("rollouts")
     n_slowest = len(view.get("slowest") or []) if view else 0
 
-    def lines(plan: Plan) -> int:
-        frame = render_snapshot(_trimmed(snap, plan), max_rows=plan.rows, width=width)
-        return len(console.render_lines(frame, console.options, pad=False))
+    def lines(renderable: Any) -> int:
+        return 0 if renderable is None else len(console.render_lines(renderable, console.options, pad=False))
 
-    plan = Plan(min(n_rows, MIN_ROWS), min(n_events, MIN_EVENTS), 0, bool(view))
+    def table(rows: int) -> int:  # header, rows, "N more engine(s) not shown"; no_wrap: one line each
+        return 0 if not n_rows else 1 + rows + (rows < n_rows)
+
+    def events(n: int) -> int:
+        return lines(_events(_trimmed(snap, Plan(0, n, 0, False)))) if n else 0
+
+    def rollouts(plan: Plan) -> int:
+        return lines(rollouts_text(_trimmed(snap, plan)["rollouts"]))
+
+    start = Plan(min(n_rows, MIN_ROWS), min(n_events, MIN_EVENTS), 0, bool(view))
+    drawn = lines(render_snapshot(_trimmed(snap, start), max_rows=start.rows, width=width))
+    fixed = drawn - table(start.rows) - events(start.events) - rollouts(start)
+
+    def total(plan: Plan) -> int:
+        return fixed + table(plan.rows) + events(plan.events) + rollouts(plan)
+
+    plan = start
     for smaller in (  # the least needed goes first when even the minimum is too tall
         {"rollouts": False},
         {"events": min(n_events, 1)},
         {"rows": min(n_rows, 1)},
         {"events": 0},
     ):
-        if lines(plan) <= height:
+        if total(plan) <= height:
             break
         plan = replace(plan, **smaller)
-    for part, most in (("rows", n_rows), ("events", n_events), ("slowest", n_slowest)):
-        if part == "slowest" and not plan.rollouts:
-            continue
-        low, high = getattr(plan, part), most  # the largest count that fits, by bisection
-        while low < high:
-            mid = (low + high + 1) // 2
-            if lines(replace(plan, **{part: mid})) <= height:
-                low = mid
-            else:
-                high = mid - 1
-        plan = replace(plan, **{part: low})
+    plan = replace(plan, rows=max(plan.rows, min(n_rows, plan.rows + height - total(plan))))
+    if plan.rows == n_rows and total(plan) > height:  # the hidden-rows line went with the last row
+        plan = replace(plan, rows=n_rows - 1)
+    for part, most in (("events", n_events), ("slowest", n_slowest if plan.rollouts else 0)):
+        while (
+            getattr(plan, part) < most
+            and total(more := replace(plan, **{part: getattr(plan, part) + 1})) <= height
+        ):
+            plan = more
     return plan
 
 

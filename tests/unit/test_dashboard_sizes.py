@@ -155,3 +155,30 @@ def test_long_engine_ids_stay_whole_when_columns_are_dropped() -> None:
     lines = screen(snapshot(), 80, 60)
     rows = [line for line in lines if line.split() and line.split()[0] in ENGINE_IDS]
     assert {row.split()[0] for row in rows} == set(ENGINE_IDS), lines
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_every_height_fits_and_uses_the_room(width: int) -> None:
+    """The parts' heights are added up, not drawn for every candidate: the frame drawn whole still fits,
+    and a terminal one line taller shows no less."""
+    snap = snapshot()
+    shown = 0
+    for height in range(14, 70, 5):
+        lines = screen(snap, width, height)
+        assert len(lines) <= height and "..." not in [x.strip() for x in lines], (height, lines)
+        assert len(lines) >= min(shown, height - 3), (height, lines)
+        shown = len(lines)
+
+
+def test_256_engines_on_a_short_terminal_keep_the_troubled_ones() -> None:
+    snap = snapshot()
+    engine = snap["engines"][0]
+    snap["engines"] = [
+        {**engine, "id": f"node{k // 8}-{k % 8}", "state": "DEAD" if k % 15 == 3 else "HEALTHY"}
+        for k in range(256)
+    ]
+    lines = screen(snap, 80, 24)
+    assert len(lines) <= 24 and "..." not in [x.strip() for x in lines], lines
+    assert any("more engine(s) not shown" in x for x in lines) and "last events" in "\n".join(lines)
+    rows = [x for x in lines if x.split() and x.split()[0].startswith("node")]
+    assert rows and all(" DEAD " in x for x in rows), lines  # 18 dead ones: more than fit
