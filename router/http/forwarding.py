@@ -2,8 +2,11 @@
 
 Rules, each preventing a failure seen with real clients and peers:
 
-* Never a redirect. Clients do not follow them for POST bodies, and a redirect would hand out an
-  engine's own URL, which dies with the engine.
+* Never a redirect: clients do not follow them for POST bodies, and it would hand out an engine's URL.
+* A completions or chat request the router can follow (``router.continuation.plan``) is read as an
+  event stream and, when its engine breaks or the fleet moves it, continued on another engine from the
+  tokens produced (``router.continuation``; the plumbing in ``router.http.continued``), up to
+  ``continuation_max_moves`` times. Every other request is proxied byte for byte as below.
 * The request body is read whole (the policy needs the prompt; a retry must resend it), within the
   size cap and the body deadline (``router.http.bodies``), the response
   is streamed chunk by chunk as it arrives (SSE included), so a long generation is never buffered.
@@ -69,8 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -78,11 +80,14 @@ from router.adapters.body import UnreadableBody
 from router.adapters.requests import AdapterRequest, AdapterRequests
 from router.adapters.table import AdapterForbidden, AdapterUnavailable, BaseModelNotServed
 from router.consumers import OWNER_CONSUMER, Consumer
+from router.continuation.moves import EngineWatch
 from router.http.attribution import Blame, InputFailure, malformed_headers
 from router.http.auth import CONSUMER, account_of, still_admitted
 from router.http.bodies import LARGE_BODY_BYTES, read_body
 from router.http.capability import ROUTE_KEY
 from router.http.consumer_limits import ConsumerLimits
+from router.http.continued import Moves, continue_answer, is_event_stream, plan_request
+from router.http.forwarding_config import ForwardingConfig as ForwardingConfig
 from router.http.headers import REQUEST_DROP, REQUEST_ID, filter_raw_headers, new_request_id, request_id_of
 from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from router.http.recording import draft_request, record_hashes
@@ -107,48 +112,9 @@ from router.state.versions import (
     VersionWant,
 )
 
-if TYPE_CHECKING:
-    from router.config import RouterConfig
-
 JSON = "application/json"
 # Held while the fleet is paused (generation); /tokenize and /v1/models do not reach the engine core.
 HELD_DURING_PAUSE = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
-
-
-@dataclass
-class ForwardingConfig:
-    backend_timeout_s: float
-    connect_timeout_s: float
-    no_healthy_backend_status: int
-    max_attempts: int = 2
-    retry_on_timeout: bool = True
-    health_managed: bool = False
-    backend_api_key: str | None = None
-    max_request_bytes: int = 64 * 1024 * 1024
-    consumer_accounting: bool = False
-    drop_client_auth: bool = False
-    record_text: bool = False
-
-    @classmethod
-    def of(cls, config: RouterConfig) -> ForwardingConfig:
-        """The forwarding part of a router's config: one mapping for every process of the router, so a
-        new setting cannot reach one and miss another. With a consumers file the engines get the owner's
-        key in place of the client's (module doc); under a capability no key, the client's dropped."""
-        consumers_engine_key = config.secret("api_key") if config.consumers_file is not None else None
-        registered = config.registration_capability is not None  # engines: any URL its holder named
-        return cls(
-            backend_timeout_s=config.backend_timeout_s,
-            connect_timeout_s=config.connect_timeout_s,
-            no_healthy_backend_status=config.no_healthy_backend_status,
-            max_attempts=config.max_attempts,
-            retry_on_timeout=config.retry_on_timeout,
-            health_managed=config.health_managed,
-            backend_api_key=None if registered else config.secret("backend_api_key") or consumers_engine_key,
-            max_request_bytes=config.max_request_bytes,
-            consumer_accounting=config.consumer_accounting,
-            drop_client_auth=config.consumers_file is not None or registered,
-            record_text=config.record_text,
-        )
 
 
 def json_response(status: int, body: bytes) -> web.Response:
@@ -200,6 +166,9 @@ class Forwarder:
         self.adapters: AdapterRequests | None = None
         """The fleet's LoRA adapters (set by the router where it serves them): a generation request whose
         ``model`` names one goes to its current version's served name, on the engines holding it."""
+        self.engine_watch = EngineWatch()
+        """This process's tracked attempts by engine (``router.continuation.moves``): the fleet side asks
+        the requests on a drained, quarantined, removed or restarted engine to move through it."""
 
     def use_limits(self, limits: HttpLimits) -> None:
         """Apply the backend-side limits (header bytes, quoted error body); called before serving."""
@@ -326,6 +295,9 @@ class Forwarder:
                 adapter.route.target.enter()
         shown = adapter.route.version if adapter is not None else None
         tried: set[str] = set()
+        plan = await plan_request(request.path, body) if hold and self.config.continuation_max_moves else None
+        exclude = adapter.exclude if adapter else frozenset()
+        moves = Moves(self, plan, route_request, headers, request_id, tried, exclude, want) if plan else None
         last: UpstreamError | None = None
         ticket: Ticket | None = None
         blame: Blame | None = None  # made at the first failure (router.http.attribution)
@@ -395,6 +367,7 @@ class Forwarder:
                         draft,
                         blame,
                         shown,
+                        moves,
                     )
                 except UpstreamError as failure:
                     if draft is not None:
@@ -472,10 +445,12 @@ class Forwarder:
         draft: RecordDraft | None = None,
         blame: Blame | None = None,
         shown: str | None = None,
+        moves: Moves | None = None,
     ) -> web.StreamResponse:
         """One try on ``url``. Raises ``UpstreamError`` only while nothing was sent to the client.
         ``blame``: the request's failed attempts so far; an answer below 500 here settles them.
         ``shown``: the version the answer's header names when it is not the engine's (an adapter's).
+        ``moves``: an eligible request's continuation (its first part's body is the plan's).
 
         A cancellation (the client went away) aborts the upstream connection through ``release`` and
         frees the slot in the ``finally`` blocks; it is not an ``UpstreamError``, so nothing retries it.
@@ -486,11 +461,16 @@ class Forwarder:
         url, version = chosen.url, chosen.version
         slot = Slot(self.routing, url, len(body), version, request_id)
         try:
-            upstream = await self.pool.request(url, request.method, path_qs, headers, body)
+            sent = body if moves is None else moves.plan.first_body
+            upstream = await self.pool.request(url, request.method, path_qs, headers, sent)
             if blame is not None and upstream.status < 500:
                 self._charge(route_request.path, blame.answered(upstream.status))
             answered = chosen if shown is None else chosen._replace(version=shown)
             try:
+                if moves is not None and upstream.status == 200 and is_event_stream(upstream):
+                    return await continue_answer(
+                        self, request, moves, answered, upstream, slot, ticket, draft
+                    )
                 return await self.relay.relay(
                     request, route_request, answered, upstream, slot, request_id, ticket, draft
                 )
