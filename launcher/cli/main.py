@@ -28,6 +28,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Cancel a job, queued or running: scancel (the driver tears everything down on SIGTERM), or SIGTERM "
         "to a local job's driver.",
     ),
+    "check": (
+        "launcher.cli.check",
+        "check_command",
+        "Check that a spec can run on this site, before the first allocation: one line per failure, with "
+        "its fix.",
+    ),
     "fleet": (
         "launcher.cli.fleet",
         "fleet_group",

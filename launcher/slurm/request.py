@@ -37,13 +37,13 @@ split: ``launcher.slurm.nodes``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from launcher.slurm.options import parse_sbatch_option
 from launcher.slurm.srun import container_args, driver_launch_line, signal_option
-from launcher.slurm.time import parse_time
+from launcher.slurm.time import format_time, parse_time
 
 if TYPE_CHECKING:
     from launcher.spec import ResolvedResources, ResolvedSpec
@@ -252,3 +252,46 @@ def submitit_parameters(
     additional["signal"] = signal
     params["slurm_additional_parameters"] = additional
     return params
+
+
+PROBE_EXTRA_OPTIONS = frozenset(
+    {"reservation", "nodelist", "exclude", "clusters", "licenses", "gres", "wckey", "mem-per-cpu", "tmp"}
+)
+"""``extra_sbatch`` options a probe step carries too (``probe_command``): those that decide which nodes a
+job may get and that ``srun`` also takes. The others (mail, requeue, dependencies...) concern the batch
+job, and some are sbatch-only: ``srun`` would refuse the probe over them."""
+
+
+def probe_command(
+    resolved: ResolvedSpec,
+    role: Literal["training", "generation"],
+    *,
+    job_name: str,
+    time_s: int,
+    argv: Sequence[str],
+    container: bool = True,
+) -> list[str]:
+    """``srun`` argv of a one-node, one-task step on a node like the job's ``role`` nodes
+    (``rl-launch check``): the same resources, partition, account and container as the job asks for
+    that role (the single allocation's for both roles in the single layout), a short time limit, and
+    the caller's environment (``--export=ALL``, as the job's steps). ``container=False`` leaves the
+    container out (no pyxis here: the probe then looks at the host)."""
+    slurm = resolved.slurm
+    if slurm is None:
+        raise ValueError("cluster is 'local': there is no Slurm step to probe with")
+    role_res = resolved.training.resources if role == "training" else resolved.generation.resources
+    res = resolved.generation.resources if slurm.layout == "single" else role_res
+    assert res is not None  # set whenever slurm is
+    extra = [o for o in res.extra_sbatch if parse_sbatch_option(o)[0] in PROBE_EXTRA_OPTIONS]
+    return [
+        "srun",
+        *resource_directives(res, 1),
+        "--ntasks=1",
+        f"--time={format_time(max(60, min(time_s, parse_time(slurm.time))))}",
+        *([f"--account={slurm.account}"] if slurm.account else []),
+        f"--job-name={job_name}",
+        "--export=ALL",
+        *extra,
+        *(container_args(slurm.container) if container else ()),
+        *argv,
+    ]

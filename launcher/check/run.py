@@ -1,0 +1,175 @@
+"""``rl-launch check SPEC``: the checks in order, login node first, then one probe step per group.
+
+Order and what stops what: without Slurm nothing else can be asked; a part of the allocation that cannot
+exist (no such partition, GPUs its nodes lack, an account that is not the user's) gets no probe step, since
+Slurm would only refuse it again (one line per defect, not two); a missing container runtime still lets the
+probes run, on the host, so the other checks are not hidden behind it. ``cluster: local`` runs the probe
+here, without Slurm.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launcher.check.outcome import Check, skip
+from launcher.check.probe import launcher_identity, run_probe
+from launcher.check.probe_job import (
+    MODEL_ENGINES,
+    PROBE_TIME_S,
+    Group,
+    ProbeRun,
+    judge_nodes,
+    judge_result,
+    judge_step,
+    launcher_argv,
+    run_steps,
+)
+from launcher.check.site import (
+    Need,
+    check_account,
+    check_container_runtime,
+    check_gpus,
+    check_partition,
+    prepare_share,
+    read_sinfo,
+)
+
+if TYPE_CHECKING:
+    from launcher.spec import ResolvedSpec
+
+DEFAULT_TIMEOUT_S = 240.0
+
+
+def groups_of(resolved: ResolvedSpec) -> list[Group]:
+    """The groups with nodes (a standing fleet has no training, a job attached to one no generation)."""
+    out: list[Group] = []
+    if resolved.training.nodes:
+        out.append("training")
+    if resolved.generation.nodes:
+        out.append("generation")
+    return out
+
+
+def needs_of(resolved: ResolvedSpec) -> dict[str, Need]:
+    """What the allocation asks Slurm for: the whole job (single layout) or each hetjob component."""
+    slurm = resolved.slurm
+    assert slurm is not None
+    if slurm.layout == "single":
+        res = resolved.generation.resources
+        assert res is not None
+        return {"job": Need("job", res.partition, resolved.total_nodes, res.gpus_per_node, "slurm")}
+    needs = {}
+    for group in groups_of(resolved):
+        role = resolved.training if group == "training" else resolved.generation
+        assert role.resources is not None
+        r = role.resources
+        needs[group] = Need(group, r.partition, role.nodes, r.gpus_per_node, f"{group}.slurm")
+    return needs
+
+
+def probe_config(resolved: ResolvedSpec, group: Group, share: Path | None, token: str) -> dict[str, Any]:
+    """What the probe on a ``group`` node looks at (``launcher.check.probe.run_probe``)."""
+    gen = resolved.generation
+    config: dict[str, Any] = {"group": group, "job_root": resolved.job_root, "gpus": 0}
+    if share is not None:
+        config.update(share_dir=str(share), login_token=token)
+    role = resolved.training if group == "training" else gen
+    if role.resources is not None:
+        config["gpus"] = role.resources.gpus_per_node
+    if group == "generation" and not gen.trainer_owned:
+        config["engine_env"] = dict(gen.env)
+        config["vllm"] = gen.engine == "vllm"
+        if gen.model and gen.engine in MODEL_ENGINES:
+            config["model"] = gen.model
+    driver_group: Group = "training" if resolved.training.nodes else "generation"
+    if group == driver_group:  # the router runs in the driver's step, on the first node of this group
+        config["port_range"] = list(resolved.router.port_range)
+    return config
+
+
+def check_local(resolved: ResolvedSpec) -> list[Check]:
+    """``cluster: local``: the same looks, on this machine, without Slurm and without a share."""
+    config = probe_config(resolved, "generation", None, "")
+    config["bind_host"] = "127.0.0.1"
+    if resolved.training.nodes:
+        config["port_range"] = list(resolved.router.port_range)
+    return judge_result("local", config, run_probe(config))
+
+
+def check_spec(
+    resolved: ResolvedSpec, *, timeout_s: float = DEFAULT_TIMEOUT_S, say: Callable[[str], None] = print
+) -> list[Check]:
+    """Every check for ``resolved``, in the order printed."""
+    if resolved.slurm is None:
+        return check_local(resolved)
+    rows, reachable = read_sinfo()
+    checks = [reachable]
+    if rows is None:
+        return checks
+    blocked: set[str] = set()
+    for who, need in needs_of(resolved).items():
+        mine, verdict = check_partition(rows, need)
+        checks.append(verdict)
+        if not verdict.failed:
+            checks.append(check_gpus(mine, need))
+        if checks[-1].failed:
+            blocked.add(who)
+    if resolved.slurm.account:
+        checks.append(check_account(resolved.slurm.account))
+        if checks[-1].failed:
+            blocked.add("job")
+    container = resolved.slurm.container
+    pyxis = True
+    if container is not None:
+        checks.append(check_container_runtime(container.image))
+        pyxis = not checks[-1].failed
+    share, token, verdict = prepare_share(resolved.job_root)
+    checks.append(verdict)
+    try:
+        checks += _probe_groups(resolved, blocked, share, token, pyxis, timeout_s, say)
+    finally:
+        if share is not None:
+            shutil.rmtree(share, ignore_errors=True)
+    return checks
+
+
+def _probe_groups(
+    resolved: ResolvedSpec,
+    blocked: set[str],
+    share: Path | None,
+    token: str,
+    pyxis: bool,
+    timeout_s: float,
+    say: Callable[[str], None],
+) -> list[Check]:
+    import os
+
+    from launcher.slurm.request import probe_command
+
+    checks: list[Check] = []
+    runs: list[ProbeRun] = []
+    configs: dict[str, dict[str, Any]] = {}
+    for group in groups_of(resolved):
+        if "job" in blocked or group in blocked:
+            checks.append(skip(f"{group} probe", "not started: the allocation it needs cannot exist (above)"))
+            continue
+        name = f"rl-launch-check-{group}-{os.urandom(3).hex()}"
+        argv = probe_command(
+            resolved, group, job_name=name, time_s=PROBE_TIME_S, argv=launcher_argv(), container=pyxis
+        )
+        configs[group] = probe_config(resolved, group, share, token)
+        runs.append(ProbeRun(group=group, job_name=name, argv=argv))
+    if runs:
+        say(f"probing {' and '.join(r.group for r in runs)} nodes (srun, at most {timeout_s:g} s)...")
+        run_steps(runs, configs, timeout_s)
+    on_host = not pyxis  # a container is named, and there is no pyxis to run it
+    checks += [judge_step(run, timeout_s, on_host) for run in runs]
+    results = [run.result for run in runs if run.result is not None]
+    checks += judge_nodes(results, resolved.job_root, launcher_identity())
+    for run in runs:
+        if run.result is not None:
+            checks += judge_result(run.group, configs[run.group], run.result)
+    return checks
