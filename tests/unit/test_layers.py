@@ -46,6 +46,7 @@ FLOORS: dict[str, int] = {
     "launcher.fleet": 3,
     "launcher.driver": 4,
     "launcher.submit": 5,
+    "launcher.check": 5,
     "launcher.status": 5,
     "launcher.bench": 5,
     "launcher.cli": 6,
