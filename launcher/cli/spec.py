@@ -8,6 +8,7 @@ ran and failed" (1). ``submit --dry-run`` only reads and prints: it never import
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -17,7 +18,9 @@ from typing import TYPE_CHECKING
 import click
 import yaml
 
-from launcher.spec import ResolvedSpec, SpecError, load_resolved
+from launcher.spec import Issue, ResolvedSpec, SpecError
+from launcher.spec.loading import load_checked
+from launcher.spec.machine import Machine
 
 if TYPE_CHECKING:
     from launcher.slurm.request import SlurmRequest
@@ -32,18 +35,59 @@ _SET_OPT = click.option(
 )
 
 
+def _issue_json(issue: Issue) -> dict[str, object]:
+    return {"path": issue.path, "line": issue.line, "message": issue.message}
+
+
 def _load(
-    spec: Path, overrides: tuple[str, ...] = (), as_json: bool = False, attach_to: str | None = None
+    spec: Path,
+    overrides: tuple[str, ...] = (),
+    as_json: bool = False,
+    attach_to: str | None = None,
+    machine: bool = True,
 ) -> ResolvedSpec:
+    """The resolved spec, or every problem printed and exit status 2. With ``machine`` (every command
+    but the driver's inside an allocation, and ``validate --spec-only``) the spec is checked against this
+    machine too (``launcher.spec.machine``): its errors are problems, its warnings are printed."""
+    return _load_warned(spec, overrides, as_json, attach_to, machine)[0]
+
+
+def _load_warned(
+    spec: Path,
+    overrides: tuple[str, ...] = (),
+    as_json: bool = False,
+    attach_to: str | None = None,
+    machine: bool = True,
+    strict: bool = False,
+    say: bool = True,
+) -> tuple[ResolvedSpec, tuple[Issue, ...]]:
+    """``_load`` and the warnings, printed on stderr unless ``say`` is false (or ``as_json``: they are
+    in the JSON); ``strict``: warnings fail too. In JSON, ``issues`` are the errors and ``warnings``
+    the rest; in text, one sorted list holds both, so one read shows everything."""
     try:
-        return load_resolved(spec, overrides, attach_to=attach_to)
+        resolved, warnings = load_checked(spec, overrides, attach_to, Machine.here() if machine else None)
+        if strict and warnings:
+            raise SpecError(str(spec), [dataclasses.replace(w, warning=False) for w in warnings])
     except SpecError as exc:
         if as_json:
-            issues = [{"path": i.path, "line": i.line, "message": i.message} for i in exc.issues]
-            click.echo(json.dumps({"ok": False, "spec": str(spec), "issues": issues}, indent=2))
+            payload = {
+                "ok": False,
+                "spec": str(spec),
+                "issues": [_issue_json(i) for i in exc.issues if not i.warning],
+                "warnings": [_issue_json(i) for i in exc.issues if i.warning],
+            }
+            click.echo(json.dumps(payload, indent=2))
         else:
             click.echo(str(exc), err=True)
         raise click.exceptions.Exit(2) from None
+    if say and not as_json:
+        say_warnings(spec, warnings)
+    return resolved, warnings
+
+
+def say_warnings(spec: Path, warnings: tuple[Issue, ...]) -> None:
+    for warning in warnings:
+        click.echo(warning.text(str(spec)), err=True)
 
 
 def summarize(resolved: ResolvedSpec) -> list[str]:
@@ -98,14 +142,33 @@ def summarize(resolved: ResolvedSpec) -> list[str]:
 @_SPEC_ARG
 @_SET_OPT
 @click.option("--json", "as_json", is_flag=True, help="Print the result (resolved spec or problems) as JSON.")
-def validate_command(spec: Path, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Check a job spec; print OK and a summary, or every problem (exit status 2)."""
-    resolved = _load(spec, overrides, as_json)
+@click.option(
+    "--spec-only",
+    is_flag=True,
+    help="Check the spec alone, not against this machine (its files, environment and install): for a spec "
+    "that runs elsewhere.",
+)
+@click.option("--strict", is_flag=True, help="Fail (exit status 2) on warnings too.")
+def validate_command(
+    spec: Path, overrides: tuple[str, ...], as_json: bool, spec_only: bool, strict: bool
+) -> None:
+    """Check a job spec; print OK and a summary, or every problem (exit status 2).
+
+    Problems that can be right where the job runs (a model directory only the compute nodes see, a
+    container mount the site adds) are warnings: printed, exit status 0 (2 with --strict)."""
+    resolved, warnings = _load_warned(spec, overrides, as_json, machine=not spec_only, strict=strict)
     if as_json:
-        payload = {"ok": True, "spec": str(spec), "resolved": resolved.model_dump(mode="json")}
+        payload = {
+            "ok": True,
+            "spec": str(spec),
+            "warnings": [_issue_json(w) for w in warnings],
+            "resolved": resolved.model_dump(mode="json"),
+        }
         click.echo(json.dumps(payload, indent=2))
         return
-    click.echo(f"OK {spec}")
+    click.echo(
+        f"OK {spec}" + (f" ({len(warnings)} warning{'s' if len(warnings) > 1 else ''})" if warnings else "")
+    )
     for line in summarize(resolved):
         click.echo(line)
 
@@ -170,6 +233,22 @@ def _print_dry_run(spec: Path, resolved: ResolvedSpec) -> None:
     click.echo("# dry run: nothing was submitted")
 
 
+def _print_machine_problems(spec: Path, overrides: tuple[str, ...], fleet: str | None) -> None:
+    """``submit --dry-run``: what this machine's checks (``launcher.spec.machine``) would stop or warn
+    about, on stderr after the plan; the dry run itself only prints, so its exit status stays 0."""
+    try:
+        warnings = load_checked(spec, overrides, fleet, Machine.here())[1]
+    except SpecError as exc:
+        for issue in exc.issues:
+            click.echo(
+                issue.text(str(spec)) if issue.warning else f"submit would stop: {issue.text(str(spec))}",
+                err=True,
+            )
+        return
+    for warning in warnings:
+        click.echo(warning.text(str(spec)), err=True)
+
+
 def launch_lines(resolved: ResolvedSpec, request: SlurmRequest) -> list[str]:
     """The command lines that will run: the batch script's last line, and the ``srun`` line of each step
     the driver starts (node names and ports come from the allocation, so they are placeholders)."""
@@ -224,7 +303,10 @@ def launch_lines(resolved: ResolvedSpec, request: SlurmRequest) -> list[str]:
 @_SPEC_ARG
 @_SET_OPT
 @click.option(
-    "--dry-run", is_flag=True, help="Print the resolved spec and the Slurm request; submit nothing."
+    "--dry-run",
+    is_flag=True,
+    help="Print the resolved spec, the Slurm request and what this machine's checks would stop; submit "
+    "nothing.",
 )
 @click.option("--follow", is_flag=True, help="Stay attached after submitting and stream the job's progress.")
 @click.option(
@@ -259,10 +341,12 @@ def submit_command(
     """Submit a job spec to Slurm (or run it locally with cluster: local)."""
     if dry_run and in_allocation:
         raise click.UsageError("--dry-run and --in-allocation exclude each other")
-    resolved = _load(spec, overrides, attach_to=fleet)
     if dry_run:
-        _print_dry_run(spec, resolved)
+        _print_dry_run(spec, _load(spec, overrides, attach_to=fleet, machine=False))
+        _print_machine_problems(spec, overrides, fleet)
         return
+    # inside an allocation the driver is on another node, maybe in another directory: the login side checked
+    resolved, warnings = _load_warned(spec, overrides, attach_to=fleet, machine=not in_allocation, say=False)
     if resolved.role == "fleet":
         raise click.ClickException(
             f"{spec}: a standing fleet spec (fleet:) is started with `rl-launch fleet up {spec}`"
@@ -277,6 +361,7 @@ def submit_command(
                 require(["sbatch", "srun"], f"submitting {spec} (cluster: slurm)")
         except SlurmCommandMissing as exc:
             raise click.ClickException(str(exc)) from None
+    say_warnings(spec, warnings)  # after the one line that says this machine cannot submit at all
     from launcher.submit.job import SubmitError, submit_job
 
     if not in_allocation:  # a job root others may rename things in: refused before anything starts

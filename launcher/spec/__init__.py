@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from launcher.spec.errors import Issue, SpecError
     from launcher.spec.job import JobSpec
-    from launcher.spec.loading import load_resolved, load_snapshot, load_spec, parse_spec
+    from launcher.spec.loading import load_checked, load_resolved, load_snapshot, load_spec, parse_spec
     from launcher.spec.resolved import (
         ResolvedGeneration,
         ResolvedGym,
@@ -114,6 +114,7 @@ _WHERE = {
     "Issue": "errors",
     "SpecError": "errors",
     "JobSpec": "job",
+    "load_checked": "loading",
     "load_resolved": "loading",
     "load_snapshot": "loading",
     "load_spec": "loading",
@@ -164,6 +165,7 @@ __all__ = [
     "SlurmSection",
     "SpecError",
     "TrainingSection",
+    "load_checked",
     "load_resolved",
     "load_snapshot",
     "load_spec",

@@ -62,6 +62,7 @@ class JobSpec(Section):
     record: RecordSection = Field(default_factory=RecordSection)
 
     _source: Path | None = PrivateAttr(default=None)
+    _warnings: tuple[Issue, ...] = PrivateAttr(default=())
 
     @field_validator("name")
     @classmethod
@@ -86,6 +87,11 @@ class JobSpec(Section):
     def source(self) -> Path | None:
         """The file this spec was loaded from (absolute), if any."""
         return self._source
+
+    @property
+    def warnings(self) -> tuple[Issue, ...]:
+        """What ``load_spec`` found that may be right where the job runs (``Issue.warning``)."""
+        return self._warnings
 
     def check(self) -> list[Issue]:
         """Cross-field rules that a single field cannot express."""

@@ -16,9 +16,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from launcher.spec.collect import collect, covered, path_loc
 from launcher.spec.errors import Issue, SpecError
 from launcher.spec.job import JobSpec
-from launcher.spec.messages import dotted, issue_of, line_for, spec_path
+from launcher.spec.machine import Machine, machine_issues
+from launcher.spec.messages import dotted, line_for, spec_path
 from launcher.spec.resolved import ResolvedSpec
 
 
@@ -82,34 +84,57 @@ def parse_spec(
 ) -> JobSpec:
     """Validate already-parsed YAML data (a mapping); ``SpecError`` naming ``source`` otherwise.
 
-    Shape and cross-field rules are both checked, so a returned spec always resolves.
+    Shape and cross-field rules are both checked, every problem at once (``launcher.spec.collect``), so
+    a returned spec always resolves.
     """
-    lines = lines or {}
+    spec, issues, _ = _collect(data, source, lines or {})
+    if issues:
+        raise SpecError(source, issues)
+    assert spec is not None
+    return spec
+
+
+def _collect(
+    data: Any, source: str, lines: Mapping[tuple[Any, ...], int]
+) -> tuple[JobSpec | None, list[Issue], list[str]]:
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a {type(data).__name__}"
         raise SpecError(
             source,
             [Issue("", f"the spec must be a YAML mapping of sections (name, training, ...), got {kind}")],
         )
-    try:
-        spec = JobSpec.model_validate(data)
-    except ValidationError as exc:
-        issues = [issue_of(e, lines) for e in exc.errors(include_url=False)]
-        raise SpecError(source, issues) from None
-    issues = [
-        dataclasses.replace(i, line=line_for(lines, _path_loc(i.path))) if i.line is None else i
-        for i in spec.check()
-    ]
-    if issues:
-        raise SpecError(source, issues)
-    return spec
+    return collect(data, lines)
 
 
-def _path_loc(path: str) -> tuple[Any, ...]:
-    out: list[Any] = []
-    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
-        out.append(int(part[1:-1]) if part.startswith("[") else part)
-    return tuple(out)
+SPEC_DIR = "${spec_dir}"
+"""Written in ``training.command`` or ``generation.model``, the absolute directory of the spec file: a
+spec that names files beside it (``examples/local.yaml``'s trainer) runs from any directory. Replaced
+when the file is loaded, so the resolved spec (``submit --dry-run``, the job's snapshot) shows the path."""
+_EXPANDED = (("training", "command"), ("generation", "model"))
+_SHELL_SPECIAL = re.compile(r"[\\\"$`\n]")
+
+
+def _expand_spec_dir(data: Any, spec_dir: Path) -> tuple[Any, list[Issue]]:
+    """``data`` with ``${spec_dir}`` replaced in the fields that take it (``SPEC_DIR``)."""
+    if not isinstance(data, dict):
+        return data, []
+    issues = []
+    for section, key in _EXPANDED:
+        node = data.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(value, str) or SPEC_DIR not in value:
+            continue
+        if _SHELL_SPECIAL.search(str(spec_dir)):
+            issues.append(
+                Issue(
+                    f"{section}.{key}",
+                    f"{SPEC_DIR} is {str(spec_dir)!r}, which a shell would not read as one path; move the "
+                    "spec to a directory without quotes, $, ` or \\ in its path",
+                )
+            )
+            continue
+        data = {**data, section: {**node, key: value.replace(SPEC_DIR, str(spec_dir))}}
+    return data, issues
 
 
 # Limits that keep a hostile or broken file from hanging ``validate`` (issue: a 463-byte alias bomb took
@@ -289,7 +314,7 @@ def _blame_overrides(exc: SpecError, overrides: Sequence[Override]) -> SpecError
         o = next((by_path[p] for p in by_path if issue.path == p or issue.path.startswith(p + ".")), None)
         if o is None:
             o = next((by_path[p] for p in by_path if issue.path.startswith(p + "[")), None)
-        issues.append(Issue(f"--set {o.text}", issue.message) if o else issue)
+        issues.append(dataclasses.replace(issue, path=f"--set {o.text}", line=None) if o else issue)
     return SpecError(exc.source, issues)
 
 
@@ -307,26 +332,42 @@ def attached_to(data: Any, fleet: str) -> Any:
 
 
 def load_spec(
-    path: str | os.PathLike[str], overrides: Sequence[str] = (), attach_to: str | None = None
+    path: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    attach_to: str | None = None,
+    machine: Machine | None = None,
 ) -> JobSpec:
     """Read, parse and validate a spec file, with ``--set`` overrides applied on top (and, with
     ``attach_to``, the job attached to that standing fleet instead of its own). Errors (missing
     file, YAML syntax, schema, rules) raise ``SpecError`` naming the file as given, with line numbers
-    where the YAML has them, and naming the override for a field an override set."""
+    where the YAML has them, and naming the override for a field an override set: all of them at once.
+
+    With ``machine``, the spec is also checked against that machine (``launcher.spec.machine``): its
+    errors join the others; its warnings are the returned spec's ``warnings`` (or join the error's issues,
+    so one run shows everything)."""
     source = os.fspath(path)
     parsed = [parse_override(text) for text in overrides]
     data, node = _read_yaml(source)
     lines, dups = _line_map(node) if node is not None else ({}, [])
-    if dups:
-        raise SpecError(source, dups)
     data = apply_overrides(data, parsed, source)
     if attach_to is not None:
         data = attached_to(data, attach_to)
-    try:
-        spec = parse_spec(data, source, lines)
-    except SpecError as exc:
-        raise _blame_overrides(exc, parsed) from None
-    spec._source = Path(source).resolve()
+    data, issues = _expand_spec_dir(data, Path(source).resolve().parent)
+    spec, found, blocked = _collect(data, source, lines)
+    issues = [*dups, *issues, *found]
+    if spec is not None:
+        spec._source = Path(source).resolve()
+        if machine is not None:
+            reported = [*blocked, *(i.path for i in issues)]
+            issues += [
+                dataclasses.replace(i, line=line_for(lines, path_loc(i.path)))
+                for i in machine_issues(spec, machine)
+                if not covered(i.path, reported)
+            ]
+    if any(not i.warning for i in issues):
+        raise _blame_overrides(SpecError(source, issues), parsed)
+    assert spec is not None
+    spec._warnings = tuple(_blame_overrides(SpecError(source, issues), parsed).issues) if issues else ()
     return spec
 
 
@@ -334,9 +375,19 @@ def load_resolved(
     path: str | os.PathLike[str], overrides: Sequence[str] = (), attach_to: str | None = None
 ) -> ResolvedSpec:
     """``load_spec(path, overrides, attach_to).resolved()``: the one call the CLI and the driver need."""
-    spec = load_spec(path, overrides, attach_to)
+    return load_checked(path, overrides, attach_to)[0]
+
+
+def load_checked(
+    path: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    attach_to: str | None = None,
+    machine: Machine | None = None,
+) -> tuple[ResolvedSpec, tuple[Issue, ...]]:
+    """``load_resolved``, checked against ``machine`` too: the resolved spec and the warnings."""
+    spec = load_spec(path, overrides, attach_to, machine)
     try:
-        return spec.resolved()
+        return spec.resolved(), spec.warnings
     except SpecError as exc:  # cannot happen after load_spec's checks, but keep the file name if it does
         raise SpecError(os.fspath(path), exc.issues) from None
 

@@ -144,6 +144,62 @@ def _choice_error(err: Mapping[str, Any]) -> tuple[tuple[Any, ...], str] | None:
     return path, f"must be a section (a mapping of fields) (got {_show(got)})"
 
 
+KNOWN_SHOWN = 6
+"""Field names an unknown field's message lists: a section such as ``router:`` has 16, and the whole
+list made each line 300 characters long; the did-you-mean names the likely one, docs/spec.md has all."""
+
+
+def _first_few(names: Sequence[str]) -> str:
+    if len(names) <= KNOWN_SHOWN + 1:
+        return ", ".join(names)
+    return f"{', '.join(names[:KNOWN_SHOWN])} and {len(names) - KNOWN_SHOWN} more (docs/spec.md)"
+
+
+def _closest_field(loc: Sequence[Any]) -> str | None:
+    """The known field of the section an unknown field at ``loc`` is closest to, if any is close."""
+    model = _walk(loc)[1]
+    if model is None:
+        return None
+    hint = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return hint[0] if hint else None
+
+
+def misspelt(errors: Sequence[Mapping[str, Any]]) -> dict[tuple[Any, ...], str]:
+    """``{path of an unknown field: the required field it misspells}``: an unknown field whose closest
+    name is a field reported missing in the same section (``comand`` for ``command``). One typo is one
+    mistake: it is reported once, as the unknown field with its did-you-mean, and the loader's second
+    pass reads its value under the intended name."""
+    missing = {spec_path(e["loc"]) for e in errors if e["type"] == "missing"}
+    out: dict[tuple[Any, ...], str] = {}
+    for e in errors:
+        if e["type"] != "extra_forbidden":
+            continue
+        path, hint = spec_path(e["loc"]), _closest_field(e["loc"])
+        if hint is not None and (*path[:-1], hint) in missing:
+            out[path] = hint
+    return out
+
+
+def issues_of(errors: Sequence[Mapping[str, Any]], lines: Mapping[tuple[Any, ...], int]) -> list[Issue]:
+    """Every pydantic error as one ``Issue``; a misspelt required field (``misspelt``) is one issue, not
+    "required field is missing" beside "unknown field"."""
+    typos = misspelt(errors)
+    meant = {(*path[:-1], name) for path, name in typos.items()}
+    issues = []
+    for e in errors:
+        path = spec_path(e["loc"])
+        if e["type"] == "missing" and path in meant:
+            continue
+        issue = issue_of(e, lines)
+        if path in typos:
+            issue = dataclasses.replace(
+                issue,
+                message=f"unknown field; did you mean {typos[path]!r}? rename it ({typos[path]} is required)",
+            )
+        issues.append(issue)
+    return issues
+
+
 def issue_of(err: Mapping[str, Any], lines: Mapping[tuple[Any, ...], int]) -> Issue:
     if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
         at = _choice_error(err)
@@ -166,7 +222,7 @@ def _describe(err: Mapping[str, Any]) -> str:
         known = list(model.model_fields)
         hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
         did = f"did you mean {hint[0]!r}? " if hint else ""
-        return f"unknown field; {did}known fields here: {', '.join(known)}"
+        return f"unknown field; {did}known fields here: {_first_few(known)}"
     if kind == "missing":
         model = _walk(loc)[1]
         field = model.model_fields.get(str(loc[-1])) if model else None

@@ -72,7 +72,8 @@ def test_each_example_labels_its_front_and_engine_kind(example: Path) -> None:
 def test_cli_validate_names_the_front_and_engine_kind(example: Path) -> None:
     from launcher.cli.main import main
 
-    result = CliRunner().invoke(main, ["validate", str(example)])
+    # --spec-only: the vLLM examples' model is made by a helper first (validate without it says so)
+    result = CliRunner().invoke(main, ["validate", "--spec-only", str(example)])
     assert result.exit_code == 0, result.output
     r = load_resolved(example)
     front, engine = front_kind(r.router.kind), engine_kind(r.generation.engine)
@@ -167,7 +168,9 @@ def test_a_field_of_another_front_is_refused_naming_its_kinds(tmp_path: Path) ->
         )
         with pytest.raises(SpecError) as info:
             load_resolved(path)
-        return str(info.value).replace(str(path), "SPEC")
+        # the router's issues: every problem is reported at once, and a sim engine suits no dynamo front
+        router = [i for i in info.value.issues if i.path.startswith("router")]
+        return str(SpecError(str(path), router)).replace(str(path), "SPEC")
 
     assert errors("kind: dynamo\nmode: managed\n") == (
         "SPEC:7: router.mode: only for router.kind: vllm-router, not dynamo; remove it"
