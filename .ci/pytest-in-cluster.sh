@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI: the README's test command (.venv/bin/python -m pytest -q) on the login node of a local multi-node
+# CI: the README's test command (.venv/bin/python -m pytest -q -rs) on the login node of a local multi-node
 # Slurm cluster, so the tests marked `slurm` run against a real controller instead of skipping.
 #
 # Installs the Slurm packages (skipped when present), starts slurm/cluster.sh's cluster, runs pytest on
@@ -36,7 +36,7 @@ echo "== slurm: cluster up in $((SECONDS - t0)) s; pytest on the login node"
 rc=0
 # In the background + wait, so that a TERM/INT runs the traps at once instead of after pytest; stopping
 # the cluster then also ends pytest, which runs inside the cluster's login namespace.
-slurm/cluster.sh exec .venv/bin/python -m pytest -q "$@" &
+slurm/cluster.sh exec .venv/bin/python -m pytest -q -rs "$@" &
 wait $! || rc=$?
 echo "== slurm: pytest exited $rc"
 exit "$rc"

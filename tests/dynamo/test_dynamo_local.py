@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import RL_LAUNCH
-from tests.support.dynamo import TRAINER, have_runtime, mocker
+from tests.support.dynamo import TRAINER, mocker
 from tests.support.running_job import job_processes
 from tests.support.specs import local_spec, run_spec, trainer_command, write_spec
 
@@ -33,9 +33,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.dynamo]
 
 @pytest.mark.parametrize("discovery", ["etcd", "file"])
 def test_dynamo_fleet_serves_recovers_a_killed_worker_and_leaves_nothing(
-    tmp_path: Path, tiny_model_dir: Path, discovery: str
+    dynamo_runtime: None, tmp_path: Path, tiny_model_dir: Path, discovery: str
 ) -> None:
-    have_runtime()
     spec = local_spec(
         "dynamo-local",
         root=tmp_path / "jobs",
@@ -84,10 +83,11 @@ def test_dynamo_fleet_serves_recovers_a_killed_worker_and_leaves_nothing(
 
 
 @pytest.mark.parametrize("how", ["frontend_killed", "etcd_killed", "sigterm"])
-def test_dynamo_job_ends_loudly_and_leaves_nothing(tmp_path: Path, tiny_model_dir: Path, how: str) -> None:
+def test_dynamo_job_ends_loudly_and_leaves_nothing(
+    dynamo_runtime: None, tmp_path: Path, tiny_model_dir: Path, how: str
+) -> None:
     """A dead frontend or runtime fails the job with the reason (every request would fail otherwise); a
     SIGTERM (scancel, rl-launch cancel) cancels it; either way nothing of the job is left."""
-    have_runtime()
     spec = local_spec(
         "dynamo-stop",
         root=tmp_path / "jobs",

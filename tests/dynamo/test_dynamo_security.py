@@ -39,7 +39,7 @@ import yaml
 from launcher.jobdir import JobDir
 from launcher.spec import SpecError, parse_spec
 from tests.support.cli import RL_LAUNCH
-from tests.support.dynamo import have_runtime, mocker
+from tests.support.dynamo import mocker
 from tests.support.running_job import job_processes
 from tests.support.specs import local_spec, trainer_command, write_spec
 
@@ -79,8 +79,9 @@ class RunningJob:
 
 
 @pytest.fixture(scope="module")
-def dynamo_job(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[RunningJob]:
-    have_runtime()
+def dynamo_job(
+    dynamo_runtime: None, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[RunningJob]:
     tmp = tmp_path_factory.mktemp("dynamo-security")
     spec = local_spec(
         "dynamo-security",

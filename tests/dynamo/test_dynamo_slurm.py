@@ -18,7 +18,7 @@ import pytest
 
 from launcher.jobdir import JobDir
 from tests.support.cli import RL_LAUNCH
-from tests.support.dynamo import TRAINER, have_runtime, mocker
+from tests.support.dynamo import TRAINER, mocker
 from tests.support.running_job import job_processes
 from tests.support.slurm import slurm_cluster, write_spec
 from tests.support.specs import trainer_command
@@ -41,8 +41,9 @@ def worker_pid(job: Path, status_url: str) -> int:
     raise AssertionError(f"no worker process with DYN_SYSTEM_PORT={port.decode()} for {job}")
 
 
-def test_dynamo_fleet_on_slurm_recovers_a_killed_worker(tmp_path: Path, tiny_model_dir: Path) -> None:
-    have_runtime()
+def test_dynamo_fleet_on_slurm_recovers_a_killed_worker(
+    dynamo_runtime: None, tmp_path: Path, tiny_model_dir: Path
+) -> None:
     spec = write_spec(
         tmp_path,
         "dynamo-slurm",

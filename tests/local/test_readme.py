@@ -33,9 +33,10 @@ def test_readme_starts_with_the_two_commands() -> None:
     install_and_run, tests = readme_commands()[:2]
     assert "pip install -e '.[dev]'" in install_and_run
     assert "rl-launch submit examples/local.yaml" in install_and_run
-    assert tests == ".venv/bin/python -m pytest -q"
+    # -rs: a newcomer sees why each test skipped (the tier and how to install it), not only a count
+    assert tests == ".venv/bin/python -m pytest -q -rs"
     ci = (ROOT / ".ci" / "pytest-in-cluster.sh").read_text()
-    assert "exec .venv/bin/python -m pytest -q" in ci, "CI must run the README's test command"
+    assert f"exec {tests} " in ci, "CI must run the README's test command"
     assert ".ci/pytest-in-cluster.sh" in (ROOT / ".ci" / "run").read_text()
 
 

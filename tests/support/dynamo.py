@@ -79,13 +79,24 @@ TRAINER = textwrap.dedent(
 )
 
 
+def missing_runtime() -> list[str]:
+    """Every part a Dynamo test lacks, each with how to install it (one skip names them all, so that
+    installing one does not reveal the next)."""
+    missing = []
+    if not os.environ.get("RL_LAUNCH_DYNAMO_PYTHON"):
+        how = 'export RL_LAUNCH_DYNAMO_PYTHON="$(.ci/install-dynamo.sh)"'
+        missing.append(f"RL_LAUNCH_DYNAMO_PYTHON is not set ({how})")
+    binaries = [b for b in ("etcd", "nats-server", "ss") if shutil.which(b) is None]
+    if binaries:
+        how = "apt-get install etcd-server nats-server iproute2"
+        missing.append(f"{', '.join(binaries)} not on PATH ({how})")
+    return missing
+
+
 def have_runtime() -> None:
-    python = os.environ.get("RL_LAUNCH_DYNAMO_PYTHON")
-    if not python:
-        pytest.skip("RL_LAUNCH_DYNAMO_PYTHON is not set (run .ci/install-dynamo.sh and export its output)")
-    missing = [b for b in ("etcd", "nats-server", "ss") if shutil.which(b) is None]
+    missing = missing_runtime()
     if missing:
-        pytest.skip(f"{', '.join(missing)} not on PATH (apt-get install etcd-server nats-server iproute2)")
+        pytest.skip("; ".join(missing))
 
 
 def mocker(model: Path, engines_per_node: int, **more: Any) -> dict[str, Any]:

@@ -659,7 +659,7 @@ def test_grow_script_without_exclude(tmp_path: Path) -> None:
 @pytest.mark.shellcheck
 def test_grow_script_is_shellcheck_clean(tmp_path: Path) -> None:
     if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed")
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck, brew install shellcheck)")
     for srun_args in ((), ("--container-image=nvcr.io/x/y:1",)):
         _, script = render_grow(tmp_path, resolved(tmp_path), srun_args=srun_args)
         path = tmp_path / "grow.sbatch"

@@ -559,7 +559,7 @@ def test_template_is_package_data() -> None:
 
 def _shellcheck(tmp_path: Path, script: str) -> None:
     if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed")
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck, brew install shellcheck)")
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     result = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True, check=False)
