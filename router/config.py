@@ -166,6 +166,14 @@ class RouterSettings(BaseModel):
         "what is left is an engine coming back, and a gated request must not outlive what a plain one "
         "would be answered at once (a version no engine will serve is answered 400 at once)",
     )
+    continuation_max_moves: int = Field(
+        default=3,
+        ge=0,
+        description="times one completions or chat generation may move to another engine, with the tokens "
+        "it produced, when its engine dies, restarts, is drained or quarantined mid-request "
+        "(router.continuation; docs/continuation.md). 0: off, every request is proxied as it is and a "
+        "broken one retried from its start",
+    )
     max_held_per_consumer: int | None = Field(
         default=None,
         ge=0,

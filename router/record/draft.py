@@ -15,27 +15,24 @@ is split in three, each where it costs least:
   the usage and finish reason read from the answer's tail, ``max_tokens`` and ``stream`` from the body's
   ends, the hashes in hex, the text when asked) and writes it; its CPU is not the router's.
 
-The few body facts the record wants without a JSON parse (``stream``, ``max_tokens``) are looked for in
-the first and last ``BODY_SCAN_BYTES`` of the body only (where clients put sampling options: before or
-after the conversation), so a 60 MB prompt costs what a short one does; a key found in neither is unknown
-(``max_tokens`` null; ``stream`` false, unless the answer was an event stream, which says it was asked).
+The few body facts the record wants without a JSON parse (``stream``, ``max_tokens``) are looked for in the
+first and last ``BODY_SCAN_BYTES`` of the body only (where clients put sampling options), so a 60 MB prompt
+costs what a short one does; a key found in neither is unknown (``max_tokens`` null; ``stream`` false,
+unless the answer was an event stream, which says it was asked).
 
 What else the record says, and how far to trust it:
 
 * ``prefix``: the policy's own block hashes when it computed them (cache_aware), else
   ``prefix_index.block_hashes`` of the body; CPython ``hash`` values, seeded per router (its worker
   processes share one ``PYTHONHASHSEED``), so they compare within one router's record, not across runs.
-* ``finish_reason``: the last non-null one in the answer's tail: the one choice's for ``n=1``; with
-  several choices, whichever finished last in the stream (or came last in the JSON).
-* ``text`` (``record_text``): the prompt is the request body as sent; the completion is the first
-  choice's text when the answer was one JSON body read whole (a small answer), empty for a stream (its
-  text is spread over events that pass through unbuffered). Both cut to the sink's text limit
-  (``format.TEXT_SHARE``), then marked ``truncated``.
+* ``finish_reason``: the last non-null one in the answer's tail (``n>1``: whichever finished last).
+* ``text`` (``record_text``): the prompt is the request body as sent; the completion is the first choice's
+  text when the answer was one JSON body read whole (a small answer), empty for a stream (its text is spread
+  over events that pass through unbuffered). Both cut to ``format.TEXT_SHARE``, then marked ``truncated``.
 
-What a client sends never keeps its request out of the record (``record_line``): ``max_tokens`` past
-64 bits is ``null``, and a line orjson refuses (a string with lone surrogates: an id or header of bytes that
-are not UTF-8; an integer past 64 bits) is written again with those values replaced. A record that still
-cannot be built gets its minimal line (``minimal_line``).
+What a client sends never keeps its request out of the record (``record_line``): ``max_tokens`` past 64 bits
+is ``null``, a line orjson refuses (lone surrogates: an id or header not UTF-8; an integer past 64 bits) is
+written again with those values replaced, and a record that still cannot be built gets ``minimal_line``.
 """
 
 from __future__ import annotations
@@ -271,6 +268,8 @@ class RecordDraft:
     tail: bytes | None = None  # the answer's last bytes, where its usage is
     prompt: bytes | None = None  # with record_text only
     answer: bytes | None = None  # with record_text only: a whole JSON answer
+    moves: list[dict[str, Any]] | None = None  # a continued request's moves (router.continuation)
+    weight_versions: list[list[Any]] | None = None  # and its [version, first, last] token spans
 
     def __init__(self, path: str, started: float) -> None:
         self.started = started  # perf_counter at arrival
@@ -466,6 +465,7 @@ def record_json(sent: dict[str, Any], clock_offset: float, text_limit: int | Non
     prompt = d["prompt"]
     if prompt is not None:
         out["text"] = record_text(prompt, d["answer"], text_limit)
+    out.update((k, d[k]) for k in ("moves", "weight_versions") if d[k] is not None)  # continued requests
     return out
 
 

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 
 VERSION_HEADER = "x-rl-weight-version"
 """Response header: the weight version of the engine that served the request (absent when unknown)."""
+WEIGHT_VERSIONS_HEADER = "x-rl-weight-versions"
+"""Response header of a continued answer (``router.continuation.spans``): which version made which of its
+tokens, ``v3:0-117,v4:118-240`` (completion token indexes, inclusive)."""
 WANT_HEADER = "x-rl-weight-version"
 """Request header: ``V`` (exactly V) or ``>=V`` (V or any version stamped after it)."""
 REQUEST_ID_HEADER = "x-request-id"

@@ -77,6 +77,7 @@ ROUTER_FLOORS: dict[str, tuple[int, str]] = {
     "router.state": (1, "the one state (serving set, decision, pause gate, metrics): nothing of HTTP"),
     "router.adapters": (2, "the LoRA tenants' table: on the state, beneath the requests that use it"),
     "router.record": (2, "the request record: what a request's state was, written by http"),
+    "router.continuation": (2, "a generation continued on another engine: parsing, stitching, moves"),
     "router.http": (3, "requests in and out: auth, forwarding, relay, over the state and the table"),
     "router.config": (4, "RouterConfig, built from http's limits, the adapters' plan and the policies"),
     "router.fleet": (4, "the engine contract and the /fleet/* routes, served behind http's auth"),

@@ -1,0 +1,318 @@
+"""The continuation loop: read an engine's part, and when it breaks, go on with the rest elsewhere.
+
+One ``Continuation`` per eligible request (``plan.plan_of``), from the moment its first engine answered
+200 with an event stream. It reads the part's events into the ``stitch.Answer`` and relays the client's
+chunks as they come (or keeps them, for a client that did not ask to stream). A part *breaks* when its
+connection fails, its engine sends an error event, or its stream ends before a finish reason; it is
+*moved* when the fleet asks (``moves.Watch.moved``: the engine is drained, quarantined, removed or
+restarted), which cuts the part at once. Either way the answer goes on with a move: another engine
+(through ``Engines.open_move``: the routing state's dispatch, engines tried excluded) gets the prompt's
+token ids plus the tokens produced, at most ``max_moves`` times per request.
+
+What is not moved falls back to what the forwarder always did:
+
+* the first part broke before the client got anything and before a token was produced: ``Broke`` is
+  raised to the forwarder, which retries from scratch (once, on another engine) as for any request;
+* no move is left, no engine takes it, or the answer cannot be continued exactly (``Answer.continuable``):
+  a streamed answer ends with the SSE ``error`` event, a whole one is answered 500; nothing that was
+  produced is passed off as a complete answer.
+
+A streamed client's head is sent with the first chunk that carries a token (a chat's role chunk waits
+for it), so that a first part that dies at once is still retried from scratch with nothing sent. Its
+spans go on the last chunk (``weight_versions``); a whole answer has them in the header too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.continuation.plan import Plan
+from router.continuation.spans import Spans
+from router.continuation.sse import DONE, Events
+from router.continuation.stitch import Answer
+from router.state.versions import WEIGHT_VERSIONS_HEADER
+
+if TYPE_CHECKING:
+    from router.continuation.moves import EngineWatch, Watch
+    from router.record.draft import RecordDraft
+
+
+class Broke(Exception):
+    """A part ended before its answer did (``kind``: ``reset``, ``timeout``, ``status``, ``stream_error``,
+    ``stream_broken``, or the fleet's move reason)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class NoMove(Exception):
+    """No engine takes a move now (none serving beyond those tried, a pause or version gate past its
+    bound)."""
+
+
+class Part(Protocol):
+    """One engine's answer being read."""
+
+    url: str
+    version: str | None
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body's chunks; raises ``Broke`` when the connection fails."""
+        ...
+
+    def done(self, ok: bool) -> None:
+        """The part is over (``ok``: the engine answered in full): its connection and slot go back."""
+        ...
+
+
+class Engines(Protocol):
+    """The forwarder's side: where a move goes, and how a failed part is counted."""
+
+    async def open_move(self, body: bytes) -> Part:
+        """Dispatch and send a move's body; raises ``NoMove``, or ``Broke`` for an engine that failed it."""
+        ...
+
+    def failed(self, url: str, kind: str, charged: bool) -> None: ...
+
+    def client_gone(self) -> None: ...
+
+
+class Continuation:
+    def __init__(
+        self,
+        plan: Plan,
+        request: web.Request,
+        head: CIMultiDict[str],
+        engines: Engines,
+        max_moves: int,
+        watch: EngineWatch | None = None,
+        draft: RecordDraft | None = None,
+        header_safe: Callable[[str], str] = str,
+    ) -> None:
+        """``head``: the client's answer headers (the engine's, filtered, with the router's own);
+        ``watch``: where the fleet asks requests to move (None: only breaks move them)."""
+        self.plan = plan
+        self.request = request
+        self.head = head
+        self.engines = engines
+        self.max_moves = max_moves
+        self.engine_watch = watch
+        self.draft = draft
+        self.header_safe = header_safe
+        self.spans = Spans(None)
+        self.answer = Answer(plan, self.spans)
+        self.moves = 0
+        self.response: web.StreamResponse | None = None
+        self._waiting: list[bytes] = []
+        self._tail: list[bytes] = []
+
+    # -- the loop -----------------------------------------------------------------------------------
+    async def run(self, first: Part) -> web.StreamResponse:
+        """The client's answer, all parts stitched. Raises ``Broke`` only while nothing was sent and no
+        token produced on the first part (the forwarder retries it)."""
+        self.spans = self.answer.spans = Spans(first.version)
+        part = first
+        while True:
+            try:
+                await self._read(part)
+            except Broke as broke:
+                if self.answer.finish_reason is not None:  # the answer was whole; only its end was lost
+                    part.done(False)
+                    break
+                part.done(False)
+                if part is first and self.response is None and not self.answer.produced:
+                    raise  # today's retry, by the forwarder (which counts the failure)
+                moved = broke.kind in MOVE_REASONS
+                self.engines.failed(part.url, broke.kind, charged=not moved)
+                if self.draft is not None:
+                    self.draft.end(broke.kind, part.version)
+                try:
+                    part = await self._move(part, broke)
+                except (NoMove, Broke) as why:
+                    return await self._give_up(why)
+                continue
+            except ConnectionResetError:
+                part.done(False)
+                self.engines.client_gone()
+                if self.draft is not None:
+                    self.draft.outcome("client_gone")
+                return self.response or web.Response(status=499)
+            except BaseException:
+                part.done(False)
+                raise
+            part.done(True)
+            break
+        return await self._finish()
+
+    async def _read(self, part: Part) -> None:
+        """Read ``part`` to its end; raises ``Broke`` when it breaks or the fleet moves it."""
+        watch: Watch | None = None
+        if self.engine_watch is not None:
+            watch = self.engine_watch.watch(part.url)
+            answer, spans = self.answer, self.spans
+            watch.on_version = lambda v: spans.change(v, answer.produced)
+        try:
+            if watch is None:
+                await self._events(part)
+                return
+            reader = asyncio.ensure_future(self._events(part))
+            moved = asyncio.ensure_future(watch.moved.wait())
+            try:
+                await asyncio.wait((reader, moved), return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                moved.cancel()
+                reader.cancel()
+                raise
+            moved.cancel()
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Broke, ConnectionResetError):
+                    await reader
+                raise Broke(watch.reason or "moved", f"{part.url}: the fleet moved its requests")
+            reader.result()
+        finally:
+            if watch is not None and self.engine_watch is not None:
+                self.engine_watch.unwatch(watch)
+
+    async def _events(self, part: Part) -> None:
+        events = Events()
+        answer = self.answer
+        async for chunk in part.chunks():
+            for name, data in events.feed(chunk):
+                if data == DONE:
+                    continue
+                if name == "error":
+                    raise Broke("stream_error", data.decode("utf-8", "replace")[:500])
+                try:
+                    event = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    raise Broke("stream_broken", f"{part.url}: an event that is not JSON") from None
+                if not isinstance(event, dict) or "error" in event:
+                    raise Broke("stream_error", data.decode("utf-8", "replace")[:500])
+                out = answer.feed(event)
+                if out is not None and self.plan.stream:
+                    await self._send(out)
+        if answer.finish_reason is None:
+            raise Broke("stream_broken", f"{part.url}: the stream ended before its answer")
+
+    async def _move(self, part: Part, broke: Broke) -> Part:
+        """The next part: another engine continues the answer (each try counts as a move)."""
+        answer = self.answer
+        if not answer.continuable or answer.prompt_ids is None:
+            raise NoMove("this answer cannot be continued exactly (no token ids, or a parser reads it)")
+        if self.plan.max_tokens is not None and answer.produced >= self.plan.max_tokens:
+            answer.finish_reason = "length"  # its budget was spent: the engine died before saying so
+            raise _Complete
+        last_error: Exception = broke
+        while self.moves < self.max_moves:
+            self.moves += 1
+            try:
+                new = await self.engines.open_move(self.plan.resume_body(answer.prompt_ids, answer.ids))
+            except Broke as exc:
+                last_error = exc
+                continue
+            answer.new_part()
+            self.spans.change(new.version, answer.produced)
+            if self.draft is not None:
+                move = {"from": part.url, "to": new.url, "at_token": answer.produced, "reason": broke.kind}
+                self.draft.moves = [*(self.draft.moves or ()), move]
+                self.draft.begin(new.url)
+                self.draft.a_status = 200
+            return new
+        raise NoMove(f"no move left ({self.max_moves} per request): {last_error}")
+
+    # -- the client's side --------------------------------------------------------------------------
+    async def _send(self, chunk: dict[str, Any]) -> None:
+        if self.answer.versions_due(chunk):
+            chunk["weight_versions"] = self.spans.spans(self.answer.produced)
+        data = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        if self.response is None:
+            choices = chunk.get("choices") or ()
+            if not self.answer.produced and not (choices and choices[0].get("finish_reason")):
+                self._waiting.append(data)  # a role chunk: sent with the first token
+                return
+            await self._prepare()
+            if self._waiting:
+                data = b"".join(self._waiting) + data
+                self._waiting = []
+        await self._write(data)
+
+    async def _prepare(self) -> web.StreamResponse:
+        response = self.response = web.StreamResponse(status=200, headers=self.head)
+        await response.prepare(self.request)
+        if self.draft is not None:
+            self.draft.head_at = time.perf_counter()
+            self.draft.sse = True
+        return response
+
+    async def _write(self, data: bytes) -> None:
+        assert self.response is not None
+        tail = self._tail
+        tail.append(data)
+        if len(tail) > 4:
+            del tail[0]
+        await self.response.write(data)
+
+    async def _finish(self) -> web.StreamResponse:
+        answer = self.answer
+        if self.draft is not None:
+            self.draft.weight_versions = self.spans.spans(answer.produced)
+        if self.plan.stream:
+            if self.response is None:
+                await self._prepare()
+                if self._waiting:
+                    await self._write(b"".join(self._waiting))
+            await self._write(answer.final_chunks())
+            if self.draft is not None:
+                self.draft.tail = b"".join(self._tail)[-4096:]
+            assert self.response is not None
+            await self.response.write_eof()
+            return self.response
+        body = orjson.dumps(answer.whole())
+        head = CIMultiDict(self.head)
+        head["Content-Type"] = "application/json"
+        head[WEIGHT_VERSIONS_HEADER] = self.header_safe(self.spans.header(answer.produced))
+        if self.draft is not None:
+            self.draft.tail = body[-4096:]
+        response = web.Response(status=200, headers=head, body=body)
+        await response.prepare(self.request)
+        if self.draft is not None:
+            self.draft.head_at = time.perf_counter()
+        await response.write_eof()
+        return response
+
+    async def _give_up(self, why: Exception) -> web.StreamResponse:
+        """No move: the SSE error event on a streamed answer, 500 on a whole one (module doc)."""
+        message = f"generation could not be continued after {self.answer.produced} tokens: {why}"
+        if isinstance(why, _Complete):
+            return await self._finish()
+        if self.draft is not None:
+            self.draft.outcome("stream_broken")
+        if self.plan.stream and self.response is not None:
+            payload = orjson.dumps({"error": {"message": message, "type": "stream_broken", "code": 500}})
+            await self._write(b"event: error\ndata: " + payload + b"\n\n")
+            await self.response.write_eof()
+            return self.response
+        body = orjson.dumps(
+            {"error": {"message": message, "type": "backend_failed", "code": 500}, "router": True}
+        )
+        response = web.Response(status=500, body=body, content_type="application/json")
+        await response.prepare(self.request)
+        await response.write_eof()
+        return response
+
+
+class _Complete(NoMove):
+    """The answer turned out complete (its budget spent) when its part broke."""
+
+
+MOVE_REASONS = frozenset({"drained", "quarantined", "removed", "restarted", "moved"})

@@ -1,0 +1,297 @@
+"""A generation whose engine is killed mid-stream (SIGKILL) is continued on another engine: the client's
+answer is the uninterrupted one, token for token (issue 41, ``router.continuation``).
+
+Two simulator engines, each its own process (greedy decoding that is a function of the context, as a real
+model's: a continuation from the prompt's ids plus the tokens produced makes the very tokens and logprobs
+the uninterrupted run makes), behind a real router on 127.0.0.1 (OS-chosen ports). The reference answer is
+the same request served whole through the same router; then the request again, and the engine serving it
+killed with SIGKILL once the client has part of the answer (streamed) or once the engine has produced part
+of it (not streamed). Completions and chat, streamed and not, token ids and logprobs asked. With
+``continuation_max_moves: 0`` the router behaves as before: the stream ends with an error event. The
+fleet's own move (``EngineWatch.move_off``, what a drain or a quarantine calls) moves a stream the same
+way, and the record shows each move. Every wait is bounded; files only under ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from launcher.engines.base import EngineSpec
+from launcher.engines.sim import SimEngine
+from router import GenerationRouter
+from router.continuation.spans import parse_header
+from router.record.format import read_records
+from tests.support.http_backends import router_factory
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MAX_TOKENS = 300  # ~2 s per answer at the simulator's default 6 ms a step
+KILL_AFTER = 40  # tokens the client (or the engine) has before the kill
+
+
+@pytest.fixture
+def routers() -> Iterator[Callable[..., GenerationRouter]]:
+    with router_factory() as make:
+        yield make
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[list[SimEngine]]:
+    made = []
+    try:
+        for i in range(2):
+            spec = EngineSpec(model="sim", log_path=str(tmp_path / f"sim{i}.log"), startup_timeout_s=60)
+            engine = SimEngine(spec)
+            engine.start_and_wait()
+            made.append(engine)
+        yield made
+    finally:
+        for engine in made:
+            engine.stop(grace_s=5)
+
+
+def _body(path: str, stream: bool, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "sim",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    if path == CHAT:
+        body |= {
+            "messages": [{"role": "user", "content": "tell me a long story"}],
+            "logprobs": True,
+            "top_logprobs": 1,
+        }
+    else:
+        body |= {"prompt": "a long story begins", "logprobs": 1}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body | extra
+
+
+async def _running(http: aiohttp.ClientSession, engine: SimEngine) -> int:
+    try:
+        async with http.get(engine.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            text = await r.text()
+    except aiohttp.ClientError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+async def _serving(http: aiohttp.ClientSession, engines: list[SimEngine]) -> SimEngine:
+    """The engine that runs the one request in flight (bounded wait)."""
+    for _ in range(200):
+        for engine in engines:
+            if await _running(http, engine):
+                return engine
+        await asyncio.sleep(0.01)
+    raise AssertionError("no engine runs the request")
+
+
+def _kill(engine: SimEngine) -> None:
+    assert engine.pid is not None
+    os.killpg(engine.pid, signal.SIGKILL)
+
+
+class Streamed:
+    """A streamed answer as the client reads it."""
+
+    def __init__(self) -> None:
+        self.chunks: list[dict[str, Any]] = []
+        self.errors: list[bytes] = []
+        self.done = 0
+        self.headers: dict[str, str] = {}
+
+    def tokens(self) -> list[int]:
+        return [t for c in self.chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
+
+    def text(self, chat: bool) -> str:
+        key = (lambda ch: ch["delta"].get("content") or "") if chat else (lambda ch: ch["text"])
+        return "".join(key(ch) for c in self.chunks for ch in c["choices"])
+
+    def logprobs(self, chat: bool) -> list[Any]:
+        out: list[Any] = []
+        for c in self.chunks:
+            for ch in c["choices"]:
+                lp = ch.get("logprobs")
+                if lp:
+                    if chat:
+                        out += lp["content"]
+                    else:
+                        out += list(zip(lp["tokens"], lp["token_logprobs"], lp["text_offset"], strict=True))
+        return out
+
+    def usage(self) -> list[dict[str, Any]]:
+        return [c["usage"] for c in self.chunks if c.get("usage")]
+
+
+async def _stream(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], on_tokens: Callable[[int], Any] | None = None
+) -> Streamed:
+    out = Streamed()
+    fired = False
+    async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
+        assert r.status == 200, await r.text()
+        out.headers = dict(r.headers)
+        buf = b""
+        async for data in r.content.iter_any():
+            buf += data
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if event.startswith(b"event: error"):
+                    out.errors.append(event)
+                    continue
+                payload = event.removeprefix(b"data: ")
+                if payload == b"[DONE]":
+                    out.done += 1
+                    continue
+                out.chunks.append(orjson.loads(payload))
+            if on_tokens is not None and not fired and len(out.tokens()) >= KILL_AFTER:
+                fired = True
+                await on_tokens(len(out.tokens()))
+    return out
+
+
+def _comparable(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer less its id and time, and the usage's cache figure (the first part's, lost with it)."""
+    usage = {k: v for k, v in answer["usage"].items() if k != "prompt_tokens_details"}
+    return {k: v for k, v in answer.items() if k not in ("id", "created")} | {"usage": usage}
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+async def test_a_stream_goes_on_after_its_engine_is_killed(
+    path: str, engines: list[SimEngine], routers: Callable[..., GenerationRouter], http: aiohttp.ClientSession
+) -> None:
+    router = routers([e.url for e in engines])
+    url = router.base_url() + path
+    chat = path == CHAT
+    whole = await _stream(http, url, _body(path, True))
+    assert len(whole.tokens()) == MAX_TOKENS and whole.done == 1 and not whole.errors
+
+    killed: list[SimEngine] = []
+
+    async def kill(_: int) -> None:
+        engine = await _serving(http, engines)
+        _kill(engine)
+        killed.append(engine)
+
+    cut = await _stream(http, url, _body(path, True), kill)
+    assert killed, "the engine was not killed mid-stream"
+    assert not cut.errors and cut.done == 1
+    assert cut.tokens() == whole.tokens()
+    assert cut.text(chat) == whole.text(chat)
+    assert cut.logprobs(chat) == whole.logprobs(chat)
+    assert len({c["id"] for c in cut.chunks}) == 1 and len({c["created"] for c in cut.chunks}) == 1
+    (usage,) = cut.usage()  # counted once, the original prompt's
+    (reference,) = whole.usage()
+    assert {k: v for k, v in usage.items() if k != "prompt_tokens_details"} == {
+        "prompt_tokens": reference["prompt_tokens"],
+        "completion_tokens": MAX_TOKENS,
+        "total_tokens": reference["prompt_tokens"] + MAX_TOKENS,
+    }
+    finish = [ch["finish_reason"] for c in cut.chunks for ch in c["choices"] if ch.get("finish_reason")]
+    assert finish == ["length"]
+    assert cut.chunks[0].get("prompt_token_ids") or cut.chunks[0]["choices"][0].get("prompt_token_ids")
+    spans = cut.chunks[-1]["weight_versions"]
+    assert [s[1:] for s in spans] == [[0, MAX_TOKENS - 1]]  # nothing stamped: one span, version unknown
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+async def test_a_whole_answer_goes_on_after_its_engine_is_killed(
+    path: str, engines: list[SimEngine], routers: Callable[..., GenerationRouter], http: aiohttp.ClientSession
+) -> None:
+    router = routers([e.url for e in engines])
+    url = router.base_url() + path
+    async with http.post(url, json=_body(path, False)) as r:
+        assert r.status == 200
+        whole = orjson.loads(await r.read())
+        assert parse_header(r.headers["x-rl-weight-versions"]) == [[None, 0, MAX_TOKENS - 1]]
+
+    async def kill_later() -> SimEngine:
+        engine = await _serving(http, engines)
+        await asyncio.sleep(0.006 * KILL_AFTER * 2)  # part of the answer made
+        _kill(engine)
+        return engine
+
+    killer = asyncio.ensure_future(kill_later())
+    t0 = time.perf_counter()
+    async with http.post(url, json=_body(path, False), timeout=aiohttp.ClientTimeout(total=60)) as r:
+        assert r.status == 200, await r.text()
+        cut = orjson.loads(await r.read())
+    await killer
+    assert time.perf_counter() - t0 < 30
+    assert _comparable(cut) == _comparable(whole)
+    assert cut["usage"]["completion_tokens"] == MAX_TOKENS
+    assert len(cut["choices"][0]["token_ids"]) == MAX_TOKENS
+
+
+async def test_without_continuation_a_killed_stream_ends_with_an_error(
+    engines: list[SimEngine], routers: Callable[..., GenerationRouter], http: aiohttp.ClientSession
+) -> None:
+    """The behaviour before issue 41 (and with ``continuation_max_moves: 0``): the tokens are lost."""
+    router = routers([e.url for e in engines], continuation_max_moves=0)
+
+    async def kill(_: int) -> None:
+        _kill(await _serving(http, engines))
+
+    cut = await _stream(http, router.base_url() + COMPLETIONS, _body(COMPLETIONS, True), kill)
+    assert cut.errors and not cut.done and len(cut.tokens()) < MAX_TOKENS
+
+
+async def test_the_fleet_moves_a_stream_and_the_record_shows_it(
+    tmp_path: Path,
+    engines: list[SimEngine],
+    routers: Callable[..., GenerationRouter],
+    http: aiohttp.ClientSession,
+) -> None:
+    """``move_off`` (what a drain or a quarantine calls) moves the stream at once; the engine lives on."""
+    record = tmp_path / "record"
+    router = routers([e.url for e in engines], record_dir=str(record))
+    url = router.base_url() + CHAT
+    whole = await _stream(http, url, _body(CHAT, True))
+    moved: list[str] = []
+
+    async def drain(_: int) -> None:
+        engine = await _serving(http, engines)
+        loop = router._loop
+        assert loop is not None
+        done = asyncio.run_coroutine_threadsafe(_move_off(router, engine.url), loop)
+        assert await asyncio.wrap_future(done) == 1
+        moved.append(engine.url)
+
+    cut = await _stream(http, url, _body(CHAT, True), drain)
+    assert moved and not cut.errors and cut.done == 1
+    assert cut.tokens() == whole.tokens() and cut.logprobs(True) == whole.logprobs(True)
+    assert all(e.is_alive() for e in engines)
+    router.stop()
+    records = [r for r in read_records(str(record)).records if r.path == CHAT]
+    assert len(records) == 2
+    line = _last_line(record)
+    (move,) = line["moves"]
+    assert move["from"] == moved[0] and move["to"] != moved[0] and move["reason"] == "drained"
+    assert KILL_AFTER <= move["at_token"] < MAX_TOKENS
+    assert [s[1:] for s in line["weight_versions"]] == [[0, MAX_TOKENS - 1]]
+    assert [a["engine"] for a in line["attempts"]] == [moved[0], move["to"]]
+
+
+async def _move_off(router: GenerationRouter, url: str) -> int:
+    return router.forwarder.engine_watch.move_off(url, "drained")
+
+
+def _last_line(record: Path) -> dict[str, Any]:
+    lines = [ln for f in sorted(record.glob("requests*.jsonl")) for ln in f.read_bytes().splitlines() if ln]
+    return orjson.loads(lines[-1])  # type: ignore[no-any-return]
