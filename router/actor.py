@@ -49,6 +49,9 @@ class GenerationRouterActor:
     def serving_backends(self) -> list[str]:
         return self._router.serving_backends()
 
+    def move_off(self, urls: list[str], reason: str) -> int:
+        return self._router.move_off(urls, reason)
+
     def member_backends(self) -> list[tuple[str, bool]]:
         return self._router.member_backends()
 

@@ -141,6 +141,10 @@ class GenerationRouter:
             ForwardingConfig.of(config),
             self.record,
         )
+        # The fleet side's move requests and version stamps reach this process's tracked requests
+        # (router.continuation.moves); with workers, WorkerFleet.attach relays them to theirs.
+        self.backends.move_listeners.append(self.forwarder.engine_watch.move_off)
+        self.backends.versions.listeners.append(self.forwarder.engine_watch.version_changed)
         self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
         self.adapters: AdapterRoutes | None = None
         self._reserved: dict[str, str] = {}
@@ -433,6 +437,14 @@ class GenerationRouter:
 
     def serving_backends(self) -> list[str]:
         return list(self._call(lambda: self.backends.serving))
+
+    def move_off(self, urls: Iterable[str], reason: str) -> int:
+        """Move the requests in flight on ``urls`` to other engines now (those the router continues:
+        ``router.continuation``; the rest go on where they are): an elastic drain ("drained") or a
+        restart ("restarted") need not wait for them. How many this process asked (workers count their
+        own)."""
+        canonical = [canonical_backend_url(u) for u in urls]
+        return self._call(lambda: sum(self.backends.move_off(u, reason) for u in canonical))
 
     def member_backends(self) -> list[tuple[str, bool]]:
         """Every member (pushed, configured or registered) and whether it serves now (not ejected)."""

@@ -254,6 +254,8 @@ class FleetController:
         push = list(result.serving_urls)
         if self.gateway.guards_weight_version:
             push += result.stale_urls  # held out by the front itself, listed for the trainer
+        if result.to_restart:
+            self._move_off_restarting(result.to_restart)
         timed_out = False
         try:
             self.gateway.set_serving(push)
@@ -426,6 +428,16 @@ class FleetController:
             )
             self.say(f"starting the engine host of generation node {node_index} again")
             self.hosts.restart(node_index)
+
+    def _move_off_restarting(self, eids: list[str]) -> None:
+        """Before the push that drops them: the front moves the requests in flight on engines about to
+        restart to other engines (``Gateway.move_off``, "restarted"; a front that continues requests
+        resumes each from its tokens so far), instead of losing them with the process."""
+        urls = [self.fleet.engine(eid).url for eid in eids]
+        try:
+            self.gateway.move_off(urls, "restarted")
+        except Exception as exc:  # the front is restarting too: the engines' requests break and retry
+            self.job.log_event("router_unreachable", f"moving requests off restarting engines: {exc!r}")
 
     def _request_restart(self, eid: str) -> None:
         node_index, index = self.where[eid]

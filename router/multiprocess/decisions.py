@@ -45,6 +45,12 @@ instead of ``OK``, with the seconds it waited at the pause gate and for a fair-s
 the URL), which the worker puts on its answer (``Chosen.held``) as a one-process router does; a decision
 that did not wait is a plain ``OK``, as before.
 
+Moves and version stamps (``router.continuation.moves``): the fleet's side acts on the parent's
+``BackendSet`` (an engine drained, held out, removed, restarted; a version stamped), and the parent tells
+every worker at once (``MOVE_OFF``, ``VERSION``, one-way, written without waiting for the end of the
+turn), whose forwarder moves its requests on that engine or opens a new version span for them, as the
+parent's own forwarder does.
+
 A worker that dies leaves requests counted in flight; the parent keeps a ledger per channel and releases
 whatever a closed channel still held (backend slots and fair-share slots), so a crashed worker cannot
 inflate the load bound, or keep the fleet at capacity, for good. A worker whose channel closes (the parent
@@ -71,6 +77,7 @@ from router.multiprocess.wire import (
     SUCCEEDED,
     Framed,
     chosen_frame,
+    move_off_frame,
     read_dispatch,
     read_failed,
     read_finish,
@@ -81,6 +88,7 @@ from router.multiprocess.wire import (
     read_succeeded,
     refusal_frame,
     stats_ask_frame,
+    version_frame,
     withdrawn_frame,
 )
 from router.policies.base import NoBackendAvailable, RouteRequest
@@ -328,6 +336,20 @@ class DecisionService:
 
     def ready_channels(self) -> list[WorkerChannel]:
         return sorted((c for c in self.channels if c.ready), key=lambda c: c.index)
+
+    def move_off(self, url: str, reason: str) -> int:
+        """Tell every worker to move its requests off ``url`` (``router.continuation.moves``), written at
+        once: a drain does not wait for the next turn. The workers count their own; 0 here."""
+        self._broadcast(move_off_frame(url, reason))
+        return 0
+
+    def version_changed(self, url: str, version: str) -> None:
+        """Tell every worker ``url`` now serves ``version`` (its requests' per-token version spans)."""
+        self._broadcast(version_frame(url, version))
+
+    def _broadcast(self, data: bytes) -> None:
+        for channel in self.channels:
+            channel.send_now(data)
 
     def close(self) -> None:
         """Stop holding requests at the pause gate: the router is stopping."""

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from router.consumers import Consumer
 from router.multiprocess.wire import (
     CHOSEN,
+    MOVE_OFF,
     STATS_ASK,
+    VERSION,
     Framed,
     cancel_frame,
     chose,
@@ -32,7 +34,9 @@ from router.multiprocess.wire import (
     read_choice,
     read_chosen,
     read_id,
+    read_move_off,
     read_refusal,
+    read_version,
     ready_frame,
     release_frame,
     stats_frame,
@@ -41,6 +45,9 @@ from router.multiprocess.wire import (
 from router.policies.base import NoBackendAvailable, Policy, RouteRequest
 from router.state.routing import Chosen
 from router.state.versions import VersionWant
+
+if TYPE_CHECKING:
+    from router.continuation.moves import EngineWatch
 
 
 class RemoteRouting(Framed):
@@ -55,6 +62,8 @@ class RemoteRouting(Framed):
         self._pending: dict[int, tuple[asyncio.Future[Chosen], RouteRequest, str | None]] = {}
         self._next = 0
         self.closed = False
+        self.engine_watch: EngineWatch | None = None
+        """The worker's forwarder's tracked attempts: the parent's ``MOVE_OFF`` and ``VERSION`` reach them."""
 
     def hello(self, index: int, pid: int) -> None:
         self.send(hello_frame(index, pid))
@@ -145,6 +154,12 @@ class RemoteRouting(Framed):
         elif kind == STATS_ASK:
             rid = read_id(payload)
             self.send(stats_frame(rid, orjson.dumps(self._stats())))
+        elif kind == MOVE_OFF:
+            if self.engine_watch is not None:
+                self.engine_watch.move_off(*read_move_off(payload))
+        elif kind == VERSION:
+            if self.engine_watch is not None:
+                self.engine_watch.version_changed(*read_version(payload))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

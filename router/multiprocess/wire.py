@@ -22,6 +22,8 @@ Layouts (little-endian):
   kind, the hashes.
 * ``FINISH``: completion tokens, counted (0: the request never reached an engine) (``<IB``); the
   consumer's name (the rest).
+* ``MOVE_OFF``: u16 URL length, the URL, the reason (the rest). ``VERSION``: u16 URL length, the URL, the
+  engine's new weight version (the rest).
 
 ``Framed`` splits the byte stream into frames and sends frames in batches, for both sides.
 """
@@ -45,6 +47,7 @@ HEADER = struct.Struct("<IB")
 HELLO, READY, DISPATCH, RELEASE, FAILED, SUCCEEDED, STATS, CANCEL, FINISH = 1, 2, 3, 4, 5, 6, 7, 10, 11
 # kinds: parent -> worker
 CHOSEN, STATS_ASK = 8, 9
+MOVE_OFF, VERSION = 12, 13  # the fleet asks the requests on an engine to move; an engine's version changed
 # DISPATCH flags
 HOLD = 1  # a generation request: held while the fleet is paused (and while no engine has its version)
 WANT = 2  # gated on a weight version: the version follows the hashes
@@ -126,6 +129,34 @@ def read_id(payload: bytes) -> int:
 def read_stats(payload: bytes) -> tuple[int, bytes]:
     """``(request id, the worker's samples)``."""
     return read_id(payload), payload[4:]
+
+
+def _url_and_text(kind: int, url: str, text: str) -> bytes:
+    u = url.encode()
+    return frame(kind, _U16.pack(len(u)) + u + text.encode())
+
+
+def _read_url_and_text(payload: bytes) -> tuple[str, str]:
+    (n,) = _U16.unpack_from(payload)
+    return payload[2 : 2 + n].decode(), payload[2 + n :].decode()
+
+
+def move_off_frame(url: str, reason: str) -> bytes:
+    return _url_and_text(MOVE_OFF, url, reason)
+
+
+def read_move_off(payload: bytes) -> tuple[str, str]:
+    """``(engine url, reason)``."""
+    return _read_url_and_text(payload)
+
+
+def version_frame(url: str, version: str) -> bytes:
+    return _url_and_text(VERSION, url, version)
+
+
+def read_version(payload: bytes) -> tuple[str, str]:
+    """``(engine url, its new weight version)``."""
+    return _read_url_and_text(payload)
 
 
 # -- DISPATCH ---------------------------------------------------------------------------------------------
@@ -354,6 +385,11 @@ class Framed(asyncio.Protocol):
         out.append(data)
         if len(out) == 1 and self._loop is not None:
             self._loop.call_soon(self._flush)
+
+    def send_now(self, data: bytes) -> None:
+        """Send ``data`` with whatever this turn batched, without waiting for the end of the turn."""
+        self.send(data)
+        self._flush()
 
     def _flush(self) -> None:
         out = self._out

@@ -133,6 +133,9 @@ class WorkerFleet:
 
     def attach(self, routing: LocalRouting) -> None:
         self._service = DecisionService(routing)
+        # The workers' forwarders hear of moves and version stamps from the one routing state.
+        routing.backends.move_listeners.append(self._service.move_off)
+        routing.versions.listeners.append(self._service.version_changed)
 
     def listen_on(self, sock: socket.socket) -> None:
         self._socket = sock
@@ -391,6 +394,7 @@ async def serve_worker(
         record,
     )
     forwarder.use_limits(config.http)
+    routing.engine_watch = forwarder.engine_watch  # the parent's MOVE_OFF / VERSION frames reach it
     relay = ParentRelay(admin, admin_relay_timeout_s(config))
     app = build_app(
         forwarder,

@@ -93,6 +93,12 @@ class BackendSet:
         # Called with each URL that (re)enters the serving set, on the loop: an engine that restarted
         # comes back without its LoRA adapters (router.fleet.adapter_refit restores them before routing any).
         self.serving_listeners: list[Callable[[str], None]] = []
+        # Called with (url, reason) when the requests in flight on an engine must move off it (each
+        # forwarding process's ``router.continuation.moves.EngineWatch``, and the worker processes'
+        # broadcast): it left the members ("removed": a push without it, a removal), was held out
+        # ("quarantined": a refit that could not verify it, wrong weights), or the fleet asked
+        # (``move_off``: "drained" by an elastic shrink, "restarted"). Returns how many it asked.
+        self.move_listeners: list[Callable[[str, str], int | None]] = []
 
     # -- members and the serving set ---------------------------------------------------------------
     @property
@@ -113,12 +119,25 @@ class BackendSet:
         return dict(self._stale)
 
     def hold_out_stale(self, url: str, why: str) -> bool:
-        """Keep a member out of rotation until ``clear_stale``; False if it is not a member."""
+        """Keep a member out of rotation until ``clear_stale``; False if it is not a member. A member
+        that was serving has its requests moved ("quarantined"): they would go on generating on weights
+        the fleet does not vouch for, or, frozen by a refit's pause, be aborted."""
         if url not in self._members:
             return False
+        was_serving = url in self.load
         self._stale[url] = why
         self._sync()
+        if was_serving:
+            self.move_off(url, "quarantined")
         return True
+
+    def move_off(self, url: str, reason: str) -> int:
+        """Ask every forwarding process to move the requests in flight on ``url`` to other engines
+        (those it can continue; see ``move_listeners``); how many this process's listeners asked."""
+        n = 0
+        for listener in self.move_listeners:
+            n += listener(url, reason) or 0
+        return n
 
     def clear_stale(self, url: str) -> bool:
         if self._stale.pop(url, None) is None:
@@ -152,11 +171,14 @@ class BackendSet:
     def replace(self, urls: Iterable[str]) -> tuple[str, ...]:
         """Make ``urls`` the members, serving at once (a pushed set is the controller's verdict)."""
         canonical = tuple(dict.fromkeys(canonical_backend_url(u) for u in urls))
-        before = set(self._members)
+        before = self._members
         self._members = canonical
         self._ejected.clear()
         self._admit(u for u in canonical if u not in before)
         self._sync()
+        for url in before:
+            if url not in canonical:
+                self.move_off(url, "removed")
         return canonical
 
     def add(self, url: str) -> bool:
@@ -175,6 +197,7 @@ class BackendSet:
         self._members = tuple(u for u in self._members if u != key)
         self._ejected.discard(key)
         self._sync()
+        self.move_off(key, "removed")
         return True
 
     def eject(self, url: str) -> bool:

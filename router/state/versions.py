@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 VERSION_HEADER = "x-rl-weight-version"
@@ -109,6 +109,9 @@ class WeightVersions:
         self._recent: deque[tuple[int, str]] = deque()
         """The latest straddlers' ids, each with its number (``straddled_total`` after it)."""
         self._recent_bytes = 0
+        self.listeners: list[Callable[[str, str], None]] = []
+        """Called with (url, version) when an engine's version changes (``stamped``): each forwarding
+        process's requests on it start a new per-token version span there (``router.continuation``)."""
 
     # -- what the fleet API tells it -----------------------------------------------------------------
     def stamped(self, url: str, version: str) -> None:
@@ -116,6 +119,8 @@ class WeightVersions:
         if self.of.get(url) != version:
             self.of[url] = version
             self.changed()
+            for listener in self.listeners:
+                listener(url, version)
 
     def fleet_moved_to(self, version: str) -> None:
         """The fleet's version is now ``version`` (appended to the stamp order on first use)."""

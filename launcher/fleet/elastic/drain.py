@@ -6,6 +6,14 @@ read zero (twice, over ``QUIET_S``) or ``drain_timeout_s`` passes; then the host
 the fleet and the node goes back (its grow job ended or shrunk, or the job holding it shrunk). Like the
 grow lifecycle, these are methods of the manager because they change its one set of records on its one
 thread.
+
+A drain does not wait for what the front can move (issue 41): the moment it begins, the front is asked
+to move the engines' requests in flight to the engines that stay (``Gateway.move_off``, "drained"; the
+builtin router continues each from its prompt's token ids plus the tokens produced,
+``router.continuation``), so the gauges read zero within a poll or two instead of when the step's longest
+generations end, and the node goes back that much sooner. What the front cannot move (a front of another
+kind, ``continuation_max_moves`` 0, a request it does not continue: tools, n > 1) finishes where it is,
+as before: the wait below is the same.
 """
 
 from __future__ import annotations
@@ -91,12 +99,23 @@ class NodeDrains:
         urls = self.controller.drain_node(r.index, reason)
         r.state, r.detail = shapes.NODE_DRAINING, reason
         self.drains[r.index] = Drain(r.index, time.time(), timeout_s, mark, urls, reason)
+        moved = self._move_off(urls)
         self._event(
             "drain",
-            f"node {r.name}: draining {len(urls)} engine(s), at most {timeout_s:g} s ({by})",
+            f"node {r.name}: draining {len(urls)} engine(s), at most {timeout_s:g} s ({by}); {moved}",
             node=r.name,
             node_index=r.index,
         )
+
+    def _move_off(self, urls: list[str]) -> str:
+        """Ask the front to move the engines' requests in flight elsewhere now; what happened, in words.
+        A front that cannot be asked (restarting) leaves them to finish where they are."""
+        try:
+            n = self.controller.gateway.move_off(urls, "drained")
+        except Exception as exc:
+            return f"the front could not be asked to move their requests ({exc!r}): they finish there"
+        counted = f" ({n} in its main process; worker processes count their own)" if n else ""
+        return f"the front was asked to move their requests in flight to the engines that stay{counted}"
 
     def _advance_drains(self) -> None:
         if not self.drains:

@@ -105,6 +105,9 @@ class BuiltinRouterGateway(Gateway):
     def set_serving(self, urls: Sequence[str]) -> None:
         self._get(self.actor.set_serving_backends.remote(list(urls)))
 
+    def move_off(self, urls: Sequence[str], reason: str) -> int:
+        return int(self._get(self.actor.move_off.remote(list(urls), reason)))
+
     def drain_outcomes(self) -> dict[str, tuple[int, int]]:
         return dict(self._get(self.actor.drain_backend_outcomes.remote()))
 
