@@ -39,7 +39,7 @@ LABELS = {
     "slurm-vllm.yaml": ("builtin router: cache_aware", "vllm engines the trainer registers"),
     "slurm-vllm-fleet-client.yaml": (
         "builtin router: cache_aware",
-        "8 vllm Qwen/Qwen3-8B (TP 2 x PP 1 = 2 GPUs each)",
+        "8 vllm /lustre/my-project/models/Qwen3-8B (TP 2 x PP 1 = 2 GPUs each)",
     ),
     "local-dynamo.yaml": ("dynamo: --router-mode kv", "2 dynamo-mocker workers of ./tiny-model"),
     "local-ray-serve.yaml": ("ray-serve: cache_aware over Serve", "4 sim"),

@@ -632,7 +632,7 @@ def test_cli_validate_ok(no_sbatch: Path) -> None:
     result = CliRunner().invoke(main, ["validate", str(REPO / "examples" / "slurm-vllm-fleet-client.yaml")])
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("OK ")
-    assert "2 node(s) x 4 engine(s) = 8 vllm Qwen/Qwen3-8B" in result.stdout
+    assert "2 node(s) x 4 engine(s) = 8 vllm /lustre/my-project/models/Qwen3-8B" in result.stdout
     assert not no_sbatch.exists()
 
 
