@@ -13,17 +13,24 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
 
+import aiohttp
+import orjson
 import pytest
 
+from launcher.engines.base import EngineSpec
+from launcher.engines.sim import SimEngine
 from router import GenerationRouter
 from router.continuation.moves import EngineWatch
 from router.multiprocess.decisions import DecisionService
 from router.multiprocess.remote import RemoteRouting
 from router.policies import make_policy
 from router.policies.base import LoadTracker
-from router.state.backends import BackendSet
+from router.state.backends import BackendSet, canonical_backend_url
 from router.state.metrics import RouterMetrics
 from router.state.routing import LocalRouting
 from tests.support.http_backends import router_factory
@@ -100,3 +107,149 @@ async def test_the_decision_channel_carries_moves_and_versions_to_a_worker() -> 
         finally:
             server.close()
             await server.wait_closed()
+
+
+# -- a drained or quarantined engine's stream goes on elsewhere (router.continuation, C1's core) ------------
+MAX_TOKENS = 300  # ~2 s at the simulator's default step
+MOVE_AFTER = 40  # tokens the client has when the fleet acts
+
+
+@pytest.fixture
+def sim_engines(tmp_path: Path) -> Iterator[list[SimEngine]]:
+    made: list[SimEngine] = []
+    try:
+        for i in range(2):
+            spec = EngineSpec(model="sim", log_path=str(tmp_path / f"sim{i}.log"), startup_timeout_s=60)
+            engine = SimEngine(spec)
+            engine.start_and_wait()
+            made.append(engine)
+        yield made
+    finally:
+        for engine in made:
+            engine.stop(grace_s=5)
+
+
+def _body() -> dict[str, Any]:
+    return {
+        "model": "sim",
+        "prompt": "a long story begins",
+        "max_tokens": MAX_TOKENS,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _stream(url: str, at_tokens: Callable[[], Awaitable[None]] | None = None) -> list[dict[str, Any]]:
+    """The answer's chunks (an SSE error event fails the test); ``at_tokens`` runs once MOVE_AFTER arrived."""
+    chunks: list[dict[str, Any]] = []
+    fired = at_tokens is None
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json=_body(), timeout=aiohttp.ClientTimeout(total=60)) as r:
+            assert r.status == 200, await r.text()
+            buf = b""
+            async for data in r.content.iter_any():
+                buf += data
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    assert not event.startswith(b"event: error"), event
+                    if event != b"data: [DONE]":
+                        chunks.append(orjson.loads(event.removeprefix(b"data: ")))
+                if not fired and len(_tokens(chunks)) >= MOVE_AFTER:
+                    fired = True
+                    await at_tokens()  # type: ignore[misc]
+    assert fired
+    return chunks
+
+
+def _tokens(chunks: list[dict[str, Any]]) -> list[int]:
+    return [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
+
+
+def _logprobs(chunks: list[dict[str, Any]]) -> list[float]:
+    return [
+        lp
+        for c in chunks
+        for ch in c["choices"]
+        for lp in (ch.get("logprobs") or {}).get("token_logprobs", ())
+    ]
+
+
+async def _serving(router: GenerationRouter) -> str:
+    """The engine the router counts the one request in flight on (bounded wait)."""
+    loop = asyncio.get_running_loop()
+    for _ in range(200):
+        busy = [u for u, n in (await loop.run_in_executor(None, router.in_flight)).items() if n]
+        if busy:
+            return busy[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError("no engine has the request in flight")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("how", ["drained", "quarantined"])
+async def test_a_drained_or_quarantined_engines_stream_goes_on_elsewhere(
+    how: str,
+    workers: int,
+    tmp_path: Path,
+    sim_engines: list[SimEngine],
+    routers: Callable[..., GenerationRouter],
+) -> None:
+    """The elastic drain's call (``Gateway.move_off`` -> ``GenerationRouter.move_off``, then the push
+    without the node) and a refit's hold-out (``hold_out_stale``) move the stream at once, in the router
+    process and in its worker processes; the client's answer is the uninterrupted one, the engine lives on,
+    and the record shows the move with its reason."""
+    record = tmp_path / "record"
+    router = routers([e.url for e in sim_engines], workers=workers, record_dir=str(record))
+    url = router.base_url() + "/v1/completions"
+    whole = await _stream(url)
+    assert len(_tokens(whole)) == MAX_TOKENS
+    acted: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    async def act() -> None:
+        engine = await _serving(router)
+        acted.append(engine)
+        if how == "drained":
+            await loop.run_in_executor(None, router.move_off, [engine], "drained")
+            stay = [e.url for e in sim_engines if canonical_backend_url(e.url) != engine]
+            await loop.run_in_executor(None, router.set_serving_backends, stay)
+        else:
+            why = "refit r1 to 'v2': checksum differs"
+            await loop.run_in_executor(
+                None, router._call, lambda: router.backends.hold_out_stale(engine, why)
+            )
+
+    t0 = time.perf_counter()
+    cut = await _stream(url, act)
+    assert time.perf_counter() - t0 < 30
+    assert _tokens(cut) == _tokens(whole) and _logprobs(cut) == _logprobs(whole)
+    assert all(e.is_alive() for e in sim_engines)
+    router.stop()
+    lines = [
+        orjson.loads(ln) for f in sorted(record.glob("requests*.jsonl")) for ln in f.read_bytes().splitlines()
+    ]
+    moved = [ln for ln in lines if ln.get("moves")]
+    assert len(lines) == 2 and len(moved) == 1
+    (move,) = moved[0]["moves"]
+    assert move["from"] == acted[0] and move["to"] != acted[0] and move["reason"] == how
+    assert MOVE_AFTER <= move["at_token"] < MAX_TOKENS
+
+
+async def test_without_continuation_a_drain_leaves_the_stream_where_it_is(
+    sim_engines: list[SimEngine], routers: Callable[..., GenerationRouter]
+) -> None:
+    """``continuation_max_moves: 0``: nothing is moved (the drain waits for it, as before issue 41)."""
+    router = routers([e.url for e in sim_engines], continuation_max_moves=0)
+    url = router.base_url() + "/v1/completions"
+    loop = asyncio.get_running_loop()
+    asked: list[int] = []
+
+    async def act() -> None:
+        engine = await _serving(router)
+        asked.append(await loop.run_in_executor(None, router.move_off, [engine], "drained"))
+        assert (await loop.run_in_executor(None, router.in_flight))[engine] == 1
+
+    cut = await _stream(url, act)
+    assert asked == [0] and len(_tokens(cut)) == MAX_TOKENS
