@@ -22,13 +22,13 @@ it (``router``) and how NeMo-Gym is pointed at it (``gym``). Example (every fiel
       container: {image: nvcr.io/nvidia/nemo-rl:v0.4, mounts: ["/lustre:/lustre"], workdir: null}
     training:
       nodes: 1
-      command: python -m nemo_rl.examples.run_grpo ...
+      command: python -m nemo_rl.examples.run_grpo ...   # runs where you submit; ${spec_dir}: this file's dir
       env: {NCCL_DEBUG: WARN}
       slurm: null                     # per-role overrides (partition, gpus_per_node, ...) -> hetjob
     generation:
       nodes: 2
       engine: vllm                    # vllm | sim | dynamo-vllm | dynamo-mocker (launcher.engines.kinds)
-      model: Qwen/Qwen3-8B            # required for vllm
+      model: Qwen/Qwen3-8B            # required for vllm; a hub id must be in the Hub cache (offline)
       served_model_name: null         # default: model
       tensor_parallel_size: 2
       pipeline_parallel_size: 1
