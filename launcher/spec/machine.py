@@ -101,7 +101,7 @@ def _spec_dir_hint(spec: JobSpec, script: str) -> str:
 def _training_script(spec: JobSpec, machine: Machine) -> list[Issue]:
     """A script the training command runs by a path that does not exist from where it will run: the
     directory ``submit`` runs in (the driver starts the command there; sbatch starts the job there). In a
-    container without ``workdir`` the image's directory may hold it: not checked."""
+    container the image may hold it (its own working directory, or ``workdir``): not checked."""
     if spec.training is None:
         return []
     script = _script_of(spec.training.command)
