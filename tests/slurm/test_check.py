@@ -171,6 +171,7 @@ def one_failure(lines: list[str]) -> str:
         ("missing partition", "job partition", "set slurm.partition to one of them"),
         ("GPUs the nodes lack", "job nodes", "set slurm.gpus_per_node to at most 2"),
         ("missing container runtime", "container runtime", "ask your site for pyxis + enroot"),
+        ("an account that is not the user's", "account", "set slurm.account to one of them"),
     ],
 )
 def test_a_spec_slurm_cannot_run_fails_on_the_login_node(
@@ -179,6 +180,7 @@ def test_a_spec_slurm_cannot_run_fails_on_the_login_node(
     changes: dict[str, object] = {
         "missing partition": {"slurm__partition": "gpu-a100"},
         "GPUs the nodes lack": {"slurm__gpus_per_node": 8},
+        "an account that is not the user's": {"slurm__account": "not-an-account"},
         "missing container runtime": {
             "slurm__container": {
                 "image": "nvcr.io/nvidia/nemo-rl:v0.4.0",
@@ -284,4 +286,57 @@ def test_a_probe_that_cannot_start_is_reported_pending_and_cancelled(tmp_path: P
         "still PENDING (" in x and "after 10 s; cancelled" in x for x in failed
     ), failed
     assert took < 60, took
+    no_probe_left(tmp_path / "jobs")
+
+
+PYXIS_STANDIN = """\
+#!/bin/bash
+# pyxis stand-in: srun --help lists pyxis's option; a step records its --container-* flags, then runs the
+# real srun without them (tests/slurm/test_containers.py has the same stand-in for whole jobs)
+if [ "$1" = "--help" ]; then
+  REAL_SRUN --help; echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; exit 0
+fi
+name=""; flags=(); args=()
+for a in "$@"; do
+  case "$a" in
+    --container-*) flags+=("$a") ;;
+    --job-name=*) name="${a#--job-name=}"; args+=("$a") ;;
+    *) args+=("$a") ;;
+  esac
+done
+echo "$name ${flags[*]}" >> RECORD
+exec REAL_SRUN "${args[@]}"
+"""
+
+
+def test_with_pyxis_each_probe_runs_in_the_spec_container(tmp_path: Path) -> None:
+    real = shutil.which("srun")
+    assert real is not None
+    bin_dir, record = tmp_path / "bin", tmp_path / "steps.txt"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(PYXIS_STANDIN.replace("REAL_SRUN", real).replace("RECORD", str(record)))
+    (bin_dir / "srun").chmod(0o755)
+    image = "nvcr.io/nvidia/nemo-rl:v0.4.0"
+    container = {"image": image, "mounts": ["/work:/work", "/tmp:/tmp"]}
+    spec = spec_file(tmp_path, slurm__container=container)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(
+        [RL_LAUNCH, "check", str(spec), "--timeout", "300"],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=env,
+    )
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 0, proc.stdout
+    assert f"ok    container runtime: srun has pyxis's --container-image (image {image})" in proc.stdout
+    assert "without the container" not in proc.stdout
+    steps = sorted(line.split() for line in record.read_text().splitlines())
+    assert [s[0].rsplit("-", 1)[0] for s in steps] == [
+        "rl-launch-check-generation",
+        "rl-launch-check-training",
+    ]
+    assert all(
+        s[1:] == [f"--container-image={image}", "--container-mounts=/work:/work,/tmp:/tmp"] for s in steps
+    )
     no_probe_left(tmp_path / "jobs")
