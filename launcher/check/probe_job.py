@@ -278,8 +278,8 @@ def _engine(group: str, host: str, engine: dict[str, Any]) -> Check:
     return fail(
         name,
         f"{what}: {engine.get('error')}",
-        "install vLLM for the nodes (scripts/install-vllm.sh) and export "
-        f"{VLLM_PYTHON_ENV}=<its python> in the shell you check and submit from",
+        "install vLLM where the engines run (scripts/install-vllm.sh prints its python) and export "
+        f"{VLLM_PYTHON_ENV}=<that python> in the shell you check and submit from",
     )
 
 

@@ -85,18 +85,27 @@ def probe_config(resolved: ResolvedSpec, group: Group, share: Path | None, token
         if gen.model and gen.engine in MODEL_ENGINES:
             config["model"] = gen.model
     driver_group: Group = "training" if resolved.training.nodes else "generation"
-    if group == driver_group:  # the router runs in the driver's step, on the first node of this group
+    # the router runs in the driver's step, on the first node of this group (a standing fleet's serves an
+    # attached job)
+    if group == driver_group and resolved.role != "attached":
         config["port_range"] = list(resolved.router.port_range)
     return config
 
 
 def check_local(resolved: ResolvedSpec) -> list[Check]:
-    """``cluster: local``: the same looks, on this machine, without Slurm and without a share."""
-    config = probe_config(resolved, "generation", None, "")
-    config["bind_host"] = "127.0.0.1"
-    if resolved.training.nodes:
+    """``cluster: local``: the same looks, on this machine, without Slurm; the job root only needs to be
+    writable (nothing else has to see it)."""
+    share, _, writable = prepare_share(resolved.job_root)
+    if share is not None:
+        shutil.rmtree(share, ignore_errors=True)
+    config: dict[str, Any] = {"group": "local", "gpus": 0}
+    if resolved.generation.nodes:  # a job attached to a standing fleet starts no engines of its own
+        config = probe_config(resolved, "generation", None, "")
+    config.pop("port_range", None)
+    if resolved.role != "attached":  # the standing fleet's router serves an attached job
         config["port_range"] = list(resolved.router.port_range)
-    return judge_result("local", config, run_probe(config))
+    config["bind_host"] = "127.0.0.1"
+    return [writable, *judge_result("local", config, run_probe(config))]
 
 
 def check_spec(

@@ -148,6 +148,15 @@ def test_local_checks_the_engine_python_and_model_here(
     result = CliRunner().invoke(main, ["check", str(path), "--json"])
     assert result.exit_code == 1, result.output
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
-    assert set(checks) == {"local engine python", "local model", "local router port"}
+    assert set(checks) == {"job root", "local engine python", "local model", "local router port"}
     assert checks["local engine python"]["status"] == "FAIL" and checks["local model"]["status"] == "ok"
     assert "No module named 'vllm'" in checks["local engine python"]["detail"]
+
+
+def test_a_job_on_a_standing_fleet_looks_for_no_engines_and_no_router_port() -> None:
+    """Its engines and router are the fleet's (``generation.fleet``): nothing of theirs to look for."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "lora-tenant-a.yaml"
+    assert load_resolved(path).role == "attached"
+    result = CliRunner().invoke(main, ["check", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert [c["name"] for c in json.loads(result.stdout)["checks"]] == ["job root"]
