@@ -9,6 +9,7 @@ here, without Slurm.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -154,16 +155,14 @@ def _probe_groups(
     timeout_s: float,
     say: Callable[[str], None],
 ) -> list[Check]:
-    import os
-
     from launcher.slurm.request import probe_command
 
-    checks: list[Check] = []
+    steps: dict[str, Check] = {}
     runs: list[ProbeRun] = []
     configs: dict[str, dict[str, Any]] = {}
     for group in groups_of(resolved):
         if "job" in blocked or group in blocked:
-            checks.append(skip(f"{group} probe", "not started: the allocation it needs cannot exist (above)"))
+            steps[group] = skip(f"{group} probe", "not started: the allocation it needs cannot exist (above)")
             continue
         name = f"rl-launch-check-{group}-{os.urandom(3).hex()}"
         argv = probe_command(
@@ -175,7 +174,8 @@ def _probe_groups(
         say(f"probing {' and '.join(r.group for r in runs)} nodes (srun, at most {timeout_s:g} s)...")
         run_steps(runs, configs, timeout_s)
     on_host = not pyxis  # a container is named, and there is no pyxis to run it
-    checks += [judge_step(run, timeout_s, on_host) for run in runs]
+    steps.update({run.group: judge_step(run, timeout_s, on_host) for run in runs})
+    checks = [steps[group] for group in groups_of(resolved)]
     results = [run.result for run in runs if run.result is not None]
     checks += judge_nodes(results, resolved.job_root, launcher_identity())
     for run in runs:
