@@ -34,6 +34,7 @@ from launcher.check.site import (
     check_container_runtime,
     check_gpus,
     check_partition,
+    check_time,
     prepare_share,
     read_sinfo,
 )
@@ -125,6 +126,9 @@ def check_spec(
         checks.append(verdict)
         if not verdict.failed:
             checks.append(check_gpus(mine, need))
+            over = check_time(mine, need, resolved.slurm.time)
+            if over is not None and not checks[-1].failed:
+                checks.append(over)
         if checks[-1].failed:
             blocked.add(who)
     if resolved.slurm.account:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from launcher.check.outcome import Check, fail, ok, skip
 from launcher.slurm.nodes import natural_key
+from launcher.slurm.time import format_time, parse_time
 
-SINFO_FORMAT = "%P|%N|%G|%T|%c"
+SINFO_FORMAT = "%P|%N|%G|%T|%l"
 _TIMEOUT_S = 15.0
 _UNUSABLE = ("down", "drain", "fail", "inval", "unk", "maint")
 
@@ -39,6 +40,8 @@ class NodeRow:
     node: str
     gpus: int
     state: str
+    time_limit: str = ""
+    """The partition's MaxTime as sinfo prints it (``infinite``, ``4:00:00``, ``1-00:00:00``)."""
 
     @property
     def usable(self) -> bool:
@@ -70,7 +73,10 @@ def parse_sinfo(text: str) -> list[NodeRow]:
         if len(parts) < 4 or not parts[0]:
             continue
         partition, node, gres, state = parts[:4]
-        rows.append(NodeRow(partition.rstrip("*"), partition.endswith("*"), node, gres_gpus(gres), state))
+        limit = parts[4].strip() if len(parts) > 4 else ""
+        rows.append(
+            NodeRow(partition.rstrip("*"), partition.endswith("*"), node, gres_gpus(gres), state, limit)
+        )
     return rows
 
 
@@ -149,7 +155,28 @@ def check_partition(rows: Sequence[NodeRow], need: Need) -> tuple[list[NodeRow],
             )
         label = need.partition
     usable = [r for r in mine if r.usable]
-    return mine, ok(f"{need.who} partition", f"{label}: {len(usable)} of {len(mine)} node(s) usable")
+    limit = f", time limit {mine[0].time_limit}" if mine[0].time_limit else ""
+    return mine, ok(f"{need.who} partition", f"{label}: {len(usable)} of {len(mine)} node(s) usable{limit}")
+
+
+def check_time(rows: Sequence[NodeRow], need: Need, time: str) -> Check | None:
+    """A failure when ``slurm.time`` is over the partition's limit (``rows``: the partition's), else None.
+
+    Why: unless the site enforces partition limits at submission, sbatch accepts such a job and it waits
+    in the queue for ever, ``PENDING (PartitionTimeLimit)``."""
+    text = rows[0].time_limit if rows else ""
+    try:
+        limit = parse_time(text)
+    except ValueError:  # infinite, UNLIMITED, or nothing printed: no limit to be over
+        return None
+    if parse_time(time) <= limit:
+        return None
+    return fail(
+        f"{need.who} time",
+        f"slurm.time {time} is over partition {rows[0].partition}'s time limit {text}: the job would wait "
+        "in the queue for ever (PartitionTimeLimit)",
+        f"set slurm.time to at most {format_time(limit)}, or use a partition with a longer limit",
+    )
 
 
 def check_gpus(rows: Sequence[NodeRow], need: Need) -> Check:

@@ -12,6 +12,7 @@ from launcher.check.site import (
     NodeRow,
     check_gpus,
     check_partition,
+    check_time,
     gres_gpus,
     parse_accounts,
     parse_sinfo,
@@ -21,13 +22,13 @@ from launcher.check.site import (
 )
 
 SINFO = """\
-debug*|node1|gpu:2|idle|4
-debug*|node2|gpu:2|mixed|4
-debug*|node3|gpu:2|down*|4
-gpu|dgx01|gpu:a100:8(S:0-1)|idle|128
-gpu|dgx02|gpu:a100:8(S:0-1),nvme:1|allocated|128
-gpu|dgx03|gpu:a100:8(S:0-1)|drained|128
-cpu|c1|(null)|idle|64
+debug*|node1|gpu:2|idle|infinite
+debug*|node2|gpu:2|mixed|infinite
+debug*|node3|gpu:2|down*|infinite
+gpu|dgx01|gpu:a100:8(S:0-1)|idle|4:00:00
+gpu|dgx02|gpu:a100:8(S:0-1),nvme:1|allocated|4:00:00
+gpu|dgx03|gpu:a100:8(S:0-1)|drained|4:00:00
+cpu|c1|(null)|idle|1-00:00:00
 """
 
 
@@ -50,7 +51,7 @@ def test_gres_gpus(gres: str, gpus: int) -> None:
 
 def test_parse_sinfo_reads_default_partition_gpus_and_usable_states() -> None:
     rows = parse_sinfo(SINFO)
-    assert rows[0] == NodeRow("debug", True, "node1", 2, "idle")
+    assert rows[0] == NodeRow("debug", True, "node1", 2, "idle", "infinite")
     assert [r.node for r in rows if r.usable] == ["node1", "node2", "dgx01", "dgx02", "c1"]
     assert {r.partition for r in rows if r.default} == {"debug"}
 
@@ -68,7 +69,10 @@ def test_a_missing_partition_names_the_ones_there() -> None:
 def test_no_partition_means_the_default_one() -> None:
     mine, verdict = check_partition(parse_sinfo(SINFO), Need("job", None, 2, 0, "slurm"))
     assert {r.node for r in mine} == {"node1", "node2", "node3"}
-    assert verdict.line() == "ok    job partition: debug (the default): 2 of 3 node(s) usable"
+    assert (
+        verdict.line()
+        == "ok    job partition: debug (the default): 2 of 3 node(s) usable, time limit infinite"
+    )
     no_default = [r for r in parse_sinfo(SINFO) if not r.default]
     _, verdict = check_partition(no_default, Need("job", None, 1, 0, "slurm"))
     assert verdict.failed and "no default" in verdict.detail and "cpu, gpu" in verdict.fix
@@ -124,3 +128,18 @@ def test_the_share_holds_a_token_and_a_foreign_root_is_refused(tmp_path: Path) -
     (tmp_path / "open").chmod(0o777)  # others may rename things in it: refused, as submit refuses it
     share, _, verdict = prepare_share(str(tmp_path / "open"))
     assert share is None and verdict.failed and verdict.name == "job root"
+
+
+def test_a_time_over_the_partition_limit_fails() -> None:
+    rows = parse_sinfo(SINFO)
+    gpu = [r for r in rows if r.partition == "gpu"]
+    need = Need("job", "gpu", 1, 8, "slurm")
+    over = check_time(gpu, need, "04:00:01")
+    assert over is not None and over.line() == (
+        "FAIL  job time: slurm.time 04:00:01 is over partition gpu's time limit 4:00:00: the job would "
+        "wait in the queue for ever (PartitionTimeLimit); fix: set slurm.time to at most 04:00:00, or use "
+        "a partition with a longer limit"
+    )
+    assert check_time(gpu, need, "04:00:00") is None
+    assert check_time([r for r in rows if r.partition == "debug"], need, "7-00:00:00") is None  # infinite
+    assert check_time([r for r in rows if r.partition == "cpu"], need, "1-00:00:01") is not None
