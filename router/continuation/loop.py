@@ -114,6 +114,8 @@ class Continuation:
         self.response: web.StreamResponse | None = None
         self._waiting: list[bytes] = []
         self._tail: list[bytes] = []
+        self.whole: bytes | None = None
+        """A whole answer's body, once sent (the record keeps it with ``record_text``)."""
 
     # -- the loop -----------------------------------------------------------------------------------
     async def run(self, first: Part) -> web.StreamResponse:
@@ -131,10 +133,13 @@ class Continuation:
                 part.done(False)
                 if part is first and self.response is None and not self.answer.produced:
                     raise  # today's retry, by the forwarder (which counts the failure)
-                moved = broke.kind in MOVE_REASONS
-                self.engines.failed(part.url, broke.kind, charged=not moved)
+                # As the plain relay counts a broken stream: past its deadline, the request's length.
+                kind = broke.kind
+                if kind not in MOVE_REASONS:
+                    kind = "timeout" if kind == "timeout" else "stream_broken"
+                self.engines.failed(part.url, kind, charged=kind == "stream_broken")
                 if self.draft is not None:
-                    self.draft.end(broke.kind, part.version)
+                    self.draft.end(kind, part.version)
                 try:
                     part = await self._move(part, broke)
                 except (NoMove, Broke) as why:
@@ -186,22 +191,28 @@ class Continuation:
     async def _events(self, part: Part) -> None:
         events = Events()
         answer = self.answer
+        done = False
         async for chunk in part.chunks():
             for name, data in events.feed(chunk):
                 if data == DONE:
+                    done = True
                     continue
                 if name == "error":
                     raise Broke("stream_error", data.decode("utf-8", "replace")[:500])
-                try:
-                    event = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    raise Broke("stream_broken", f"{part.url}: an event that is not JSON") from None
-                if not isinstance(event, dict) or "error" in event:
+                event = _json_object(data)
+                if event is not None and "error" in event:
                     raise Broke("stream_error", data.decode("utf-8", "replace")[:500])
+                if event is None or ("choices" not in event and "usage" not in event):
+                    # Not a chunk the router reads: relayed as it came, and no longer continued.
+                    answer.continuable = False
+                    if self.plan.stream:
+                        prefix = f"event: {name}\n".encode() if name else b""
+                        await self._send_raw(prefix + b"data: " + data.replace(b"\n", b"\ndata: ") + b"\n\n")
+                    continue
                 out = answer.feed(event)
                 if out is not None and self.plan.stream:
                     await self._send(out)
-        if answer.finish_reason is None:
+        if answer.finish_reason is None and not done:
             raise Broke("stream_broken", f"{part.url}: the stream ended before its answer")
 
     async def _move(self, part: Part, broke: Broke) -> Part:
@@ -246,6 +257,13 @@ class Continuation:
                 self._waiting = []
         await self._write(data)
 
+    async def _send_raw(self, data: bytes) -> None:
+        if self.response is None:
+            await self._prepare()
+            data = b"".join(self._waiting) + data
+            self._waiting = []
+        await self._write(data)
+
     async def _prepare(self) -> web.StreamResponse:
         response = self.response = web.StreamResponse(status=200, headers=self.head)
         await response.prepare(self.request)
@@ -281,6 +299,7 @@ class Continuation:
         head = CIMultiDict(self.head)
         head["Content-Type"] = "application/json"
         head[WEIGHT_VERSIONS_HEADER] = self.header_safe(self.spans.header(answer.produced))
+        self.whole = body
         if self.draft is not None:
             self.draft.tail = body[-4096:]
         response = web.Response(status=200, headers=head, body=body)
@@ -309,6 +328,14 @@ class Continuation:
         await response.prepare(self.request)
         await response.write_eof()
         return response
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None
 
 
 class _Complete(NoMove):

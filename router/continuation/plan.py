@@ -15,8 +15,9 @@ A request is continued only when the router can put its answer back together exa
 
 Anything else goes through the proxy as before, byte for byte.
 
-The first part goes to the route the client called, its body changed only where the router needs to see
-tokens: ``stream: true`` with usage, ``return_token_ids: true``. A move goes to ``/v1/completions`` with
+The first part goes to the route the client called, its body the client's bytes with only what the
+router needs to see tokens added at the end (``with_fields``): ``stream: true`` with usage,
+``return_token_ids: true``. A move goes to ``/v1/completions`` with
 the prompt's token ids (the engine's own, from the first part: for chat, the rendered template) plus the
 tokens produced so far, the budget left, and the client's sampling fields, so that greedy decoding goes on
 where it stopped. What does not carry over exactly: ``presence_penalty``/``frequency_penalty`` count the
@@ -131,8 +132,9 @@ def plan_of(path: str, raw: bytes) -> Plan | None:
     if options and options.get("continuous_usage_stats"):
         return None
     if chat:
-        if not isinstance(body.get("messages"), list):
-            return None
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None  # an engine refuses it: its answer to the client's own bytes
         if body.get("tools") and body.get("tool_choice") != "none":
             return None
         if any(body.get(k) is not None for k in _GUIDED):
@@ -165,12 +167,26 @@ def plan_of(path: str, raw: bytes) -> Plan | None:
         min_tokens=_int_or_none(body.get("min_tokens")) or 0,
         model=body.get("model"),
     )
-    first = dict(body)
-    first["stream"] = True
-    first["stream_options"] = {**(options or {}), "include_usage": True}
-    first["return_token_ids"] = True
-    plan.first_body = orjson.dumps(first)
+    wanted = {
+        "stream": True,
+        "stream_options": {**(options or {}), "include_usage": True},
+        "return_token_ids": True,
+    }
+    plan.first_body = with_fields(raw, body, wanted)
     return plan
+
+
+def with_fields(raw: bytes, body: dict[str, Any], wanted: dict[str, Any]) -> bytes:
+    """``raw`` (a JSON object, ``body`` parsed) with the ``wanted`` fields it does not have already added
+    at its end. The client's bytes are kept as they are (no re-serialization of a 40 KB conversation, its
+    numbers and escapes as written); a key added again overrides the client's, as the last of duplicate
+    keys wins in every parser an engine uses (``json.loads``, orjson, pydantic)."""
+    changes = {k: v for k, v in wanted.items() if body.get(k) != v}
+    if not changes:
+        return raw
+    head = raw.rstrip()[:-1].rstrip()
+    added = b",".join(orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in changes.items())
+    return head + (b"," if body else b"") + added + b"}"
 
 
 def _token_list(prompt: Any) -> bool:

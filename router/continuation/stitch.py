@@ -125,6 +125,8 @@ class Answer:
             self.finish_reason = choice["finish_reason"]
             self.stop_reason = choice.get("stop_reason")
         logprobs = choice.get("logprobs")
+        if self.parts and not text and not ids and choice.get("finish_reason") is None:
+            return None  # a move's opening chunk (its prompt's ids): nothing of the answer
         out = self._client_chunk(event, choice, text, ids, logprobs, prompt_ids)
         self.text.append(text)
         self.chars += len(text)
@@ -185,6 +187,10 @@ class Answer:
 
     # -- the answer's end ---------------------------------------------------------------------------
     def total_usage(self) -> dict[str, Any]:
+        """The engine's own usage for an answer of one part; for a continued one, the original prompt's
+        tokens and every produced token, each once."""
+        if not self.parts and self.usage is not None:
+            return self.usage
         first = self.usage or {}
         prompt = len(self.prompt_ids) if self.prompt_ids is not None else first.get("prompt_tokens", 0)
         usage: dict[str, Any] = {

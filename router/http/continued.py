@@ -161,5 +161,7 @@ async def continue_answer(
     except Broke as exc:
         raise UpstreamError(exc.kind, str(exc), started=True) from None
     if ticket is not None:
-        ticket.end(loop.answer.produced)
+        ticket.end(loop.answer.total_usage().get("completion_tokens") or 0)
+    if draft is not None and forwarder.relay.record_text and loop.whole is not None:
+        draft.answer = loop.whole
     return response

@@ -295,3 +295,36 @@ async def _move_off(router: GenerationRouter, url: str) -> int:
 def _last_line(record: Path) -> dict[str, Any]:
     lines = [ln for f in sorted(record.glob("requests*.jsonl")) for ln in f.read_bytes().splitlines() if ln]
     return orjson.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+async def test_spans_start_where_a_refit_stamped_the_engine(
+    engines: list[SimEngine], routers: Callable[..., GenerationRouter], http: aiohttp.ClientSession
+) -> None:
+    """A stamp while a stream runs (what a keep-mode refit ends with) starts a span at the token the
+    router had then: the stream's last chunk, and a whole answer's header, say which version made which."""
+    token = "admin-token-" + "c" * 24
+    router = routers([e.url for e in engines], admin_token=token)
+    base = router.base_url()
+    auth = {"Authorization": f"Bearer {token}"}
+
+    async def stamp(version: str) -> None:
+        async with http.post(base + "/fleet/weight_version", json={"version": version}, headers=auth) as r:
+            assert r.status == 200, await r.text()
+
+    await stamp("v1")
+    seen: list[int] = []
+
+    async def refit(n: int) -> None:
+        seen.append(n)
+        await stamp("v2")
+        seen.append(n)
+
+    answer = await _stream(http, base + COMPLETIONS, _body(COMPLETIONS, True), refit)
+    assert answer.done == 1 and not answer.errors and len(answer.tokens()) == MAX_TOKENS
+    (v1, v2) = answer.chunks[-1]["weight_versions"]
+    assert v1[0] == "v1" and v2[0] == "v2" and v1[1] == 0 and v2[2] == MAX_TOKENS - 1
+    assert v1[2] + 1 == v2[1] and seen[0] <= v2[1] < MAX_TOKENS  # at or after what the client had
+    async with http.post(base + COMPLETIONS, json=_body(COMPLETIONS, False)) as r:
+        assert r.status == 200
+        assert r.headers["x-rl-weight-versions"] == f"v2:0-{MAX_TOKENS - 1}"
+        assert orjson.loads(await r.read())["weight_versions"] == [["v2", 0, MAX_TOKENS - 1]]

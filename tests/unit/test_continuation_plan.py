@@ -134,3 +134,20 @@ def test_spans() -> None:
     back.change("b", 5)
     back.change("a", 5)  # b made nothing: a goes on
     assert back.spans(8) == [["a", 0, 7]]
+
+
+def test_the_first_body_is_the_clients_bytes_with_the_routers_fields_after_them() -> None:
+    raw = b'{"model": "m", "prompt": "caf\\u00e9", "temperature": 0.70, "stream": false}  \n'
+    plan = plan_of(COMPLETIONS, raw)
+    assert plan is not None
+    assert plan.first_body.startswith(raw.rstrip()[:-1])  # the client's bytes, as written
+    assert plan.first_body.endswith(
+        b',"stream":true,"stream_options":{"include_usage":true},"return_token_ids":true}'
+    )
+    assert orjson.loads(plan.first_body)["stream"] is True  # the last of two keys wins
+    streamed = b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": true}}'
+    plan = plan_of(COMPLETIONS, streamed)
+    assert plan is not None and plan.first_body == streamed[:-1] + b',"return_token_ids":true}'
+    asked = b'{"prompt": [1], "stream": true, "stream_options": {"include_usage": true}, '
+    asked += b'"return_token_ids": true}'
+    assert plan_of(COMPLETIONS, asked).first_body == asked  # type: ignore[union-attr]
