@@ -141,8 +141,7 @@ class GenerationRouter:
             ForwardingConfig.of(config),
             self.record,
         )
-        # The fleet side's move requests and version stamps reach this process's tracked requests
-        # (router.continuation.moves); with workers, WorkerFleet.attach relays them to theirs.
+        # Moves and version stamps reach the tracked requests here (workers: WorkerFleet.attach).
         self.backends.move_listeners.append(self.forwarder.engine_watch.move_off)
         self.backends.versions.listeners.append(self.forwarder.engine_watch.version_changed)
         self.fleet = FleetApi(self.backends, self.gate, self._engine_key())
@@ -439,12 +438,11 @@ class GenerationRouter:
         return list(self._call(lambda: self.backends.serving))
 
     def move_off(self, urls: Iterable[str], reason: str) -> int:
-        """Move the requests in flight on ``urls`` to other engines now (those the router continues:
-        ``router.continuation``; the rest go on where they are): an elastic drain ("drained") or a
-        restart ("restarted") need not wait for them. How many this process asked (workers count their
-        own)."""
+        """Move the requests in flight on ``urls`` (those ``router.continuation`` continues) elsewhere now,
+        for a drain ("drained") or restart ("restarted"); the engines leave the serving set at once, or a
+        request could move to a sibling drained with it. How many here (workers count their own)."""
         canonical = [canonical_backend_url(u) for u in urls]
-        return self._call(lambda: sum(self.backends.move_off(u, reason) for u in canonical))
+        return self._call(lambda: self.backends.leave_moving(canonical, reason))
 
     def member_backends(self) -> list[tuple[str, bool]]:
         """Every member (pushed, configured or registered) and whether it serves now (not ejected)."""

@@ -131,6 +131,15 @@ class BackendSet:
             self.move_off(url, "quarantined")
         return True
 
+    def leave_moving(self, urls: Iterable[str], reason: str) -> int:
+        """``move_off`` each of ``urls`` with ``reason``, then remove them: the moved requests are sent
+        elsewhere after this returns, so none lands on one of ``urls`` (siblings drained together)."""
+        urls = list(urls)
+        n = sum(self.move_off(u, reason) for u in urls)
+        for u in urls:
+            self.remove(u)
+        return n
+
     def move_off(self, url: str, reason: str) -> int:
         """Ask every forwarding process to move the requests in flight on ``url`` to other engines
         (those it can continue; see ``move_listeners``); how many this process's listeners asked."""
