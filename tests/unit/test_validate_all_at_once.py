@@ -226,3 +226,23 @@ def test_spec_dir_is_the_spec_files_directory(tmp_path: Path, monkeypatch: pytes
     odd.mkdir()
     with pytest.raises(SpecError, match=r"training.command: \$\{spec_dir\} is .*a\$b"):
         load_spec(write(odd, path.read_text()))
+
+
+def test_submit_stops_before_anything_starts_and_dry_run_says_it_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer path that is not there from here: ``submit`` refused it 20 s in, after Ray and the
+    engines had started ("training command exited with 2"); now it stops at once with the fix, and
+    ``--dry-run`` prints the plan and what would stop it."""
+    monkeypatch.chdir(tmp_path)
+    spec = "name: t\ncluster: local\njob_root: {root}\ntraining:\n  command: python examples/grpo/train.py\n"
+    path = write(tmp_path, spec.format(root=tmp_path / "jobs") + "generation: {engine: sim}\n")
+    submitted = CliRunner().invoke(main, ["submit", str(path)])
+    assert submitted.exit_code == 2
+    assert "training.command: runs examples/grpo/train.py, which does not exist" in submitted.stderr
+    assert not (tmp_path / "jobs").exists()  # nothing was started or written
+    dry = CliRunner().invoke(main, ["submit", str(path), "--dry-run"])
+    assert dry.exit_code == 0 and "nothing was submitted" in dry.stdout
+    assert dry.stderr.startswith(
+        f"submit would stop: {path}:5: training.command: runs examples/grpo/train.py"
+    )
