@@ -84,6 +84,7 @@ class Driver:
         self.status_server: StatusServer | None = None
         self.training = TrainingCommand(spec.training.command, self.job.training_log)
         self.t0 = time.monotonic()
+        self._say_lock = threading.Lock()
         self.timings: dict[str, float] = {}
         self.elastic: ElasticFleet | None = None
         """Grow, drain and the tail policy (``launcher.fleet.elastic``), for a fleet of engine hosts."""
@@ -135,7 +136,7 @@ class Driver:
                     self.spec, self.job, self.state, ray_client_env, self._model_name(), say=self._say
                 )
                 code = self._run_training(env)
-                reason = "training finished" if code == 0 else f"training command exited with {code}"
+                reason = "training finished" if code == 0 else self.training.failure(code)
                 outcome = "finished" if code == 0 else "failed"
         except Terminated as exc:
             code = 128 + exc.signum
@@ -171,11 +172,14 @@ class Driver:
         self.job.write_result(result)
         if signame is None and outcome != "time limit":  # Slurm's SIGKILL may be seconds away otherwise
             self._write_rollout_plots()
-        self._say(f"{outcome}: {reason} (exit {code})")
+        first, _, tail = reason.partition("\n")  # a failure's log lines go under its line
+        self._say(f"{outcome}: {first} (exit {code})" + (f"\n{tail}" if tail else ""))
         if self.ray is not None and not self.ray.disconnected:
             # ray.shutdown is stuck on a head Slurm took down; Ray's exit hook would wait on it again
-            # until SIGKILL. Everything is stopped and recorded: leave now.
-            self._say("Ray did not disconnect; exiting without its exit hooks")
+            # until SIGKILL. Everything is stopped and recorded: leave now. After a stop signal this is
+            # the rule, not a fault (the hurried teardown stops the head while Ray disconnects): the
+            # driver log keeps the line, the user's terminal (after a plain cancel) does not.
+            self._say("Ray did not disconnect; exiting without its exit hooks", to_user=signame is None)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
@@ -203,11 +207,16 @@ class Driver:
         if written:
             self._say(f"rollout plots: {', '.join(str(p) for p in written)}")
 
-    def _say(self, message: str) -> None:
-        line = f"[rl-launch {time.monotonic() - self.t0:6.1f}s] {message}"
-        print(line, file=sys.stderr, flush=True)
-        with self.job.driver_log.open("a") as f:
-            f.write(line + "\n")
+    def _say(self, message: str, to_user: bool = True) -> None:
+        """One line to stderr and the driver log, whole: the teardown's threads say theirs at once, and
+        ``print`` writes a line and its newline apart (two lines ran together on one)."""
+        line = f"[rl-launch {time.monotonic() - self.t0:6.1f}s] {message}\n"
+        with self._say_lock:
+            if to_user:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            with self.job.driver_log.open("a") as f:
+                f.write(line)
 
     def _mark(self, name: str, since: float) -> None:
         self.timings[name] = round(time.monotonic() - since, 2)
@@ -424,7 +433,7 @@ class Driver:
             except Exception as exc:
                 self._say(f"teardown: closing the elastic fleet failed: {exc!r}")
         self.engines.hosts.close()
-        parts: list[tuple[str, Any]] = [("training", self.training.stop)]
+        parts: list[tuple[str, Any]] = [("training", self.training.stop)] if self.training.started else []
         if self.standing is not None:
             parts.append(("standing", self.standing.close))
         if not hurry or not self.front.dies_with_ray:

@@ -49,6 +49,19 @@ class TrainingCommand:
         tee.join(5)
         return code
 
+    @property
+    def started(self) -> bool:
+        return self.proc is not None
+
+    def failure(self, code: int, lines: int = 10) -> str:
+        """Why the job failed when the command exited with ``code``: with the last lines of its log, as an
+        engine's failure has them. Before, the job said only "training command exited with 2" and the
+        cause ("can't open file '.../train.py'", run from another directory) was in the training log
+        alone, for ``rl-launch logs --training`` to find."""
+        tail = log_tail(self.log_path, lines)
+        said = f"\n{tail}" if tail else ", which is empty"
+        return f"training command exited with {code} (log: {self.log_path}){said}"
+
     def stop(self) -> None:
         """SIGTERM to the command's process group, SIGKILL after 10 s; nothing if it never ran or has
         ended."""
@@ -82,3 +95,16 @@ def _tee(proc: subprocess.Popen[bytes], log_path: Path) -> None:
             log.flush()
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
+
+
+def log_tail(path: Path, lines: int, max_bytes: int = 16384) -> str:
+    """The last ``lines`` non-blank lines of ``path``, indented (its last ``max_bytes`` only: a trainer
+    may have written gigabytes); empty if there is none."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(["  " + line.rstrip() for line in text.splitlines() if line.strip()][-lines:])
