@@ -312,12 +312,14 @@ def launch_lines(resolved: ResolvedSpec, request: SlurmRequest) -> list[str]:
 @click.option(
     "--in-allocation",
     is_flag=True,
+    hidden=True,  # the batch script's, not a user's: --help listed it as a choice
     help="Run the driver inside an existing allocation (what the batch script calls; not for users).",
 )
 @click.option(
     "--job-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
+    hidden=True,
     help="The job's directory (logs, state, Gym overlay); with --in-allocation.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the job id and job directory as JSON.")
