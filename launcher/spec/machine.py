@@ -62,10 +62,23 @@ def machine_issues(spec: JobSpec, machine: Machine) -> list[Issue]:
     issues = _training_script(spec, machine)
     gen = spec.generation
     if gen.fleet is None and gen.owner == "launcher" and VllmSettings in engine_kind(gen.engine).settings:
+        issues += _no_vllm(spec, machine)
         issues += _model(spec, machine)
         issues += _dev_mode(spec, machine)
     issues += _container_mounts(spec, machine)
     return issues
+
+
+def _no_vllm(spec: JobSpec, machine: Machine) -> list[Issue]:
+    """vLLM engines of a local job on a machine without vLLM (``launcher.engines.vllm.presence``); on
+    Slurm the nodes run them (``rl-launch check`` looks there)."""
+    from launcher.engines.vllm.kind import VllmKind
+    from launcher.engines.vllm.presence import no_vllm_here
+
+    if spec.cluster != "local" or not isinstance(engine_kind(spec.generation.engine), VllmKind):
+        return []  # Dynamo's vLLM workers run from its own environment
+    why = no_vllm_here({**machine.environ, **spec.generation.env})
+    return [Issue("generation.engine", why)] if why else []
 
 
 def _script_of(command: str) -> str | None:
@@ -180,7 +193,8 @@ def _model(spec: JobSpec, machine: Machine) -> list[Issue]:
 def _dev_mode(spec: JobSpec, machine: Machine) -> list[Issue]:
     """vLLM engines behind a front with the refit routes, without ``VLLM_SERVER_DEV_MODE``: the first
     refit fails (vLLM answers 404 on its reload and pause routes) after the queue wait and the engines'
-    start. ``"0"`` in ``generation.env`` says the job never refits."""
+    start. Set in the submitting shell it counts too: the engine hosts inherit the driver's environment,
+    which is the shell's (Slurm passes it on). ``"0"`` in ``generation.env`` says the job never refits."""
     if not front_kind(spec.router.kind).has_fleet_routes:
         return []
     if DEV_MODE in spec.generation.env or machine.environ.get(DEV_MODE) == "1":
