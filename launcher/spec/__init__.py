@@ -68,8 +68,9 @@ lists), ``schema`` (the sections as written), ``job`` (``JobSpec``: the whole sp
 and its resolution), ``resolved`` (the frozen resolved view), ``loading`` (YAML, line numbers, overrides,
 ``${spec_dir}``, snapshots), ``messages`` (pydantic's errors in the spec's words), ``collect`` (every
 problem in one run: the rules on the spec rebuilt without what the schema refused), ``machine`` (what
-the spec needs of the machine it is checked on: files, environment, container mounts). Two sections belong to the kinds: ``router:`` is the section of the front ``router.kind``
-names (``launcher.gateways.kinds``), and every engine kind adds its own fields to ``generation:``
+the spec needs of the machine it is checked on: files, environment, container mounts). Two sections
+belong to the kinds: ``router:`` is the section of the front ``router.kind`` names
+(``launcher.gateways.kinds``), and every engine kind adds its own fields to ``generation:``
 (``launcher.engines.kinds``); their rules are theirs too. Slurm syntax (time strings, sbatch options)
 comes from ``launcher.slurm.time`` / ``launcher.slurm.options``, which import nothing from here.
 
