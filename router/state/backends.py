@@ -137,7 +137,7 @@ class BackendSet:
         urls = list(urls)
         n = sum(self.move_off(u, reason) for u in urls)
         for u in urls:
-            self.remove(u)
+            self.remove(u, move=False)  # moved just now, with the reason
         return n
 
     def move_off(self, url: str, reason: str) -> int:
@@ -199,14 +199,18 @@ class BackendSet:
         self._sync()
         return True
 
-    def remove(self, url: str) -> bool:
+    def remove(self, url: str, move: bool = True) -> bool:
+        """Forget a member; its requests in flight are moved ("removed") unless ``move`` is False (a
+        failed attempt's engine: its other streams break on their own if it died, and a timeout or an
+        oversized header of one request says nothing about the others)."""
         key = canonical_backend_url(url)
         if key not in self._members:
             return False
         self._members = tuple(u for u in self._members if u != key)
         self._ejected.discard(key)
         self._sync()
-        self.move_off(key, "removed")
+        if move:
+            self.move_off(key, "removed")
         return True
 
     def eject(self, url: str) -> bool:

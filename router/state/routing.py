@@ -338,4 +338,4 @@ class LocalRouting:
         if self.health_managed and kind in TRANSPORT_FAILURES:
             # The controller owns re-admission; taking the backend out now stops the next requests from
             # landing on it before the controller's next tick.
-            self.backends.remove(url)
+            self.backends.remove(url, move=False)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from router.continuation.moves import EngineWatch
+from router.policies import LoadTracker, RouteRequest, make_policy
+from router.state.backends import BackendSet
+from router.state.metrics import RouterMetrics
+from router.state.routing import LocalRouting
 
 
 async def test_move_off_sets_only_that_engines_watches_once() -> None:
@@ -53,3 +57,27 @@ async def test_version_changed_calls_back_each_attempt_on_the_engine() -> None:
     bad.on_version = broken
     ew.version_changed("http://a", "v4")
     assert seen == [("a", "v4")] and quiet.on_version is None  # the raising callback did not stop a's
+
+
+def test_the_backend_set_moves_on_the_fleets_decisions_not_on_one_failed_attempt() -> None:
+    """Who calls ``move_off`` in the routing state: a push without the engine, a hold-out of a serving
+    engine, a drain (``leave_moving``); not the removal that follows one attempt's transport failure in a
+    health-managed router (a timeout of one request says nothing about the others on that engine)."""
+    a, b, c = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
+    policy = make_policy("round_robin")
+    backends = BackendSet(policy, LoadTracker())
+    backends.replace([a, b, c, "http://127.0.0.1:4"])
+    asked: list[tuple[str, str]] = []
+    backends.move_listeners.append(lambda url, reason: asked.append((url, reason)) or 1)
+    routing = LocalRouting(backends, policy, RouterMetrics(backends, policy.name), health_managed=True)
+    routing.failed(RouteRequest("/v1/completions", b"{}", {}), a, "timeout")
+    assert a not in backends.members and asked == []
+    backends.replace([b, c, "http://127.0.0.1:4"])  # a is gone already: nothing more
+    backends.replace([c, "http://127.0.0.1:4"])
+    assert asked == [(b, "removed")]
+    backends.hold_out_stale(c, "refit r1: not verified")
+    backends.hold_out_stale(c, "still")  # already out of rotation: nothing in flight to move
+    assert asked == [(b, "removed"), (c, "quarantined")]
+    assert backends.leave_moving(["http://127.0.0.1:4"], "drained") == 1
+    assert asked[-1] == ("http://127.0.0.1:4", "drained") and len(asked) == 3
+    assert backends.serving == ()
