@@ -24,6 +24,10 @@ from launcher.spec.errors import Issue
 from launcher.spec.job import JobSpec
 from launcher.spec.messages import dotted, issues_of, line_for, misspelt, spec_path
 
+CHOOSERS = frozenset({"cluster", "fleet", "generation.engine", "generation.owner", "generation.fleet"})
+"""Fields that choose which rules apply (the engine kind, where the job runs, its role): taken out, their
+default would pick other rules (an engine kind refused as a typo would be judged as vLLM, "model
+required"), so a spec rebuilt without one is not judged further."""
 MAX_PASSES = 4
 """Rebuilds tried after the first failure: each takes out what the last refused (a moved typo's value
 of the wrong type, a section left without a required field); a real spec needs one or two."""
@@ -45,7 +49,7 @@ def collect(
     issues = issues_of(errors, lines)
     spec, taken = _rebuild(data, errors)
     blocked = [i.path for i in issues] + taken
-    if spec is None:
+    if spec is None or CHOOSERS.intersection(taken):
         return None, issues, blocked
     issues += [i for i in rule_issues(spec, lines) if not covered(i.path, blocked)]
     return spec, issues, blocked + [i.path for i in issues]

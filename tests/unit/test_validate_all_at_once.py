@@ -10,6 +10,7 @@ refit switch were all "OK".
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -55,6 +56,13 @@ def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
 def validate(*args: str) -> tuple[int, str, str]:
     result = CliRunner().invoke(main, ["validate", *args])
     return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(autouse=True)
+def engine_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine has an engine python: the vLLM specs here are judged on their own problems, whether
+    or not the machine running the tests has vLLM (the no-vLLM check: tests/unit/test_no_vllm.py)."""
+    monkeypatch.setenv("RL_LAUNCH_VLLM_PYTHON", sys.executable)
 
 
 def test_five_mistakes_of_different_passes_are_named_at_once_one_line_each(tmp_path: Path) -> None:
@@ -246,3 +254,13 @@ def test_submit_stops_before_anything_starts_and_dry_run_says_it_would(
     assert dry.stderr.startswith(
         f"submit would stop: {path}:5: training.command: runs examples/grpo/train.py"
     )
+
+
+def test_a_refused_engine_kind_is_not_judged_as_the_default_one(tmp_path: Path) -> None:
+    """``engine: simm`` taken out would leave vLLM, the default: "model required", "simulator options need
+    engine: sim" would be about a kind the user never chose. Only the typo is reported."""
+    path = write(tmp_path, "name: t\ncluster: local\ntraining: {command: 'true'}\n"
+                 "generation: {engine: simm, sim: {speed: 2}}\n")  # fmt: skip
+    with pytest.raises(SpecError) as info:
+        load_spec(path, machine=Machine.here())
+    assert [i.path for i in info.value.issues] == ["generation.engine"]
