@@ -247,6 +247,7 @@ def test_a_probe_that_cannot_start_is_reported_pending_and_cancelled(tmp_path: P
             "5",
             "-J",
             "hold-all",
+            f"--output={tmp_path / 'hold-all.out'}",  # not slurm-%j.out in the directory the test runs in
             "--wrap",
             "sleep 300",
         ],
