@@ -30,6 +30,7 @@ from launcher.check.probe_job import (
 )
 from launcher.check.site import (
     Need,
+    NodeRow,
     check_account,
     check_container_runtime,
     check_gpus,
@@ -110,6 +111,44 @@ def check_local(resolved: ResolvedSpec) -> list[Check]:
     return [writable, *judge_result("local", config, run_probe(config))]
 
 
+def allocation_checks(resolved: ResolvedSpec, rows: list[NodeRow]) -> tuple[list[Check], set[str]]:
+    """Whether the allocation can exist, from ``sinfo``'s rows: per part of it (``needs_of``) the partition,
+    the nodes with their GPUs and the time limit; and the parts that cannot (``job``, ``training``,
+    ``generation``), which get no probe step.
+
+    A hetjob whose components share a partition needs their nodes at once: each component fitting alone
+    is not enough, so the sum is checked too (with the smaller GPU count: a necessary condition)."""
+    assert resolved.slurm is not None
+    checks: list[Check] = []
+    blocked: set[str] = set()
+    needs = needs_of(resolved)
+    for who, need in needs.items():
+        mine, verdict = check_partition(rows, need)
+        checks.append(verdict)
+        if not verdict.failed:
+            checks.append(check_gpus(mine, need))
+            over = check_time(mine, need, resolved.slurm.time)
+            if over is not None and not checks[-1].failed:
+                checks.append(over)
+        if checks[-1].failed:
+            blocked.add(who)
+    parts = {n.partition for n in needs.values()}
+    if len(needs) > 1 and len(parts) == 1 and not blocked:
+        first = next(iter(needs.values()))
+        total = Need(
+            "job",
+            first.partition,
+            sum(n.nodes for n in needs.values()),
+            min(n.gpus for n in needs.values()),
+            "slurm",
+        )
+        together = check_gpus(check_partition(rows, total)[0], total)
+        if together.failed:  # only then: each component's own line already said ok
+            checks.append(together)
+            blocked.add("job")
+    return checks, blocked
+
+
 def check_spec(
     resolved: ResolvedSpec, *, timeout_s: float = DEFAULT_TIMEOUT_S, say: Callable[[str], None] = print
 ) -> list[Check]:
@@ -120,17 +159,8 @@ def check_spec(
     checks = [reachable]
     if rows is None:
         return checks
-    blocked: set[str] = set()
-    for who, need in needs_of(resolved).items():
-        mine, verdict = check_partition(rows, need)
-        checks.append(verdict)
-        if not verdict.failed:
-            checks.append(check_gpus(mine, need))
-            over = check_time(mine, need, resolved.slurm.time)
-            if over is not None and not checks[-1].failed:
-                checks.append(over)
-        if checks[-1].failed:
-            blocked.add(who)
+    allocation, blocked = allocation_checks(resolved, rows)
+    checks += allocation
     if resolved.slurm.account:
         checks.append(check_account(resolved.slurm.account))
         if checks[-1].failed:

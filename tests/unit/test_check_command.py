@@ -160,3 +160,34 @@ def test_a_job_on_a_standing_fleet_looks_for_no_engines_and_no_router_port() -> 
     result = CliRunner().invoke(main, ["check", str(path), "--json"])
     assert result.exit_code == 0, result.output
     assert [c["name"] for c in json.loads(result.stdout)["checks"]] == ["job root"]
+
+
+def test_a_hetjob_on_one_partition_needs_its_components_nodes_at_once(tmp_path: Path) -> None:
+    from launcher.check.run import allocation_checks
+    from launcher.check.site import parse_sinfo
+
+    rows = parse_sinfo("".join(f"debug*|node{i}|gpu:2|idle|infinite\n" for i in (1, 2, 3)))
+    path = spec_file(
+        tmp_path,
+        slurm={"partition": "debug", "time": "01:00:00", "gpus_per_node": 2},
+        training={"nodes": 1, "command": "true", "slurm": {"gpus_per_node": 0}},
+        generation={"nodes": 3, "engine": "sim", "engines_per_node": 1},
+    )
+    checks, blocked = allocation_checks(load_resolved(path), rows)
+    assert [(c.name, c.status) for c in checks] == [
+        ("training partition", "ok"),
+        ("training nodes", "ok"),
+        ("generation partition", "ok"),
+        ("generation nodes", "ok"),
+        ("job nodes", "FAIL"),  # 1 + 3 nodes from a partition of 3
+    ]
+    assert checks[-1].detail.startswith("4 node(s) asked, but partition debug has 3 such usable node(s)")
+    assert blocked == {"job"}
+    fits = spec_file(
+        tmp_path,
+        slurm={"partition": "debug", "time": "01:00:00", "gpus_per_node": 2},
+        training={"nodes": 1, "command": "true", "slurm": {"gpus_per_node": 0}},
+        generation={"nodes": 2, "engine": "sim", "engines_per_node": 1},
+    )
+    fits_checks, fits_blocked = allocation_checks(load_resolved(fits), rows)  # 1 + 2 of 3: no extra line
+    assert [c.status for c in fits_checks] == ["ok"] * 4 and not fits_blocked
