@@ -110,6 +110,9 @@ def test_known_fields_lists_are_short(tmp_path: Path) -> None:
     polcy = next(line for line in err.splitlines() if "router.polcy" in line)
     assert "did you mean 'policy'?" in polcy and "more (docs/spec.md)" in polcy
     assert len(polcy) - len(str(path)) < 200, polcy
+    sim = write(tmp_path, FIVE_MISTAKES.replace("speed: fast", "speeed: 2"), "sim.yaml")
+    speeed = next(line for line in validate(str(sim))[2].splitlines() if "generation.sim.speeed" in line)
+    assert speeed.endswith("unknown simulator option; did you mean 'speed'?"), speeed
 
 
 def test_a_missing_model_directory_is_an_error_with_cluster_local_and_a_warning_on_slurm(
