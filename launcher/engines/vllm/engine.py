@@ -301,7 +301,9 @@ class VllmEngine(Engine):
                     start_new_session=True,
                 )
             except OSError as exc:  # no such interpreter / console script: same failure type as a crash
-                msg = f"vLLM engine {self.spec.name}: cannot run {argv[0]!r}: {exc}"
+                from launcher.engines.vllm.presence import INSTALL
+
+                msg = f"vLLM engine {self.spec.name}: cannot run {argv[0]!r}: {exc}; {INSTALL}"
                 raise EngineStartError(msg) from exc
         self.started_at = time.monotonic()
 
