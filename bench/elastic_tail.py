@@ -16,6 +16,9 @@ Run it on the login node of the project's local Slurm cluster (3 nodes):
     slurm/cluster.sh start
     slurm/cluster.sh exec .venv/bin/python bench/elastic_tail.py [--scale 0.1] [--seed 1] [--repeats 1]
 
+or, with ``--local``, as local jobs on this machine (the engines, the router and the replay share its
+cores: noisier).
+
 ``--virtual`` measures the same trade on a virtual clock instead (``launcher.bench.elastic_virtual``: the
 simulator's schedulers, the router's policy and the driver's ``TailPolicy``, no job; seconds of CPU, the
 same figures every time), for ``--seeds`` traces, with the tail policy's ``--for-s`` swept
@@ -72,6 +75,17 @@ def spec_for(arm: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
             "for_s": args.for_s,
             "capacity_per_engine": args.capacity_per_engine,
         }
+    if args.local:  # one generation node to start with here; the second is grown before the step
+        generation["nodes"] = 1
+        grow = f"{RL_LAUNCH} fleet grow $RL_JOB_DIR --nodes 1 --wait --timeout 120"
+        return {
+            "name": f"tail-{arm}",
+            "cluster": "local",
+            "job_root": str(root),
+            "training": {"command": f"{grow} && {replay}"},
+            "generation": generation,
+            "router": router,
+        }
     return {
         "name": f"tail-{arm}",
         "cluster": "slurm",
@@ -86,6 +100,14 @@ def spec_for(arm: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
 def run_arm(arm: str, root: Path, args: argparse.Namespace) -> Path:
     path = root.parent / f"{arm}.yaml"
     path.write_text(yaml.safe_dump(spec_for(arm, root, args), sort_keys=False))
+    if args.local:  # a local submit runs the job to its end
+        done = subprocess.run(
+            [RL_LAUNCH, "submit", str(path)], capture_output=True, text=True, timeout=args.timeout_s
+        )
+        (job,) = list(root.iterdir())
+        if JobDir(job).read_result() is None:
+            raise SystemExit(f"{arm}: the local job did not finish: {done.stderr.strip()[-2000:]}")
+        return job
     out = subprocess.run(
         [RL_LAUNCH, "submit", str(path), "--json"], capture_output=True, text=True, timeout=120
     )
@@ -234,6 +256,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/elastic-tail"))
     parser.add_argument("--virtual", action="store_true", help="on a virtual clock, no job (see above)")
+    parser.add_argument("--local", action="store_true", help="local jobs (cluster: local) instead of Slurm")
     parser.add_argument("--seeds", default="1", help="--virtual: the traces, comma-separated")
     parser.add_argument("--sweep-for-s", default="", help="--virtual: for_s values to try, comma-separated")
     args = parser.parse_args()
