@@ -113,6 +113,7 @@ class Continuation:
         self.moves = 0
         self.response: web.StreamResponse | None = None
         self._waiting: list[bytes] = []
+        self._ready = False  # an event the router does not read went by: nothing waits any more
         self._tail: list[bytes] = []
         self.whole: bytes | None = None
         """A whole answer's body, once sent (the record keeps it with ``record_text``)."""
@@ -192,26 +193,40 @@ class Continuation:
         events = Events()
         answer = self.answer
         done = False
+        stream = self.plan.stream
         async for chunk in part.chunks():
+            batch = self._waiting  # the client's bytes of this read, written at once
             for name, data in events.feed(chunk):
                 if data == DONE:
                     done = True
                     continue
                 if name == "error":
                     raise Broke("stream_error", data.decode("utf-8", "replace")[:500])
+                if stream and not answer.continuable and not answer.parts and _plain_chunk(data):
+                    # No move can follow: what is left of the answer is relayed unread, as the plain
+                    # relay would (less the token ids the client did not ask for).
+                    batch.append(
+                        b"data: " + (data if self.plan.token_ids else without_token_ids(data)) + b"\n\n"
+                    )
+                    continue
                 event = _json_object(data)
                 if event is not None and "error" in event:
                     raise Broke("stream_error", data.decode("utf-8", "replace")[:500])
                 if event is None or ("choices" not in event and "usage" not in event):
                     # Not a chunk the router reads: relayed as it came, and no longer continued.
                     answer.continuable = False
-                    if self.plan.stream:
+                    if stream:
                         prefix = f"event: {name}\n".encode() if name else b""
-                        await self._send_raw(prefix + b"data: " + data.replace(b"\n", b"\ndata: ") + b"\n\n")
+                        batch.append(prefix + b"data: " + data.replace(b"\n", b"\ndata: ") + b"\n\n")
+                        self._ready = True
                     continue
-                out = answer.feed(event)
-                if out is not None and self.plan.stream:
-                    await self._send(out)
+                out = answer.feed(event, not stream or answer.parts > 0)
+                if out is not None and stream:
+                    batch.append(self._client_bytes(out, data))
+            started = answer.produced or answer.chars or answer.finish_reason is not None
+            if batch and (started or self._ready or not answer.continuable):
+                self._waiting = []
+                await self._send(batch)
         if answer.finish_reason is None and not done:
             raise Broke("stream_broken", f"{part.url}: the stream ended before its answer")
 
@@ -242,27 +257,23 @@ class Continuation:
         raise NoMove(f"no move left ({self.max_moves} per request): {last_error}")
 
     # -- the client's side --------------------------------------------------------------------------
-    async def _send(self, chunk: dict[str, Any]) -> None:
-        if self.answer.versions_due(chunk):
-            chunk["weight_versions"] = self.spans.spans(self.answer.produced)
-        data = b"data: " + orjson.dumps(chunk) + b"\n\n"
-        if self.response is None:
-            choices = chunk.get("choices") or ()
-            if not self.answer.produced and not (choices and choices[0].get("finish_reason")):
-                self._waiting.append(data)  # a role chunk: sent with the first token
-                return
-            await self._prepare()
-            if self._waiting:
-                data = b"".join(self._waiting) + data
-                self._waiting = []
-        await self._write(data)
+    def _client_bytes(self, chunk: dict[str, Any], data: bytes) -> bytes:
+        """The client's event for ``chunk`` (the engine's ``data`` parsed and reshaped by the answer).
+        The first part's events are in the client's shape already: sent as the engine wrote them, less
+        the token ids the client did not ask for (no serialization per token)."""
+        answer = self.answer
+        if answer.versions_due(chunk):
+            chunk["weight_versions"] = self.spans.spans(answer.produced)
+        elif not answer.parts:
+            return b"data: " + (data if self.plan.token_ids else without_token_ids(data)) + b"\n\n"
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
-    async def _send_raw(self, data: bytes) -> None:
+    async def _send(self, batch: list[bytes]) -> None:
+        """Write ``batch``: the head first, with the first chunk that carries a token (the chunks before,
+        a chat's role chunk, wait for it in ``_waiting``)."""
         if self.response is None:
             await self._prepare()
-            data = b"".join(self._waiting) + data
-            self._waiting = []
-        await self._write(data)
+        await self._write(b"".join(batch))
 
     async def _prepare(self) -> web.StreamResponse:
         response = self.response = web.StreamResponse(status=200, headers=self.head)
@@ -328,6 +339,45 @@ class Continuation:
         await response.prepare(self.request)
         await response.write_eof()
         return response
+
+
+_TOKEN_ID_KEYS = (b'"prompt_token_ids":', b'"token_ids":')
+
+
+def without_token_ids(data: bytes) -> bytes:
+    """An engine's event without its ``token_ids`` and ``prompt_token_ids`` members (a list of ints or
+    null), cut from the bytes: a key's quotes are bare, while a quote inside a JSON string is escaped, so
+    generated text cannot match. Once per token: a re-serialization of the event costs several times
+    more."""
+    if b'token_ids"' not in data:
+        return data
+    for key in _TOKEN_ID_KEYS:
+        i = data.find(key)
+        while i >= 0:
+            j = i + len(key)
+            if data.startswith(b"null", j):
+                end = j + 4
+            elif data.startswith(b"[", j):
+                end = data.find(b"]", j) + 1
+                if not end:
+                    return data
+            else:
+                return data  # not a shape the router writes back without reading it
+            if data[i - 1 : i] == b",":
+                data = data[: i - 1] + data[end:]
+                i -= 1
+            else:
+                data = data[:i] + data[end + 1 :] if data[end : end + 1] == b"," else data[:i] + data[end:]
+            i = data.find(key, i)
+    return data
+
+
+def _plain_chunk(data: bytes) -> bool:
+    """An event that neither ends the answer, nor carries usage or an error (read by bytes: keys are
+    bare quotes, quotes in strings escaped)."""
+    if b'"finish_reason":' in data and b'"finish_reason":null' not in data:
+        return False
+    return b'"usage"' not in data and b'"error"' not in data
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:

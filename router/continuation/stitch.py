@@ -89,8 +89,10 @@ class Answer:
         self._first_offset = None
 
     # -- the engine's events ------------------------------------------------------------------------
-    def feed(self, event: dict[str, Any]) -> dict[str, Any] | None:
-        """Keep what ``event`` carries; return the client's chunk for it (None: nothing for the client)."""
+    def feed(self, event: dict[str, Any], reshape: bool = True) -> dict[str, Any] | None:
+        """Keep what ``event`` carries; return the client's chunk for it (None: nothing for the client).
+        Without ``reshape`` (a streamed first part, whose events the client gets as the engine wrote
+        them), ``event`` is returned as it is, but for the finish chunk (it may carry the spans)."""
         if self.id is None:
             self.id, self.created, self.model = event.get("id"), event.get("created"), event.get("model")
         prompt_ids = event.pop("prompt_token_ids", None)
@@ -127,7 +129,10 @@ class Answer:
         logprobs = choice.get("logprobs")
         if self.parts and not text and not ids and choice.get("finish_reason") is None:
             return None  # a move's opening chunk (its prompt's ids): nothing of the answer
-        out = self._client_chunk(event, choice, text, ids, logprobs, prompt_ids)
+        if reshape or choice.get("finish_reason") is not None:
+            out = self._client_chunk(event, choice, text, ids, logprobs, prompt_ids)
+        else:
+            out = event
         self.text.append(text)
         self.chars += len(text)
         return out

@@ -208,6 +208,11 @@ async def test_a_stream_goes_on_after_its_engine_is_killed(
     assert cut.chunks[0].get("prompt_token_ids") or cut.chunks[0]["choices"][0].get("prompt_token_ids")
     spans = cut.chunks[-1]["weight_versions"]
     assert [s[1:] for s in spans] == [[0, MAX_TOKENS - 1]]  # nothing stamped: one span, version unknown
+    # a client that did not ask for token ids gets none (the router asked the engine for them)
+    plain = await _stream(http, url, _body(path, True, return_token_ids=False))
+    assert plain.text(chat) == whole.text(chat) and plain.done == 1
+    assert not any("token_ids" in c or "prompt_token_ids" in c for c in plain.chunks)
+    assert not any("token_ids" in ch or "prompt_token_ids" in ch for c in plain.chunks for ch in c["choices"])
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])

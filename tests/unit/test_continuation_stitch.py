@@ -208,3 +208,20 @@ def test_a_whole_completion_answer() -> None:
     assert choice["logprobs"]["text_offset"] == [0, 4] and choice["logprobs"]["tokens"] == ["aaaa", "bbbb"]
     assert "token_ids" not in choice and "prompt_token_ids" not in choice
     assert whole["usage"] == {"prompt_tokens": 1, "total_tokens": 3, "completion_tokens": 2}
+
+
+def test_token_ids_the_client_did_not_ask_for_are_cut_from_the_engines_bytes() -> None:
+    from router.continuation.loop import without_token_ids
+
+    event = {
+        "id": "c",
+        "choices": [
+            {"index": 0, "text": 'a "token_ids":[1] b', "token_ids": [5, 6], "prompt_token_ids": None}
+        ],
+    }
+    cut = orjson.loads(without_token_ids(orjson.dumps(event)))
+    assert cut == {"id": "c", "choices": [{"index": 0, "text": 'a "token_ids":[1] b'}]}  # the text untouched
+    first = orjson.dumps({"prompt_token_ids": [1, 2], "choices": [{"token_ids": [], "text": ""}]})
+    assert orjson.loads(without_token_ids(first)) == {"choices": [{"text": ""}]}
+    plain = b'{"choices":[{"text":"x"}]}'
+    assert without_token_ids(plain) is plain
