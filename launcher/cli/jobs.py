@@ -98,7 +98,8 @@ def _fleet_columns(job: JobDir, state: dict[str, Any], ended: bool) -> dict[str,
 @root_option
 def list_command(as_json: bool, root: Path) -> None:
     """The jobs under the job root, oldest first (queued ones included); standing fleets with the jobs
-    attached to them."""
+    attached to them. Fits the terminal (COLUMNS when piped; without it, a line a job) with every job
+    id whole."""
     skipped: list[tuple[Path, str]] = []
     try:
         dirs = job_dirs(root, skipped)

@@ -72,7 +72,7 @@ def status_command(
     """
     job_dir, queued_id = lookup_target(job, root)
     collector = StatusCollector(job_dir, slurm_job_id=queued_id, timeout_s=timeout_s, events=events)
-    console = Console(width=None if os.isatty(1) else 200)
+    console = Console(width=None if os.isatty(1) or "COLUMNS" in os.environ else 200)  # rich reads COLUMNS
     if as_json or once:
         snap = asyncio.run(acollect_snapshot(collector, interval))
         if as_json:

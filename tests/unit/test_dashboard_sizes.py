@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -182,3 +183,21 @@ def test_256_engines_on_a_short_terminal_keep_the_troubled_ones() -> None:
     assert any("more engine(s) not shown" in x for x in lines) and "last events" in "\n".join(lines)
     rows = [x for x in lines if x.split() and x.split()[0].startswith("node")]
     assert rows and all(" DEAD " in x for x in rows), lines  # 18 dead ones: more than fit
+
+
+def test_once_piped_honours_columns(tmp_path: Path) -> None:
+    """``status --once | less`` drew 200 columns whatever ``COLUMNS`` said, as ``list`` did."""
+    from click.testing import CliRunner
+
+    from launcher.cli.main import main
+    from launcher.jobdir import JobDir, JobResult, StateWriter
+
+    job = JobDir(tmp_path / "jobs" / "grpo-qwen3-8b-math-reasoning-long-context-local-20261205-1").create()
+    StateWriter(job).event(
+        "finished", "training finished", front="router (cache_aware)", engines="14 vllm TP2"
+    )
+    job.write_result(JobResult(0, "training finished", "finished"))
+    out = CliRunner().invoke(main, ["status", str(job.path), "--once"], env={"COLUMNS": "80"})
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert job.path.name in out.output and all(len(line) <= 80 for line in lines), out.output
