@@ -23,7 +23,8 @@ import orjson
 import pytest
 
 from launcher.engines.base import EngineSpec
-from launcher.engines.sim import SimEngine
+from launcher.engines.sim import SimConfig, SimEngine, SimServer
+from launcher.fleet.client import FleetClient, RefitError
 from router import GenerationRouter
 from router.continuation.moves import EngineWatch
 from router.multiprocess.decisions import DecisionService
@@ -33,7 +34,9 @@ from router.policies.base import LoadTracker
 from router.state.backends import BackendSet, canonical_backend_url
 from router.state.metrics import RouterMetrics
 from router.state.routing import LocalRouting
+from tests.support.checkpoints import checkpoint, unloadable
 from tests.support.http_backends import router_factory
+from tests.support.refit_calls import TOKEN, chat, in_thread, send
 
 A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -290,3 +293,44 @@ async def test_a_node_drained_whole_moves_its_request_once_to_an_engine_that_sta
     finally:
         for engine in made:
             engine.stop(grace_s=5)
+
+
+@pytest.mark.parametrize("max_moves", [0, 3])
+async def test_a_quarantined_canarys_frozen_requests_go_on_elsewhere(max_moves: int, tmp_path: Path) -> None:
+    """A refit whose canary fails in the loader (``router.fleet.refit``): the requests frozen on it by the
+    pause were aborted there (finish_reason "abort", a partial answer: ``continuation_max_moves: 0``,
+    as before); now the hold-out moves them and they end whole on the engines that stay."""
+    # The canary is the engine with the fewest in flight: with 2 engines, as many as the other; speed 1,
+    # so the requests still run when the refit pauses them.
+    engines = [SimServer(SimConfig(), index=i) for i in range(2)]
+    for e in engines:
+        await e.start()
+    try:
+        await _refit_with_a_failing_canary(engines, max_moves, tmp_path)
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+async def _refit_with_a_failing_canary(engines: list[SimServer], max_moves: int, tmp_path: Path) -> None:
+    with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN) as make:
+        router = make([e.url for e in engines], continuation_max_moves=max_moves)
+        url = router.base_url()
+        client = FleetClient(url, TOKEN)
+        assert (await in_thread(client.load_weights, checkpoint(tmp_path, "good", b"g"), "step-1"))["ok"]
+
+        rollouts = asyncio.gather(*(send(url, chat(300, f"rollout {i}")) for i in range(10)))
+        await asyncio.sleep(0.3)  # 5 on each engine, part of each answer made
+        with pytest.raises(RefitError, match="did not move") as err:
+            await in_thread(client.load_weights, unloadable(tmp_path, "bad"), "step-2")
+        assert list(err.value.txn["quarantined"]) == [err.value.txn["canary"]]
+        results = await asyncio.wait_for(rollouts, 60)
+    assert [s for s, _ in results] == [200] * 10
+    finish = [b["choices"][0]["finish_reason"] for _, b in results]
+    moved = router.forwarder.engine_watch.moves_total
+    print(f"\n[quarantine, continuation_max_moves {max_moves}] finish reasons {finish}, moved {moved}")
+    if max_moves:
+        assert finish == ["length"] * 10 and moved > 0
+        assert all(len(b["choices"][0]["message"]["content"]) == 4 * 300 for _, b in results)
+    else:
+        assert "abort" in finish and moved == 0
