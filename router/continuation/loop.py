@@ -375,7 +375,7 @@ def without_token_ids(data: bytes) -> bytes:
 def _plain_chunk(data: bytes) -> bool:
     """An event that neither ends the answer, nor carries usage or an error (read by bytes: keys are
     bare quotes, quotes in strings escaped)."""
-    if b'"finish_reason":' in data and b'"finish_reason":null' not in data:
+    if b'"finish_reason":null' not in data and b'"finish_reason":' in data:
         return False
     return b'"usage"' not in data and b'"error"' not in data
 

@@ -23,6 +23,10 @@ class Events:
         out: list[tuple[str, bytes]] = []
         start = 0
         while (end := buf.find(b"\n\n", start)) >= 0:
+            if buf.startswith(b"data: ", start) and buf.find(b"\n", start, end) < 0:
+                out.append(("", buf[start + 6 : end]))  # one data line: what engines write
+                start = end + 2
+                continue
             block = buf[start:end]
             start = end + 2
             name = ""

@@ -172,11 +172,16 @@ def _comparable(answer: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in answer.items() if k not in ("id", "created")} | {"usage": usage}
 
 
-@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize(("path", "workers"), [(COMPLETIONS, 1), (CHAT, 1), (COMPLETIONS, 2)])
 async def test_a_stream_goes_on_after_its_engine_is_killed(
-    path: str, engines: list[SimEngine], routers: Callable[..., GenerationRouter], http: aiohttp.ClientSession
+    path: str,
+    workers: int,
+    engines: list[SimEngine],
+    routers: Callable[..., GenerationRouter],
+    http: aiohttp.ClientSession,
 ) -> None:
-    router = routers([e.url for e in engines])
+    """Also with two worker processes: each forwards (and continues) the requests it accepted."""
+    router = routers([e.url for e in engines], workers=workers)
     url = router.base_url() + path
     chat = path == CHAT
     whole = await _stream(http, url, _body(path, True))
@@ -217,9 +222,14 @@ async def test_a_stream_goes_on_after_its_engine_is_killed(
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 async def test_a_whole_answer_goes_on_after_its_engine_is_killed(
-    path: str, engines: list[SimEngine], routers: Callable[..., GenerationRouter], http: aiohttp.ClientSession
+    path: str,
+    tmp_path: Path,
+    engines: list[SimEngine],
+    routers: Callable[..., GenerationRouter],
+    http: aiohttp.ClientSession,
 ) -> None:
-    router = routers([e.url for e in engines])
+    record = tmp_path / "record"
+    router = routers([e.url for e in engines], record_dir=str(record))
     url = router.base_url() + path
     async with http.post(url, json=_body(path, False)) as r:
         assert r.status == 200
@@ -237,11 +247,14 @@ async def test_a_whole_answer_goes_on_after_its_engine_is_killed(
     async with http.post(url, json=_body(path, False), timeout=aiohttp.ClientTimeout(total=60)) as r:
         assert r.status == 200, await r.text()
         cut = orjson.loads(await r.read())
-    await killer
+    killed = await killer
     assert time.perf_counter() - t0 < 30
     assert _comparable(cut) == _comparable(whole)
     assert cut["usage"]["completion_tokens"] == MAX_TOKENS
     assert len(cut["choices"][0]["token_ids"]) == MAX_TOKENS
+    router.stop()
+    (move,) = _last_line(record)["moves"]  # continued from where it was, not retried from its start
+    assert move["from"] == killed.url and move["reason"] == "reset" and 0 < move["at_token"] < MAX_TOKENS
 
 
 async def test_without_continuation_a_killed_stream_ends_with_an_error(
