@@ -114,10 +114,15 @@ class Moves:
             slot.release()
             self.failed(url, exc.kind, True)
             raise Broke(exc.kind, str(exc)) from None
-        if upstream.status != 200 or not is_event_stream(upstream):
-            quoted = await upstream.read_at_most(fwd.relay.max_error_body_bytes)
-            upstream.release()
+        except BaseException:  # the client went away meanwhile: the slot is not left counted
             slot.release()
+            raise
+        if upstream.status != 200 or not is_event_stream(upstream):
+            try:
+                quoted = await upstream.read_at_most(fwd.relay.max_error_body_bytes)
+            finally:
+                upstream.release()
+                slot.release()
             self.failed(url, "status", upstream.status >= 500)
             text = quoted.decode("utf-8", "replace")
             raise Broke("status", f"backend {url} answered the move {upstream.status}: {text}")

@@ -346,3 +346,37 @@ async def test_spans_start_where_a_refit_stamped_the_engine(
         assert r.status == 200
         assert r.headers["x-rl-weight-versions"] == f"v2:0-{MAX_TOKENS - 1}"
         assert orjson.loads(await r.read())["weight_versions"] == [["v2", 0, MAX_TOKENS - 1]]
+
+
+async def test_a_stream_with_no_engine_left_ends_with_an_error_not_a_short_answer(
+    engines: list[SimEngine], routers: Callable[..., GenerationRouter], http: aiohttp.ClientSession
+) -> None:
+    """Both engines killed, one after the other: the second break finds no engine to move to, and the
+    client gets the SSE error event after the tokens it had (never a [DONE] that would pass for a whole
+    answer)."""
+    router = routers([e.url for e in engines])
+    killed: list[SimEngine] = []
+    out = Streamed()
+
+    async def kill_each(_: int) -> None:
+        engine = await _serving(http, [e for e in engines if e not in killed])
+        _kill(engine)
+        killed.append(engine)
+
+    async with http.post(
+        router.base_url() + COMPLETIONS,
+        json=_body(COMPLETIONS, True),
+        timeout=aiohttp.ClientTimeout(total=60),
+    ) as r:
+        assert r.status == 200
+        raw = b""
+        async for data in r.content.iter_any():
+            raw += data
+            n = raw.count(b'"token_ids":[')
+            if len(killed) < 2 and n >= KILL_AFTER * (len(killed) + 1):
+                await kill_each(n)
+    events = raw.split(b"\n\n")
+    assert len(killed) == 2 and b"[DONE]" not in raw
+    assert events[-2].startswith(b"event: error") and b"could not be continued" in events[-2]
+    out.chunks = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-2] if e.startswith(b"data: {")]
+    assert 2 * KILL_AFTER <= len(out.tokens()) < MAX_TOKENS
