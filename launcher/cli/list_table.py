@@ -52,7 +52,8 @@ def fleet_cell(row: dict[str, Any]) -> str:
 def cells(row: dict[str, Any]) -> dict[str, str]:
     """One job (``job_summary``) as the text of each column."""
     updated = row.get("updated") or row.get("submitted")
-    detail = " ".join(str(row.get("detail") or "").split())  # one line: a failure may carry log lines
+    lines = [" ".join(line.split()) for line in str(row.get("detail") or "").splitlines()]
+    detail = "\n".join(line for line in lines if line)  # a failure's log lines stay lines
     return {
         "job": row["job"],
         "slurm": str(row.get("slurm") or "-"),
@@ -81,6 +82,8 @@ def choose_columns(widths: dict[str, int], width: int | None, first: int) -> lis
 def render_jobs(rows: list[dict[str, Any]], width: int | None) -> Text:
     """The whole listing for a terminal of ``width`` cells (None: no limit)."""
     table = [cells(r) for r in rows]
+    if width is None:  # one line a job, for grep
+        table = [{**c, "detail": " | ".join(c["detail"].splitlines())} for c in table]
     empty = {name for name in COLUMNS if all(c[name] in ("-", "") for c in table)}
     widths = {name: max([cell_len(name)] + [cell_len(c[name]) for c in table]) for name in COLUMNS}
     stacked = width is not None and widths["job"] + GAP + widths["phase"] > width
@@ -101,7 +104,7 @@ def render_jobs(rows: list[dict[str, Any]], width: int | None) -> Text:
     for c in table:
         if stacked:
             out.append("\n" + c["job"], style="bold")
-        under = detail_column and room is not None and cell_len(c["detail"]) > room
+        under = detail_column and room is not None and (cell_len(c["detail"]) > room or "\n" in c["detail"])
         values = [c[n] if not (n == "detail" and under) else "" for n in shown]
         out.append("\n" + lead + _line(values, [widths[n] for n in shown]))
         if c["detail"] and (under or not detail_column):
@@ -110,12 +113,17 @@ def render_jobs(rows: list[dict[str, Any]], width: int | None) -> Text:
 
 
 def under_job(detail: str, width: int | None) -> str:
-    """A detail on lines of its own, indented under its job; wrapped between words only, so an id in it
-    (a lost job's "rl-launch logs X") stays whole."""
+    """A detail on lines of its own, indented under its job (a failure's log lines each on its own);
+    wrapped between words only, so an id in it (a lost job's "rl-launch logs X") stays whole."""
     lead = " " * 2 * INDENT
-    if width is None:
-        return lead + detail
-    lines = textwrap.wrap(detail, max(20, width - len(lead)), break_long_words=False, break_on_hyphens=False)
+    if width is None:  # one line a job, for grep
+        return lead + " | ".join(detail.splitlines())
+    room = max(20, width - len(lead))
+    lines = [
+        wrapped
+        for line in detail.splitlines()
+        for wrapped in textwrap.wrap(line, room, break_long_words=False, break_on_hyphens=False)
+    ]
     return "\n".join(lead + line for line in lines)
 
 

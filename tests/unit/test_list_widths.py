@@ -162,3 +162,23 @@ def test_json_is_unchanged_by_the_width(root: Path) -> None:
     assert narrow.stdout == wide.stdout
     by_job = {r["job"]: r for r in rows}
     assert by_job[LOST]["phase"] == "lost" and by_job[QUEUED]["slurm"] == "PENDING (Resources)"
+
+
+def test_a_failures_log_lines_stay_lines(tmp_path: Path) -> None:
+    """A training failure's reason carries its log's last lines (``launcher.driver.training``): each keeps
+    a line of its own under the job, and piped without ``COLUMNS`` the job stays one line."""
+    root = tmp_path / "jobs"
+    job = JobDir(root / "exits-at-once-local-20261205-112656-29421").create()
+    reason = (
+        f"training command exited with 2 (log: {job.training_log})\n  usage: train.py [-h] [--steps STEPS]\n"
+        "  train.py: error: unrecognized arguments: --epochs 4"
+    )
+    StateWriter(job).event("failed", reason)
+    job.write_result(JobResult(2, reason, "failed"))
+    lines = listed(root, 120).splitlines()
+    assert "    usage: train.py [-h] [--steps STEPS]" in lines, lines
+    assert "    train.py: error: unrecognized arguments: --epochs 4" in lines, lines
+    piped = CliRunner().invoke(main, ["list", "--root", str(root)], env={"COLUMNS": None}).stdout.splitlines()
+    assert len(piped) == 2 and piped[1].endswith("| train.py: error: unrecognized arguments: --epochs 4"), (
+        piped
+    )
