@@ -229,7 +229,9 @@ class Answer:
         text = "".join(self.text)
         choice: dict[str, Any] = {"index": 0}
         if plan.chat:
-            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+            # vLLM 0.32's message (an empty tool_calls left out, as it does); no parser ran on it (plan).
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None, "annotations": None}
+            choice["message"] |= {"audio": None, "function_call": None, "reasoning": None}
             choice["logprobs"] = {"content": self.chat_logprobs} if plan.logprobs is not None else None
         else:
             choice["text"] = text
