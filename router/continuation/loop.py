@@ -19,7 +19,10 @@ What is not moved falls back to what the forwarder always did:
 
 A streamed client's head is sent with the first chunk that carries a token (a chat's role chunk waits
 for it), so that a first part that dies at once is still retried from scratch with nothing sent. Its
-spans go on the last chunk (``weight_versions``); a whole answer has them in the header too.
+spans go on the last chunk (``weight_versions``); a whole answer has them in the header too. Chunks of
+tokens whose text has not come yet (an unfinished UTF-8 character) are held until it comes: a move
+continues after the last settled token (``Answer.cut_to_settled``), and the client never sees a token
+twice.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class Continuation:
         self.moves = 0
         self.response: web.StreamResponse | None = None
         self._waiting: list[bytes] = []
+        self._held: list[bytes] = []  # chunks of tokens whose text has not come (Answer.pending)
         self._ready = False  # an event the router does not read went by: nothing waits any more
         self._tail: list[bytes] = []
         self.whole: bytes | None = None
@@ -222,6 +226,12 @@ class Continuation:
                     continue
                 out = answer.feed(event, not stream or answer.parts > 0)
                 if out is not None and stream:
+                    if answer.pending:  # held until their text comes: a move may take them back
+                        self._held.append(self._client_bytes(out, data))
+                        continue
+                    if self._held:
+                        batch += self._held
+                        self._held = []
                     batch.append(self._client_bytes(out, data))
             started = answer.produced or answer.chars or answer.finish_reason is not None
             if batch and (started or self._ready or not answer.continuable):
@@ -235,6 +245,8 @@ class Continuation:
         answer = self.answer
         if not answer.continuable or answer.prompt_ids is None:
             raise NoMove("this answer cannot be continued exactly (no token ids, or a parser reads it)")
+        answer.cut_to_settled()
+        self._held = []  # never sent: the next engine makes those tokens again
         if self.plan.max_tokens is not None and answer.produced >= self.plan.max_tokens:
             answer.finish_reason = "length"  # its budget was spent: the engine died before saying so
             raise _Complete
@@ -298,9 +310,7 @@ class Continuation:
         if self.plan.stream:
             if self.response is None:
                 await self._prepare()
-                if self._waiting:
-                    await self._write(b"".join(self._waiting))
-            await self._write(answer.final_chunks())
+            await self._write(b"".join(self._waiting + self._held) + answer.final_chunks())
             if self.draft is not None:
                 self.draft.tail = b"".join(self._tail)[-4096:]
             assert self.response is not None

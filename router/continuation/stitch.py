@@ -72,6 +72,8 @@ class Answer:
         self.stop_reason: Any = None
         self.usage: dict[str, Any] | None = None
         self.continuable = True
+        self.settled = 0
+        """Tokens up to the last one whose text came (or the finish)."""
         """False once the answer cannot be continued exactly (module ``plan``; no token ids)."""
         self.parts = 0
         self._chat_part = plan.chat
@@ -81,6 +83,23 @@ class Answer:
     @property
     def produced(self) -> int:
         return len(self.ids)
+
+    @property
+    def pending(self) -> bool:
+        """Tokens whose text the engine has not given yet (the bytes of an unfinished UTF-8 character, a
+        skipped special token): a move must not cut after them (``cut_to_settled``)."""
+        return len(self.ids) > self.settled
+
+    def cut_to_settled(self) -> None:
+        """Forget the tokens after the last one whose text came. vLLM's detokenizer, primed with a prompt
+        that ends inside a character, gives the whole prompt's text as the continuation's first piece
+        (tokenizers' ``DecodeStream``; /work/team/vllm-continuation-probe.md 3): a move continues from a
+        settled token instead and the new engine makes the pending ones again (greedy: the same)."""
+        n = self.settled
+        del self.ids[n:]
+        del self.chat_logprobs[n:]
+        for values in self.completion_logprobs.values():
+            del values[n:]
 
     def new_part(self) -> None:
         """A move: what follows is a ``/v1/completions`` stream continuing this answer."""
@@ -126,6 +145,8 @@ class Answer:
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
             self.stop_reason = choice.get("stop_reason")
+        if text or self.finish_reason is not None:
+            self.settled = len(self.ids)
         logprobs = choice.get("logprobs")
         if self.parts and not text and not ids and choice.get("finish_reason") is None:
             return None  # a move's opening chunk (its prompt's ids): nothing of the answer

@@ -225,3 +225,22 @@ def test_token_ids_the_client_did_not_ask_for_are_cut_from_the_engines_bytes() -
     assert orjson.loads(without_token_ids(first)) == {"choices": [{"text": ""}]}
     plain = b'{"choices":[{"text":"x"}]}'
     assert without_token_ids(plain) is plain
+
+
+def test_a_move_continues_after_the_last_token_whose_text_came() -> None:
+    """Tokens streamed with empty text (bytes of an unfinished character) are taken back on a move: vLLM's
+    detokenizer primed with a prompt that ends inside a character gives a wrong first piece."""
+    plan = _plan(COMPLETIONS, prompt=[1], logprobs=1, max_tokens=10)
+    answer = Answer(plan, Spans(None))
+    answer.feed(_completion("cmpl-A", [10, 11], ["ab", "cd"], 0, prompt_token_ids=[1]))
+    assert answer.settled == 2 and not answer.pending
+    answer.feed(_completion("cmpl-A", [12, 13], ["", ""], 4))  # two byte tokens of one character
+    assert answer.produced == 4 and answer.settled == 2 and answer.pending
+    answer.cut_to_settled()
+    assert answer.ids == [10, 11] and len(answer.completion_logprobs["tokens"]) == 2
+    body = orjson.loads(plan.resume_body(answer.prompt_ids or [], answer.ids))
+    assert body["prompt"] == [1, 10, 11] and body["max_tokens"] == 8
+    answer.new_part()
+    answer.feed(_completion("cmpl-B", [12, 13, 14], ["é", "", "ef"], 0, finish_reason="length"))
+    whole = answer.whole()
+    assert whole["choices"][0]["text"] == "abcdéef" and answer.ids == [10, 11, 12, 13, 14]
