@@ -380,3 +380,62 @@ async def test_a_stream_with_no_engine_left_ends_with_an_error_not_a_short_answe
     assert events[-2].startswith(b"event: error") and b"could not be continued" in events[-2]
     out.chunks = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-2] if e.startswith(b"data: {")]
     assert 2 * KILL_AFTER <= len(out.tokens()) < MAX_TOKENS
+
+
+async def test_a_move_takes_back_tokens_whose_text_had_not_come(
+    routers: Callable[..., GenerationRouter], http: aiohttp.ClientSession
+) -> None:
+    """vLLM streams ``""`` for the byte tokens of an unfinished character; a continuation cut after them
+    would start with a wrong piece (the vLLM probe, 3). Two scripted engines: the first streams two
+    settled tokens and one pending one, then dies; the router continues from the settled two, and the
+    client never sees the pending one twice (nor the chunk that held it)."""
+    from aiohttp import web
+
+    bodies: list[dict[str, Any]] = []
+
+    def chunk(ids: list[int], text: str, finish: str | None = None, prompt: list[int] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice |= {"stop_reason": None, "token_ids": ids}
+        if prompt is not None:
+            choice["prompt_token_ids"] = prompt
+        event = {"id": f"cmpl-{len(bodies)}", "object": "text_completion", "created": 1, "model": "m"}
+        return b"data: " + orjson.dumps(event | {"choices": [choice]}) + b"\n\n"
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if len(bodies) == 1:  # the first engine: dies after a pending token
+            await resp.write(chunk([10], "ab", prompt=[1, 2]) + chunk([11], "cd") + chunk([12], ""))
+            await asyncio.sleep(0.2)
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        await resp.write(chunk([12, 13], "é", prompt=bodies[-1]["prompt"]) + chunk([14], "ef", "length"))
+        usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+        await resp.write(b"data: " + orjson.dumps({"id": "x", "choices": [], "usage": usage}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    runners = []
+    urls = []
+    for _ in range(2):
+        app = web.Application()
+        app.router.add_post(COMPLETIONS, generate)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        router = routers(urls, policy="round_robin")
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 5, "stream": True, "return_token_ids": True}
+        got = await _stream(http, router.base_url() + COMPLETIONS, body)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert bodies[1]["prompt"] == [1, 2, 10, 11] and bodies[1]["max_tokens"] == 3  # after the settled two
+    assert got.tokens() == [10, 11, 12, 13, 14] and got.text(False) == "abcdéef"
+    assert got.done == 1 and not got.errors
+    assert all(ch["text"] for c in got.chunks for ch in c["choices"])  # the pending chunk never went out
