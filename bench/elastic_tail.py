@@ -101,10 +101,11 @@ def run_arm(arm: str, root: Path, args: argparse.Namespace) -> Path:
     path = root.parent / f"{arm}.yaml"
     path.write_text(yaml.safe_dump(spec_for(arm, root, args), sort_keys=False))
     if args.local:  # a local submit runs the job to its end
+        before = set(root.iterdir()) if root.exists() else set()
         done = subprocess.run(
             [RL_LAUNCH, "submit", str(path)], capture_output=True, text=True, timeout=args.timeout_s
         )
-        (job,) = list(root.iterdir())
+        (job,) = set(root.iterdir()) - before
         if JobDir(job).read_result() is None:
             raise SystemExit(f"{arm}: the local job did not finish: {done.stderr.strip()[-2000:]}")
         return job
@@ -129,6 +130,8 @@ def measure(job: Path) -> dict[str, Any]:
     jd = JobDir(job)
     result = jd.read_result()
     records = [r for r in read_records(record_dir_of(job)).records if r.path.startswith("/v1/")]
+    lines = [json.loads(ln) for f in sorted(record_dir_of(job).glob("requests*.jsonl")) for ln in f.open()]
+    moved = {ln["id"] for ln in lines if ln.get("moves")}  # continued on another engine (issue 41)
     if not records:
         raise SystemExit(f"{job}: no request recorded ({result})")
     start = min(r.t for r in records)
@@ -156,7 +159,8 @@ def measure(job: Path) -> dict[str, Any]:
         "retries": replay["retries"],
         "failed_requests": replay["failed_requests"],
         "requests": len(records),
-        "router_retries": sum(1 for r in records if len(r.attempts) > 1),
+        "router_retries": sum(1 for r in records if len(r.attempts) > 1 and r.id not in moved),
+        "moved": len(moved),
         "in_flight": [(r.t - start, r.t - start + (r.duration_s or 0.0)) for r in records],
         "nodes_over_time": nodes_over_time,
         "decisions": [e["detail"] for e in events if e.get("action") in ("policy", "node_released")],
@@ -278,7 +282,7 @@ def main() -> None:
                 print(
                     f"run {k + 1} {arm:6s}: wall {r['wall_s']:7.1f} s  node-s {r['node_s']:7.1f}  "
                     f"sessions {r['sessions']} errors {r['errors']} retries {r['retries']} "
-                    f"failed {r['failed_requests']} router-retried {r['router_retries']}",
+                    f"failed {r['failed_requests']} router-retried {r['router_retries']} moved {r['moved']}",
                     flush=True,
                 )
                 for line in r["decisions"]:
