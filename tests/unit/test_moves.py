@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+from launcher.fleet import HealthPolicy
+from launcher.fleet.controller import FleetController
+from launcher.jobdir import EngineEntry, EngineListing, JobDir, StateWriter
 from router.continuation.moves import EngineWatch
 from router.policies import LoadTracker, RouteRequest, make_policy
 from router.state.backends import BackendSet
@@ -81,3 +85,38 @@ def test_the_backend_set_moves_on_the_fleets_decisions_not_on_one_failed_attempt
     assert backends.leave_moving(["http://127.0.0.1:4"], "drained") == 1
     assert asked[-1] == ("http://127.0.0.1:4", "drained") and len(asked) == 3
     assert backends.serving == ()
+
+
+def test_the_fleet_controller_moves_requests_off_engines_it_restarts(tmp_path: Path) -> None:
+    """Before the push that drops them, the controller asks the front to move the requests in flight on
+    the engines it is about to restart ("restarted"); a front that cannot be asked is logged, not fatal."""
+    job = JobDir(tmp_path / "j").create()
+    job.write_listing(
+        EngineListing(
+            node="n0",
+            node_index=0,
+            engines=[
+                EngineEntry(index=i, url=f"http://127.0.0.1:{9000 + i}", node="n0", node_index=0)
+                for i in range(2)
+            ],
+        )
+    )
+    asked: list[tuple[list[str], str]] = []
+
+    class Front:
+        def move_off(self, urls: list[str], reason: str) -> int:
+            asked.append((list(urls), reason))
+            return 0
+
+    controller = FleetController(job, StateWriter(job), Front(), 1, HealthPolicy(), say=lambda _: None)  # type: ignore[arg-type]
+    controller._move_off_restarting(["node0-1"])
+    assert asked == [(["http://127.0.0.1:9001"], "restarted")]
+
+    class Gone:
+        def move_off(self, urls: list[str], reason: str) -> int:
+            raise TimeoutError("the actor restarts")
+
+    controller.gateway = Gone()  # type: ignore[assignment]
+    controller._move_off_restarting(["node0-0"])
+    (event,) = [e for e in job.read_events() if e["phase"] == "router_unreachable"]
+    assert "moving requests off restarting engines" in event["detail"]
