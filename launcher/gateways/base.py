@@ -167,12 +167,12 @@ class Gateway(ABC):
         holds requests during a pause); True if it was not holding. No-op (False) for other kinds."""
         return False
 
-    def move_off(self, urls: Sequence[str], reason: str) -> int:
+    def move_off(self, urls: Sequence[str], reason: str) -> int | None:
         """Move the requests in flight on ``urls`` to other engines now, where the front continues
         requests (rl-launch's router: ``router.continuation``): a drain ("drained") or restart
         ("restarted") then need not wait for them. How many it moved (a front's own process; its worker
-        processes count their own); 0 for kinds that cannot, whose requests go on where they are."""
-        return 0
+        processes count their own); None for kinds that cannot, whose requests go on where they are."""
+        return None
 
     def record_settings(self) -> dict[str, Any]:
         """``RouterConfig`` fields for the request record (``router.record``) of a front that is rl-launch's

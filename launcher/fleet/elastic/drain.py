@@ -114,6 +114,8 @@ class NodeDrains:
             n = self.controller.gateway.move_off(urls, "drained")
         except Exception as exc:
             return f"the front could not be asked to move their requests ({exc!r}): they finish there"
+        if n is None:
+            return "this front does not move requests: those in flight finish there"
         counted = f" ({n} in its main process; worker processes count their own)" if n else ""
         return f"the front was asked to move their requests in flight to the engines that stay{counted}"
 
