@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +88,30 @@ def _cancel_by_name(name: str, wait_s: float = 20.0) -> None:
         time.sleep(0.5)
 
 
+def _exit_on_sigterm() -> Any:
+    """SIGTERM raises ``SystemExit`` (143) while the probes run, so the cleanup runs as for Ctrl-C; the
+    previous handler, or None off the main thread (where Python lets no handler be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _raise)
+
+
+def _stop(run: ProbeRun, proc: subprocess.Popen[bytes]) -> None:
+    """End a probe still going: its ``srun`` and, by its unique name, its job."""
+    proc.terminate()
+    if run.argv[0] == "srun":
+        _cancel_by_name(run.job_name)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def run_steps(runs: list[ProbeRun], config_of: dict[str, dict[str, Any]], timeout_s: float) -> None:
     """Start every probe at once and wait for all of them, at most ``timeout_s``; fills each ``ProbeRun``."""
     started: list[tuple[ProbeRun, subprocess.Popen[bytes], IO[bytes], IO[bytes]]] = []
@@ -102,25 +128,28 @@ def run_steps(runs: list[ProbeRun], config_of: dict[str, dict[str, Any]], timeou
         started.append((run, proc, out, err))
     deadline = t0 + timeout_s
     ended: dict[int, float] = {}
-    while time.monotonic() < deadline:
-        for _, p, _, _ in started:
-            if p.pid not in ended and p.poll() is not None:
-                ended[p.pid] = time.monotonic()
-        if len(ended) == len(started):
-            break
-        time.sleep(0.2)
+    previous = _exit_on_sigterm()
+    try:
+        while time.monotonic() < deadline:
+            for _, p, _, _ in started:
+                if p.pid not in ended and p.poll() is not None:
+                    ended[p.pid] = time.monotonic()
+            if len(ended) == len(started):
+                break
+            time.sleep(0.2)
+    except BaseException:  # Ctrl-C, kill: a pending srun would wait on in the queue after we are gone
+        for run, proc, _, _ in started:
+            if proc.poll() is None:
+                _stop(run, proc)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     for run, proc, out, err in started:
         if proc.poll() is None:
             run.timed_out = True
             run.queue_state = _squeue_by_name(run.job_name) if run.argv[0] == "srun" else ""
-            proc.terminate()
-            if run.argv[0] == "srun":
-                _cancel_by_name(run.job_name)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            _stop(run, proc)
         run.returncode = proc.returncode
         run.elapsed_s = ended.get(proc.pid, time.monotonic()) - t0
         for stream, attr in ((out, "stdout"), (err, "stderr")):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -233,54 +234,53 @@ def test_a_job_root_the_nodes_do_not_share_fails(tmp_path: Path, login_only: Pat
     no_probe_left(root)
 
 
-def test_a_probe_that_cannot_start_is_reported_pending_and_cancelled(tmp_path: Path) -> None:
-    """Every node held by another job: the probe pends, and is cancelled at the deadline."""
+@pytest.fixture
+def all_nodes_held(tmp_path: Path) -> Iterator[str]:
+    """Another job holding every node of the cluster (running) for the test's duration: its id."""
+    hold = ["-N3", "--exclusive", "-p", "debug", "-t", "5", "-J", "hold-all", "--wrap", "sleep 300"]
     blocker = subprocess.run(
         [
             "sbatch",
             "--parsable",
-            "-N3",
-            "--exclusive",
-            "-p",
-            "debug",
-            "-t",
-            "5",
-            "-J",
-            "hold-all",
-            f"--output={tmp_path / 'hold-all.out'}",  # not slurm-%j.out in the directory the test runs in
-            "--wrap",
-            "sleep 300",
-        ],
+            f"--output={tmp_path / 'hold-all.out'}",
+            *hold,
+        ],  # not slurm-%j.out in the cwd
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert blocker.returncode == 0, blocker.stderr
     job = blocker.stdout.strip().split(";")[0]
+
+    def state() -> str:
+        return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout
+
     try:
         deadline = time.monotonic() + 30
-        while (
-            "RUNNING"
-            not in subprocess.run(
-                ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True
-            ).stdout
-        ):
+        while "RUNNING" not in state():
             assert time.monotonic() < deadline, "the blocking job did not start"
             time.sleep(0.5)
-        t0 = time.monotonic()
-        proc = subprocess.run(
-            [RL_LAUNCH, "check", str(spec_file(tmp_path)), "--timeout", "10"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        took = time.monotonic() - t0
+        yield job
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
         deadline = time.monotonic() + 60
-        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        while state().strip():
             assert time.monotonic() < deadline, f"the blocking job {job} is still queued"
             time.sleep(0.5)
+
+
+def test_a_probe_that_cannot_start_is_reported_pending_and_cancelled(
+    tmp_path: Path, all_nodes_held: str
+) -> None:
+    """Every node held by another job: the probe pends, and is cancelled at the deadline."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [RL_LAUNCH, "check", str(spec_file(tmp_path)), "--timeout", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - t0
     print(proc.stdout, proc.stderr)
     assert proc.returncode == 1
     failed = [x.strip() for x in proc.stdout.splitlines() if x.startswith("  FAIL")]
@@ -288,6 +288,38 @@ def test_a_probe_that_cannot_start_is_reported_pending_and_cancelled(tmp_path: P
         "still PENDING (" in x and "after 10 s; cancelled" in x for x in failed
     ), failed
     assert took < 60, took
+    no_probe_left(tmp_path / "jobs")
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGINT", "SIGTERM"])
+def test_stopping_check_while_a_probe_pends_leaves_nothing_queued(
+    tmp_path: Path, all_nodes_held: str, how: str
+) -> None:
+    """Ctrl-C reaches the whole foreground process group (check and its sruns), as in a terminal; a
+    signal sent to check alone (kill, a timeout around it) reaches only check, whose sruns would wait on
+    in the queue."""
+    proc = subprocess.Popen(
+        [RL_LAUNCH, "check", str(spec_file(tmp_path)), "--timeout", "120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 30
+    queue = ""
+    while queue.count("rl-launch-check-") < 2:  # both probes are queued
+        assert time.monotonic() < deadline and proc.poll() is None, "the probes were never queued"
+        time.sleep(0.3)
+        queue = subprocess.run(
+            ["squeue", "-h", "-o", "%j"], capture_output=True, text=True, timeout=10
+        ).stdout
+    if how == "Ctrl-C":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGINT if how == "SIGINT" else signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    print(out, err)
+    assert proc.returncode != 0
     no_probe_left(tmp_path / "jobs")
 
 
