@@ -27,7 +27,7 @@ from typing import Any
 
 CONFIG_ENV = "RL_LAUNCH_CHECK_PROBE"
 RESULT_MARK = "RL-LAUNCH-CHECK-RESULT "
-VLLM_PYTHON_ENV = "RL_LAUNCH_VLLM_PYTHON"  # launcher.engines.vllm.kind.VLLM_PYTHON_ENV (a floor above)
+VLLM_PYTHON_ENV = "RL_LAUNCH_VLLM_PYTHON"  # launcher.engines.vllm.kind's, not imported: it loads pydantic
 _TRUE = {"1", "on", "yes", "true"}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from launcher.check.outcome import Check, fail, ok
-from launcher.check.probe import CONFIG_ENV, RESULT_MARK, VLLM_PYTHON_ENV
+from launcher.check.probe import CONFIG_ENV, RESULT_MARK
 from launcher.check.site import user_name
 from launcher.slurm.nodes import natural_key
 
@@ -304,12 +304,9 @@ def _engine(group: str, host: str, engine: dict[str, Any]) -> Check:
         return ok(name, f"vLLM {engine['version']} in {engine['python']} ({engine['source']}) on {host}")
     python = engine.get("python")
     what = f"{python} ({engine['source']}) cannot import vllm on {host}" if python else f"on {host}"
-    return fail(
-        name,
-        f"{what}: {engine.get('error')}",
-        "install vLLM where the engines run (scripts/install-vllm.sh prints its python) and export "
-        f"{VLLM_PYTHON_ENV}=<that python> in the shell you check and submit from",
-    )
+    from launcher.engines.vllm.presence import INSTALL  # the fix, in the words a local submit uses
+
+    return fail(name, f"{what}: {engine.get('error')}", f"{INSTALL}, in the shell you check and submit from")
 
 
 def _model(group: str, host: str, model: str, seen: dict[str, Any]) -> Check:

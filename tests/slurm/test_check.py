@@ -208,7 +208,7 @@ def test_an_engine_python_without_vllm_fails(tmp_path: Path) -> None:
     assert code == 1, lines
     line = one_failure(lines)
     assert line.startswith("FAIL  generation engine python: ") and "No module named 'vllm'" in line, line
-    assert "; fix: install vLLM where the engines run" in line, line
+    assert "; fix: install it: export RL_LAUNCH_VLLM_PYTHON=" in line, line
     assert "export RL_LAUNCH_VLLM_PYTHON=" in line, line
     no_probe_left(tmp_path / "jobs")
 
