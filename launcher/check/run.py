@@ -1,10 +1,10 @@
 """``rl-launch check SPEC``: the checks in order, login node first, then one probe step per group.
 
 Order and what stops what: without Slurm nothing else can be asked; a part of the allocation that cannot
-exist (no such partition, GPUs its nodes lack, an account that is not the user's) gets no probe step, since
-Slurm would only refuse it again (one line per defect, not two); a missing container runtime still lets the
-probes run, on the host, so the other checks are not hidden behind it. ``cluster: local`` runs the probe
-here, without Slurm.
+exist or would wait for ever (no such partition, GPUs its nodes lack, a time over the partition's limit, an
+account that is not the user's) gets no probe step, since Slurm would only refuse or park it again (one line
+per defect, not two); a missing container runtime still lets the probes run, on the host, so the other
+checks are not hidden behind it. ``cluster: local`` runs the probe here, without Slurm.
 """
 
 from __future__ import annotations

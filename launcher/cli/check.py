@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from launcher.check.run import DEFAULT_TIMEOUT_S
 from launcher.cli.spec import _SET_OPT, _SPEC_ARG, _load
 
 
@@ -22,7 +23,7 @@ from launcher.cli.spec import _SET_OPT, _SPEC_ARG, _load
     "--timeout",
     "timeout_s",
     type=click.FloatRange(min=10),
-    default=240.0,
+    default=DEFAULT_TIMEOUT_S,
     show_default=True,
     help="Seconds the probe steps may take, queue wait included; a probe still pending then is cancelled.",
 )
