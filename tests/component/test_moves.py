@@ -334,3 +334,28 @@ async def _refit_with_a_failing_canary(engines: list[SimServer], max_moves: int,
         assert all(len(b["choices"][0]["message"]["content"]) == 4 * 300 for _, b in results)
     else:
         assert "abort" in finish and moved == 0
+
+
+async def test_a_stamp_reaches_a_worker_processes_stream_as_a_new_span(
+    sim_engines: list[SimEngine], routers: Callable[..., GenerationRouter]
+) -> None:
+    """A version stamped while a stream runs in a worker process (the parent's ``VERSION`` frame): the
+    answer's spans change version there, as in a one-process router."""
+    token = "admin-token-" + "d" * 24
+    router = routers([e.url for e in sim_engines], workers=2, admin_token=token)
+    base = router.base_url()
+
+    async def stamp(version: str) -> None:
+        async with aiohttp.ClientSession() as http:
+            headers = {"Authorization": f"Bearer {token}"}
+            async with http.post(
+                base + "/fleet/weight_version", json={"version": version}, headers=headers
+            ) as r:
+                assert r.status == 200, await r.text()
+
+    await stamp("v1")
+    chunks = await _stream(base + "/v1/completions", lambda: stamp("v2"))
+    assert len(_tokens(chunks)) == MAX_TOKENS
+    (v1, v2) = chunks[-1]["weight_versions"]
+    assert v1[0] == "v1" and v2[0] == "v2" and v1[1] == 0 and v2[2] == MAX_TOKENS - 1
+    assert v1[2] + 1 == v2[1] and MOVE_AFTER <= v2[1] < MAX_TOKENS
