@@ -200,6 +200,14 @@ class Continuation:
         stream = self.plan.stream
         async for chunk in part.chunks():
             batch = self._waiting  # the client's bytes of this read, written at once
+            if stream and not answer.continuable and not answer.parts and self.response is not None:
+                ended = chunk.endswith(b"data: [DONE]\n\n")
+                plain = chunk[: -len(b"data: [DONE]\n\n")] if ended else chunk
+                if not events.pending and self._plain_read(plain):
+                    if plain:  # whole events, none the router must read: as they came
+                        await self._send([plain])
+                    done = done or ended  # the router writes its own [DONE]
+                    continue
             for name, data in events.feed(chunk):
                 if data == DONE:
                     done = True
@@ -269,6 +277,19 @@ class Continuation:
         raise NoMove(f"no move left ({self.max_moves} per request): {last_error}")
 
     # -- the client's side --------------------------------------------------------------------------
+    def _plain_read(self, chunk: bytes) -> bool:
+        """A read of whole plain events (``_plain_chunk``, each), without ``[DONE]`` or an event name, and
+        without token ids the client did not ask for: relayed as it is, without splitting it."""
+        if not chunk:
+            return True
+        if not chunk.endswith(b"\n\n") or b"[DONE]" in chunk or b"event:" in chunk or b"\r" in chunk:
+            return False
+        if chunk.count(b'"finish_reason":') != chunk.count(b'"finish_reason":null'):
+            return False
+        if not self.plan.token_ids and b'token_ids"' in chunk:
+            return False
+        return b'"usage"' not in chunk and b'"error"' not in chunk
+
     def _client_bytes(self, chunk: dict[str, Any], data: bytes) -> bytes:
         """The client's event for ``chunk`` (the engine's ``data`` parsed and reshaped by the answer).
         The first part's events are in the client's shape already: sent as the engine wrote them, less
