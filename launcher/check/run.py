@@ -39,6 +39,8 @@ from launcher.check.site import (
     prepare_share,
     read_sinfo,
 )
+from launcher.engines.kinds import engine_kind
+from launcher.engines.vllm.kind import VllmSettings
 
 if TYPE_CHECKING:
     from launcher.spec import ResolvedSpec
@@ -84,7 +86,7 @@ def probe_config(resolved: ResolvedSpec, group: Group, share: Path | None, token
         config["gpus"] = role.resources.gpus_per_node
     if group == "generation" and not gen.trainer_owned:
         config["engine_env"] = dict(gen.env)
-        config["vllm"] = gen.engine == "vllm"
+        config["vllm"] = VllmSettings in engine_kind(gen.engine).settings
         if gen.model and gen.engine in MODEL_ENGINES:
             config["model"] = gen.model
     driver_group: Group = "training" if resolved.training.nodes else "generation"
