@@ -66,11 +66,15 @@ class TorchPolicy:
         }
 
     def update(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        """One optimizer step over ``samples`` (``prompt``, ``tokens``, ``logprobs``, ``advantage``)."""
+        """One optimizer step over ``samples`` (``prompt``, ``tokens``, ``logprobs``, ``advantage``, and
+        ``weights``: each token's weight, 0 for a token another version's weights made; absent: all 1)."""
         torch = self.torch
         self.model.train()
         self.opt.zero_grad()
-        n_tokens = sum(len(s["tokens"]) for s in samples)
+        n_tokens = sum(
+            sum(s["weights"]) if s.get("weights") is not None else len(s["tokens"]) for s in samples
+        )
+        n_tokens = max(n_tokens, 1e-9)  # every token masked: a step that moves nothing
         loss_sum, ratios = 0.0, []
         for s in samples:
             prompt, tokens = s["prompt"], s["tokens"]
@@ -79,7 +83,10 @@ class TorchPolicy:
             ratio = torch.exp(new - torch.tensor(s["logprobs"]))
             clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
             adv = float(s["advantage"])
-            loss = -torch.minimum(ratio * adv, clipped * adv).sum() / n_tokens
+            per_token = torch.minimum(ratio * adv, clipped * adv)
+            if s.get("weights") is not None:
+                per_token = per_token * torch.tensor(s["weights"])
+            loss = -per_token.sum() / n_tokens
             loss.backward()
             loss_sum += loss.item()
             ratios.extend(ratio.detach().tolist())

@@ -39,6 +39,12 @@ class Sample:
     advantage: float = 0.0
     served: str | None = None
     """The response body's ``model``: in LoRA mode the adapter version that sampled it, ``NAME@step-k``."""
+    spans: list[list[Any]] | None = None
+    """Which weights made which tokens, ``[[version, first, last], ...]`` (token indexes, inclusive): the
+    body's ``weight_versions``, which the builtin router puts on every answer it follows
+    (docs/continuation.md). None from a front that does not say."""
+    weights: list[float] | None = None
+    """Each token's weight in the loss (``token_weights``); None: every token weighs 1."""
 
 
 def reward(tokens: Sequence[int], target: frozenset[int] = TARGET) -> float:
@@ -67,6 +73,26 @@ def split_by_version(
         return s.version == expected and (served is None or s.served == served)
 
     return [s for s in samples if ok(s)], [s for s in samples if not ok(s)]
+
+
+def token_weights(sample: Sample, expected: str, other: float = 0.0) -> list[float]:
+    """Each token's weight in the loss: 1 for a token made by ``expected`` (the version the step's
+    rollout logprobs and advantages are for), ``other`` for one made by any other version (0: masked).
+
+    Why per token: an answer that crossed a keep-mode refit, or moved to an engine on another version when
+    its own died or was drained, was made partly by other weights; its importance ratio is off for exactly
+    those tokens, and dropping the whole sample throws away the rest. Without spans the sample's one
+    version (its ``x-rl-weight-version``) decides for every token; a token no span covers is another
+    version's."""
+    n = len(sample.tokens)
+    if not sample.spans:
+        return [1.0 if sample.version == expected else other] * n
+    out = [other] * n
+    for version, first, last in sample.spans:
+        if version == expected:
+            for i in range(max(0, int(first)), min(n - 1, int(last)) + 1):
+                out[i] = 1.0
+    return out
 
 
 def score(samples: list[Sample]) -> None:
@@ -129,7 +155,8 @@ def rollouts(
         g = i // group
         body, version = router.complete(prompts[g], max_tokens, 1.0, seed * 100_003 + i)
         tokens, logprobs = parse_completion(body)
-        return Sample(g, prompts[g], tokens, logprobs, version, served=body.get("model"))
+        spans = body.get("weight_versions")
+        return Sample(g, prompts[g], tokens, logprobs, version, served=body.get("model"), spans=spans)
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts) * group)))

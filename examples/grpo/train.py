@@ -130,6 +130,7 @@ from rollouts import (  # the pure parts' names too: tests/vllm/test_grpo_exampl
     rollouts,
     score,
     split_by_version,
+    token_weights,
 )
 from vllm_api import VllmControl
 
@@ -147,6 +148,7 @@ __all__ = [
     "rollouts",
     "score",
     "split_by_version",
+    "token_weights",
 ]
 
 FLAT_WHY = (
@@ -189,7 +191,7 @@ class WorkerPolicy:
         return dict(reply)
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
-        fields = ("prompt", "tokens", "logprobs", "advantage")
+        fields = ("prompt", "tokens", "logprobs", "advantage", "weights")
         rows = [{k: getattr(s, k) for k in fields} for s in samples]
         return dict(self._call({"op": "update", "samples": rows})["stats"])
 
@@ -399,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
             seen[str(s.version)] = seen.get(str(s.version), 0) + 1
             if adapter:
                 served_seen[str(s.served)] = served_seen.get(str(s.served), 0) + 1
+        if not adapter:  # the spans name the engines' versions; an adapter's is in the served name
+            for s in kept:  # a token another version made (a keep-mode refit, a move) is masked
+                s.weights = token_weights(s, version)
+            masked = sum(w == 0.0 for s in kept for w in s.weights or ())
+            if masked:
+                print(f"grpo: step {step}: {masked} tokens made by another version masked", flush=True)
         score(kept)
         stats = policy.update(kept) if kept else {}
         mass = policy.target_mass(mass_prompts)
