@@ -120,6 +120,8 @@ class Continuation:
         self._ready = False  # an event the router does not read went by: nothing waits any more
         self._tail: list[bytes] = []
         self.whole: bytes | None = None
+        self.broken: list[str] = []
+        """The kind of each part that broke (the moves' causes), in order."""
         """A whole answer's body, once sent (the record keeps it with ``record_text``)."""
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -143,6 +145,7 @@ class Continuation:
                 if kind not in MOVE_REASONS:
                     kind = "timeout" if kind == "timeout" else "stream_broken"
                 self.engines.failed(part.url, kind, charged=kind == "stream_broken")
+                self.broken.append(kind)
                 if self.draft is not None:
                     self.draft.end(kind, part.version)
                 try:
@@ -351,6 +354,12 @@ class Continuation:
         await response.write_eof()
         return response
 
+    @property
+    def poisoned(self) -> bool:
+        """Whether the request outlived the backend timeout on two engines: the request's length, as
+        ``router.http.attribution`` says of a request that times out wherever it goes."""
+        return self.broken.count("timeout") >= 2
+
     async def _give_up(self, why: Exception) -> web.StreamResponse:
         """No move: the SSE error event on a streamed answer, 500 on a whole one (module doc)."""
         message = f"generation could not be continued after {self.answer.produced} tokens: {why}"
@@ -363,8 +372,12 @@ class Continuation:
             await self._write(b"event: error\ndata: " + payload + b"\n\n")
             await self.response.write_eof()
             return self.response
+        # Named as the forwarder names its last failure (``backend_timeout``, ...), so a client's retry
+        # logic reads a continued request's end as it read a retried one's.
+        last = self.broken[-1] if self.broken else "failed"
+        kind = "failed" if last in MOVE_REASONS else last
         body = orjson.dumps(
-            {"error": {"message": message, "type": "backend_failed", "code": 500}, "router": True}
+            {"error": {"message": message, "type": f"backend_{kind}", "code": 500}, "router": True}
         )
         response = web.Response(status=500, body=body, content_type="application/json")
         await response.prepare(self.request)

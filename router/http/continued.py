@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router.consumers import OWNER_CONSUMER
 from router.continuation.loop import Broke, Continuation, NoMove
 from router.continuation.plan import COMPLETIONS, Plan, plan_of
+from router.http.auth import CONSUMER
 from router.http.bodies import LARGE_BODY_BYTES
 from router.http.headers import RESPONSE_DROP, filter_raw_headers, header_safe
 from router.http.slots import Slot, Ticket
@@ -165,6 +167,8 @@ async def continue_answer(
         response = await loop.run(part)
     except Broke as exc:
         raise UpstreamError(exc.kind, str(exc), started=True) from None
+    if loop.poisoned:
+        forwarder.metrics.poisoned((request.get(CONSUMER) or OWNER_CONSUMER).name)
     if ticket is not None:
         ticket.end(loop.answer.total_usage().get("completion_tokens") or 0)
     if draft is not None and forwarder.relay.record_text and loop.whole is not None:

@@ -295,9 +295,10 @@ class Forwarder:
                 adapter.route.target.enter()
         shown = adapter.route.version if adapter is not None else None
         tried: set[str] = set()
-        plan = await plan_request(request.path, body) if hold and self.config.continuation_max_moves else None
-        exclude = adapter.exclude if adapter else frozenset()
-        moves = Moves(self, plan, route_request, headers, request_id, tried, exclude, want) if plan else None
+        # Planned once dispatched, not before: a request held for a pause or a fair share keeps only its
+        # bytes (a parsed body would double what the held bodies' bound lets it keep).
+        continued = hold and self.config.continuation_max_moves > 0
+        moves: Moves | None = None
         last: UpstreamError | None = None
         ticket: Ticket | None = None
         blame: Blame | None = None  # made at the first failure (router.http.attribution)
@@ -354,6 +355,14 @@ class Forwarder:
                 tried.add(url)
                 if draft is not None:
                     draft.begin(url)
+                if continued and not attempt:
+                    plan = await plan_request(request.path, body)
+                    exclude = adapter.exclude if adapter else frozenset()
+                    moves = (
+                        Moves(self, plan, route_request, headers, request_id, tried, exclude, want)
+                        if plan
+                        else None
+                    )
                 try:
                     response = await self._attempt(
                         request,
