@@ -9,7 +9,7 @@ engine, first one engine at a time ("alone") and then to all engines at once ("t
 that share a core slow each other down). Bounded: ``--requests`` requests per engine and phase, each
 at most 120 s.
 
-    export RL_LAUNCH_VLLM_PYTHON=$(.ci/install-vllm.sh)
+    export RL_LAUNCH_VLLM_PYTHON="$(scripts/install-vllm.sh --cpu)"
     flock /tmp/rl-heavy.lock .venv/bin/python bench/cpu_engines.py --engines 2 --requests 6 --streams 4
 
 Prints the report and writes it as JSON (``--json``, default ``<job>/cpu_engines.json``).
@@ -176,7 +176,8 @@ def outside(args: argparse.Namespace) -> int:
     python = os.environ.get("RL_LAUNCH_VLLM_PYTHON")
     if not python:
         sys.exit(
-            "cpu_engines: set RL_LAUNCH_VLLM_PYTHON (export RL_LAUNCH_VLLM_PYTHON=$(.ci/install-vllm.sh))"
+            "cpu_engines: set RL_LAUNCH_VLLM_PYTHON "
+            '(export RL_LAUNCH_VLLM_PYTHON="$(scripts/install-vllm.sh --cpu)")'
         )
     model = ensure_tiny_model(python, Path(args.model) if args.model else default_model_dir())
     root = Path(args.job_root or tempfile.mkdtemp(prefix="cpu-engines-"))

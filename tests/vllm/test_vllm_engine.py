@@ -6,7 +6,7 @@ deadline, process-group cleanup and the env the child actually receives are chec
 The e2e part (``-m vllm``) starts two real vLLM CPU engines (needs ``RL_LAUNCH_VLLM_PYTHON``) and puts
 the generation router in front of them::
 
-    export RL_LAUNCH_VLLM_PYTHON=$(.ci/install-vllm.sh)   # once; prints the venv's python
+    export RL_LAUNCH_VLLM_PYTHON="$(scripts/install-vllm.sh --cpu)"   # once; prints the venv's python
     .venv/bin/pytest tests/vllm/test_vllm_engine.py -m vllm -s  # -s shows timings and prefix-cache figures
 """
 
