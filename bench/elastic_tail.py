@@ -66,8 +66,8 @@ def spec_for(arm: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
         "drain_timeout_s": 120,
     }
     router: dict[str, Any] = {"backend_timeout_s": 60}
-    if arm == "tail-wait":
-        router["continuation_max_moves"] = 0  # the drain waits for what is in flight (before issue 41)
+    # the drain waits for what is in flight (tail-wait, as before issue 41) or moves it (tail: opt-in)
+    router["continuation_max_moves"] = 0 if arm == "tail-wait" else 3
     if arm != "static":
         generation["elastic"] = {
             "floor_nodes": 1,

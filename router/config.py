@@ -167,12 +167,14 @@ class RouterSettings(BaseModel):
         "would be answered at once (a version no engine will serve is answered 400 at once)",
     )
     continuation_max_moves: int = Field(
-        default=3,
+        default=0,
         ge=0,
         description="times one completions or chat generation may move to another engine, with the tokens "
         "it produced, when its engine dies, restarts, is drained or quarantined mid-request "
         "(router.continuation; docs/continuation.md). 0: off, every request is proxied as it is and a "
-        "broken one retried from its start",
+        "broken one retried from its start. Off by default until the fronts and fleets it breaks are fixed: "
+        "a Dynamo frontend refuses the return_token_ids it adds (400), and LoRA tenants' requests moved "
+        "off an engine an adapter refit takes out failed (docs/continuation.md, 'Off by default')",
     )
     max_held_per_consumer: int | None = Field(
         default=None,
