@@ -93,7 +93,7 @@ class Answer:
     def cut_to_settled(self) -> None:
         """Forget the tokens after the last one whose text came. vLLM's detokenizer, primed with a prompt
         that ends inside a character, gives the whole prompt's text as the continuation's first piece
-        (tokenizers' ``DecodeStream``; /work/team/vllm-continuation-probe.md 3): a move continues from a
+        (tokenizers' ``DecodeStream``; docs/continuation.md, the detokenizer): a move continues from a
         settled token instead and the new engine makes the pending ones again (greedy: the same)."""
         n = self.settled
         del self.ids[n:]
