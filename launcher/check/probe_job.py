@@ -89,15 +89,18 @@ def _cancel_by_name(name: str, wait_s: float = 20.0) -> None:
 
 
 def _exit_on_sigterm() -> Any:
-    """SIGTERM raises ``SystemExit`` (143) while the probes run, so the cleanup runs as for Ctrl-C; the
-    previous handler, or None off the main thread (where Python lets no handler be set)."""
+    """SIGTERM raises ``SystemExit`` (143) while the probes run, so the cleanup runs as for Ctrl-C, and
+    SIGINT raises ``KeyboardInterrupt`` even where it was ignored when check started (a background job
+    of a non-interactive shell, CI's: Python then installs no handler and a SIGINT sent to check alone
+    was lost while its probes stayed queued); the previous handlers, or None off the main thread (where
+    Python lets no handler be set)."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def _raise(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    return signal.signal(signal.SIGTERM, _raise)
+    return signal.signal(signal.SIGTERM, _raise), signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _stop(run: ProbeRun, proc: subprocess.Popen[bytes]) -> None:
@@ -144,7 +147,8 @@ def run_steps(runs: list[ProbeRun], config_of: dict[str, dict[str, Any]], timeou
         raise
     finally:
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])
     for run, proc, out, err in started:
         if proc.poll() is None:
             run.timed_out = True

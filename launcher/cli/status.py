@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -72,7 +73,8 @@ def status_command(
     """
     job_dir, queued_id = lookup_target(job, root)
     collector = StatusCollector(job_dir, slurm_job_id=queued_id, timeout_s=timeout_s, events=events)
-    console = Console(width=None if os.isatty(1) or "COLUMNS" in os.environ else 200)  # rich reads COLUMNS
+    # rich reads COLUMNS; the stream it writes to decides (fd 1 may be a terminal where click's stream is not)
+    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200)
     if as_json or once:
         snap = asyncio.run(acollect_snapshot(collector, interval))
         if as_json:

@@ -257,7 +257,10 @@ def test_json_output_parses_and_matches_the_snapshot(running_job: Path) -> None:
 
 
 def test_once_prints_one_frame(running_job: Path, fleet: dict[str, Any]) -> None:
-    result = CliRunner().invoke(main, ["status", str(running_job), "--once", "--interval", "0.2"])
+    # Piped with no COLUMNS/LINES, as a user's script has it (a value left in this process's environment
+    # would size the frame for a terminal it is not drawn on).
+    env = {"COLUMNS": None, "LINES": None}
+    result = CliRunner().invoke(main, ["status", str(running_job), "--once", "--interval", "0.2"], env=env)
     assert result.exit_code == 0, result.output
     for url in [*fleet["urls"], fleet["dead_url"]]:
         assert url in result.output

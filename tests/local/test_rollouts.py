@@ -105,7 +105,20 @@ def test_dashboard_in_a_terminal_names_the_replays_slowest_sessions(tmp_path: Pa
             assert time.monotonic() < deadline and proc.poll() is None, "the replay did not finish"
             time.sleep(0.3)
         subprocess.run(
-            ["tmux", "new-session", "-d", "-s", name, "-x", "220", "-y", "80", f"{RL_LAUNCH} status {job}"],
+            # the pane's own size: COLUMNS/LINES left in this process's environment (tmux hands them on)
+            # would override the 220x80 terminal rich measures
+            [
+                "tmux",
+                "new-session",
+                "-d",
+                "-s",
+                name,
+                "-x",
+                "220",
+                "-y",
+                "80",
+                f"env -u COLUMNS -u LINES {RL_LAUNCH} status {job}",
+            ],
             check=True,
         )
         time.sleep(5)  # a few refreshes
