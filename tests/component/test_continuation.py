@@ -26,12 +26,12 @@ import aiohttp
 import orjson
 import pytest
 
-from launcher.engines.base import EngineSpec
 from launcher.engines.sim import SimEngine
 from router import GenerationRouter
 from router.continuation.spans import parse_header
 from router.record.format import read_records
 from tests.support.http_backends import router_factory
+from tests.support.sim_processes import sim_processes
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -47,17 +47,8 @@ def routers() -> Iterator[Callable[..., GenerationRouter]]:
 
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[list[SimEngine]]:
-    made = []
-    try:
-        for i in range(2):
-            spec = EngineSpec(model="sim", log_path=str(tmp_path / f"sim{i}.log"), startup_timeout_s=60)
-            engine = SimEngine(spec)
-            engine.start_and_wait()
-            made.append(engine)
+    with sim_processes(tmp_path) as made:
         yield made
-    finally:
-        for engine in made:
-            engine.stop(grace_s=5)
 
 
 def _body(path: str, stream: bool, **extra: Any) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from router.state.routing import LocalRouting
 from tests.support.checkpoints import checkpoint, unloadable
 from tests.support.http_backends import router_factory
 from tests.support.refit_calls import TOKEN, chat, in_thread, send
+from tests.support.sim_processes import sim_processes
 
 A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -121,17 +122,8 @@ MOVE_AFTER = 40  # tokens the client has when the fleet acts
 
 @pytest.fixture
 def sim_engines(tmp_path: Path) -> Iterator[list[SimEngine]]:
-    made: list[SimEngine] = []
-    try:
-        for i in range(2):
-            spec = EngineSpec(model="sim", log_path=str(tmp_path / f"sim{i}.log"), startup_timeout_s=60)
-            engine = SimEngine(spec)
-            engine.start_and_wait()
-            made.append(engine)
+    with sim_processes(tmp_path) as made:
         yield made
-    finally:
-        for engine in made:
-            engine.stop(grace_s=5)
 
 
 def _body() -> dict[str, Any]:
