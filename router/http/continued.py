@@ -7,19 +7,38 @@ like a retry (engines tried excluded, held while the fleet is paused, gated on t
 like the first part) and sends its body to ``/v1/completions`` with the request's own headers. A move's
 engine that fails before its stream starts counts against it as a failed attempt would, and the loop
 tries another while moves are left.
+
+What a move may not land on is worked out at each move, not when the request arrived (issue 41, the
+LoRA finding: a tenant's request moved off two engines in turn ended 500 under load):
+
+* engines that *failed* this request (a broken stream, a refused move, a failed first attempt) and the
+  engine it is leaving; an engine the fleet only moved it off (``removed``, ``drained``, ``restarted``,
+  ``quarantined``) may take it again once it serves again;
+* for an adapter's request, every serving engine that does not hold the adapter's version *now*: an
+  engine restarted on a new port enters the serving set before the router has restored its adapters
+  (``router.fleet.adapter_refit.on_serving``), and a move sent there got vLLM's 404. While no engine
+  holds it, the move waits for one (the restore), at most the router's ``version_max_wait_s``;
+* engines that refused the first part's added fields (``refused_fields``): they would refuse a move's.
+
+An engine or front that answers 400 or 422 to the first part's body (the client's bytes with
+``return_token_ids`` and the usage stream added: a Dynamo frontend refuses the unknown field) gets the
+client's own bytes at once, on the same engine, and the request is proxied as without continuation: the
+engine answers exactly as before, and it is neither a failed attempt nor a move. The forwarder remembers
+the engine (``Forwarder.plain_only``) and sends its later requests the client's bytes straight away.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from router.consumers import OWNER_CONSUMER
-from router.continuation.loop import Broke, Continuation, NoMove
+from router.continuation.loop import MOVE_REASONS, Broke, Continuation, NoMove
 from router.continuation.plan import COMPLETIONS, Plan, plan_of
 from router.http.auth import CONSUMER
 from router.http.bodies import LARGE_BODY_BYTES
@@ -33,11 +52,47 @@ from router.state.routing import Chosen
 from router.state.versions import ROUTER_REQUEST_ID_HEADER, VERSION_HEADER, UnknownVersion, VersionRefused
 
 if TYPE_CHECKING:
+    from router.adapters.requests import AdapterRequest, AdapterRequests
     from router.http.forwarding import Forwarder
     from router.record.draft import RecordDraft
     from router.state.versions import VersionWant
 
 MOVE_REFUSED = (NoBackendAvailable, PauseRefused, VersionRefused, UnknownVersion, FairShareRefused)
+REFUSED_FIELDS = frozenset({400, 422})
+"""An engine's answer to the first part that makes the router send the client's own bytes again."""
+PLAIN_ONLY_MAX = 4096
+"""Engines remembered as refusing the added fields, at most (a fleet restarting on new ports forever)."""
+MOVE_POLL_S = 0.05
+
+
+async def plain_if_refused(
+    forwarder: Forwarder,
+    upstream: UpstreamResponse,
+    moves: Moves,
+    url: str,
+    method: str,
+    path_qs: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+) -> tuple[UpstreamResponse, Moves | None]:
+    """The engine's answer to the first part, and the request's moves; when the engine refused the first
+    part's body (``REFUSED_FIELDS``), its answer to the client's own ``body`` instead, and no moves: the
+    refused answer is read and let go, then the same engine is asked as without continuation. An engine
+    that takes the client's bytes is remembered in ``Forwarder.plain_only`` (one that refuses them too
+    refused the client's request, not the router's fields)."""
+    if upstream.status not in REFUSED_FIELDS:
+        return upstream, moves
+    try:
+        await upstream.read_at_most(forwarder.relay.max_error_body_bytes)
+    finally:
+        upstream.release()
+    plain = await forwarder.pool.request(url, method, path_qs, headers, body)
+    if plain.status < 400:
+        remembered = forwarder.plain_only
+        if len(remembered) >= PLAIN_ONLY_MAX:
+            remembered.clear()
+        remembered.add(url)
+    return plain, None
 
 
 async def plan_request(path: str, body: bytes) -> Plan | None:
@@ -46,6 +101,19 @@ async def plan_request(path: str, body: bytes) -> Plan | None:
     if len(body) > LARGE_BODY_BYTES:
         return await asyncio.get_running_loop().run_in_executor(None, plan_of, path, body)
     return plan_of(path, body)
+
+
+async def moves_for(
+    forwarder: Forwarder,
+    path: str,
+    body: bytes,
+    route_request: RouteRequest,
+    headers: list[tuple[bytes, bytes]],
+    request_id: str,
+) -> Moves | None:
+    """The moves of a request the router continues (None: it is proxied as it is)."""
+    plan = await plan_request(path, body)
+    return Moves(forwarder, plan, route_request, headers, request_id) if plan is not None else None
 
 
 def is_event_stream(upstream: UpstreamResponse) -> bool:
@@ -86,29 +154,69 @@ class Moves:
         route_request: RouteRequest,
         headers: list[tuple[bytes, bytes]],
         request_id: str,
-        tried: set[str],
-        exclude: frozenset[str],
-        want: VersionWant | None,
     ) -> None:
         self.forwarder = forwarder
         self.plan = plan
         self.route_request = route_request
         self.headers = headers
         self.request_id = request_id
-        self.tried = tried
-        self.exclude = exclude
-        self.want = want
+        self.tried: set[str] = set()
+        """The forwarder's engines tried for this request (its own set, shared)."""
+        self.want: VersionWant | None = None
+        """The client's version gate, which a move meets as the first part did."""
+        self.lacking: Callable[[], frozenset[str]] | None = None
+        """The serving engines a move may not go to now for want of what the request names."""
+        self.wait_s = 0.0
+        """How long a move waits for one of ``lacking`` to be ready (0: not at all)."""
+        self.current: str | None = None
+        """The engine the answer is on now (left out of its next move)."""
+        self.left: set[str] = set()
+        """Engines the fleet moved the request off, which did not fail it."""
+
+    def need_adapter(self, adapters: AdapterRequests | None, adapter: AdapterRequest | None) -> None:
+        """A request for ``adapter``: its moves go only to engines holding its version at the time, and
+        wait for one (a restarted engine's restore) up to the router's ``version_max_wait_s``."""
+        if adapters is None or adapter is None:
+            return
+        target = adapter.route.target
+        self.lacking = lambda: frozenset(u for u in adapters.serving() if u not in target.engines)
+        self.wait_s = adapters.max_wait_s
+
+    def excluded(self) -> frozenset[str]:
+        """Where a move may not go now (module doc)."""
+        out = (self.tried - self.left) | self.forwarder.plain_only
+        if self.current is not None:
+            out = out | {self.current}
+        if self.lacking is not None:
+            out = out | self.lacking()
+        return frozenset(out)
+
+    async def _dispatch(self) -> Chosen:
+        """The move's engine; while none but engines lacking the request's adapter could take it, waits
+        (polling, ``wait_s`` at most) for one of them to get it."""
+        routing = self.forwarder.routing
+        until = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return await routing.dispatch(self.route_request, self.excluded(), True, self.want, None)
+            except NoBackendAvailable:
+                if self.lacking is None or time.monotonic() >= until:
+                    raise
+                waiting = self.lacking() - (self.tried - self.left) - {self.current}
+                if not waiting:
+                    raise  # no serving engine that may yet get the adapter
+                await asyncio.sleep(MOVE_POLL_S)
 
     async def open_move(self, body: bytes) -> HttpPart:
         fwd = self.forwarder
         try:
-            chosen = await fwd.routing.dispatch(
-                self.route_request, frozenset(self.tried) | self.exclude, True, self.want, None
-            )
+            chosen = await self._dispatch()
         except MOVE_REFUSED as exc:
             raise NoMove(str(exc)) from None
         url = chosen.url
         self.tried.add(url)
+        self.left.discard(url)
+        self.current = url
         slot = Slot(fwd.routing, url, len(body), chosen.version, self.request_id)
         try:
             upstream = await fwd.pool.request(url, "POST", COMPLETIONS, self.headers, body)
@@ -131,6 +239,8 @@ class Moves:
         return HttpPart(fwd, chosen, upstream, slot)
 
     def failed(self, url: str, kind: str, charged: bool) -> None:
+        if kind in MOVE_REASONS:  # the fleet's doing, not the engine's failure: it may serve it again
+            self.left.add(url)
         self.forwarder.relay.failed(self.route_request, url, kind, charged)
 
     def client_gone(self) -> None:
@@ -163,6 +273,7 @@ async def continue_answer(
         moves.plan, request, head, moves, forwarder.config.continuation_max_moves, watch, draft, header_safe
     )
     part = HttpPart(forwarder, chosen, upstream, slot)
+    moves.current = chosen.url
     try:
         response = await loop.run(part)
     except Broke as exc:

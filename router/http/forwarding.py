@@ -6,7 +6,8 @@ Rules, each preventing a failure seen with real clients and peers:
 * A completions or chat request the router can follow (``router.continuation.plan``) is read as an
   event stream and, when its engine breaks or the fleet moves it, continued on another engine from the
   tokens produced (``router.continuation``; the plumbing in ``router.http.continued``), up to
-  ``continuation_max_moves`` times. Every other request is proxied byte for byte as below.
+  ``continuation_max_moves`` times. An engine that refuses the fields this adds (400/422: a Dynamo
+  frontend) gets the client's own bytes at once. Every other request is proxied byte for byte as below.
 * The request body is read whole (the policy needs the prompt; a retry must resend it), within the
   size cap and the body deadline (``router.http.bodies``), the response
   is streamed chunk by chunk as it arrives (SSE included), so a long generation is never buffered.
@@ -86,7 +87,7 @@ from router.http.auth import CONSUMER, account_of, still_admitted
 from router.http.bodies import LARGE_BODY_BYTES, read_body
 from router.http.capability import ROUTE_KEY
 from router.http.consumer_limits import ConsumerLimits
-from router.http.continued import Moves, continue_answer, is_event_stream, plan_request
+from router.http.continued import Moves, continue_answer, is_event_stream, moves_for, plain_if_refused
 from router.http.forwarding_config import ForwardingConfig as ForwardingConfig
 from router.http.headers import REQUEST_DROP, REQUEST_ID, filter_raw_headers, new_request_id, request_id_of
 from router.http.limits import DEFAULT_HTTP_LIMITS, HttpLimits
@@ -169,6 +170,9 @@ class Forwarder:
         self.engine_watch = EngineWatch()
         """This process's tracked attempts by engine (``router.continuation.moves``): the fleet side asks
         the requests on a drained, quarantined, removed or restarted engine to move through it."""
+        self.plain_only: set[str] = set()
+        """Engines that refused a continued request's added fields and took the client's own bytes (a
+        Dynamo frontend): their requests are proxied as they are (``router.http.continued``)."""
 
     def use_limits(self, limits: HttpLimits) -> None:
         """Apply the backend-side limits (header bytes, quoted error body); called before serving."""
@@ -356,13 +360,10 @@ class Forwarder:
                 if draft is not None:
                     draft.begin(url)
                 if continued and not attempt:
-                    plan = await plan_request(request.path, body)
-                    exclude = adapter.exclude if adapter else frozenset()
-                    moves = (
-                        Moves(self, plan, route_request, headers, request_id, tried, exclude, want)
-                        if plan
-                        else None
-                    )
+                    moves = await moves_for(self, request.path, body, route_request, headers, request_id)
+                    if moves is not None:
+                        moves.tried, moves.want = tried, want
+                        moves.need_adapter(self.adapters, adapter)
                 try:
                     response = await self._attempt(
                         request,
@@ -469,9 +470,15 @@ class Forwarder:
         # holds (cache_aware bounds on it).
         url, version = chosen.url, chosen.version
         slot = Slot(self.routing, url, len(body), version, request_id)
+        if moves is not None and url in self.plain_only:
+            moves = None  # it refused the added fields before: the client's bytes, as they are
         try:
             sent = body if moves is None else moves.plan.first_body
             upstream = await self.pool.request(url, request.method, path_qs, headers, sent)
+            if moves is not None:  # an engine that refuses the added fields gets the client's bytes
+                upstream, moves = await plain_if_refused(
+                    self, upstream, moves, url, request.method, path_qs, headers, body
+                )
             if blame is not None and upstream.status < 500:
                 self._charge(route_request.path, blame.answered(upstream.status))
             answered = chosen if shown is None else chosen._replace(version=shown)
