@@ -10,8 +10,10 @@ restarted engine is the only one serving and does not hold the adapter yet.
 
 Before: the move's exclusion was the set of engines not holding the adapter when the request arrived,
 so the restarted engine (not serving then) was not in it: the move went there and got vLLM's 404, and
-with no engine left untried the client got 500. What must hold: the move waits (bounded) for an engine
-that holds the adapter's version, and the client's answer is the uninterrupted one.
+with no engine left untried the client got 500; and every engine tried was excluded from every move, so
+A back on its own URL (its probes passing again) could not take the request either. What must hold:
+the move waits (bounded) for an engine that holds the adapter's version, and the client's answer is the
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -113,9 +115,13 @@ async def _serving(router: GenerationRouter) -> str:
     raise AssertionError("no engine has the request in flight")
 
 
+@pytest.mark.parametrize("back", ["restarted on a new port", "on its own URL"])
 async def test_a_tenants_request_moved_twice_waits_for_the_restarted_engines_adapter(
-    routers: Callable[..., GenerationRouter], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    back: str, routers: Callable[..., GenerationRouter], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``back``: how A returns to the serving set. On its own URL (its probes pass again), it must take
+    the request back although the request was on it before: the fleet moved it off, A did not fail it
+    (before, every engine tried was excluded from every move: 500 with A serving)."""
     config = {**lora_engine(max_cpu_loras=4), "step_base_s": 0.01}
     engines = [SimServer(SimConfig(**config), index=i) for i in range(2)]
     for e in engines:
@@ -142,18 +148,23 @@ async def test_a_tenants_request_moved_twice_waits_for_the_restarted_engines_ada
             other = next(u for u in by_url if u != first)
             # A fails its probes: the push without it ('removed'); its stream moves to B
             await loop.run_in_executor(None, router.set_serving_backends, [other])
-            # A is restarted: a fresh engine on a new port, without adapters; B is pushed out next
-            await by_url[first].stop()
-            fresh = SimServer(SimConfig(**config), index=2)
-            await fresh.start()
-            restarted.append(fresh)
-            await loop.run_in_executor(None, router.set_serving_backends, [other, fresh.url])
-            await loop.run_in_executor(None, router.set_serving_backends, [fresh.url])
+            if back == "on its own URL":
+                returned = first
+                restarted.append(by_url[first])
+            else:  # A is restarted: a fresh engine on a new port, without adapters
+                await by_url[first].stop()
+                fresh = SimServer(SimConfig(**config), index=2)
+                await fresh.start()
+                restarted.append(fresh)
+                returned = fresh.url
+            # back in the serving set (its adapters restored meanwhile); B is pushed out next
+            await loop.run_in_executor(None, router.set_serving_backends, [other, returned])
+            await loop.run_in_executor(None, router.set_serving_backends, [returned])
 
         status, cut = await _stream(url, fleet_acts)
         assert restarted, "the fleet never acted"
         assert status == 200, f"the client got {status} after {len(cut)} tokens"
         assert cut == whole
     finally:
-        for e in [*engines, *restarted]:
+        for e in {id(e): e for e in [*engines, *restarted]}.values():
             await e.stop()
