@@ -167,14 +167,14 @@ class RouterSettings(BaseModel):
         "would be answered at once (a version no engine will serve is answered 400 at once)",
     )
     continuation_max_moves: int = Field(
-        default=0,
+        default=3,
         ge=0,
         description="times one completions or chat generation may move to another engine, with the tokens "
         "it produced, when its engine dies, restarts, is drained or quarantined mid-request "
-        "(router.continuation; docs/continuation.md). 0: off, every request is proxied as it is and a "
-        "broken one retried from its start. Off by default until the fronts and fleets it breaks are fixed: "
-        "a Dynamo frontend refuses the return_token_ids it adds (400), and LoRA tenants' requests moved "
-        "off an engine an adapter refit takes out failed (docs/continuation.md, 'Off by default')",
+        "(router.continuation; docs/continuation.md): an engine's death costs its own GPU time, never the "
+        "work done on a request. 0: off, every request is proxied byte for byte as it is and a broken one "
+        "retried from its start (the router reads no tokens: its cost per request, docs/continuation.md, "
+        "'Limits'). Off in Dynamo's key-checking front, whose one backend is the frontend",
     )
     max_held_per_consumer: int | None = Field(
         default=None,

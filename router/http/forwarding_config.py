@@ -25,7 +25,7 @@ class ForwardingConfig:
     consumer_accounting: bool = False
     drop_client_auth: bool = False
     record_text: bool = False
-    continuation_max_moves: int = 0
+    continuation_max_moves: int = 3
 
     @classmethod
     def of(cls, config: RouterConfig) -> ForwardingConfig:

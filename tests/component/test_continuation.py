@@ -41,7 +41,7 @@ KILL_AFTER = 40  # tokens the client (or the engine) has before the kill
 
 @pytest.fixture
 def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(continuation_max_moves=3) as make:  # opt-in (router.config)
+    with router_factory(continuation_max_moves=3) as make:  # the default, named
         yield make
 
 

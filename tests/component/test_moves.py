@@ -44,7 +44,7 @@ A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
 @pytest.fixture
 def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(probe_interval_s=0, continuation_max_moves=3) as make:  # opt-in (router.config)
+    with router_factory(probe_interval_s=0, continuation_max_moves=3) as make:  # the default, named
         yield make
 
 

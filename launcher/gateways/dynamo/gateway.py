@@ -58,6 +58,13 @@ from router.ports import free_port
 if TYPE_CHECKING:
     from router.server import GenerationRouter
 
+FRONT_SETTINGS: dict[str, Any] = {"continuation_max_moves": 0}
+"""What the key-checking front sets apart from our router's defaults. No continuation
+(``router.continuation``, on by default elsewhere): its one backend is the frontend, so a move has nowhere
+to go; Dynamo re-routes a request whose worker dies itself (``--migration-limit``); and the frontend
+refuses the ``return_token_ids`` a continued request's first part adds (400: the router would fall back to
+the client's bytes on each engine once, for nothing)."""
+
 _GENERATE = "generate"
 _PER_WORKER_ENDPOINT = "worker_kv_query_source_"
 
@@ -178,8 +185,9 @@ class DynamoGateway(Gateway):
     def _start_front(self) -> str:
         """Our router on the reserved port, in front of the frontend: the job's key on every proxied
         route (``router.http.auth``), one backend that the driver owns (``health_managed``: no probing, the
-        runtime's liveness is watched here), with our router's default settings (the spec's router
-        settings configure our router only where it is the front; Dynamo's own are ``router.dynamo``)."""
+        runtime's liveness is watched here), with our router's default settings but ``FRONT_SETTINGS`` (the
+        spec's router settings configure our router only where it is the front; Dynamo's own are
+        ``router.dynamo``)."""
         from router.config import RouterConfig, RouterSettings
         from router.http.app import RouterBindError
         from router.server import GenerationRouter
@@ -187,7 +195,7 @@ class DynamoGateway(Gateway):
         ctx = self.context
         try:
             config = RouterConfig.from_settings(
-                RouterSettings(),
+                RouterSettings(**FRONT_SETTINGS),
                 host=ctx.host,
                 port=ctx.port,
                 port_held=True,  # beside the driver's placeholder (binds_beside_port_hold)
