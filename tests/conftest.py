@@ -43,6 +43,19 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
     lane built a second copy while the vLLM lane built its own). No test may change it in place: a test
     that edits weights edits a copy (one lane's engines read it while the other's do).
     """
+    return _run_model(vllm_python, tmp_path_factory, "tiny-model", paced=False)
+
+
+@pytest.fixture(scope="session")
+def paced_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's tokenizer with a bigger random model (``tests/support/tiny_model.PACED_CONFIG``):
+    one CPU core decodes it at about 6 ms a token, slower than a router and a client read, so a test can
+    act in the middle of a generation. Built once per run like ``tiny_model_dir``."""
+    return _run_model(vllm_python, tmp_path_factory, "paced-model", paced=True)
+
+
+def _run_model(vllm_python: str, tmp_path_factory: pytest.TempPathFactory, name: str, paced: bool) -> Path:
+    """This run's model ``name``, built by the first lane that needs it under a file lock."""
     import fcntl
 
     try:  # tests/ is a package when tests/__init__.py exists, a rootdir on sys.path otherwise
@@ -53,9 +66,9 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
     run_dir = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         run_dir = run_dir.parent  # .../pytest-N/popen-gwK -> .../pytest-N, this run's and only this run's
-    with (run_dir / "tiny-model.lock").open("w") as lock:
+    with (run_dir / f"{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return ensure_tiny_model(vllm_python, run_dir / "tiny-model" / "tiny-llama")
+        return ensure_tiny_model(vllm_python, run_dir / name / "tiny-llama", paced=paced)
 
 
 # ============================================================================================

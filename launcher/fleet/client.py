@@ -86,9 +86,15 @@ class RefitHandle:
         self.result: dict[str, Any] | None = None
         """The transaction's end, set on exit."""
 
-    def load_weights(self, path: str | Path) -> dict[str, Any]:
-        """Every engine still in the transaction reloads from ``path`` (checked before it is sent)."""
-        body = {"id": self.id, "from": str(Path(path).expanduser().absolute())}
+    def load_weights(
+        self, path: str | Path, per_engine: dict[str, str | Path] | None = None
+    ) -> dict[str, Any]:
+        """Every engine still in the transaction reloads from ``path`` (checked before it is sent);
+        ``per_engine``: ``{engine url: directory}`` for engines that read a node-local copy instead, as
+        in ``FleetClient.load_weights``."""
+        body: dict[str, Any] = {"id": self.id, "from": str(Path(path).expanduser().absolute())}
+        if per_engine:
+            body["from_by_engine"] = {u: str(Path(p).expanduser().absolute()) for u, p in per_engine.items()}
         return self._client._txn_call("/fleet/refit/load", body, check=False)
 
     def update_weights(

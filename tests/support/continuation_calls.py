@@ -28,7 +28,7 @@ TOP = 2
 """Top alternatives asked per token (chat ``top_logprobs``, completions ``logprobs``)."""
 LOGPROB_TOLERANCE = 1e-2
 """Largest |logprob difference| allowed between a token of a continued answer and the same token of the
-uninterrupted one. Measured (``/work/team/vllm-continuation-probe.md``, 375 split points, three prompts, a
+uninterrupted one. Measured (the probe in docs/continuation.md, 375 split points, three prompts, a
 second engine process): max 3.9e-3, most 0 to 3e-5; the bf16 CPU kernels' prefill (a continuation reads
 the tokens produced as its prompt) and decode differ in the 1e-3 range."""
 NEAR_TIE = 1e-3

@@ -8,7 +8,7 @@ Its output is noise, which is fine: tests fix lengths with ``max_tokens`` and ``
 This script needs torch/transformers/tokenizers, which only the vLLM venv has, so it runs as a
 subprocess of that venv's python::
 
-    $RL_LAUNCH_VLLM_PYTHON tests/support/tiny_model.py OUTDIR
+    $RL_LAUNCH_VLLM_PYTHON tests/support/tiny_model.py OUTDIR [--paced]
 
 The main venv only imports the pure-python helpers (``default_model_dir``, ``ensure_tiny_model``), which
 call this file that way. The model is built into a temp dir next to ``OUTDIR`` and renamed into place,
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 #: Bump when the recipe changes so old caches are not reused.
 MODEL_VERSION = "tiny-llama-v1"
@@ -40,6 +41,24 @@ CONFIG = dict(
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
+PACED_CONFIG = {
+    **CONFIG,
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+}
+"""``--paced``: the same tokenizer, a model big enough that one CPU core decodes it at about 6 to 9 ms a
+token (the tiny one: about 2 ms). A test that must act in the middle of a generation (take its engine
+away after some tokens) needs the engine slower than the router and the client read: with the tiny model
+the engine core finished 1000-token answers before a loaded 2-core machine's router had read a few of
+them."""
+PACED_DTYPE = "float32"
+"""The paced model's weights (serve it with ``--dtype float32``): in bfloat16 the same greedy request,
+batched differently on the same engine, gave logprobs 0.03 apart at hidden size 512, more than the
+differences a continuation itself makes; a test comparing a continued answer with an uninterrupted one
+needs them far apart."""
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 
@@ -65,8 +84,11 @@ def is_complete(outdir: Path) -> bool:
     return (outdir / "config.json").is_file() and (outdir / "tokenizer.json").is_file()
 
 
-def ensure_tiny_model(python: str, outdir: Path | None = None, timeout_s: float = 600.0) -> Path:
-    """Return a built model dir, building it with ``python`` (a venv with torch) if it is missing.
+def ensure_tiny_model(
+    python: str, outdir: Path | None = None, timeout_s: float = 600.0, paced: bool = False
+) -> Path:
+    """Return a built model dir, building it with ``python`` (a venv with torch) if it is missing
+    (``paced``: ``PACED_CONFIG``'s model, in ``PACED_DTYPE``).
 
     Called from the main venv (no torch there), hence the subprocess.
     """
@@ -74,7 +96,7 @@ def ensure_tiny_model(python: str, outdir: Path | None = None, timeout_s: float 
     if is_complete(outdir):
         return outdir
     proc = subprocess.run(
-        [python, str(Path(__file__).resolve()), str(outdir)],
+        [python, str(Path(__file__).resolve()), str(outdir), *(["--paced"] if paced else [])],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -108,8 +130,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build(outdir: Path) -> None:
-    """Build tokenizer + random model into a temp dir beside ``outdir`` and atomically rename it."""
+def build(outdir: Path, config: dict[str, Any] = CONFIG, dtype: str = "bfloat16") -> None:
+    """Build tokenizer + random model (``config``, weights in ``dtype``) into a temp dir beside
+    ``outdir`` and atomically rename it."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -137,7 +160,7 @@ def build(outdir: Path) -> None:
             eos_token="<|eos|>",
             pad_token="<|pad|>",
             additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"],
-            model_max_length=CONFIG["max_position_embeddings"],
+            model_max_length=config["max_position_embeddings"],
         )
         fast.chat_template = CHAT_TEMPLATE
         fast.save_pretrained(tmp)
@@ -148,10 +171,10 @@ def build(outdir: Path) -> None:
             bos_token_id=fast.bos_token_id,
             eos_token_id=fast.eos_token_id,
             pad_token_id=fast.pad_token_id,
-            torch_dtype="bfloat16",
-            **CONFIG,
+            torch_dtype=dtype,
+            **config,
         )
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
         model.save_pretrained(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared by other users/jobs
         try:
@@ -165,10 +188,13 @@ def build(outdir: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(f"usage: {argv[0]} OUTDIR", file=sys.stderr)
+    if len(argv) not in (2, 3) or argv[2:] not in ([], ["--paced"]):
+        print(f"usage: {argv[0]} OUTDIR [--paced]", file=sys.stderr)
         return 2
-    build(Path(argv[1]))
+    if argv[2:]:
+        build(Path(argv[1]), PACED_CONFIG, PACED_DTYPE)
+    else:
+        build(Path(argv[1]))
     print(argv[1])
     return 0
 

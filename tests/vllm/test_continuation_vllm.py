@@ -1,10 +1,12 @@
-"""No token lost, on real vLLM (issue 41): a greedy generation whose engine is drained or killed with
-SIGKILL mid-generation goes on on the other engine, and the client's answer is the
+"""No token lost, on real vLLM (issue 41): a greedy generation whose engine is drained, quarantined by a
+refit or killed with SIGKILL mid-generation goes on on the other engine, and the client's answer is the
 uninterrupted one; a keep-mode refit during a long generation gives the answer per-token version spans
 that match the pause the refit reported.
 
-Two real vLLM CPU engines (the tiny model, keyed, dev routes on: ``tests/support/vllm_calls.dev_engine``),
-one core each, behind a real router with a record. Every scenario sends the same four requests at once,
+Two real vLLM CPU engines (the paced model: the tiny model's tokenizer, a model one core decodes at
+about 6 ms a token, so that the router reads as fast as the engine makes tokens and a cut lands in the
+middle of a generation; keyed, dev routes on: ``tests/support/vllm_calls.dev_engine``), one core each,
+behind a real router with a record. Every scenario sends the same four requests at once,
 completions and chat, streamed and not, each asking for token ids and logprobs, all on one engine (the
 router's serving set is that engine while they start): first uninterrupted (the reference), then again
 with the engine taken away once they have produced part of their answers. The answers must be the
@@ -12,10 +14,6 @@ reference's: the same token ids, text, finish reason, usage and one answer id; l
 ``LOGPROB_TOLERANCE`` (measured, tests/support/continuation_calls.py); the record shows the move (from,
 to, at which token, why), and the other engine generated only the tokens that were left (nothing
 regenerated). The tests run in file order on the module's engines: the kill is last.
-
-Not here: an engine quarantined by a refit. The one-call refit that can give one engine a broken copy
-(``from_by_engine``) checks every directory before it pauses; on two shared cores that took longer than
-the answers, which had ended before anything moved (the sim-engine component tests cover the move).
 
 Needs ``RL_LAUNCH_VLLM_PYTHON``; run under the team's heavy lock::
 
@@ -25,10 +23,12 @@ Needs ``RL_LAUNCH_VLLM_PYTHON``; run under the team's heavy lock::
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
 import uuid
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -59,18 +59,20 @@ from tests.support.vllm_calls import _perturbed_copy, _until, dev_engine
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 TOKEN = "continuation-admin-token-4411"
 STARTUP_TIMEOUT_S = 600.0
-MAX_TOKENS = 1000
-"""The moved answers' length: a cut answer's logprobs drift from the uninterrupted one's with the tokens
-it carries over (bf16 prefill against decode: > 1e-2 on 3500-token answers); the router's count at the
-cut, not the engine's, is where a move continues, so they need not outrun the engine."""
-REFIT_TOKENS = 3500
-"""The refit's answers: its pause must find the engine core still generating (it runs seconds ahead of
-its own API server, which shares its core)."""
-CUT_AFTER = 4
+MAX_TOKENS = 600
+"""The moved answers' length (about 4 s on the paced model): long enough that the engine is still
+generating when the streams have ``CUT_AFTER`` tokens and the test takes it away; short enough that a cut
+answer's logprobs, carried over through a prefill instead of decodes, stay within the tolerance."""
+DELIVERY_LAG_S = 1.0
+"""How late a token may reach a client thread after the router had it: the router and the clients share
+this process (one GIL); 0.24 s was seen. A token of the new weights never arrives before the resume."""
+CUT_AFTER = 100
+"""The tokens both streamed answers have when their engine is taken away (the whole ones, sent at the same
+moment, about as many): far enough in that a move carries a real prefix over, far enough from the end
+(about 6 s of the paced model's decoding) that the engine is still generating."""
 CUT_AT = 0.3
 """At the latest, the moves' rounds are cut this far into the time their reference round took."""
 SESSION = "X-Session-ID"
-"""Tokens each request has (on average) when its engine is taken away."""
 PROMPT = "tell me a long story about the sea"
 SHIFT = 0.05
 """How far step-1's ``lm_head`` moves: enough to change greedy tokens, not so far that the random model
@@ -84,13 +86,18 @@ def _name(path: str, stream: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def fleet(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def fleet(vllm_python: str, paced_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Two real engines (one core each where there are two), a router with a record in front."""
     logdir = tmp_path_factory.mktemp("continuation-vllm")
     cpus = sorted(os.sched_getaffinity(0))
     engines = [
         dev_engine(
-            vllm_python, tiny_model_dir, logdir / f"engine{i}.log", cpus[i] if len(cpus) >= 2 else None, KEY
+            vllm_python,
+            paced_model_dir,
+            logdir / f"engine{i}.log",
+            cpus[i] if len(cpus) >= 2 else None,
+            KEY,
+            extra_args=["--dtype", "float32"],  # tests/support/tiny_model.PACED_DTYPE: why
         )
         for i in range(2)
     ]
@@ -116,11 +123,12 @@ def fleet(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
             # One process: on a 2-core machine shared with the engines, worker processes starved each
             # other and the admin calls (a move_off, a refit's pause) came seconds after the answers ended.
             workers=1,
+            continuation_max_moves=3,
         )
         router = GenerationRouter(config, [e.url for e in engines])
         router.serve_in_background()
         client = FleetClient(router.base_url(), TOKEN)
-        client.load_weights(tiny_model_dir, "base")  # every engine stamped: the spans name versions
+        client.load_weights(paced_model_dir, "base")  # every engine stamped: the spans name versions
         sessions = _sessions(router, engines, logdir / "record")
         yield {
             "engines": engines,
@@ -142,7 +150,7 @@ class Round:
     once both streamed ones have ``CUT_AFTER`` tokens (the whole ones, sent at the same moment to the
     same engine, have about as many: vLLM's Prometheus counters lag by seconds, so they cannot say)."""
 
-    def __init__(self, url: str, tag: str, session: str, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, url: str, tag: str, session: str) -> None:
         self.results: dict[str, Answer] = {}
         self.took = 0.0
         self.ids: dict[str, str] = {}
@@ -153,7 +161,7 @@ class Round:
         for path, stream in VARIANTS:
             name = _name(path, stream)
             self.ids[name] = rid = f"{tag}-{name}-{uuid.uuid4().hex[:8]}"
-            req = body(path, PROMPT, max_tokens, stream)
+            req = body(path, PROMPT, MAX_TOKENS, stream)
             mark = (CUT_AFTER, self._there) if stream else None
             head = {SESSION: session}
             self.threads.append(
@@ -179,19 +187,18 @@ def _round_on(
     engine: VllmEngine,
     tag: str,
     during: Callable[[], Any] | None = None,
-    max_tokens: int = MAX_TOKENS,
     cut_by: float = 120.0,
 ) -> tuple[Round, Any]:
     """One round on ``engine`` (the four requests carry the session that the router's consistent-hash
     policy maps to it). With ``during``: once both streamed answers have their first ``CUT_AFTER`` tokens,
     ``during()`` runs (kill, drain, refit). The engine core runs far ahead of what its API server
     (on the same core), the router and the clients read: a move continues from the router's count, a
-    refit's pause needs the core still generating (``REFIT_TOKENS``). ``cut_by``: ``during()`` runs
+    refit's pause needs the core still generating. ``cut_by``: ``during()`` runs
     after that many seconds if the streams have not got their tokens by then (the API server can send a
     stream's first tokens late, in one burst with the rest). Returns the round, its answers in, and what
     ``during`` returned (``Round.took``: the seconds the round took)."""
     router: GenerationRouter = fleet["router"]
-    batch = Round(router.base_url(), tag, fleet["sessions"][engine.url], max_tokens)
+    batch = Round(router.base_url(), tag, fleet["sessions"][engine.url])
     got = None
     t0 = time.monotonic()
     if during is not None:
@@ -284,7 +291,7 @@ def _other(fleet: Any, engine: VllmEngine) -> VllmEngine:
 
 
 def test_a_keep_mode_refit_gives_spans_that_match_its_pause(
-    fleet: Any, vllm_python: str, tiny_model_dir: Path
+    fleet: Any, vllm_python: str, paced_model_dir: Path
 ) -> None:
     """A keep-mode refit to other weights during long greedy generations: each answer's spans put the
     change at the token where the weights changed. Streamed: every token before the boundary arrived
@@ -295,9 +302,9 @@ def test_a_keep_mode_refit_gives_spans_that_match_its_pause(
     client: FleetClient = fleet["client"]
     router: GenerationRouter = fleet["router"]
     e0 = fleet["engines"][0]
-    step1 = _perturbed_copy(vllm_python, tiny_model_dir, fleet["logdir"] / "tiny-step-1", SHIFT)
+    step1 = _perturbed_copy(vllm_python, paced_model_dir, fleet["logdir"] / "paced-step-1", SHIFT)
     fleet["step1"] = step1
-    whole, _ = _round_on(fleet, e0, "refit-reference", max_tokens=REFIT_TOKENS)
+    whole, _ = _round_on(fleet, e0, "refit-reference")
 
     def refit() -> dict[str, Any]:
         # The trainer-driven form: it pauses first, then the load checks and reads the directory. (The
@@ -308,7 +315,7 @@ def test_a_keep_mode_refit_gives_spans_that_match_its_pause(
         assert txn.result is not None
         return txn.result
 
-    cut, txn = _round_on(fleet, e0, "refit", refit, REFIT_TOKENS)
+    cut, txn = _round_on(fleet, e0, "refit", refit)
     assert txn["ok"], txn
     steps = {s["phase"]: s for s in txn["steps"]}
     assert {"pausing", "stamping", "resuming"} <= set(steps), txn["steps"]
@@ -334,26 +341,27 @@ def test_a_keep_mode_refit_gives_spans_that_match_its_pause(
 def _span_problem(
     answer: Answer, ref: Answer, engine: VllmEngine, paused_at: float, resumed_from: float
 ) -> Any:
-    if answer.status != 200 or len(answer.ids) != REFIT_TOKENS:
+    if answer.status != 200 or len(answer.ids) != MAX_TOKENS:
         return f"status {answer.status}, {len(answer.ids)} tokens: {answer.error_body or answer.errors}"
     spans = _spans(answer)
     if not answer.stream and answer.spans != spans:
         return f"body {answer.spans} and header {answer.header_spans} differ"
-    if [s[0] for s in spans] != ["base", "step-1"] or spans[0][1] != 0 or spans[-1][2] != REFIT_TOKENS - 1:
+    if [s[0] for s in spans] != ["base", "step-1"] or spans[0][1] != 0 or spans[-1][2] != MAX_TOKENS - 1:
         return f"spans {spans}"
     b = spans[1][1]
     if spans[0][2] != b - 1 or answer.ids[:b] != ref.ids[:b]:
         return f"spans {spans}: the first {b} tokens are not the old weights' answer"
-    after = engine_completion(engine.url, KEY, (answer.prompt_ids or []) + answer.ids[:b], REFIT_TOKENS - b)
+    after = engine_completion(engine.url, KEY, (answer.prompt_ids or []) + answer.ids[:b], MAX_TOKENS - b)
     if after.ids != answer.ids[b:]:
         at = next(i for i, (x, y) in enumerate(zip(after.ids, answer.ids[b:], strict=False)) if x != y)
         return f"spans {spans}: the new weights' greedy continuation differs at token {b + at}"
     if answer.stream:
-        # Tokens before the boundary arrived before the resume, but those the router held back (their text
-        # had not come) and sent with the boundary's own chunk; tokens from the boundary on, after it.
+        # Tokens before the boundary arrived before the resume (give or take the delivery lag), but those
+        # the router held back (their text had not come) and sent with the boundary's own chunk; tokens
+        # from the boundary on, after it.
         first_new = answer.arrived[b]
         early = [t for t in answer.arrived[:b] if t < first_new]
-        if first_new < resumed_from - 0.05 or (early and max(early) > resumed_from + 0.05):
+        if first_new < resumed_from - 0.05 or (early and max(early) > resumed_from + DELIVERY_LAG_S):
             return (
                 f"spans {spans}: the last token before the boundary that came on its own arrived "
                 f"{max(early or [paused_at]) - resumed_from:+.3f} s from the resume, token {b} "
@@ -390,6 +398,42 @@ def test_a_drained_engine_s_requests_go_on_elsewhere(fleet: Any) -> None:
     _print_moves("drained", moves, made)
 
 
+def test_a_quarantined_engine_s_requests_go_on_elsewhere(fleet: Any) -> None:
+    """A keep-mode refit whose load fails on the engine running the requests (its copy of the checkpoint
+    is broken: vLLM's reload fails and leaves it without weights) quarantines it; its frozen requests
+    move to the engine that verified the new version (the same weights under a new name) once the refit
+    resumes the fleet, and their spans say so: the old version up to the move, the new one after. The
+    trainer-driven form: it pauses first, then the load checks and reads the directories."""
+    client: FleetClient = fleet["client"]
+    e0 = fleet["engines"][0]
+    e1 = _other(fleet, e0)
+    step1: Path = fleet["step1"]
+    bad = fleet["logdir"] / "paced-step-1-broken"
+    shutil.copytree(step1, bad)
+    next(bad.glob("*.safetensors")).unlink()  # what only vLLM's loader refuses (test_refit_vllm's recipe)
+    with zipfile.ZipFile(bad / "pytorch_model.bin", "w") as archive:
+        archive.writestr("archive/data.pkl", b"not a pickle")
+    whole, _ = _round_on(fleet, e0, "quarantine-reference")
+    before = engine_counter(e1.url, KEY, GENERATED)
+
+    def refit() -> dict[str, Any]:
+        with client.refit("step-2", source="directory") as txn:
+            txn.load_weights(step1, per_engine={e0.url: bad})
+        assert txn.result is not None
+        return txn.result
+
+    cut, txn = _round_on(fleet, e0, "quarantine", refit, cut_by=CUT_AT * whole.took)
+    assert txn["verified"] == [e1.url] and list(txn["quarantined"]) == [e0.url], txn
+    moves = _check_moved(fleet, cut, whole, e0, "quarantined")
+    made = _made_elsewhere(fleet, e1, before, moves)
+    for name, answer in cut.results.items():
+        k = moves[name]["at_token"]
+        assert _spans(answer) == [["step-1", 0, k - 1], ["step-2", k, MAX_TOKENS - 1]], (name, _spans(answer))
+    _print_moves(f"quarantined ({txn['quarantined'][e0.url][:80]!r})", moves, made)
+    # The fleet restores the engine from the directory it verified; the next test needs both engines.
+    assert _until(lambda: client.stale_engines() == {}, 120), client.stale_engines()
+
+
 def test_a_killed_engine_s_requests_go_on_elsewhere(fleet: Any) -> None:
     """SIGKILL to the engine (its whole process group: API server and engine core) in the middle of the
     four generations: each goes on on the other engine from the tokens the router had read. Last in
@@ -408,7 +452,7 @@ def test_a_killed_engine_s_requests_go_on_elsewhere(fleet: Any) -> None:
     moves = _check_moved(fleet, cut, whole, e0, _broke_kind(fleet, cut))
     made = _made_elsewhere(fleet, e1, before, moves)
     for name, answer in cut.results.items():
-        assert _spans(answer) == [["step-1", 0, MAX_TOKENS - 1]], (name, _spans(answer))
+        assert _spans(answer) == [["step-2", 0, MAX_TOKENS - 1]], (name, _spans(answer))
     assert e0.url not in router.serving_backends() or not e0.is_alive()
     _print_moves("SIGKILL", moves, made)
 
