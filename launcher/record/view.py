@@ -1,5 +1,6 @@
 """The current step's rollouts as figures, from request records: its slowest sessions (turns, the
-engines they moved between, where their time went, weight versions) and a step timeline (requests in
+engines they moved between, turns included: ``continued`` counts the moves inside turns, where their time
+went, weight versions, a continued turn's spans included) and a step timeline (requests in
 flight over time, sessions finished, the tail's share of the step).
 
 When a step is slow the question is which rollouts were the tail and where their time went: held by
@@ -24,6 +25,11 @@ def _end(r: RequestRecord) -> float:
     return r.t + (r.duration_s or 0.0)
 
 
+def _versions(r: RequestRecord) -> list[str | None]:
+    """The weight versions that made ``r``'s tokens: its spans' when it crossed a refit or a move."""
+    return [span[0] for span in r.weight_versions or []] or [r.version]
+
+
 def rollouts_view(records: list[RequestRecord], now: float, top: int = TOP) -> dict[str, Any] | None:
     """The slowest sessions and the step timeline of ``records`` (None: no record yet)."""
     if not records:
@@ -32,8 +38,10 @@ def rollouts_view(records: list[RequestRecord], now: float, top: int = TOP) -> d
     for key, rs in conversations(records, infer_sessions=True)[0]:
         engines: list[str] = []
         for r in rs:
-            if r.engine and (not engines or engines[-1] != r.engine):
-                engines.append(r.engine)
+            # A continued request ran on each engine it moved between (``RequestRecord.moves``).
+            for engine in [*(m.get("from") for m in r.moves or []), r.engine]:
+                if engine and (not engines or engines[-1] != engine):
+                    engines.append(engine)
         held = sum(sum(r.held_s.values()) for r in rs)
         first_byte = sum(max(0.0, (r.ttfb_s or 0.0) - sum(r.held_s.values())) for r in rs)
         decode = sum(max(0.0, (r.duration_s or 0.0) - (r.ttfb_s or 0.0)) for r in rs)
@@ -54,7 +62,8 @@ def rollouts_view(records: list[RequestRecord], now: float, top: int = TOP) -> d
                     "decode": round(decode, 3),
                     "between_turns": round(max(0.0, end - start - busy), 3),
                 },
-                "versions": sorted({r.version for r in rs if r.version}),
+                "versions": sorted({v for r in rs for v in _versions(r) if v}),
+                "continued": sum(len(r.moves or []) for r in rs),
                 "failed": sum(r.status >= 400 for r in rs),
                 "completion_tokens": sum(r.completion_tokens or 0 for r in rs),
                 "last_request": rs[-1].id,

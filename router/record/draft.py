@@ -465,7 +465,7 @@ def record_json(sent: dict[str, Any], clock_offset: float, text_limit: int | Non
     prompt = d["prompt"]
     if prompt is not None:
         out["text"] = record_text(prompt, d["answer"], text_limit)
-    out.update((k, d[k]) for k in ("moves", "weight_versions") if d[k] is not None)  # continued requests
+    out.update((k, d[k]) for k in ("moves", "weight_versions") if d[k] is not None)  # RequestRecord's
     return out
 
 

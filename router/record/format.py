@@ -31,6 +31,13 @@ Version 1, every line a JSON object with ``"v": 1`` and:
 ``prefix``          the request's prompt as block hashes (``router.policies.prefix_index.block_hashes``
                     of the body, hex, at most ``MAX_PREFIX_BLOCKS``): what it shares with other requests,
                     with no text
+``moves``           only on a request continued on another engine (``router.continuation``):
+                    ``[{"from", "to", "at_token", "reason"}]``, each move in order: the engine left, the
+                    one that went on, the completion token it went on from, and why (``drained``,
+                    ``quarantined``, ``removed``, ``restarted``, or how the stream broke: ``reset``...)
+``weight_versions`` only on a continued request: ``[[version, first, last], ...]``, the weight version
+                    that made each run of completion tokens (inclusive indexes; ``null`` version: the
+                    engine was never stamped); what the answer's ``x-rl-weight-versions`` says
 ``text``            only when the job asks for it (``router.record.text: true``): ``{"prompt": ...,
                     "completion": ...}``, with ``"truncated": true`` when the two together were longer
                     than ``1 / TEXT_SHARE`` of one record file (their starts are kept)
@@ -64,6 +71,8 @@ TEXT_SHARE = 8
 """With ``record.text``, a line's text takes at most this fraction of one record file's share of the cap
 (``max_bytes / keep_files``): even escaped (JSON's worst case is 6 bytes a byte) a line fits in a file, so
 ``record.max_mb`` bounds the record whatever the prompts (a 64 MiB prompt would otherwise be one line)."""
+OMITTED_WHEN_NONE = ("text", "moves", "weight_versions")
+"""Keys a line has only when they say something: the text a job asked for, a continued request's moves."""
 MINIMAL_FIELDS = ("id", "t", "path", "status", "consumer")
 """The keys of a minimal line (a record that could not be built whole), besides ``v``."""
 
@@ -99,6 +108,8 @@ class RequestRecord:
     max_tokens: int | None = None
     prefix: list[str] = field(default_factory=list)
     text: dict[str, Any] | None = None
+    moves: list[dict[str, Any]] | None = None
+    weight_versions: list[list[Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"v": RECORD_VERSION}
@@ -106,7 +117,7 @@ class RequestRecord:
             value = getattr(self, name)
             if name == "attempts":
                 value = [a.__dict__ for a in value]
-            if value is None and name == "text":
+            if value is None and name in OMITTED_WHEN_NONE:
                 continue
             out[name] = value
         return out
