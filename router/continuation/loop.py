@@ -7,7 +7,8 @@ connection fails, its engine sends an error event, or its stream ends before a f
 *moved* when the fleet asks (``moves.Watch.moved``: the engine is drained, quarantined, removed or
 restarted), which cuts the part at once. Either way the answer goes on with a move: another engine
 (through ``Engines.open_move``: the routing state's dispatch, engines tried excluded) gets the prompt's
-token ids plus the tokens produced, at most ``max_moves`` times per request.
+token ids plus the tokens produced, at most ``max_moves`` times per request, and not after a second
+engine broke on it (``Continuation.breaks``).
 
 What is not moved falls back to what the forwarder always did:
 
@@ -144,11 +145,18 @@ class Continuation:
                 kind = broke.kind
                 if kind not in MOVE_REASONS:
                     kind = "timeout" if kind == "timeout" else "stream_broken"
-                self.engines.failed(part.url, kind, charged=kind == "stream_broken")
                 self.broken.append(kind)
+                second = self.breaks >= 2
+                # The forwarder's rule (router.http.attribution): the second engine a request breaks is
+                # not charged to that engine, and the request stops there.
+                self.engines.failed(part.url, kind, charged=kind == "stream_broken" and not second)
                 if self.draft is not None:
                     self.draft.end(kind, part.version)
                 try:
+                    if second:
+                        raise NoMove(
+                            f"it broke the stream of {self.breaks} engines (the request may be the cause)"
+                        )
                     part = await self._move(part, broke)
                 except (NoMove, Broke) as why:
                     return await self._give_up(why)
@@ -355,10 +363,18 @@ class Continuation:
         return response
 
     @property
+    def breaks(self) -> int:
+        """The parts that broke on their own (a reset, an error event, a timeout), not moved by the fleet.
+        A request that breaks a second engine is not moved again: a request that crashes engines (a
+        prompt that trips a kernel bug) would otherwise take ``1 + max_moves`` of them down, where the
+        forwarder's retry lets it reach two. Moves the fleet asks for are not the request's doing."""
+        return sum(kind not in MOVE_REASONS for kind in self.broken)
+
+    @property
     def poisoned(self) -> bool:
-        """Whether the request outlived the backend timeout on two engines: the request's length, as
-        ``router.http.attribution`` says of a request that times out wherever it goes."""
-        return self.broken.count("timeout") >= 2
+        """Whether the request broke two engines (their streams, or the backend timeout on each): the
+        request's fault, as ``router.http.attribution`` says of a request that fails wherever it goes."""
+        return self.breaks >= 2
 
     async def _give_up(self, why: Exception) -> web.StreamResponse:
         """No move: the SSE error event on a streamed answer, 500 on a whole one (module doc)."""

@@ -430,3 +430,36 @@ async def test_a_move_takes_back_tokens_whose_text_had_not_come(
     assert got.tokens() == [10, 11, 12, 13, 14] and got.text(False) == "abcdéef"
     assert got.done == 1 and not got.errors
     assert all(ch["text"] for c in got.chunks for ch in c["choices"])  # the pending chunk never went out
+
+
+async def test_a_request_that_breaks_a_second_engine_is_not_moved_again(
+    tmp_path: Path, routers: Callable[..., GenerationRouter], http: aiohttp.ClientSession
+) -> None:
+    """Three engines, three moves allowed: the serving engine dies (the request moves), then the engine
+    that went on dies too; the request is not moved to the third (a prompt that crashes engines would
+    otherwise take ``1 + max_moves`` of them down, where a retry reaches two): the stream ends with the
+    error event, the record shows the one move, and the third engine never saw the request."""
+    with sim_processes(tmp_path, n=3) as engines:
+        record = tmp_path / "record"
+        router = routers([e.url for e in engines], record_dir=str(record))
+        killed: list[SimEngine] = []
+
+        async def kill_twice(_: int) -> None:
+            first = await _serving(http, engines)
+            _kill(first)
+            second = await _serving(http, [e for e in engines if e is not first])
+            await asyncio.sleep(0.1)  # it produces part of the rest
+            _kill(second)
+            killed.extend((first, second))
+
+        cut = await _stream(http, router.base_url() + COMPLETIONS, _body(COMPLETIONS, True), kill_twice)
+        assert len(killed) == 2
+        assert cut.errors and b"broke the stream of 2 engines" in cut.errors[0], cut.errors
+        assert KILL_AFTER <= len(cut.tokens()) < MAX_TOKENS
+        (third,) = [e for e in engines if e not in killed]
+        assert await _running(http, third) == 0
+        router.stop()
+        line = _last_line(record)
+        (move,) = line["moves"]
+        assert move["from"] == killed[0].url and move["to"] == killed[1].url
+        assert [a["engine"] for a in line["attempts"]] == [killed[0].url, killed[1].url]
