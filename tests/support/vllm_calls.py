@@ -7,6 +7,7 @@ stream tests start (``dev_engine``)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -135,3 +136,37 @@ def dev_engine(
         startup_timeout_s=STARTUP_TIMEOUT_S,
     )
     return VllmEngine(spec, python=python)
+
+
+def generation_behind_serving(engine: VllmEngine, nice: int = 10) -> list[int]:
+    """Lower the scheduling priority of ``engine``'s generating processes (every thread of every process
+    below its API server: the engine core and its OpenMP threads) to ``nice``; the API server stays as
+    it is. A test that acts after the router has read part of an answer needs the router to have read
+    what the engine made: on a busy 2-core machine the engine core, pinned and always runnable, ran
+    seconds ahead of its API server and the router, which then got the answer in bursts, its end before
+    the test could act. Behind them, the engine makes a token only when the API server, the router and
+    the clients have nothing left to do. Returns the process ids reniced (Linux ``/proc``)."""
+    assert engine.pid is not None
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    below: list[int] = []
+    todo = list(children.get(engine.pid, []))
+    while todo:
+        pid = todo.pop()
+        below.append(pid)
+        todo += children.get(pid, [])
+    for pid in below:
+        try:
+            for tid in (Path("/proc") / str(pid) / "task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(tid.name), nice)
+        except (OSError, ValueError):
+            continue  # it ended meanwhile
+    return below

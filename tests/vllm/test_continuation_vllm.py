@@ -22,6 +22,7 @@ Needs ``RL_LAUNCH_VLLM_PYTHON``; run under the team's heavy lock::
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -54,24 +55,23 @@ from tests.support.continuation_calls import (
     record_line,
 )
 from tests.support.engine_key_probes import KEY
-from tests.support.vllm_calls import _perturbed_copy, _until, dev_engine
+from tests.support.vllm_calls import _perturbed_copy, _until, dev_engine, generation_behind_serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 TOKEN = "continuation-admin-token-4411"
 STARTUP_TIMEOUT_S = 600.0
-MAX_TOKENS = 600
-"""The moved answers' length (about 4 s on the paced model): long enough that the engine is still
+MAX_TOKENS = 800
+"""The moved answers' length (5 to 12 s on the paced model): long enough that the engine is still
 generating when the streams have ``CUT_AFTER`` tokens and the test takes it away; short enough that a cut
 answer's logprobs, carried over through a prefill instead of decodes, stay within the tolerance."""
-DELIVERY_LAG_S = 1.0
-"""How late a token may reach a client thread after the router had it: the router and the clients share
-this process (one GIL); 0.24 s was seen. A token of the new weights never arrives before the resume."""
 CUT_AFTER = 100
 """The tokens both streamed answers have when their engine is taken away (the whole ones, sent at the same
 moment, about as many): far enough in that a move carries a real prefix over, far enough from the end
 (about 6 s of the paced model's decoding) that the engine is still generating."""
 CUT_AT = 0.3
-"""At the latest, the moves' rounds are cut this far into the time their reference round took."""
+"""The moves' rounds are cut at the latest this far into the time their reference round took."""
+ROUND_TRIES = 3
+"""Times a round whose four requests were never in flight together is sent (``_round_on``)."""
 SESSION = "X-Session-ID"
 PROMPT = "tell me a long story about the sea"
 SHIFT = 0.05
@@ -112,6 +112,8 @@ def fleet(vllm_python: str, paced_model_dir: Path, tmp_path_factory: pytest.Temp
             except EngineStartError as exc:
                 pytest.fail(f"vLLM engine failed to start:\n{exc}", pytrace=False)
         print(f"\n[continuation vllm] 2 engines ready after {time.monotonic() - t0:.0f} s")
+        for e in engines:  # the router reads what the engine makes: a cut lands mid-generation
+            assert generation_behind_serving(e), f"no engine core found below {e.pid}"
         config = RouterConfig(
             host="127.0.0.1",
             port=0,
@@ -174,6 +176,10 @@ class Round:
             if self._streams_there == sum(stream for _, stream in VARIANTS):
                 self.cut.set()
 
+    def ended(self) -> bool:
+        """Whether every request of the round has its answer (or its error)."""
+        return not any(t.is_alive() for t in self.threads)
+
     def join(self, timeout_s: float = 600.0) -> dict[str, Answer]:
         deadline = time.monotonic() + timeout_s
         for t in self.threads:
@@ -187,28 +193,52 @@ def _round_on(
     engine: VllmEngine,
     tag: str,
     during: Callable[[], Any] | None = None,
-    cut_by: float = 120.0,
+    reference: Round | None = None,
 ) -> tuple[Round, Any]:
     """One round on ``engine`` (the four requests carry the session that the router's consistent-hash
-    policy maps to it). With ``during``: once both streamed answers have their first ``CUT_AFTER`` tokens,
-    ``during()`` runs (kill, drain, refit). The engine core runs far ahead of what its API server
-    (on the same core), the router and the clients read: a move continues from the router's count, a
-    refit's pause needs the core still generating. ``cut_by``: ``during()`` runs
-    after that many seconds if the streams have not got their tokens by then (the API server can send a
-    stream's first tokens late, in one burst with the rest). Returns the round, its answers in, and what
-    ``during`` returned (``Round.took``: the seconds the round took)."""
+    policy maps to it). With ``during``: ``during()`` runs (kill, drain, refit) at the first moment when
+    the router has all four in flight and both streamed answers have their first ``CUT_AFTER`` tokens or
+    ``CUT_AT`` of the ``reference`` round's time has gone by (the router holds a streamed answer's tokens
+    while their text is pending, and this random model makes long runs of bytes that are not UTF-8: a
+    client saw its 100th token when the engine had made 763).
+    A round that never had that moment (on a loaded machine the router, sharing this process with the
+    clients, took some heads seconds after the first, 5 to 7 s seen, and they ran one after the other)
+    is let end and sent again, at most ``ROUND_TRIES`` times: ``during()`` runs once, mid-generation for
+    all four, or the test fails. Returns the round, its answers in, and what ``during`` returned
+    (``Round.took``: the seconds the round took)."""
     router: GenerationRouter = fleet["router"]
-    batch = Round(router.base_url(), tag, fleet["sessions"][engine.url])
-    got = None
-    t0 = time.monotonic()
-    if during is not None:
-        batch.cut.wait(cut_by)  # an answer that ended before it fails its scenario's checks
-        got = during()
-    t1 = time.monotonic()
-    batch.join()
-    batch.took = time.monotonic() - t0
-    print(f"[continuation vllm] round {tag}: cut in {t1 - t0:.1f} s, then {time.monotonic() - t1:.1f} s")
-    return batch, got
+    for attempt in range(1, ROUND_TRIES + 1):
+        batch = Round(router.base_url(), tag, fleet["sessions"][engine.url])
+        t0 = time.monotonic()
+        got = None
+        if during is not None:
+            by = t0 + (CUT_AT * reference.took if reference is not None else 300.0)
+            _until(functools.partial(_cut_ready, batch, router, by, True), 300)
+            if not _cut_ready(batch, router, by):
+                batch.join()
+                print(f"[continuation vllm] round {tag}: the four were not in flight together; again")
+                continue
+            got = during()
+        t1 = time.monotonic()
+        batch.join()
+        batch.took = time.monotonic() - t0
+        print(
+            f"[continuation vllm] round {tag}: cut in {t1 - t0:.1f} s, then {time.monotonic() - t1:.1f} s"
+            f" (try {attempt})"
+        )
+        return batch, got
+    raise AssertionError(
+        f"round {tag}: the four requests were never in flight together ({ROUND_TRIES} tries)"
+    )
+
+
+def _cut_ready(batch: Round, router: GenerationRouter, by: float, or_ended: bool = False) -> bool:
+    """The router has all four in flight, and both streamed answers have their first ``CUT_AFTER`` tokens
+    or it is past ``by`` (``or_ended``: or every request of the round has ended)."""
+    if or_ended and batch.ended():
+        return True
+    there = batch.cut.is_set() or time.monotonic() >= by
+    return there and sum(router.in_flight().values()) >= len(VARIANTS)
 
 
 def _sessions(router: GenerationRouter, engines: list[VllmEngine], record: Path) -> dict[str, str]:
@@ -294,11 +324,10 @@ def test_a_keep_mode_refit_gives_spans_that_match_its_pause(
     fleet: Any, vllm_python: str, paced_model_dir: Path
 ) -> None:
     """A keep-mode refit to other weights during long greedy generations: each answer's spans put the
-    change at the token where the weights changed. Streamed: every token before the boundary arrived
-    before the refit's pause ended, every one after it once the refit resumed the engines (the step
-    times the refit reports). Whole (``x-rl-weight-versions``, and the same in the body): the tokens
-    before the boundary are the old weights' greedy answer, the ones after it the new weights' greedy
-    continuation of them."""
+    change at the token where the weights changed. Every answer (``x-rl-weight-versions`` and the same in
+    the body for a whole one, the last chunk's for a streamed one): the tokens before the boundary are the
+    old weights' greedy answer, the ones after it the new weights' greedy continuation of them; streamed,
+    the boundary's token arrived after the refit resumed the engines (the step times it reports)."""
     client: FleetClient = fleet["client"]
     router: GenerationRouter = fleet["router"]
     e0 = fleet["engines"][0]
@@ -315,7 +344,7 @@ def test_a_keep_mode_refit_gives_spans_that_match_its_pause(
         assert txn.result is not None
         return txn.result
 
-    cut, txn = _round_on(fleet, e0, "refit", refit)
+    cut, txn = _round_on(fleet, e0, "refit", refit, whole)
     assert txn["ok"], txn
     steps = {s["phase"]: s for s in txn["steps"]}
     assert {"pausing", "stamping", "resuming"} <= set(steps), txn["steps"]
@@ -355,18 +384,14 @@ def _span_problem(
     if after.ids != answer.ids[b:]:
         at = next(i for i, (x, y) in enumerate(zip(after.ids, answer.ids[b:], strict=False)) if x != y)
         return f"spans {spans}: the new weights' greedy continuation differs at token {b + at}"
-    if answer.stream:
-        # Tokens before the boundary arrived before the resume (give or take the delivery lag), but those
-        # the router held back (their text had not come) and sent with the boundary's own chunk; tokens
-        # from the boundary on, after it.
-        first_new = answer.arrived[b]
-        early = [t for t in answer.arrived[:b] if t < first_new]
-        if first_new < resumed_from - 0.05 or (early and max(early) > resumed_from + DELIVERY_LAG_S):
-            return (
-                f"spans {spans}: the last token before the boundary that came on its own arrived "
-                f"{max(early or [paused_at]) - resumed_from:+.3f} s from the resume, token {b} "
-                f"{first_new - resumed_from:+.3f} s (the pause ended at {paused_at - resumed_from:+.3f} s)"
-            )
+    if answer.stream and answer.arrived[b] < resumed_from - 0.05:
+        # A token of the new weights cannot reach the client before the refit resumed the engine. (When
+        # the old ones arrived says little: this process's router and clients can be starved for seconds
+        # on a loaded machine, 2.7 s seen; the boundary itself is checked by content above.)
+        return (
+            f"spans {spans}: token {b} arrived {answer.arrived[b] - resumed_from:+.3f} s from the resume "
+            f"(the pause ended at {paused_at - resumed_from:+.3f} s)"
+        )
     return None
 
 
@@ -384,7 +409,7 @@ def test_a_drained_engine_s_requests_go_on_elsewhere(fleet: Any) -> None:
         return router.move_off([e0.url], "drained")
 
     try:
-        cut, asked = _round_on(fleet, e0, "drain", drain, cut_by=CUT_AT * whole.took)
+        cut, asked = _round_on(fleet, e0, "drain", drain, whole)
     finally:
         # move_off took the engine out of the fleet (what the drain's push then confirms); the next tests
         # need it back, as a restarted engine rejoins.
@@ -422,7 +447,7 @@ def test_a_quarantined_engine_s_requests_go_on_elsewhere(fleet: Any) -> None:
         assert txn.result is not None
         return txn.result
 
-    cut, txn = _round_on(fleet, e0, "quarantine", refit, cut_by=CUT_AT * whole.took)
+    cut, txn = _round_on(fleet, e0, "quarantine", refit, whole)
     assert txn["verified"] == [e1.url] and list(txn["quarantined"]) == [e0.url], txn
     moves = _check_moved(fleet, cut, whole, e0, "quarantined")
     made = _made_elsewhere(fleet, e1, before, moves)
@@ -448,7 +473,7 @@ def test_a_killed_engine_s_requests_go_on_elsewhere(fleet: Any) -> None:
         assert e0.pid is not None
         os.killpg(e0.pid, signal.SIGKILL)
 
-    cut, _ = _round_on(fleet, e0, "kill", kill, cut_by=CUT_AT * whole.took)
+    cut, _ = _round_on(fleet, e0, "kill", kill, whole)
     moves = _check_moved(fleet, cut, whole, e0, _broke_kind(fleet, cut))
     made = _made_elsewhere(fleet, e1, before, moves)
     for name, answer in cut.results.items():
