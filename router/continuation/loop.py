@@ -89,6 +89,9 @@ class Engines(Protocol):
 
     def client_gone(self) -> None: ...
 
+    def moved(self, reason: str) -> None:
+        """Count a move that another engine took (``rl_router_moves``)."""
+
 
 class Continuation:
     def __init__(
@@ -278,6 +281,7 @@ class Continuation:
                 last_error = exc
                 continue
             answer.new_part()
+            self.engines.moved(broke.kind)
             self.spans.change(new.version, answer.produced)
             if self.draft is not None:
                 move = {"from": part.url, "to": new.url, "at_token": answer.produced, "reason": broke.kind}

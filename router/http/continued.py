@@ -246,6 +246,9 @@ class Moves:
     def client_gone(self) -> None:
         self.forwarder.metrics.errors.labels("client_gone").inc()
 
+    def moved(self, reason: str) -> None:
+        self.forwarder.metrics.moves.labels(reason).inc()
+
 
 async def continue_answer(
     forwarder: Forwarder,

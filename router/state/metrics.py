@@ -305,6 +305,13 @@ class RouterMetrics:
         )
         self.errors = Counter("rl_router_errors", "Router-side errors, by kind", ["kind"], registry=r)
         self.retries = Counter("rl_router_retries", "Attempts retried on another backend", registry=r)
+        self.moves = Counter(
+            "rl_router_moves",
+            "Generations moved to another engine mid-answer with the tokens they had (router.continuation), "
+            "by why: drained, quarantined, removed, restarted, or how the stream broke",
+            ["reason"],
+            registry=r,
+        )
         self._poisoned: Counter | None = None
         self.latency = Histogram(
             "rl_router_request_duration_seconds",

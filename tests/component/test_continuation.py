@@ -458,6 +458,9 @@ async def test_a_request_that_breaks_a_second_engine_is_not_moved_again(
         assert KILL_AFTER <= len(cut.tokens()) < MAX_TOKENS
         (third,) = [e for e in engines if e not in killed]
         assert await _running(http, third) == 0
+        async with http.get(router.base_url() + "/metrics") as r:
+            moves = [ln for ln in (await r.text()).splitlines() if ln.startswith("rl_router_moves_total{")]
+        assert len(moves) == 1 and moves[0].endswith(" 1.0"), moves  # the one move, by how it broke
         router.stop()
         line = _last_line(record)
         (move,) = line["moves"]
