@@ -55,11 +55,11 @@ from tests.support.continuation_calls import (
     record_line,
 )
 from tests.support.engine_key_probes import KEY
+from tests.support.shared_vllm import start_all
 from tests.support.vllm_calls import _perturbed_copy, _until, dev_engine, generation_behind_serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 TOKEN = "continuation-admin-token-4411"
-STARTUP_TIMEOUT_S = 600.0
 MAX_TOKENS = 800
 """The moved answers' length (5 to 12 s on the paced model): long enough that the engine is still
 generating when the streams have ``CUT_AFTER`` tokens and the test takes it away; short enough that a cut
@@ -103,15 +103,11 @@ def fleet(vllm_python: str, paced_model_dir: Path, tmp_path_factory: pytest.Temp
     ]
     router: GenerationRouter | None = None
     try:
-        t0 = time.monotonic()
-        for e in engines:
-            e.start()
-        for e in engines:
-            try:
-                e.wait_ready(t0 + STARTUP_TIMEOUT_S)
-            except EngineStartError as exc:
-                pytest.fail(f"vLLM engine failed to start:\n{exc}", pytrace=False)
-        print(f"\n[continuation vllm] 2 engines ready after {time.monotonic() - t0:.0f} s")
+        try:
+            took = start_all(engines)
+        except EngineStartError as exc:
+            pytest.fail(f"vLLM engine failed to start:\n{exc}", pytrace=False)
+        print(f"\n[continuation vllm] 2 engines ready after {took:.0f} s")
         for e in engines:  # the router reads what the engine makes: a cut lands mid-generation
             assert generation_behind_serving(e), f"no engine core found below {e.pid}"
         config = RouterConfig(

@@ -36,13 +36,13 @@ from launcher.engines.vllm.worker_ext import WORKER_EXT_DIR
 from launcher.fleet.client import FleetClient
 from router import GenerationRouter, RouterConfig
 from tests.support.checkpoints import llama_weight_table
+from tests.support.shared_vllm import start_all
 from tests.support.trainer_replays import TrlAsyncGrpo
 from tests.support.vllm_calls import dev_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 KEY = "stream-engine-key-1234"
 TOKEN = "stream-admin-token-5678"
-STARTUP_TIMEOUT_S = 600.0
 TRANSFER = json.dumps({"backend": "rl_launch_gloo"})
 ROUND_BYTES = 256 * 1024  # the tiny model (~0.9 MB) streams in several rounds
 SENDER = str(Path(WORKER_EXT_DIR) / "rl_launch_gloo.py")
@@ -77,14 +77,10 @@ def fleet(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
     ]
     router: GenerationRouter | None = None
     try:
-        t0 = time.monotonic()
-        for e in engines:
-            e.start()
-        for e in engines:
-            try:
-                e.wait_ready(t0 + STARTUP_TIMEOUT_S)
-            except EngineStartError as exc:
-                pytest.fail(f"vLLM engine failed to start:\n{exc}", pytrace=False)
+        try:
+            start_all(engines)
+        except EngineStartError as exc:
+            pytest.fail(f"vLLM engine failed to start:\n{exc}", pytrace=False)
         config = RouterConfig(
             host="127.0.0.1", port=0, policy="round_robin", admin_token=TOKEN, backend_api_key=KEY
         )
