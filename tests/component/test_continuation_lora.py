@@ -33,7 +33,7 @@ from router.fleet import adapter_restore
 from router.state.backends import canonical_backend_url
 from tests.support.adapter_tenants import API, lora_engine
 from tests.support.adapters import write_adapter
-from tests.support.http_backends import router_factory
+from tests.support.http_backends import engine_in_flight, router_factory
 from tests.support.refit_calls import TOKEN
 
 MAX_TOKENS = 400
@@ -105,16 +105,6 @@ async def _stream(url: str, at_tokens: Callable[[], Awaitable[None]] | None = No
     return r.status, ids
 
 
-async def _serving(router: GenerationRouter) -> str:
-    loop = asyncio.get_running_loop()
-    for _ in range(200):
-        busy = [u for u, n in (await loop.run_in_executor(None, router.in_flight)).items() if n]
-        if busy:
-            return busy[0]
-        await asyncio.sleep(0.01)
-    raise AssertionError("no engine has the request in flight")
-
-
 @pytest.mark.parametrize("back", ["restarted on a new port", "on its own URL"])
 async def test_a_tenants_request_moved_twice_waits_for_the_restarted_engines_adapter(
     back: str, routers: Callable[..., GenerationRouter], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -144,7 +134,7 @@ async def test_a_tenants_request_moved_twice_waits_for_the_restarted_engines_ada
         by_url = {canonical_backend_url(e.url): e for e in engines}
 
         async def fleet_acts() -> None:
-            first = await _serving(router)
+            first = await engine_in_flight(router)
             other = next(u for u in by_url if u != first)
             # A fails its probes: the push without it ('removed'); its stream moves to B
             await loop.run_in_executor(None, router.set_serving_backends, [other])

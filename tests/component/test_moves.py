@@ -35,7 +35,7 @@ from router.state.backends import BackendSet, canonical_backend_url
 from router.state.metrics import RouterMetrics
 from router.state.routing import LocalRouting
 from tests.support.checkpoints import checkpoint, unloadable
-from tests.support.http_backends import router_factory
+from tests.support.http_backends import engine_in_flight, router_factory
 from tests.support.refit_calls import TOKEN, chat, in_thread, send
 from tests.support.sim_processes import sim_processes
 
@@ -173,17 +173,6 @@ def _logprobs(chunks: list[dict[str, Any]]) -> list[float]:
     ]
 
 
-async def _serving(router: GenerationRouter) -> str:
-    """The engine the router counts the one request in flight on (bounded wait)."""
-    loop = asyncio.get_running_loop()
-    for _ in range(200):
-        busy = [u for u, n in (await loop.run_in_executor(None, router.in_flight)).items() if n]
-        if busy:
-            return busy[0]
-        await asyncio.sleep(0.01)
-    raise AssertionError("no engine has the request in flight")
-
-
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("how", ["drained", "quarantined"])
 async def test_a_drained_or_quarantined_engines_stream_goes_on_elsewhere(
@@ -206,7 +195,7 @@ async def test_a_drained_or_quarantined_engines_stream_goes_on_elsewhere(
     loop = asyncio.get_running_loop()
 
     async def act() -> None:
-        engine = await _serving(router)
+        engine = await engine_in_flight(router)
         acted.append(engine)
         if how == "drained":
             await loop.run_in_executor(None, router.move_off, [engine], "drained")
@@ -244,7 +233,7 @@ async def test_without_continuation_a_drain_leaves_the_stream_where_it_is(
     asked: list[int] = []
 
     async def act() -> None:
-        engine = await _serving(router)
+        engine = await engine_in_flight(router)
         asked.append(await loop.run_in_executor(None, router.move_off, [engine], "drained"))
 
     cut = await _stream(url, act)
@@ -270,7 +259,7 @@ async def test_a_node_drained_whole_moves_its_request_once_to_an_engine_that_sta
         node: list[str] = []
 
         async def drain_node() -> None:
-            engine = await _serving(router)
+            engine = await engine_in_flight(router)
             node.extend([engine, next(u for u in urls if u != engine)])  # it and a sibling, drained together
             await loop.run_in_executor(None, router.move_off, node, "drained")
             assert set(await loop.run_in_executor(None, router.serving_backends)) == set(urls) - set(node)

@@ -173,3 +173,14 @@ def router_factory(**defaults: object) -> Iterator[Callable[..., GenerationRoute
     finally:
         for r in made:
             r.stop()
+
+
+async def engine_in_flight(router: GenerationRouter) -> str:
+    """The engine the router counts the one request in flight on (bounded wait: 2 s)."""
+    loop = asyncio.get_running_loop()
+    for _ in range(200):
+        busy = [u for u, n in (await loop.run_in_executor(None, router.in_flight)).items() if n]
+        if busy:
+            return busy[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError("no engine has the request in flight")
