@@ -180,6 +180,7 @@ class GuardedRequestHandler(RequestHandler):
         self._gate = gate
         self._head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
+        self._last_body: Any = None  # the payload of the last request parsed (its body, as it arrives)
         self._pool: str | None = None  # set by the gate; None: not (or no longer) counted
         self._keyless_requests = 0
         self._consumer: str | None = None
@@ -221,14 +222,22 @@ class GuardedRequestHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         before = self._request_count
+        in_body = self._last_body is not None and not self._last_body.is_eof()
         super().data_received(data)
         if self._request_count != before:
+            if self._messages:
+                self._last_body = self._messages[-1][1]  # start() pops it only after this call
             if self._head_timer is not None:
                 self._head_timer.cancel()  # a complete head was parsed
                 self._head_timer = None
-        elif self._head_timer is None and not self._request_in_progress and not self._messages:
+        elif (
+            self._head_timer is None and not self._request_in_progress and not self._messages and not in_body
+        ):
             # A head begun and not finished on a kept-alive connection. Armed only now, so the common
-            # case (a whole head in one read) costs no timer at all.
+            # case (a whole head in one read) costs no timer at all. Not for the rest of the last
+            # request's body: between start() taking a request off the queue and its handler starting,
+            # neither is in progress, and a body read then armed a deadline nothing cancelled, closing
+            # the connection mid-answer head_timeout_s later (CI: two 800-token generations cut at 10 s).
             self._arm_head_deadline()
 
     async def finish_response(

@@ -3,21 +3,22 @@ refit or killed with SIGKILL mid-generation goes on on the other engine, and the
 uninterrupted one; a keep-mode refit during a long generation gives the answer per-token version spans
 that match the pause the refit reported.
 
-Two real vLLM CPU engines (the paced model: the tiny model's tokenizer, a model one core decodes at
-about 6 ms a token, so that the router reads as fast as the engine makes tokens and a cut lands in the
-middle of a generation; keyed, dev routes on: ``tests/support/vllm_calls.dev_engine``), one core each,
-behind a real router with a record. Every scenario sends the same four requests at once,
-completions and chat, streamed and not, each asking for token ids and logprobs, all on one engine (the
-router's serving set is that engine while they start): first uninterrupted (the reference), then again
-with the engine taken away once they have produced part of their answers. The answers must be the
+Two real vLLM CPU engines (the paced model: the tiny model's tokenizer, a float32 model one core
+decodes at 6 to 16 ms a token, its engine core behind the API server, so that the router reads as fast
+as the engine makes tokens and a cut lands in the middle of a generation; keyed, dev routes on:
+``tests/support/vllm_calls.dev_engine``), one core each, behind a real router with its default
+continuation settings and a record. Every scenario sends the same four requests at once, completions and
+chat, streamed and not, each asking for token ids and logprobs, all on one engine (a session header the
+consistent-hash policy maps there): first uninterrupted (the reference), then again with the engine
+taken away once they have produced part of their answers. The answers must be the
 reference's: the same token ids, text, finish reason, usage and one answer id; logprobs within
 ``LOGPROB_TOLERANCE`` (measured, tests/support/continuation_calls.py); the record shows the move (from,
 to, at which token, why), and the other engine generated only the tokens that were left (nothing
 regenerated). The tests run in file order on the module's engines: the kill is last.
 
-Needs ``RL_LAUNCH_VLLM_PYTHON``; run under the team's heavy lock::
+Needs ``RL_LAUNCH_VLLM_PYTHON``; alone, as the other vLLM tests (two engines take two cores)::
 
-    flock /tmp/rl-heavy.lock .venv/bin/python -m pytest -n 0 -q -s tests/vllm/test_continuation_vllm.py
+    .venv/bin/python -m pytest -n 0 -q -s tests/vllm/test_continuation_vllm.py
 """
 
 from __future__ import annotations
@@ -121,7 +122,6 @@ def fleet(vllm_python: str, paced_model_dir: Path, tmp_path_factory: pytest.Temp
             # One process: on a 2-core machine shared with the engines, worker processes starved each
             # other and the admin calls (a move_off, a refit's pause) came seconds after the answers ended.
             workers=1,
-            continuation_max_moves=3,
         )
         router = GenerationRouter(config, [e.url for e in engines])
         router.serve_in_background()
