@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 
 from launcher.engines.sim import SimServer
 from launcher.engines.sim import lora as sim_lora
 from router import GenerationRouter
+from tests.support.adapter_tenants import call
 from tests.support.adapters import write_adapter
 from tests.support.http_backends import router_factory
 from tests.support.other_user import OtherUser, other_user
@@ -54,16 +54,6 @@ RENAMES += "    os.rename(a, b)\n"
 def routers() -> Iterator[Callable[..., GenerationRouter]]:
     with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN, api_key=API) as make:
         yield make
-
-
-async def call(url: str, path: str, key: str, body: Any = None) -> tuple[int, Any]:
-    method = "GET" if body is None else "POST"
-    async with (
-        aiohttp.ClientSession() as s,
-        s.request(method, url + path, json=body, headers={"Authorization": f"Bearer {key}"}) as r,
-    ):
-        raw = await r.read()
-        return r.status, orjson.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
 
 
 async def load(url: str, path: Path, **extra: Any) -> tuple[int, Any]:

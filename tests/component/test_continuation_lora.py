@@ -31,7 +31,7 @@ from launcher.engines.sim import SimConfig, SimServer
 from router import GenerationRouter
 from router.fleet import adapter_restore
 from router.state.backends import canonical_backend_url
-from tests.support.adapter_tenants import API, lora_engine
+from tests.support.adapter_tenants import API, call, lora_engine
 from tests.support.adapters import write_adapter
 from tests.support.http_backends import engine_in_flight, router_factory
 from tests.support.refit_calls import TOKEN
@@ -43,26 +43,14 @@ RESTORE_S = 1.0
 
 @pytest.fixture
 def routers() -> Iterator[Callable[..., GenerationRouter]]:
-    with router_factory(
-        policy="round_robin", probe_interval_s=0, admin_token=TOKEN, api_key=API, continuation_max_moves=3
-    ) as make:
+    with router_factory(policy="round_robin", probe_interval_s=0, admin_token=TOKEN, api_key=API) as make:
         yield make
-
-
-async def _call(url: str, path: str, key: str, body: Any = None) -> tuple[int, Any]:
-    method = "GET" if body is None else "POST"
-    async with (
-        aiohttp.ClientSession() as s,
-        s.request(method, url + path, json=body, headers={"Authorization": f"Bearer {key}"}) as r,
-    ):
-        raw = await r.read()
-        return r.status, orjson.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
 
 
 async def _load(url: str, path: Path) -> None:
     body = {"adapter": "policy-a", "from": str(path), "version": "v1"}
     for _ in range(100):  # a router that just started reads what its engines hold first (409 meanwhile)
-        status, answer = await _call(url, "/fleet/adapters/load", TOKEN, body)
+        status, answer = await call(url, "/fleet/adapters/load", TOKEN, body)
         if status != 409 or "retry in a moment" not in str(answer):
             break
         await asyncio.sleep(0.05)

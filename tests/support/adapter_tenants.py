@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from launcher.engines.sim import SimServer
@@ -56,3 +57,15 @@ async def served_on(engine: SimServer) -> set[str]:
     """The model names ``engine`` serves now (its own ``/v1/models``)."""
     async with aiohttp.ClientSession() as s, s.get(engine.url + "/v1/models") as r:
         return {m["id"] for m in (await r.json())["data"]}
+
+
+async def call(url: str, path: str, key: str, body: Any = None) -> tuple[int, Any]:
+    """``GET`` (no ``body``) or ``POST`` ``url + path`` with ``key`` as the bearer: the status and the
+    answer, JSON when it is JSON, else its text."""
+    method = "GET" if body is None else "POST"
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(method, url + path, json=body, headers={"Authorization": f"Bearer {key}"}) as r,
+    ):
+        raw = await r.read()
+        return r.status, orjson.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
