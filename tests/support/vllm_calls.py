@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.engines.base import EngineSpec
-from launcher.engines.vllm.engine import VllmEngine
+from launcher.engines.vllm.engine import VllmEngine, group_pids
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -145,24 +145,9 @@ def generation_behind_serving(engine: VllmEngine, nice: int = 10) -> list[int]:
     what the engine made: on a busy 2-core machine the engine core, pinned and always runnable, ran
     seconds ahead of its API server and the router, which then got the answer in bursts, its end before
     the test could act. Behind them, the engine makes a token only when the API server, the router and
-    the clients have nothing left to do. Returns the process ids reniced (Linux ``/proc``)."""
+    the clients have nothing left to do. Returns the process ids reniced."""
     assert engine.pid is not None
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    below: list[int] = []
-    todo = list(children.get(engine.pid, []))
-    while todo:
-        pid = todo.pop()
-        below.append(pid)
-        todo += children.get(pid, [])
+    below = [pid for pid in group_pids(engine.pid) if pid != engine.pid]  # its own process group
     for pid in below:
         try:
             for tid in (Path("/proc") / str(pid) / "task").iterdir():

@@ -28,7 +28,7 @@ import pytest
 
 from launcher.engines.base import EngineSpec, EngineStartError
 from launcher.engines.cores import split_cores, started_on, usable_cores
-from launcher.engines.vllm.engine import API_SERVER_MODULE, VllmEngine, _group_pids
+from launcher.engines.vllm.engine import API_SERVER_MODULE, VllmEngine, group_pids
 from router.ports import free_port
 
 SECRET = "sk-test-do-not-leak-4242"
@@ -218,7 +218,7 @@ def test_deadline_stops_whole_process_group(tmp_path: Path) -> None:
         e.wait_ready(time.monotonic() + 0.5)
     assert not e.is_alive()
     assert pidfile.exists()
-    assert e.pid is not None and _group_pids(e.pid) == []  # the backgrounded grandchild is gone too
+    assert e.pid is not None and group_pids(e.pid) == []  # the backgrounded grandchild is gone too
 
 
 def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
@@ -230,7 +230,7 @@ def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
     e.stop(grace_s=0.5)
     assert time.monotonic() - t0 >= 0.5
     assert not e.is_alive()
-    assert e.pid is not None and _group_pids(e.pid) == []
+    assert e.pid is not None and group_pids(e.pid) == []
 
 
 # ------------------------------------------------------------------------------ real vLLM e2e

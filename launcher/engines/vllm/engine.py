@@ -99,7 +99,7 @@ def _redact(argv: list[str]) -> list[str]:
     return out
 
 
-def _group_pids(pgid: int) -> list[int]:
+def group_pids(pgid: int) -> list[int]:
     """Live (non-zombie) processes in process group ``pgid``.
 
     Reads ``/proc`` where it exists, because ``killpg(pgid, 0)`` also "succeeds" for zombies, and
@@ -385,11 +385,11 @@ class VllmEngine(Engine):
         if proc is None:
             return
         pgid = proc.pid  # start_new_session made the child a group leader
-        if proc.poll() is None or _group_pids(pgid):
+        if proc.poll() is None or group_pids(pgid):
             _killpg(pgid, signal.SIGTERM)
             end = time.monotonic() + grace_s
             while time.monotonic() < end:
-                if proc.poll() is not None and not _group_pids(pgid):
+                if proc.poll() is not None and not group_pids(pgid):
                     break
                 time.sleep(0.1)
             else:
@@ -400,7 +400,7 @@ class VllmEngine(Engine):
             pass
         # Give SIGKILLed grandchildren a moment to vanish so callers can rely on the memory being freed.
         end = time.monotonic() + 5.0
-        while _group_pids(pgid) and time.monotonic() < end:
+        while group_pids(pgid) and time.monotonic() < end:
             time.sleep(0.05)
 
     def is_alive(self) -> bool:
@@ -421,7 +421,7 @@ class VllmEngine(Engine):
         """Resident memory of the whole group (API server + engine core + workers), Linux only."""
         if self._proc is None:
             return 0
-        return sum(_rss_bytes(p) for p in _group_pids(self._proc.pid))
+        return sum(_rss_bytes(p) for p in group_pids(self._proc.pid))
 
 
 def _killpg(pgid: int, sig: int) -> None:
