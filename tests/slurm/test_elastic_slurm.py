@@ -2,7 +2,8 @@
 standing fleet on one node (``rl-launch fleet up``), a replay through its router, ``rl-launch fleet grow``
 by a node mid-replay (a Slurm job of its own, whose engines join), the bad inputs refused, ``rl-launch
 fleet shrink`` of that node mid-replay (drained, its grow job ended, the node idle in ``sinfo``), and the
-fleet brought down with nothing left in the queue or on any node. No request fails and none is retried.
+fleet brought down with nothing left in the queue or on any node. No request fails and none is retried
+for a failure (the drain moves the requests in flight, or sends again one caught before its first token).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from launcher.jobdir.paths import record_dir as record_dir_of
 from router.record.format import read_records
 from router.state.backends import canonical_backend_url
 from tests.support.cli import RL_LAUNCH
-from tests.support.running_job import DRAIN_REACHES_ROUTER_S
+from tests.support.running_job import DRAIN_REACHES_ROUTER_S, retried_for_failure
 from tests.support.slurm import SLURM, run, slurm_cluster, squeue_empty, wait_no_leftovers  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.slurm
@@ -258,12 +259,10 @@ def test_grow_and_shrink_mid_replay_on_slurm(tmp_path: Path) -> None:
         assert row["errors"] == 0 and row["retries"] == 0 and row["failed_requests"] == 0, row
 
         records = read_records(record_dir_of(job)).records
-        # One attempt per engine a request ran on: a request in flight on the drained node moves to an
-        # engine that stays with the tokens it had (router.continuation, reason "drained" or "removed");
-        # anything else would be a retry.
-        assert records and all(len(r.attempts) == 1 + len(r.moves or []) for r in records), (
-            "the router retried a request"
-        )
+        # No request retried for a failure: one the drain caught moved, or was sent again before its
+        # first token, to an engine that stays.
+        retried = retried_for_failure(records)
+        assert records and not retried, [(r.attempts, r.moves) for r in retried[:3]]
         reasons = {m["reason"] for r in records for m in r.moves or []}
         assert reasons <= {"drained", "removed"}, reasons
         events = [e for e in jd.read_events() if e.get("phase") == "elastic"]

@@ -30,6 +30,7 @@ import yaml
 
 from launcher.fleet.client import FleetClient
 from launcher.jobdir import JobDir
+from router.record.format import RequestRecord
 from tests.support.cli import RL_LAUNCH
 
 
@@ -236,3 +237,23 @@ fleet controller drops the node's engines from the router's serving set at its n
 (``FleetController.drain_node``), one tick (1 s) later at most, and a request dispatched before that push
 went there legitimately; 0.5 s more for a push and a record timestamp on a loaded 2-core machine (0.5 s
 alone failed once in CI: a request 0.91 s after the event)."""
+
+
+FLEET_ENDED = ("drained", "removed")
+"""Attempt outcomes that are the fleet's doing (an elastic drain, an engine removed), not an engine's
+failure."""
+
+
+def retried_for_failure(records: list[RequestRecord]) -> list[RequestRecord]:
+    """The records of requests the router retried because an engine failed. A request the drain caught
+    goes on on an engine that stays (``router.continuation``): moved with its tokens (a move in the
+    record), or, caught before its first token, sent there again (an attempt with no move). Both leave an
+    attempt that ended "drained" or "removed"; any other ended attempt before the last, or a last one
+    that is not "ok", is a retry."""
+    return [
+        r
+        for r in records
+        if r.attempts[-1].outcome != "ok"
+        or any(a.outcome not in FLEET_ENDED for a in r.attempts[:-1])
+        or len(r.moves or []) > len(r.attempts) - 1
+    ]
