@@ -417,7 +417,7 @@ def test_one_real_vllm_cpu_replica_among_simulated_ones(
         "kind": "vllm",
         "model": str(tiny_model_dir),
         "vllm_python": vllm_python,
-        "extra_args": ["--max-model-len", "512", "--max-num-seqs", "8"],
+        "extra_args": ["--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"],  # CPU: no compile
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
     }
     plan = dataclasses.replace(

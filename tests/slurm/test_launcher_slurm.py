@@ -382,7 +382,7 @@ def test_one_real_vllm_cpu_engine(tmp_path: Path, vllm_python: str, tiny_model_d
         "engines_per_node": 1,
         "allow_cpu": True,
         "startup_timeout_s": 400,
-        "vllm_args": ["--max-model-len", "2048", "--dtype", "bfloat16"],
+        "vllm_args": ["--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager"],  # as on CPU
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
     }
     spec = write_spec(tmp_path, "e2e-vllm", f"{sys.executable} {trainer}", generation=env_generation)

@@ -400,7 +400,7 @@ def vllm_engines(
             model=str(tiny_model_dir),
             served_name="tiny",
             port=0,
-            extra_args=["--max-model-len", "4096"],
+            extra_args=["--max-model-len", "4096", "--enforce-eager"],  # as tests.support.vllm_calls: why
             env=env,
             log_path=str(logdir / f"engine{i}.log"),
             startup_timeout_s=STARTUP_TIMEOUT_S,
