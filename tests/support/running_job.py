@@ -249,11 +249,14 @@ def retried_for_failure(records: list[RequestRecord]) -> list[RequestRecord]:
     goes on on an engine that stays (``router.continuation``): moved with its tokens (a move in the
     record), or, caught before its first token, sent there again (an attempt with no move). Both leave an
     attempt that ended "drained" or "removed"; any other ended attempt before the last, or a last one
-    that is not "ok", is a retry."""
+    that is not "ok", is a retry. A request sent nowhere (no attempt) was not retried."""
     return [
         r
         for r in records
-        if r.attempts[-1].outcome != "ok"
-        or any(a.outcome not in FLEET_ENDED for a in r.attempts[:-1])
-        or len(r.moves or []) > len(r.attempts) - 1
+        if r.attempts
+        and (
+            r.attempts[-1].outcome != "ok"
+            or any(a.outcome not in FLEET_ENDED for a in r.attempts[:-1])
+            or len(r.moves or []) > len(r.attempts) - 1
+        )
     ]
