@@ -187,8 +187,7 @@ def test_grow_then_shrink_mid_replay_loses_and_retries_nothing(tmp_path: Path, f
     # after they were released; the drained engines were never sent a request after the drain began.
     drain = next(e for e in events if e["action"] == "drain")
     records = read_records(record_dir_of(job)).records
-    lines = [json.loads(ln) for f in sorted(record_dir_of(job).glob("requests*.jsonl")) for ln in f.open()]
-    moves = {ln["id"]: ln["moves"] for ln in lines if ln.get("moves")}
+    moves = {r.id: r.moves for r in records if r.moves}
     print(f"requests moved off the drained node: {len(moves)} {list(moves.values())}")
     retried = retried_for_failure(records)
     assert records and not retried, f"the router retried {[(r.id, r.attempts) for r in retried]}"
