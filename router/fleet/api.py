@@ -160,8 +160,9 @@ class FleetApi:
 
     async def _close(self, app: web.Application) -> None:
         """At the application's cleanup (the router's shutdown): end the restores still running, which
-        would otherwise be destroyed half-way when the loop closes."""
+        would otherwise be destroyed half-way when the loop closes, and the ``/server_info`` reads."""
         await self.restorer.close()
+        await self.fleet.server_infos.close()
 
     # -- helpers ----------------------------------------------------------------------------------
     async def _snapshot(self) -> tuple[Snapshot, dict[str, str]]:

@@ -5,7 +5,8 @@ transaction (``router.fleet.refit``), the adapter refit (``router.fleet.adapter_
 (``router.fleet.restore``) all need the same few things: the backend set, the engine key, how long an
 engine may take, the fleet's current weight version, one way to fan a call out to every engine and judge
 the answers, and three facts about the fleet: where its served model is on disk (``served_root``), which
-device its engines run on (``device``), and the one runner of checkpoint checks (``checks``). Before, the
+device its engines run on (``device``), and the one runner of checkpoint checks (``checks``); and each
+engine's ``/server_info``, read once per serving period and kept (``server_infos``). Before, the
 first lived in ``FleetApi`` (the refit routes called its private helpers, the coordinator got callables
 pointing back into it: a circle), and the facts lived in the refit routes class, handed from there to the
 restorer and the adapter refits: a transaction stood on a routes module (architecture review
@@ -25,6 +26,7 @@ from aiohttp import web
 from router.fleet.checkpoint import CheckpointGuard
 from router.fleet.engine import EngineAnswer, EngineClient
 from router.fleet.ops import FleetOpReport, fan_out
+from router.fleet.server_infos import ServerInfos, config_of
 from router.state.backends import BackendSet
 
 ENGINE_TIMEOUT_S = 120.0
@@ -34,8 +36,6 @@ EngineCall = Callable[[EngineClient, str], Awaitable[EngineAnswer]]
 """One call to one engine (``(client, url) -> answer``), fanned out by ``Fleet.fan``."""
 FACTS_TIMEOUT_S = 15.0
 """How long a read of the served root waits for the engine's ``/v1/models``."""
-DEVICE_TIMEOUT_S = 30.0
-"""How long a read of the device waits for the engine's ``/server_info`` (vLLM collects it once)."""
 
 
 def device_of(config: dict[str, Any]) -> str:
@@ -65,6 +65,9 @@ class Fleet:
         self.checks = CheckpointGuard()
         """Runs every checkpoint check (a refit's before its pause, a restore's, an adapter load's) off the
         loop under its deadline, one at a time: one stalled mount holds one thread, not one per caller."""
+        self.server_infos = ServerInfos(backends, engine_key)
+        """Each serving engine's ``/server_info``, kept once read (vLLM's first answer waits for its
+        environment to be collected: seconds)."""
         self._device: str | None = None
 
     async def fan(
@@ -95,11 +98,10 @@ class Fleet:
             urls = list(self.backends.serving)
             if not urls:
                 return None
-            async with EngineClient.open(self.engine_key, DEVICE_TIMEOUT_S) as engines:
-                info = await engines.server_info(urls[0])
-            if info.value is None:
+            config = config_of(await self.server_infos.of(urls[0], "json"))
+            if config is None:
                 return None
-            self._device = device_of(info.value)
+            self._device = device_of(config)
         return self._device
 
     def all_engines(self) -> list[str]:

@@ -226,18 +226,16 @@ class ControlApi:
 
     async def server_info(self, request: web.Request) -> web.Response:
         """A JSON object: a serving engine's ``vllm_config`` (``config_format`` as vLLM takes it) and the
-        fleet's engines, served model and version."""
+        fleet's engines, served model and version. The engine's part is what ``Fleet.server_infos`` kept (an
+        engine already read first): an engine's first answer takes seconds."""
         fmt = request.query.get("config_format", "text")
         if fmt not in ("text", "json"):
             return validation("query.config_format", "literal_error", "Input should be 'text' or 'json'", fmt)
         backends = self.fleet.backends
-        urls = list(backends.serving)
+        urls = self.fleet.server_infos.read_first(list(backends.serving), fmt)
         info: dict[str, Any] = {}
         if urls:
-            async with EngineClient.open(self.fleet.engine_key, READ_TIMEOUT_S) as engines:
-                got = await engines.call(
-                    urls[0], "GET", "/server_info", params={"config_format": fmt}, check=has("vllm_config")
-                )
+            got = await self.fleet.server_infos.of(urls[0], fmt)
             if got.ok:
                 info = dict(got.body)
         config = info.get("vllm_config")

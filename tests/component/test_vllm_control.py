@@ -110,6 +110,46 @@ async def test_nemo_rl_preflight_sees_one_fleet_with_control_fanout(sims, router
     assert generation_health == (200, b'{"status":"ok","control_fanout":true}')
 
 
+async def test_server_info_is_read_once_per_engine_and_shared_by_callers_that_come_together(
+    sims, router_over
+) -> None:
+    """vLLM's first ``/server_info`` waits while it collects its environment (the simulator: 3 s here),
+    and every later one answers at once. The router keeps what each engine said: two preflights at once
+    share one read (the engine collects once, where two reads of its own would each collect), a later one
+    is answered from what was kept, and the router sends no read of its own accord. An engine that starts
+    serving again (a restart) is read afresh."""
+    engines = await sims(2, env_collect_s=60.0)  # 3 s at the fixture's speed 20
+    r: GenerationRouter = router_over([e.url for e in engines])
+    url = r.base_url()
+    await asyncio.sleep(0.5)
+    assert [e.rl.server_info_reads for e in engines] == [0, 0]  # nothing read unasked
+    both = await asyncio.gather(control(url, "GET", "/server_info"), control(url, "GET", "/server_info"))
+    assert [status for status, _ in both] == [200, 200]
+    assert all(
+        isinstance(info["vllm_config"], str) and info["fleet"]["total_backends"] == 2 for _, info in both
+    )
+    read = [e for e in engines if e.rl.server_info_reads]
+    assert len(read) == 1 and read[0].rl.server_info_reads == 1 and read[0].rl.env_collections == 1
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    status, info = await control(url, "GET", "/server_info")
+    assert status == 200 and "vllm_config" in info and loop.time() - t0 < 1.0, loop.time() - t0
+    status, info = await control(url, "GET", "/server_info?config_format=json")
+    assert status == 200 and isinstance(info["vllm_config"], dict)
+    assert read[0].rl.server_info_reads == 2  # the text answer was kept; json was read once, on the same
+    assert sum(e.rl.server_info_reads for e in engines) == 2
+
+    def restart() -> None:  # on the router's loop, as its prober ejects and readmits an engine
+        r.backends.eject(read[0].url)
+        r.backends.readmit(read[0].url)
+
+    assert r._loop is not None
+    r._loop.call_soon_threadsafe(restart)
+    await asyncio.sleep(0.2)
+    assert (await control(url, "GET", "/server_info?config_format=json"))[0] == 200
+    assert sum(e.rl.server_info_reads for e in engines) == 3  # read afresh, on one engine or the other
+
+
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
 async def test_nemo_rl_refit_moves_the_fleet_as_one_transaction(
     sims, router_over, tmp_path: Path, mode: str

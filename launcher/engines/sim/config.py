@@ -116,6 +116,12 @@ class SimConfig:
     """How long a ``reload_weights`` takes once the checkpoint's headers were read (vLLM: ~16 ms for
     a tiny model, minutes for a big one); the engine core makes no step meanwhile."""
 
+    env_collect_s: float = 1.6
+    """How long the engine's first ``/server_info`` waits: vLLM collects its system environment then
+    (``vllm.collect_env``: ``pip list``, compilers, ``nvidia-smi``), 1.6 s on an idle 2-core machine and
+    over 5 s on a loaded one, and keeps it; reads that arrive while it collects each collect too
+    (``functools.lru_cache`` does not hold a second caller back)."""
+
     weight_transfer_config: dict[str, Any] | None = None
     """vLLM's ``--weight-transfer-config`` (``{"backend": "nccl"}``; the CLI takes it as JSON). None: the
     weight-transfer routes fail with vLLM's "Weight transfer not configured...", as on such an engine."""
@@ -187,8 +193,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.eos_max_tokens and self.eos_min_tokens > self.eos_max_tokens:
             raise ValueError("eos_min_tokens must be <= eos_max_tokens")
-        if self.reload_delay_s < 0 or self.engine_death_s < 0:
-            raise ValueError("reload_delay_s and engine_death_s must be >= 0")
+        if self.reload_delay_s < 0 or self.engine_death_s < 0 or self.env_collect_s < 0:
+            raise ValueError("reload_delay_s, engine_death_s and env_collect_s must be >= 0")
         self.transfer_config()
         if self.enable_lora:  # vLLM's LoRAConfig checks, at start
             if self.max_lora_rank not in VLLM_LORA_RANKS:

@@ -67,6 +67,12 @@ class SimRl:
         self.core = core
         self.weight_version = "default"  # vLLM's EngineCore starts with "default"
         self._utility = asyncio.Lock()  # the engine core runs one utility call at a time
+        self.env_collected = False
+        """Whether a ``/server_info`` has collected the environment (``SimConfig.env_collect_s``)."""
+        self.env_collections = 0
+        """How many ``/server_info`` reads collected the environment (more than one: they overlapped)."""
+        self.server_info_reads = 0
+        """``/server_info`` answers given (what a test counts to see answers kept)."""
 
     @property
     def model_name(self) -> str:
@@ -341,6 +347,11 @@ class SimRl:
                     )
                 ]
             )
+        if not self.env_collected and self.config.env_collect_s > 0:
+            self.env_collections += 1
+            await asyncio.sleep(self.config.scaled(self.config.env_collect_s))
+        self.env_collected = True
+        self.server_info_reads += 1
         return _json(server_info(self.config, fmt == "json"))
 
 
