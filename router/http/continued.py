@@ -172,6 +172,10 @@ class Moves:
         """The engine the answer is on now (left out of its next move)."""
         self.left: set[str] = set()
         """Engines the fleet moved the request off, which did not fail it."""
+        self.resends = 0
+        """Times the request was sent again from its start because the fleet moved it off its engine
+        before its first token (``resend``): moves at token 0, out of ``continuation_max_moves``."""
+        self._resent: tuple[str, str] | None = None
 
     def need_adapter(self, adapters: AdapterRequests | None, adapter: AdapterRequest | None) -> None:
         """A request for ``adapter``: its moves go only to engines holding its version at the time, and
@@ -181,6 +185,28 @@ class Moves:
         target = adapter.route.target
         self.lacking = lambda: frozenset(u for u in adapters.serving() if u not in target.engines)
         self.wait_s = adapters.max_wait_s
+
+    def resend(self, url: str, kind: str) -> bool:
+        """Whether a first part that ended with ``kind`` on ``url`` before any token is sent again from
+        its start, by the forwarder, instead of retried: the fleet's doing (``MOVE_REASONS``: a drain, a
+        quarantine, a removal) is not the engine failing, so it neither uses the request's one retry nor
+        counts against the engine; it counts as a move (``rl_router_moves``, the record's ``moves``) while
+        moves are left."""
+        if kind not in MOVE_REASONS or self.resends >= self.forwarder.config.continuation_max_moves:
+            return False
+        self.resends += 1
+        self.left.add(url)
+        self._resent = (url, kind)
+        self.forwarder.metrics.moves.labels(kind).inc()
+        return True
+
+    def landed(self, url: str, draft: RecordDraft | None) -> None:
+        """The request was dispatched to ``url``; after a ``resend`` its record shows the move."""
+        if self._resent is None:
+            return
+        (left, kind), self._resent = self._resent, None
+        if draft is not None:
+            draft.moves = [*(draft.moves or ()), {"from": left, "to": url, "at_token": 0, "reason": kind}]
 
     def excluded(self) -> frozenset[str]:
         """Where a move may not go now (module doc)."""
@@ -272,9 +298,8 @@ async def continue_answer(
     if draft is not None:
         draft.a_status = upstream.status
     watch = getattr(forwarder, "engine_watch", None)
-    loop = Continuation(
-        moves.plan, request, head, moves, forwarder.config.continuation_max_moves, watch, draft, header_safe
-    )
+    max_moves = forwarder.config.continuation_max_moves - moves.resends
+    loop = Continuation(moves.plan, request, head, moves, max_moves, watch, draft, header_safe)
     part = HttpPart(forwarder, chosen, upstream, slot)
     moves.current = chosen.url
     try:

@@ -6,8 +6,10 @@ Rules, each preventing a failure seen with real clients and peers:
 * A completions or chat request the router can follow (``router.continuation.plan``) is read as an
   event stream and, when its engine breaks or the fleet moves it, continued on another engine from the
   tokens produced (``router.continuation``; the plumbing in ``router.http.continued``), up to
-  ``continuation_max_moves`` times. An engine that refuses the fields this adds (400/422: a Dynamo
-  frontend) gets the client's own bytes at once. Every other request is proxied byte for byte as below.
+  ``continuation_max_moves`` times. One the fleet takes off its engine before its first token is sent
+  again from its start (``Moves.resend``): not a failed attempt, so it keeps its retry. An engine that
+  refuses the fields this adds (400/422: a Dynamo frontend) gets the client's own bytes at once.
+  Every other request is proxied byte for byte as below.
 * The request body is read whole (the policy needs the prompt; a retry must resend it), within the
   size cap and the body deadline (``router.http.bodies``), the response
   is streamed chunk by chunk as it arrives (SSE included), so a long generation is never buffered.
@@ -306,10 +308,13 @@ class Forwarder:
         last: UpstreamError | None = None
         ticket: Ticket | None = None
         blame: Blame | None = None  # made at the first failure (router.http.attribution)
+        attempt = 0  # failed attempts so far, against max_attempts (a resend at token 0 is not one)
+        first = True  # no dispatch yet
+        retrying = False  # the next dispatch follows a failed attempt
         try:
-            for attempt in range(self.config.max_attempts):
+            while attempt < self.config.max_attempts:
                 try:
-                    if draft is not None and not attempt:
+                    if draft is not None and first:
                         chosen = await self._dispatch_recorded(
                             draft,
                             route_request,
@@ -348,22 +353,25 @@ class Forwarder:
                     # The first dispatch took the consumer's slot; a retry goes on with it.
                     ticket = Ticket(routing, consumer.name)
                     consumer = None
-                if not attempt and not still_admitted(request):
+                if first and not still_admitted(request):
                     # Revoked while it was held (a pause, its fair share): refused now, not served.
                     Slot(routing, chosen.url, len(body), chosen.version, request_id).release()
                     return json_response(401, error_body("the API key was revoked", "unauthorized", 401))
                 hold = False
-                if attempt:
+                if retrying:
                     self.metrics.retries.inc()
                 url = chosen.url
                 tried.add(url)
                 if draft is not None:
                     draft.begin(url)
-                if continued and not attempt:
+                if moves is not None:
+                    moves.landed(url, draft)
+                if continued and first:
                     moves = await moves_for(self, request.path, body, route_request, headers, request_id)
                     if moves is not None:
                         moves.tried, moves.want = tried, want
                         moves.need_adapter(self.adapters, adapter)
+                first = False
                 try:
                     response = await self._attempt(
                         request,
@@ -382,11 +390,20 @@ class Forwarder:
                 except UpstreamError as failure:
                     if draft is not None:
                         draft.end(failure.kind, chosen.version)
+                    if moves is not None and moves.resend(url, failure.kind):
+                        # The fleet took the engine away before the answer's first token (a drain, a
+                        # quarantine): nothing to continue, so the request is sent again from its start,
+                        # as a move at token 0, charged to no engine and not a retry.
+                        self.relay.failed(route_request, url, failure.kind, charged=False)
+                        retrying = False
+                        continue
                     last = failure
+                    attempt += 1
+                    retrying = True
                     if blame is None:
                         blame = Blame()
                     attributed = isinstance(failure, InputFailure) or malformed_headers(headers)
-                    retried = attempt + 1 < self.config.max_attempts and (
+                    retried = attempt < self.config.max_attempts and (
                         failure.kind != "timeout" or self.config.retry_on_timeout
                     )
                     charged = blame.failed(url, failure.kind, attributed, retried)

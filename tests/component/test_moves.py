@@ -276,6 +276,45 @@ async def test_a_node_drained_whole_moves_its_request_once_to_an_engine_that_sta
             engine.stop(grace_s=5)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_request_drained_before_its_first_token_is_sent_again_not_retried(
+    workers: int, tmp_path: Path
+) -> None:
+    """A drain that catches a request before its first token (in its prefill) has nothing to continue:
+    the request is sent again from its start, as a move at token 0. It is not a retry: with no retry
+    allowed (``max_attempts: 1``) it still ends whole (before: 500, "backend failed: drained"), the
+    retries counter stays at 0, the move is counted by its reason, and the record shows it."""
+    # The simulator's prompt is 5 tokens here: 2 s of prefill on each engine, the drain comes first.
+    engines = [SimServer(SimConfig(prefill_token_s=0.4), index=i) for i in range(2)]
+    for e in engines:
+        await e.start()
+    record = tmp_path / "record"
+    try:
+        with router_factory(probe_interval_s=0, max_attempts=1) as make:
+            router = make([e.url for e in engines], workers=workers, record_dir=str(record))
+            loop = asyncio.get_running_loop()
+            answer = asyncio.ensure_future(_stream(router.base_url() + "/v1/completions"))
+            engine = await engine_in_flight(router)
+            assert await loop.run_in_executor(None, router.move_off, [engine], "drained") in (0, 1)
+            chunks = await asyncio.wait_for(answer, 30)
+            assert len(_tokens(chunks)) == MAX_TOKENS
+            async with aiohttp.ClientSession() as http, http.get(router.base_url() + "/metrics") as r:
+                metrics = await r.text()
+            router.stop()
+    finally:
+        for e in engines:
+            await e.stop()
+    assert "rl_router_retries_total 0.0" in metrics
+    assert 'rl_router_moves_total{reason="drained"} 1.0' in metrics
+    (line,) = [
+        orjson.loads(ln) for f in sorted(record.glob("requests*.jsonl")) for ln in f.read_bytes().splitlines()
+    ]
+    assert [a["outcome"] for a in line["attempts"]] == ["drained", "ok"], line["attempts"]
+    (move,) = line["moves"]
+    assert move == {"from": engine, "to": line["attempts"][1]["engine"], "at_token": 0, "reason": "drained"}
+    assert move["to"] != engine
+
+
 @pytest.mark.parametrize("max_moves", [0, 3])
 async def test_a_quarantined_canarys_frozen_requests_go_on_elsewhere(max_moves: int, tmp_path: Path) -> None:
     """A refit whose canary fails in the loader (``router.fleet.refit``): the requests frozen on it by the
