@@ -217,9 +217,10 @@ class Moves:
             out = out | self.lacking()
         return frozenset(out)
 
-    async def _dispatch(self) -> Chosen:
-        """The move's engine; while none but engines lacking the request's adapter could take it, waits
-        (polling, ``wait_s`` at most) for one of them to get it."""
+    async def dispatch(self) -> Chosen:
+        """The move's engine (a resend's too): held while the fleet is paused, gated on the client's
+        version, never one ``excluded`` names; while none but engines lacking the request's adapter could
+        take it, waits (polling, ``wait_s`` at most) for one of them to get it."""
         routing = self.forwarder.routing
         until = time.monotonic() + self.wait_s
         while True:
@@ -236,7 +237,7 @@ class Moves:
     async def open_move(self, body: bytes) -> HttpPart:
         fwd = self.forwarder
         try:
-            chosen = await self._dispatch()
+            chosen = await self.dispatch()
         except MOVE_REFUSED as exc:
             raise NoMove(str(exc)) from None
         url = chosen.url

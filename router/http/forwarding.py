@@ -323,6 +323,8 @@ class Forwarder:
                             consumer,
                             adapter.exclude if adapter else frozenset(),
                         )
+                    elif moves is not None and not retrying:
+                        chosen = await moves.dispatch()  # a resend: where a move may go now
                     else:
                         excluded = frozenset(tried) | adapter.exclude if adapter else frozenset(tried)
                         chosen = await routing.dispatch(route_request, excluded, hold, want, consumer)
