@@ -407,11 +407,15 @@ class EngineClient:
         except (TypeError, ValueError):
             return Reading(url, None, f"world_size is not a number: {answer.body['world_size']!r}")
 
+    async def server_info_answer(self, url: str, fmt: str = "json") -> EngineAnswer:
+        """``GET /server_info?config_format=fmt`` (dev mode), judged: a failure without ``vllm_config``."""
+        return await self.call(
+            url, "GET", SERVER_INFO_PATH, params={"config_format": fmt}, check=has("vllm_config")
+        )
+
     async def server_info(self, url: str) -> Reading[dict[str, Any]]:
         """``GET /server_info?config_format=json``: the engine's whole configuration (dev mode)."""
-        answer = await self.call(
-            url, "GET", SERVER_INFO_PATH, params={"config_format": "json"}, check=has("vllm_config")
-        )
+        answer = await self.server_info_answer(url)
         if not answer.ok:
             return Reading(url, None, answer.detail)
         config = answer.body["vllm_config"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.fleet.engine import SERVER_INFO_PATH, EngineAnswer, EngineClient, has
+from router.fleet.engine import EngineAnswer, EngineClient
 from router.state.backends import BackendSet
 
 READ_TIMEOUT_S = 30.0
@@ -44,9 +44,7 @@ class ServerInfos:
 
     async def _read(self, url: str, fmt: str) -> EngineAnswer:
         async with EngineClient.open(self.engine_key, self.timeout_s) as engines:
-            return await engines.call(
-                url, "GET", SERVER_INFO_PATH, params={"config_format": fmt}, check=has("vllm_config")
-            )
+            return await engines.server_info_answer(url, fmt)
 
     async def of(self, url: str, fmt: str = "json") -> EngineAnswer:
         """The engine's answer for ``fmt``: the kept one, the read in flight, or a new read (after any
