@@ -247,7 +247,8 @@ failure."""
 def retried_for_failure(records: list[RequestRecord]) -> list[RequestRecord]:
     """The records of requests the router retried because an engine failed. A request the drain caught
     goes on on an engine that stays (``router.continuation``): moved with its tokens (a move in the
-    record), or, caught before its first token, sent there again (an attempt with no move). Both leave an
+    record), or, caught before its first token, sent there again from its start (a move at token 0 in the
+    record; before the router counted it so, an attempt with no move, which this still accepts). Both leave an
     attempt that ended "drained" or "removed"; any other ended attempt before the last, or a last one
     that is not "ok", is a retry. A request sent nowhere (no attempt) was not retried."""
     return [
